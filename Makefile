@@ -1,0 +1,63 @@
+# The README's two commands: `make run` and `make test`. Everything else is what they need.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+QTTS := $(VENV)/bin/qtts
+CACHE := $(or $(QTTS_CACHE_DIR),$(HOME)/.cache/qtts)
+DEFAULT_MODEL := $(CACHE)/models/synthetic-full-f16-seed0/model.gguf
+MODEL := $(or $(QTTS_MODEL),$(DEFAULT_MODEL))
+PYTEST_ARGS ?=
+
+.PHONY: run test native venv sysdeps parity-env model lint bench clean
+
+run: native model
+	QTTS_MODEL=$(MODEL) $(QTTS) serve
+
+test: native parity-env
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+# OpenBLAS backs ggml's BLAS backend: the second real backend the scheduler tests split onto.
+sysdeps:
+	@if ! (command -v pkg-config >/dev/null && pkg-config --exists openblas); then \
+		echo "installing libopenblas-dev pkg-config (Debian)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			libopenblas-dev pkg-config >/dev/null; \
+	fi
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e '.[dev]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+native: sysdeps venv
+	$(PY) native/build.py
+
+# The official PyTorch reference (qwen-tts) for parity tests and benchmarks. qwen-tts itself
+# goes in without its dependencies: they would pull a CUDA torch; the extra pins the CPU wheel.
+$(VENV)/.parity: $(VENV)/.installed
+	$(PIP) install -q -e '.[dev,parity]'
+	$(PIP) install -q --no-deps qwen-tts==0.1.1
+	touch $@
+
+parity-env: $(VENV)/.parity
+
+# The default model: a deterministic synthetic model of the released architecture (noise).
+$(DEFAULT_MODEL): | venv
+	$(QTTS) make-model $(dir $(DEFAULT_MODEL)) --size full --dtype f16 --seed 0
+
+model: native
+	@if [ -z "$(QTTS_MODEL)" ]; then $(MAKE) --no-print-directory $(DEFAULT_MODEL); fi
+
+lint: venv
+	$(VENV)/bin/ruff check engine service tests bench native
+	$(VENV)/bin/mypy engine service
+
+bench: native parity-env
+	$(PY) bench/decoder.py
+
+clean:
+	rm -rf $(VENV) engine/ggml/_ggml_cffi.py engine/ggml/_native.json .pytest_cache

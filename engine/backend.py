@@ -1,0 +1,464 @@
+"""BackendSet: the preloaded backend set of one worker.
+
+A worker picks one primary backend (an accelerator when the build and the machine have one, else
+the CPU), keeps the CPU backend as the fallback for ops the primary cannot run, allocates weights
+in the primary's buffer type and runs every graph through one ``ggml_backend_sched`` whose
+allocator is guarded by a mutex. ``execute`` is the one door to compute.
+
+Environment (read by ``BackendSet.from_env``):
+  QTTS_BACKEND           auto | cpu | blas | cuda | vulkan | metal | hexagon   (default auto)
+  QTTS_BACKEND_FALLBACK  auto order, comma list (default: every GPU-class backend the build
+                         has, then cpu). ``blas`` is never chosen by default: it only runs large
+                         F32 matmuls and converts every other weight type on each call.
+  QTTS_DEVICE            device index within the chosen backend (default 0)
+  QTTS_THREADS           CPU threads (default: the CPUs this process may run on)
+  QTTS_DEBUG_BACKEND=1   print per-graph placement: nodes per backend, op types on the CPU
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from engine.errors import BackendError
+from engine.ggml import Tensor, ffi, lib, native_info
+from engine.ggml.graph import Graph, name_of, new_tensor, numpy_dtype_of, set_name
+
+# Our names for backends and the name their ggml registry reports.
+REGISTRY_NAMES: dict[str, str] = {
+    "cpu": "CPU",
+    "blas": "BLAS",
+    "cuda": "CUDA",
+    "vulkan": "Vulkan",
+    "metal": "MTL",
+    "hexagon": "HTP",
+}
+ACCELERATORS = ("cuda", "vulkan", "metal", "hexagon")
+DEFAULT_GRAPH_SIZE = 16384
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    """One device the loaded ggml sees."""
+
+    backend: str  # our name, e.g. "cpu"
+    index: int  # index among the devices of that backend
+    name: str
+    description: str
+    handle: Any = field(repr=False, compare=False)
+
+
+def _registry_loaded() -> None:
+    # Backends built as loadable modules (GGML_BACKEND_DL) live beside libggml; statically
+    # registered ones are already there, and loading twice is harmless.
+    lib_dir = native_info()["lib_dir"].encode()
+    lib.ggml_backend_load_all_from_path(lib_dir)
+
+
+def list_devices() -> list[DeviceInfo]:
+    """Every device the build and the machine provide, grouped by our backend names."""
+    _registry_loaded()
+    by_reg: dict[str, str] = {v: k for k, v in REGISTRY_NAMES.items()}
+    counts: Counter[str] = Counter()
+    out: list[DeviceInfo] = []
+    for i in range(lib.ggml_backend_dev_count()):
+        dev = lib.ggml_backend_dev_get(i)
+        reg = ffi.string(lib.ggml_backend_reg_name(lib.ggml_backend_dev_backend_reg(dev))).decode()
+        ours = by_reg.get(reg, reg.lower())
+        out.append(
+            DeviceInfo(
+                backend=ours,
+                index=counts[ours],
+                name=ffi.string(lib.ggml_backend_dev_name(dev)).decode(),
+                description=ffi.string(lib.ggml_backend_dev_description(dev)).decode(),
+                handle=dev,
+            )
+        )
+        counts[ours] += 1
+    return out
+
+
+def built_backends() -> list[str]:
+    """Backends compiled into the loaded ggml build (cpu first)."""
+    return list(native_info()["backends"])
+
+
+def _parse_int(var: str, raw: str, minimum: int) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        raise BackendError(f"{var}={raw!r} is not an integer") from None
+    if value < minimum:
+        raise BackendError(f"{var}={value} must be >= {minimum}")
+    return value
+
+
+def default_threads() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    """The validated result of the QTTS_BACKEND* settings."""
+
+    device: DeviceInfo
+    threads: int
+
+
+def choose_backend(
+    backend: str = "auto",
+    fallback: str | None = None,
+    device: str | None = None,
+    threads: str | None = None,
+) -> BackendChoice:
+    """Validate the backend settings against the build and the machine.
+
+    Every refusal is a one-line BackendError that names what is available.
+    """
+    devices = list_devices()
+    built = built_backends()
+    available = sorted({d.backend for d in devices}, key=lambda b: (b != "cpu", b))
+    avail_txt = ", ".join(available)
+    name = backend.strip().lower()
+    if name != "auto" and name not in REGISTRY_NAMES:
+        raise BackendError(
+            f"QTTS_BACKEND={backend!r} is unknown; choose auto or one of: "
+            f"{', '.join(REGISTRY_NAMES)} (available here: {avail_txt})"
+        )
+    n_threads = (
+        _parse_int("QTTS_THREADS", threads, 1) if threads not in (None, "") else default_threads()
+    )
+    dev_index = _parse_int("QTTS_DEVICE", device, 0) if device not in (None, "") else 0
+
+    if name == "auto":
+        if fallback is None or fallback == "":
+            if fallback == "":
+                raise BackendError(
+                    "QTTS_BACKEND_FALLBACK is empty; give a comma list such as "
+                    f"cuda,cpu (available here: {avail_txt})"
+                )
+            order = [b for b in ACCELERATORS if b in built] + ["cpu"]
+        else:
+            order = [b.strip().lower() for b in fallback.split(",") if b.strip()]
+            if not order:
+                raise BackendError(
+                    f"QTTS_BACKEND_FALLBACK={fallback!r} names no backend "
+                    f"(available here: {avail_txt})"
+                )
+            unknown = [b for b in order if b not in REGISTRY_NAMES]
+            if unknown:
+                raise BackendError(
+                    f"QTTS_BACKEND_FALLBACK names unknown backend(s) {', '.join(unknown)}; "
+                    f"known: {', '.join(REGISTRY_NAMES)} (available here: {avail_txt})"
+                )
+            if "cpu" not in order:
+                order.append("cpu")  # the CPU is always the last resort of auto
+        for cand in order:
+            matches = [d for d in devices if d.backend == cand]
+            if matches:
+                if dev_index >= len(matches):
+                    if cand == "cpu" or device in (None, ""):
+                        return BackendChoice(matches[0], n_threads)
+                    continue
+                return BackendChoice(matches[dev_index], n_threads)
+        raise AssertionError("the CPU backend is always present")
+
+    matches = [d for d in devices if d.backend == name]
+    if not matches:
+        if name not in built:
+            raise BackendError(
+                f"QTTS_BACKEND={name}: this ggml build has no {name} backend "
+                f"(built: {', '.join(built)}); rebuild with QTTS_GGML_BACKENDS={name} make native"
+            )
+        raise BackendError(
+            f"QTTS_BACKEND={name}: the build has it but this machine has no {name} device "
+            f"(available here: {avail_txt})"
+        )
+    if dev_index >= len(matches):
+        raise BackendError(
+            f"QTTS_DEVICE={dev_index} is out of range: {name} has {len(matches)} device(s) "
+            f"(0..{len(matches) - 1})"
+        )
+    return BackendChoice(matches[dev_index], n_threads)
+
+
+@dataclass
+class Placement:
+    """Where the scheduler put one graph's nodes."""
+
+    nodes_per_backend: dict[str, int]
+    cpu_fallback_ops: dict[str, int]
+    n_splits: int
+
+    def line(self) -> str:
+        """One human-readable line."""
+        per = ", ".join(f"{k}={v}" for k, v in self.nodes_per_backend.items())
+        fb = ", ".join(f"{k}x{v}" for k, v in sorted(self.cpu_fallback_ops.items()))
+        return f"nodes: {per}; splits={self.n_splits}" + (f"; on CPU: {fb}" if fb else "")
+
+
+class WeightStore:
+    """Weights of one model, allocated once in the primary backend's buffer type.
+
+    Tensors come from two places: spans of a read-only memory map of the model file (bound
+    without a copy when the primary buffer type is host memory, so CPU workers share pages), and
+    arrays computed at load time (folded constants, converted precisions), uploaded once.
+    """
+
+    def __init__(self, backends: BackendSet, max_tensors: int = 4096) -> None:
+        self._backends = backends
+        params = ffi.new("struct ggml_init_params *")
+        params.mem_size = lib.ggml_tensor_overhead() * max_tensors
+        params.mem_buffer = ffi.NULL
+        params.no_alloc = True
+        self.ctx = lib.ggml_init(params[0])
+        self._tensors: dict[str, Tensor] = {}
+        self._mapped: list[tuple[Tensor, int]] = []  # (tensor, offset in the map)
+        self._arrays: list[tuple[Tensor, np.ndarray[Any, Any]]] = []
+        self._map: np.ndarray[Any, Any] | None = None
+        self._buffers: list[Any] = []
+        self.nbytes = 0
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self._tensors[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensors
+
+    def names(self) -> list[str]:
+        """Names of every tensor in the store."""
+        return list(self._tensors)
+
+    def add_mapped(
+        self, name: str, ggml_type: int, shape: Sequence[int], file_map: np.ndarray[Any, Any],
+        offset: int
+    ) -> Tensor:
+        """A weight whose bytes are ``file_map[offset:offset+nbytes]`` (numpy-order shape)."""
+        if self._map is None:
+            self._map = file_map
+        elif self._map is not file_map:
+            raise ValueError("one WeightStore maps one file")
+        t = set_name(new_tensor(self.ctx, ggml_type, shape), name)
+        self._tensors[name] = t
+        self._mapped.append((t, offset))
+        return t
+
+    def add_array(self, name: str, array: np.ndarray[Any, Any], ggml_type: int | None = None
+                  ) -> Tensor:
+        """A weight computed at load time. ``ggml_type`` BF16 converts float32 data."""
+        src = np.ascontiguousarray(array)
+        if ggml_type == lib.GGML_TYPE_BF16:
+            src = _to_bf16(src)
+        elif ggml_type is None:
+            from engine.ggml.graph import ggml_type_of
+
+            ggml_type = ggml_type_of(src.dtype)
+        elif numpy_dtype_of(ggml_type) != src.dtype:
+            raise TypeError(f"{name}: array dtype {src.dtype} does not hold ggml type {ggml_type}")
+        t = set_name(new_tensor(self.ctx, ggml_type, array.shape), name)
+        self._tensors[name] = t
+        self._arrays.append((t, src))
+        return t
+
+    def allocate(self) -> None:
+        """Allocate and fill every tensor added so far. Call once, after all add_* calls."""
+        primary = self._backends.primary
+        buft = lib.ggml_backend_get_default_buffer_type(primary)
+        zero_copy = bool(lib.ggml_backend_buft_is_host(buft)) and self._map is not None
+        if zero_copy:
+            assert self._map is not None
+            base = ffi.cast("char *", ffi.from_buffer(self._map, require_writable=False))
+            buf = lib.ggml_backend_cpu_buffer_from_ptr(base, self._map.nbytes)
+            if buf == ffi.NULL:
+                raise BackendError("cannot wrap the model's memory map in a CPU buffer")
+            self._buffers.append(buf)
+            for t, offset in self._mapped:
+                if lib.ggml_backend_tensor_alloc(buf, t, base + offset) != 0:
+                    raise BackendError(f"cannot bind weight {name_of(t)} to the memory map")
+                self.nbytes += lib.ggml_nbytes(t)
+        # Allocates only tensors that have no data yet: the computed ones, or all when uploading.
+        alloc_buf = lib.ggml_backend_alloc_ctx_tensors_from_buft(self.ctx, buft)
+        if alloc_buf != ffi.NULL:
+            self._buffers.append(alloc_buf)
+            lib.ggml_backend_buffer_set_usage(alloc_buf, lib.GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
+        elif self._arrays or not zero_copy:
+            raise BackendError("cannot allocate the weight buffer on the primary backend")
+        if not zero_copy:
+            for t, offset in self._mapped:
+                n = lib.ggml_nbytes(t)
+                assert self._map is not None
+                view = self._map[offset : offset + n]
+                lib.ggml_backend_tensor_set(t, ffi.from_buffer(view), 0, n)
+                self.nbytes += n
+        for t, arr in self._arrays:
+            n = lib.ggml_nbytes(t)
+            if n != arr.nbytes:
+                raise BackendError(f"{name_of(t)}: {arr.nbytes} bytes given, tensor needs {n}")
+            lib.ggml_backend_tensor_set(t, ffi.from_buffer(arr), 0, n)
+            self.nbytes += n
+        self._arrays.clear()
+
+    def close(self) -> None:
+        """Free the weight buffers and the metadata context."""
+        for buf in self._buffers:
+            lib.ggml_backend_buffer_free(buf)
+        self._buffers.clear()
+        if self.ctx is not None:
+            lib.ggml_free(self.ctx)
+            self.ctx = None
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def _to_bf16(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """float32 -> bfloat16 bits (round to nearest even), as uint16."""
+    f = np.ascontiguousarray(a, dtype=np.float32)
+    out = np.empty(f.shape, dtype=np.uint16)
+    lib.ggml_fp32_to_bf16_row(
+        ffi.cast("float *", ffi.from_buffer(f)), ffi.cast("ggml_bf16_t *", ffi.from_buffer(out)),
+        f.size,
+    )
+    return out
+
+
+class BackendSet:
+    """Primary backend + CPU fallback, one scheduler, one locked allocator."""
+
+    def __init__(self, choice: BackendChoice, graph_size: int = DEFAULT_GRAPH_SIZE,
+                 debug: bool = False) -> None:
+        self.choice = choice
+        self.debug = debug
+        self.threads = choice.threads
+        self.graph_size = graph_size
+        self.name = choice.device.backend
+        self.primary = lib.ggml_backend_dev_init(choice.device.handle, ffi.NULL)
+        if self.primary == ffi.NULL:
+            raise BackendError(f"cannot initialise {self.name} device {choice.device.name}")
+        self._set_threads(self.primary, choice.device.handle)
+        backends = [self.primary]
+        if self.name == "cpu":
+            self.cpu = self.primary
+        else:
+            cpu_dev = next(d for d in list_devices() if d.backend == "cpu")
+            self.cpu = lib.ggml_backend_dev_init(cpu_dev.handle, ffi.NULL)
+            self._set_threads(self.cpu, cpu_dev.handle)
+            backends.append(self.cpu)
+        self._backend_array = ffi.new("ggml_backend_t[]", backends)
+        self.sched = lib.ggml_backend_sched_new(
+            self._backend_array, ffi.NULL, len(backends), graph_size, False, True
+        )
+        self._lock = threading.Lock()
+        self.last_placement: Placement | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> BackendSet:
+        """Build from the QTTS_BACKEND* variables (see the module docstring)."""
+        e = os.environ if env is None else env
+        choice = choose_backend(
+            e.get("QTTS_BACKEND", "auto"),
+            e.get("QTTS_BACKEND_FALLBACK"),
+            e.get("QTTS_DEVICE"),
+            e.get("QTTS_THREADS"),
+        )
+        return cls(choice, debug=e.get("QTTS_DEBUG_BACKEND", "") == "1", **kwargs)
+
+    def _set_threads(self, backend: Any, dev: Any) -> None:
+        reg = lib.ggml_backend_dev_backend_reg(dev)
+        fn = lib.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_set_n_threads")
+        if fn != ffi.NULL:
+            ffi.cast("ggml_backend_set_n_threads_t", fn)(backend, self.threads)
+
+    def weight_store(self, max_tensors: int = 4096) -> WeightStore:
+        """An empty store for one model's weights on this backend set."""
+        return WeightStore(self, max_tensors)
+
+    def execute(
+        self,
+        graph: Graph,
+        uploads: Mapping[str, np.ndarray[Any, Any]] | None = None,
+        downloads: Sequence[str] | None = None,
+    ) -> dict[str, np.ndarray[Any, Any]]:
+        """Allocate, fill inputs, compute and read back outputs of one graph.
+
+        ``uploads`` maps input names to arrays (numpy shape must equal the input's);
+        ``downloads`` names outputs to read (default: all outputs). Thread-safe: callers are
+        serialised on the allocator's mutex.
+        """
+        uploads = uploads or {}
+        names = list(graph.outputs) if downloads is None else list(downloads)
+        for name, arr in uploads.items():
+            t = graph.inputs.get(name)
+            if t is None:
+                raise KeyError(f"graph has no input {name!r}")
+            if arr.nbytes != lib.ggml_nbytes(t):
+                raise ValueError(
+                    f"input {name!r}: {arr.nbytes} bytes for a tensor of {lib.ggml_nbytes(t)}"
+                )
+        missing = [n for n in graph.inputs if n not in uploads]
+        if missing:
+            raise KeyError(f"no data for graph input(s) {', '.join(missing)}")
+        with self._lock:
+            lib.ggml_backend_sched_reset(self.sched)
+            if not lib.ggml_backend_sched_alloc_graph(self.sched, graph.gf):
+                raise BackendError("the scheduler could not allocate the graph")
+            for name, arr in uploads.items():
+                src = np.ascontiguousarray(arr)
+                lib.ggml_backend_tensor_set(graph.inputs[name], ffi.from_buffer(src), 0,
+                                            src.nbytes)
+            status = lib.ggml_backend_sched_graph_compute(self.sched, graph.gf)
+            if status != lib.GGML_STATUS_SUCCESS:
+                raise BackendError(f"graph compute failed with status {status}")
+            out: dict[str, np.ndarray[Any, Any]] = {}
+            for name in names:
+                t = graph.outputs[name]
+                shape = tuple(int(t.ne[i]) for i in reversed(range(lib.ggml_n_dims(t))))
+                arr = np.empty(shape, dtype=numpy_dtype_of(t.type))
+                lib.ggml_backend_tensor_get(t, ffi.from_buffer(arr), 0, arr.nbytes)
+                out[name] = arr
+            if self.debug:
+                self.last_placement = self._placement(graph)
+                print(f"[qtts backend] {self.last_placement.line()}", file=sys.stderr)
+        return out
+
+    def _placement(self, graph: Graph) -> Placement:
+        per: Counter[str] = Counter()
+        fallback: Counter[str] = Counter()
+        for node in graph.nodes():
+            b = lib.ggml_backend_sched_get_tensor_backend(self.sched, node)
+            bname = ffi.string(lib.ggml_backend_name(b)).decode() if b != ffi.NULL else "none"
+            per[bname] += 1
+            if b == self.cpu and self.cpu != self.primary:
+                fallback[ffi.string(lib.ggml_op_desc(node)).decode()] += 1
+        return Placement(dict(per), dict(fallback), lib.ggml_backend_sched_get_n_splits(self.sched))
+
+    def placement(self, graph: Graph) -> Placement:
+        """Place ``graph`` (without computing it) and report where each node went."""
+        with self._lock:
+            lib.ggml_backend_sched_reset(self.sched)
+            if not lib.ggml_backend_sched_alloc_graph(self.sched, graph.gf):
+                raise BackendError("the scheduler could not allocate the graph")
+            return self._placement(graph)
+
+    def close(self) -> None:
+        """Free the scheduler and backends."""
+        if getattr(self, "sched", None) is not None:
+            lib.ggml_backend_sched_free(self.sched)
+            self.sched = None
+            if self.cpu != self.primary:
+                lib.ggml_backend_free(self.cpu)
+            lib.ggml_backend_free(self.primary)
+
+    def __del__(self) -> None:
+        self.close()

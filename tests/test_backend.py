@@ -1,0 +1,167 @@
+"""BackendSet: choice and its errors, the locked execute door, allocator reuse, real splits."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import numpy as np
+import psutil
+import pytest
+
+from engine.backend import BackendSet, built_backends, choose_backend
+from engine.errors import BackendError
+from engine.ggml import Graph, lib
+
+AVAILABLE = "cpu, blas" if "blas" in built_backends() else "cpu"
+
+
+def _env(**kw: str) -> dict[str, str]:
+    return {f"QTTS_{k.upper()}": v for k, v in kw.items()}
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        (_env(backend="tpu"),
+         f"QTTS_BACKEND='tpu' is unknown; choose auto or one of: cpu, blas, cuda, vulkan, "
+         f"metal, hexagon (available here: {AVAILABLE})"),
+        (_env(backend="cuda"),
+         f"QTTS_BACKEND=cuda: this ggml build has no cuda backend (built: "
+         f"{', '.join(built_backends())}); rebuild with QTTS_GGML_BACKENDS=cuda make native"),
+        (_env(backend="vulkan"),
+         f"QTTS_BACKEND=vulkan: this ggml build has no vulkan backend (built: "
+         f"{', '.join(built_backends())}); rebuild with QTTS_GGML_BACKENDS=vulkan make native"),
+        (_env(backend="auto", backend_fallback=""),
+         f"QTTS_BACKEND_FALLBACK is empty; give a comma list such as cuda,cpu "
+         f"(available here: {AVAILABLE})"),
+        (_env(backend="auto", backend_fallback=" , "),
+         f"QTTS_BACKEND_FALLBACK=' , ' names no backend (available here: {AVAILABLE})"),
+        (_env(backend_fallback="cuda,gpu"),
+         f"QTTS_BACKEND_FALLBACK names unknown backend(s) gpu; known: cpu, blas, cuda, vulkan, "
+         f"metal, hexagon (available here: {AVAILABLE})"),
+        (_env(backend="cpu", device="1"),
+         "QTTS_DEVICE=1 is out of range: cpu has 1 device(s) (0..0)"),
+        (_env(device="first"), "QTTS_DEVICE='first' is not an integer"),
+        (_env(device="-1"), "QTTS_DEVICE=-1 must be >= 0"),
+        (_env(threads="two"), "QTTS_THREADS='two' is not an integer"),
+        (_env(threads="0"), "QTTS_THREADS=0 must be >= 1"),
+    ],
+)
+def test_backend_choice_errors(env: dict[str, str], message: str) -> None:
+    with pytest.raises(BackendError) as err:
+        BackendSet.from_env(env)
+    assert str(err.value) == message
+
+
+def test_auto_prefers_accelerators_and_ends_on_cpu() -> None:
+    c = choose_backend("auto", None, None, "2")
+    assert c.device.backend == "cpu"  # no accelerator in this build/machine; blas is opt-in
+    c = choose_backend("auto", "cuda,vulkan", None, "2")
+    assert c.device.backend == "cpu"  # cpu is appended as the last resort
+    if "blas" in built_backends():
+        assert choose_backend("auto", "blas,cpu", None, "1").device.backend == "blas"
+        assert choose_backend("blas", None, "0", "1").device.backend == "blas"
+    assert choose_backend("cpu", None, "0", "3").threads == 3
+
+
+def _mlp_graph(n_rows: int, w: np.ndarray) -> tuple[Graph, dict[str, np.ndarray]]:
+    g = Graph()
+    x = np.linspace(-1, 1, n_rows * w.shape[1], dtype=np.float32).reshape(n_rows, w.shape[1])
+    tw, tx = g.input("w", w.shape), g.input("x", x.shape)
+    h = lib.ggml_gelu_erf(g.ctx, lib.ggml_mul_mat(g.ctx, tw, tx))
+    g.output(lib.ggml_soft_max(g.ctx, lib.ggml_mul_mat(g.ctx, tw, h)), "y")
+    return g, {"w": w, "x": x}
+
+
+def test_concurrent_execute_equals_serial() -> None:
+    bs = BackendSet.from_env(_env(backend="cpu", threads="2"))
+    w = np.random.default_rng(0).standard_normal((96, 96)).astype(np.float32) * 0.1
+    cases = [_mlp_graph(n, w) for n in (96, 96, 96, 96)]
+    serial = [bs.execute(g, inp)["y"] for g, inp in cases]
+    results: dict[int, np.ndarray] = {}
+
+    def run(i: int) -> None:
+        for _ in range(20):
+            g, inp = cases[i]
+            results[i] = bs.execute(g, inp)["y"]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    for i in range(2):
+        np.testing.assert_array_equal(results[i], serial[i])
+
+
+def test_allocator_reuse_keeps_rss_flat() -> None:
+    bs = BackendSet.from_env(_env(backend="cpu", threads="2"))
+    w = np.random.default_rng(1).standard_normal((128, 128)).astype(np.float32) * 0.1
+    sizes = [128, 17, 300, 64, 211]
+    proc = psutil.Process()
+    for n in sizes * 4:  # warm up: the allocator grows to the largest graph once
+        g, inp = _mlp_graph(n, w)
+        bs.execute(g, inp)
+        g.close()
+    gc.collect()
+    before = proc.memory_info().rss
+    for i in range(1000):
+        g, inp = _mlp_graph(sizes[i % len(sizes)], w)
+        bs.execute(g, inp)
+        g.close()
+    gc.collect()
+    after = proc.memory_info().rss
+    assert after < before * 1.05, f"RSS grew from {before} to {after}"
+
+
+@pytest.mark.skipif("blas" not in built_backends(), reason="build has no BLAS backend")
+def test_graph_split_across_blas_and_cpu_equals_cpu() -> None:
+    w = np.random.default_rng(2).standard_normal((256, 256)).astype(np.float32) * 0.05
+    cpu = BackendSet.from_env(_env(backend="cpu", threads="2"))
+    blas = BackendSet.from_env(_env(backend="blas", threads="2", debug_backend="1"))
+    g, inp = _mlp_graph(256, w)
+    ref = cpu.execute(g, inp)["y"]
+    out = blas.execute(g, inp)["y"]
+    p = blas.last_placement
+    assert p is not None
+    assert p.nodes_per_backend.get("BLAS", 0) == 2  # both matmuls on BLAS
+    assert p.nodes_per_backend.get("CPU", 0) >= 2  # gelu/cont/softmax fell back to the CPU
+    assert p.n_splits >= 3
+    assert set(p.cpu_fallback_ops) == {"GELU_ERF", "SOFT_MAX"}
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-6)
+
+
+def test_debug_backend_prints_placement(capfd: pytest.CaptureFixture[str]) -> None:
+    bs = BackendSet.from_env(_env(backend="cpu", threads="1", debug_backend="1"))
+    w = np.eye(32, dtype=np.float32)
+    g, inp = _mlp_graph(32, w)
+    bs.execute(g, inp)
+    err = capfd.readouterr().err
+    assert "[qtts backend] nodes: CPU=" in err and "splits=1" in err
+
+
+def test_weights_zero_copy_from_a_file_map(tmp_path: object) -> None:
+    import pathlib
+
+    path = pathlib.Path(str(tmp_path)) / "w.bin"
+    w = np.arange(64 * 32, dtype=np.float32).reshape(64, 32) / 100
+    raw = np.zeros(4096 + w.nbytes, dtype=np.uint8)
+    raw[4096:] = w.view(np.uint8).ravel()
+    raw.tofile(path)
+    fmap = np.memmap(path, dtype=np.uint8, mode="r")
+    bs = BackendSet.from_env(_env(backend="cpu", threads="1"))
+    store = bs.weight_store()
+    tw = store.add_mapped("w", lib.GGML_TYPE_F32, (64, 32), fmap, 4096)
+    store.add_array("b", np.ones(64, np.float32))
+    store.allocate()
+    from engine.ggml import ffi
+
+    # the tensor's data pointer lies inside the mapping: no copy was made
+    base = int(ffi.cast("uintptr_t", ffi.from_buffer(fmap, require_writable=False)))
+    assert int(ffi.cast("uintptr_t", tw.data)) == base + 4096
+    g = Graph()
+    x = g.input("x", (3, 32))
+    g.output(lib.ggml_add(g.ctx, lib.ggml_mul_mat(g.ctx, tw, x), store["b"]), "y")
+    xs = np.ones((3, 32), np.float32)
+    np.testing.assert_allclose(bs.execute(g, {"x": xs})["y"], xs @ w.T + 1, rtol=1e-6)
