@@ -1,0 +1,10 @@
+"""Speech-tokenizer decoder on ggml: codes [16, T] -> 24 kHz audio, offline and streaming.
+
+Stages (one module each, named like the spec): ``rvq`` -> ``pre_conv`` -> ``pre_transformer``
+-> ``upsample`` -> ``bigvgan``; ``streaming`` drives them with carried state.
+"""
+
+from engine.decoder.streaming import DecoderModel, StreamingDecoder, decode, validate_codes
+from engine.timings import StageTimings
+
+__all__ = ["DecoderModel", "StageTimings", "StreamingDecoder", "decode", "validate_codes"]

@@ -1,0 +1,37 @@
+"""Stage 5, the BigVGAN-style wave generator: decoder.0 .. decoder.6 (spec §2.3.5-7).
+
+conv_in (k7) -> four blocks [snake -> transposed conv (x8, x5, x4, x3) -> residual units with
+dilation 1, 3, 9] -> snake -> conv_out (k7, 96 -> 1) -> clamp to [-1, 1].
+"""
+
+from __future__ import annotations
+
+from engine.decoder.blocks import StageGraph, causal_conv, causal_tconv, named, snake
+from engine.decoder.weights import DecoderBlock, DecoderWeights, ResidualUnit
+from engine.ggml import Tensor, lib
+
+
+def residual_unit(g: StageGraph, key: str, x: Tensor, ru: ResidualUnit) -> Tensor:
+    """``x + conv1x1(snake(conv_k7_dilated(snake(x))))``."""
+    y = snake(g, x, ru.snake1)
+    y = causal_conv(g, f"{key}.conv1", y, ru.conv1, ru.dilation)
+    y = snake(g, y, ru.snake2)
+    y = causal_conv(g, f"{key}.conv2", y, ru.conv2)
+    return lib.ggml_add(g.ctx, x, y)
+
+
+def decoder_block(g: StageGraph, b: int, x: Tensor, blk: DecoderBlock) -> Tensor:
+    """snake -> transposed conv upsampling -> three residual units."""
+    x = causal_tconv(g, f"blk{b}.tconv", snake(g, x, blk.snake), blk.tconv)
+    for r, ru in enumerate(blk.res):
+        x = named(residual_unit(g, f"blk{b}.res{r}", x, ru), f"dec.blk{b}.res{r}")
+    return x
+
+
+def build(g: StageGraph, w: DecoderWeights, x: Tensor) -> Tensor:
+    """[4T, 1024] -> waveform [1920 T] (time-major [T', 1] is the same memory)."""
+    x = named(causal_conv(g, "conv_in", x, w.conv_in), "dec.conv_in.out")
+    for b, blk in enumerate(w.blocks, start=1):
+        x = named(decoder_block(g, b, x, blk), f"dec.blk{b}.out")
+    x = causal_conv(g, "conv_out", snake(g, x, w.snake_out), w.conv_out)
+    return named(lib.ggml_clamp(g.ctx, x, -1.0, 1.0), "dec.wav")

@@ -1,0 +1,122 @@
+"""Graph blocks shared by the decoder stages, in the time-major layout (ne = [C, T]).
+
+Every block that looks back in time reads its history from a *carried* tensor: the last
+``(k-1)*d`` input rows of a causal conv, the previous input row of a transposed conv, the last
+``window-1`` keys/values of an attention layer. A ``StageGraph`` declares each carried tensor
+as an input (zeros at the start of an utterance, which is exactly the reference's zero padding)
+and its continuation as an output, so one call per chunk equals one pass over the whole input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from engine.decoder.weights import Conv, Linear, Snake, TConv
+from engine.ggml import Graph, Tensor, lib
+from engine.ggml.graph import set_name
+
+
+class StageGraph(Graph):
+    """A Graph plus the carried state it reads and writes."""
+
+    def __init__(self, state: dict[str, np.ndarray[Any, Any]], use_custom_ops: bool = False,
+                 max_nodes: int = 8192) -> None:
+        super().__init__(max_nodes)
+        self.state = state
+        self.use_custom_ops = use_custom_ops
+
+    def carried(self, key: str, shape: Sequence[int]) -> Tensor:
+        """The carried tensor ``key`` (numpy-order ``shape``), zeros on first use."""
+        if key not in self.state:
+            self.state[key] = np.zeros(tuple(shape), dtype=np.float32)
+        return self.input(f"in.{key}", shape)
+
+    def carry(self, key: str, t: Tensor) -> None:
+        """Declare ``t`` the continuation of carried tensor ``key`` (read back after compute)."""
+        self.output(lib.ggml_cont(self.ctx, t), f"out.{key}")
+
+    def uploads(self, **inputs: np.ndarray[Any, Any]) -> dict[str, np.ndarray[Any, Any]]:
+        """Stage inputs plus every carried tensor, keyed by graph input name."""
+        up = {f"in.{k}": v for k, v in self.state.items() if f"in.{k}" in self.inputs}
+        up.update(inputs)
+        return up
+
+    def update_state(self, outputs: dict[str, np.ndarray[Any, Any]]) -> None:
+        """Store the continuations computed by this graph."""
+        for name, arr in outputs.items():
+            if name.startswith("out."):
+                self.state[name[4:]] = arr
+
+
+def rows(ctx: Any, x: Tensor, start: int, n: int) -> Tensor:
+    """Time steps ``start .. start+n`` of a time-major [C, T] tensor, as a view."""
+    return lib.ggml_view_2d(ctx, x, x.ne[0], n, x.nb[1], start * x.nb[1])
+
+
+def with_history(g: StageGraph, key: str, x: Tensor, n_hist: int) -> Tensor:
+    """``x`` with its carried ``n_hist`` previous rows prepended; carries its own last rows."""
+    prev = g.carried(key, (n_hist, int(x.ne[0])))
+    xp = lib.ggml_concat(g.ctx, prev, x, 1)
+    g.carry(key, rows(g.ctx, xp, int(x.ne[1]), n_hist))
+    return xp
+
+
+def causal_conv(g: StageGraph, key: str, x: Tensor, conv: Conv, dilation: int = 1) -> Tensor:
+    """Causal conv1d: left history (k-1)*d, no look-ahead, one mul_mat per tap."""
+    ctx = g.ctx
+    n_hist = (conv.kernel - 1) * dilation
+    t = int(x.ne[1])
+    xp = with_history(g, key, x, n_hist) if n_hist else x
+    y = None
+    for j, tap in enumerate(conv.taps):
+        part = lib.ggml_mul_mat(ctx, tap, rows(ctx, xp, j * dilation, t))
+        y = part if y is None else lib.ggml_add(ctx, y, part)
+    return lib.ggml_add(ctx, y, conv.bias)
+
+
+def causal_tconv(g: StageGraph, key: str, x: Tensor, tc: TConv) -> Tensor:
+    """Transposed conv (k = s or 2s), right-trimmed: polyphase, so no interleave is needed.
+
+    ``y[t*s + j] = W[:, :, j]^T x[t] + W[:, :, j+s]^T x[t-1]``: the [s*O, T] product already is
+    the upsampled [O, s*T] signal in time-major memory order.
+    """
+    ctx = g.ctx
+    t = int(x.ne[1])
+    y = lib.ggml_mul_mat(ctx, tc.cur, x)
+    if tc.prev is not None:
+        xp = with_history(g, key, x, 1)
+        y = lib.ggml_add(ctx, y, lib.ggml_mul_mat(ctx, tc.prev, rows(ctx, xp, 0, t)))
+    y = lib.ggml_reshape_2d(ctx, y, tc.c_out, tc.stride * t)
+    return lib.ggml_add(ctx, y, tc.bias)
+
+
+def snake(g: StageGraph, x: Tensor, s: Snake) -> Tensor:
+    """SnakeBeta: ``x + sin(exp(a) x)^2 / (exp(b) + 1e-9)`` with folded per-channel constants."""
+    ctx = g.ctx
+    fused = _fused_snake()
+    if fused is not None and g.use_custom_ops:
+        return fused(ctx, x, s.exp_alpha, s.inv_beta)
+    sin2 = lib.ggml_sqr(ctx, lib.ggml_sin(ctx, lib.ggml_mul(ctx, x, s.exp_alpha)))
+    return lib.ggml_add(ctx, x, lib.ggml_mul(ctx, sin2, s.inv_beta))
+
+
+def linear(g: Graph, x: Tensor, lin: Linear) -> Tensor:
+    """``W x + b`` on a time-major [in, T] tensor."""
+    y = lib.ggml_mul_mat(g.ctx, lin.weight, x)
+    return lib.ggml_add(g.ctx, y, lin.bias) if lin.bias is not None else y
+
+
+def named(t: Tensor, name: str) -> Tensor:
+    """Name an intermediate so op logs and placement reports read like the spec."""
+    return set_name(t, name)
+
+
+def _fused_snake() -> Any:
+    try:
+        from engine.ggml import custom_ops
+    except ImportError:
+        return None
+    return getattr(custom_ops, "snake_beta", None) if custom_ops.available() else None

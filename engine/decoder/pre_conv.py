@@ -1,0 +1,12 @@
+"""Stage 2, pre_conv: causal conv k3, 512 -> 1024 (spec §2.3.2)."""
+
+from __future__ import annotations
+
+from engine.decoder.blocks import StageGraph, causal_conv, named
+from engine.decoder.weights import DecoderWeights
+from engine.ggml import Tensor
+
+
+def build(g: StageGraph, w: DecoderWeights, x: Tensor) -> Tensor:
+    """[T, 512] -> [T, 1024]."""
+    return named(causal_conv(g, "pre_conv", x, w.pre_conv), "dec.pre_conv.out")

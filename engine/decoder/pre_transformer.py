@@ -1,0 +1,103 @@
+"""Stage 3, pre-transformer: 8 pre-norm layers with sliding-window causal attention (spec §2.3.3).
+
+Streaming: every layer carries the RoPE'd keys and the values of its last ``window-1``
+positions, so a chunk's queries see exactly the keys a single pass would show them. Positions
+keep counting across chunks; carried slots before position 0 are masked out.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from engine.decoder.blocks import StageGraph, linear, named
+from engine.decoder.weights import DecoderWeights, PreTransformerLayer
+from engine.ggml import NULL, Tensor, lib
+
+
+def attention_mask(pos0: int, n_new: int, window: int) -> np.ndarray[Any, np.dtype[np.float32]]:
+    """[n_new, window-1+n_new] additive mask: query p sees keys k with p-window < k <= p, k >= 0."""
+    n_cache = window - 1
+    q_pos = pos0 + np.arange(n_new)[:, None]
+    k_pos = pos0 - n_cache + np.arange(n_cache + n_new)[None, :]
+    visible = (k_pos <= q_pos) & (k_pos > q_pos - window) & (k_pos >= 0)
+    return np.where(visible, 0.0, -np.inf).astype(np.float32)
+
+
+def rms_norm(g: StageGraph, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``w * x / sqrt(mean(x^2) + eps)`` over channels."""
+    return lib.ggml_mul(g.ctx, lib.ggml_rms_norm(g.ctx, x, eps), weight)
+
+
+def self_attention(g: StageGraph, w: DecoderWeights, il: int, x: Tensor, pos: Tensor,
+                   mask: Tensor) -> Tensor:
+    """Multi-head attention over [carried window ; new rows] with NeoX RoPE, scale 1/sqrt(d)."""
+    ctx, cfg, lw = g.ctx, w.cfg, w.layers[il]
+    n_head, d_head, t = cfg.num_attention_heads, cfg.head_dim, int(x.ne[1])
+    n_cache = cfg.sliding_window - 1
+
+    def heads(weight: Tensor) -> Tensor:
+        return lib.ggml_reshape_3d(ctx, lib.ggml_mul_mat(ctx, weight, x), d_head, n_head, t)
+
+    def rope(h: Tensor) -> Tensor:
+        return lib.ggml_rope_ext(ctx, h, pos, NULL, d_head,
+                                 lib.GGML_ROPE_TYPE_NEOX, 0, cfg.rope_theta, 1.0, 0.0, 1.0,
+                                 0.0, 0.0)
+
+    q = rope(heads(lw.q))
+    k_all = _windowed(g, f"pretr.{il}.k", rope(heads(lw.k)), n_cache)
+    v_all = _windowed(g, f"pretr.{il}.v", heads(lw.v), n_cache)
+    qp = lib.ggml_permute(ctx, q, 0, 2, 1, 3)  # [d, T, H]
+    kp = lib.ggml_permute(ctx, k_all, 0, 2, 1, 3)  # [d, Tk, H]
+    scores = lib.ggml_mul_mat(ctx, kp, qp)  # [Tk, T, H]
+    probs = lib.ggml_soft_max_ext(ctx, scores, mask, 1.0 / math.sqrt(d_head), 0.0)
+    vt = lib.ggml_cont(ctx, lib.ggml_permute(ctx, v_all, 1, 2, 0, 3))  # [Tk, d, H]
+    out = lib.ggml_mul_mat(ctx, vt, probs)  # [d, T, H]
+    out = lib.ggml_cont(ctx, lib.ggml_permute(ctx, out, 0, 2, 1, 3))  # [d, H, T]
+    out = lib.ggml_reshape_2d(ctx, out, d_head * n_head, t)
+    return lib.ggml_mul_mat(ctx, lw.o, out)
+
+
+def _windowed(g: StageGraph, key: str, h: Tensor, n_cache: int) -> Tensor:
+    """[d, H, T] new heads after the carried [d, H, n_cache] ones; carries the last n_cache."""
+    ctx = g.ctx
+    d, n_head, t = int(h.ne[0]), int(h.ne[1]), int(h.ne[2])
+    prev = g.carried(key, (n_cache, n_head, d))
+    full = lib.ggml_concat(ctx, prev, h, 2)
+    tail = lib.ggml_view_3d(ctx, full, d, n_head, n_cache, full.nb[1], full.nb[2],
+                            t * full.nb[2])
+    g.carry(key, tail)
+    return full
+
+
+def mlp(g: StageGraph, x: Tensor, lw: PreTransformerLayer) -> Tensor:
+    """SwiGLU: ``down(silu(gate x) * up x)``."""
+    ctx = g.ctx
+    gate = lib.ggml_silu(ctx, lib.ggml_mul_mat(ctx, lw.gate, x))
+    return lib.ggml_mul_mat(ctx, lw.down, lib.ggml_mul(ctx, gate, lib.ggml_mul_mat(ctx, lw.up, x)))
+
+
+def layer(g: StageGraph, w: DecoderWeights, il: int, h: Tensor, pos: Tensor, mask: Tensor
+          ) -> Tensor:
+    """``h += s_attn * Attn(RMSNorm(h)); h += s_mlp * MLP(RMSNorm(h))``."""
+    ctx, lw, eps = g.ctx, w.layers[il], w.cfg.rms_norm_eps
+    a = self_attention(g, w, il, rms_norm(g, h, lw.attn_norm, eps), pos, mask)
+    h = lib.ggml_add(ctx, h, lib.ggml_mul(ctx, a, lw.attn_scale))
+    m = mlp(g, rms_norm(g, h, lw.ffn_norm, eps), lw)
+    return named(lib.ggml_add(ctx, h, lib.ggml_mul(ctx, m, lw.ffn_scale)), f"dec.pretr.blk{il}")
+
+
+def build(g: StageGraph, w: DecoderWeights, x: Tensor) -> Tensor:
+    """[T, latent] -> [T, latent]; inputs ``pos`` (int32 [T]) and ``mask`` come from the driver."""
+    t = int(x.ne[1])
+    n_keys = w.cfg.sliding_window - 1 + t
+    pos = g.input("pos", (t,), dtype=np.int32)
+    mask = g.input("mask", (t, n_keys))
+    h = linear(g, x, w.in_proj)
+    for il in range(len(w.layers)):
+        h = layer(g, w, il, h, pos, mask)
+    h = rms_norm(g, h, w.final_norm, w.cfg.rms_norm_eps)
+    return named(linear(g, h, w.out_proj), "dec.pretr.out")
+

@@ -1,0 +1,141 @@
+"""The decoder driver: offline ``decode`` and the stateful ``StreamingDecoder``.
+
+Each ``push`` runs the five stages as five graphs on the worker's BackendSet (so each stage's
+time is measured on its own) and carries every causal history forward. Decoding a whole
+utterance is the same code path pushed in bounded chunks, so memory does not grow with length.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from engine.backend import BackendSet
+from engine.decoder import bigvgan, pre_conv, pre_transformer, rvq, upsample
+from engine.decoder.blocks import StageGraph
+from engine.decoder.weights import DecoderWeights, Precision
+from engine.errors import InputError
+from engine.ggml import Tensor
+from engine.timings import StageTimings
+
+DEFAULT_OFFLINE_CHUNK = 25  # frames per push in decode(): 2 s of audio, bounded memory
+
+
+class DecoderModel:
+    """A loaded decoder: config, weights on a BackendSet, and the precision mode."""
+
+    def __init__(self, weights: DecoderWeights) -> None:
+        self.weights = weights
+        self.cfg = weights.cfg
+        self.backends = weights.backends
+        self.precision = weights.precision
+        # Our fused CPU kernels only pay where the graph runs on the CPU; on an accelerator they
+        # would split every block back to the host.
+        self.use_custom_ops = self.backends.name in ("cpu", "blas")
+
+    @classmethod
+    def load(cls, model: Any, backends: BackendSet, precision: Precision = "fast"
+             ) -> DecoderModel:
+        """Load the decoder of a validated GgufModel onto ``backends``."""
+        if "decoder" not in model.parts:
+            raise InputError("model", f"{model.path}: this model file has no decoder part")
+        return cls(DecoderWeights(model, backends, precision))
+
+    @property
+    def samples_per_frame(self) -> int:
+        """Output samples per codec frame (1920 at 24 kHz / 12.5 Hz)."""
+        return int(self.cfg.upsample_total)
+
+    @property
+    def sample_rate(self) -> int:
+        """Output sample rate in Hz."""
+        return int(self.cfg.sample_rate)
+
+    def close(self) -> None:
+        """Free the weights."""
+        self.weights.close()
+
+
+def validate_codes(codes: Any, n_quantizers: int, codebook_size: int
+                   ) -> np.ndarray[Any, np.dtype[np.int32]]:
+    """Codes as int32 [n_quantizers, T]; any problem is an InputError on field ``codes``."""
+    arr = np.asarray(codes)
+    if arr.dtype.kind not in "iu":
+        raise InputError("codes", f"must be integers, got {arr.dtype}")
+    if arr.ndim != 2 or arr.shape[0] != n_quantizers:
+        raise InputError("codes", f"must have shape [{n_quantizers}, T], got {list(arr.shape)}")
+    if arr.shape[1] == 0:
+        raise InputError("codes", "is empty (T = 0 frames)")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= codebook_size:
+        bad = lo if lo < 0 else hi
+        raise InputError("codes", f"id {bad} is outside 0..{codebook_size - 1}")
+    return np.ascontiguousarray(arr, dtype=np.int32)
+
+
+class StreamingDecoder:
+    """Codes in, audio out, chunk by chunk; equal to one pass over all frames pushed so far."""
+
+    def __init__(self, model: DecoderModel) -> None:
+        self.model = model
+        self.state: dict[str, np.ndarray[Any, Any]] = {}
+        self.frames = 0
+
+    def reset(self) -> None:
+        """Start a new utterance (all carried history back to zeros)."""
+        self.state = {}
+        self.frames = 0
+
+    def push(self, codes: Any) -> tuple[np.ndarray[Any, np.dtype[np.float32]], StageTimings]:
+        """Decode the next frames: codes [16, n] -> float32 audio [n * 1920] in [-1, 1]."""
+        m = self.model
+        cfg = m.cfg
+        c = validate_codes(codes, cfg.num_quantizers, cfg.codebook_size)
+        n = c.shape[1]
+        w = m.weights
+        tm = StageTimings()
+        window = cfg.sliding_window
+        pos = np.arange(self.frames, self.frames + n, dtype=np.int32)
+        mask = pre_transformer.attention_mask(self.frames, n, window)
+
+        x = self._stage(tm, "quant", lambda g: rvq.build(g, w, n), codes=c)
+        x = self._stage(tm, "preconv", lambda g: pre_conv.build(g, w, g.input("x", x.shape)), x=x)
+        x = self._stage(tm, "pretr", lambda g: pre_transformer.build(g, w, g.input("x", x.shape)),
+                        x=x, pos=pos, mask=mask)
+        x = self._stage(tm, "upsample", lambda g: upsample.build(g, w, g.input("x", x.shape)),
+                        x=x)
+        wav = self._stage(tm, "bigvgan", lambda g: bigvgan.build(g, w, g.input("x", x.shape)),
+                          x=x)
+        self.frames += n
+        tm.report(f"push {n} frame(s)")
+        return wav.reshape(-1), tm
+
+    def _stage(self, tm: StageTimings, name: str, build: Callable[[StageGraph], Tensor],
+               **inputs: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        started = time.perf_counter()
+        g = StageGraph(self.state, self.model.use_custom_ops)
+        try:
+            g.output(build(g), "y")
+            out = self.model.backends.execute(g, g.uploads(**inputs))
+            g.update_state(out)
+        finally:
+            g.close()
+        setattr(tm, name, getattr(tm, name) + time.perf_counter() - started)
+        return out["y"]
+
+
+def decode(model: DecoderModel, codes: Any, chunk: int = DEFAULT_OFFLINE_CHUNK
+           ) -> tuple[np.ndarray[Any, np.dtype[np.float32]], StageTimings]:
+    """Offline decode of codes [16, T] -> float32 [T * 1920], through the bounded-memory path."""
+    cfg = model.cfg
+    c = validate_codes(codes, cfg.num_quantizers, cfg.codebook_size)
+    sd = StreamingDecoder(model)
+    pieces, total = [], StageTimings()
+    for start in range(0, c.shape[1], max(1, chunk)):
+        audio, tm = sd.push(c[:, start : start + chunk])
+        pieces.append(audio)
+        total = total + tm
+    return np.concatenate(pieces), total

@@ -1,0 +1,36 @@
+"""Stage 4, upsampler: twice (transposed conv k2 s2 -> ConvNeXt block), 12.5 -> 50 Hz (§2.3.4)."""
+
+from __future__ import annotations
+
+from engine.decoder.blocks import StageGraph, causal_tconv, linear, named, rows, with_history
+from engine.decoder.weights import ConvNeXt, DecoderWeights
+from engine.ggml import Tensor, lib
+
+
+def depthwise_conv(g: StageGraph, key: str, x: Tensor, blk: ConvNeXt) -> Tensor:
+    """Causal depthwise conv k7: per-channel taps on shifted rows (exact F32, elementwise)."""
+    ctx = g.ctx
+    k, t = len(blk.dw_taps), int(x.ne[1])
+    xp = with_history(g, key, x, k - 1)
+    y = None
+    for j, tap in enumerate(blk.dw_taps):
+        part = lib.ggml_mul(ctx, rows(ctx, xp, j, t), tap)
+        y = part if y is None else lib.ggml_add(ctx, y, part)
+    return lib.ggml_add(ctx, y, blk.dw_bias)
+
+
+def convnext(g: StageGraph, key: str, x: Tensor, blk: ConvNeXt, eps: float) -> Tensor:
+    """``x + gamma * pw2(gelu_erf(pw1(LayerNorm(dwconv(x)))))``."""
+    ctx = g.ctx
+    y = depthwise_conv(g, key, x, blk)
+    y = lib.ggml_add(ctx, lib.ggml_mul(ctx, lib.ggml_norm(ctx, y, eps), blk.norm_w), blk.norm_b)
+    y = linear(g, lib.ggml_gelu_erf(ctx, linear(g, y, blk.pw1)), blk.pw2)
+    return lib.ggml_add(ctx, x, lib.ggml_mul(ctx, y, blk.gamma))
+
+
+def build(g: StageGraph, w: DecoderWeights, x: Tensor) -> Tensor:
+    """[T, 1024] -> [4T, 1024]."""
+    for i, (tconv, blk) in enumerate(w.upsample):
+        x = causal_tconv(g, f"up.{i}.tconv", x, tconv)
+        x = named(convnext(g, f"up.{i}.dwconv", x, blk, w.cfg.layer_norm_eps), f"dec.up{i}.out")
+    return x

@@ -1,0 +1,278 @@
+"""Decoder weights, laid out for the time-major graphs and allocated on a BackendSet.
+
+Activations in the decoder graphs are time-major: a ggml tensor ne = [C, T] (numpy [T, C]), so
+every conv tap, transposed-conv phase and linear layer is one ``mul_mat(W, x)`` with W = [out, in]
+and its rows contiguous. This module turns the GGUF's PyTorch-layout tensors into that form once
+at load and folds the constants the spec allows:
+
+* codebooks: ``E_q = embed_sum_q / max(usage_q, eps)``;
+* SnakeBeta: ``exp(alpha)`` and ``1 / (exp(beta) + 1e-9)``;
+* conv ``[O, I, K]`` -> taps ``[K, O, I]``; transposed conv ``[I, O, 2s]`` -> two phase matrices
+  ``[s*O, I]``; depthwise ``[C, 1, K]`` -> taps ``[K, C]``.
+
+Precision: ``exact`` keeps every weight F32 (parity mode); ``fast`` stores conv and linear
+weights as BF16 (ggml's AVX512-BF16 GEMMs, ~2x the F32 throughput here); everything 1-D stays F32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from engine.backend import BackendSet, WeightStore
+from engine.errors import ModelFileError
+from engine.ggml import Tensor, lib
+from engine.ggml.graph import set_name
+from engine.tensor_names import DecoderConfig
+
+Precision = Literal["exact", "fast"]
+PRECISIONS: tuple[str, ...] = ("exact", "fast")
+SNAKE_EPS = 1e-9
+
+
+def tensor_f32(model: Any, name: str) -> np.ndarray[Any, np.dtype[np.float32]]:
+    """A GGUF tensor as float32 in its PyTorch-order shape, whatever its stored type."""
+    gtype, ne, _offset, _nbytes = model.tensor_info(name)
+    shape = tuple(reversed(ne))
+    raw = model.tensor(name)
+    if gtype == lib.GGML_TYPE_F32:
+        return np.asarray(raw, dtype=np.float32).reshape(shape)
+    if gtype == lib.GGML_TYPE_F16:
+        return np.asarray(raw, dtype=np.float16).astype(np.float32).reshape(shape)
+    if gtype == lib.GGML_TYPE_BF16:
+        bits = np.asarray(raw).view(np.uint16).astype(np.uint32) << 16
+        return bits.view(np.float32).reshape(shape)
+    from gguf.constants import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    flat = dequantize(np.asarray(raw).view(np.uint8), GGMLQuantizationType(gtype))
+    return np.asarray(flat, dtype=np.float32).reshape(shape)
+
+
+@dataclass
+class Conv:
+    """A causal conv: one [O, I] matrix per tap (views of one [K, O, I] tensor) and a bias."""
+
+    taps: list[Tensor]
+    bias: Tensor
+    kernel: int
+    c_in: int
+    c_out: int
+
+
+@dataclass
+class TConv:
+    """A causal transposed conv (k = s or 2s) as phase matrices [s*O, I]; ``prev`` for k = 2s."""
+
+    cur: Tensor
+    prev: Tensor | None
+    bias: Tensor
+    stride: int
+    c_in: int
+    c_out: int
+
+
+@dataclass
+class Snake:
+    """SnakeBeta constants folded at load."""
+
+    exp_alpha: Tensor
+    inv_beta: Tensor
+
+
+@dataclass
+class Linear:
+    """y = W x (+ b)."""
+
+    weight: Tensor
+    bias: Tensor | None
+
+
+@dataclass
+class PreTransformerLayer:
+    """One pre-norm transformer layer of the pre-transformer."""
+
+    attn_norm: Tensor
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    o: Tensor
+    attn_scale: Tensor
+    ffn_norm: Tensor
+    gate: Tensor
+    up: Tensor
+    down: Tensor
+    ffn_scale: Tensor
+
+
+@dataclass
+class ConvNeXt:
+    """Upsampler ConvNeXt block."""
+
+    dw_taps: list[Tensor]
+    dw_bias: Tensor
+    norm_w: Tensor
+    norm_b: Tensor
+    pw1: Linear
+    pw2: Linear
+    gamma: Tensor
+
+
+@dataclass
+class ResidualUnit:
+    """snake -> dilated conv k7 -> snake -> conv 1x1, plus the skip."""
+
+    snake1: Snake
+    conv1: Conv
+    snake2: Snake
+    conv2: Conv
+    dilation: int
+
+
+@dataclass
+class DecoderBlock:
+    """snake -> transposed conv (upsample by ``rate``) -> three residual units."""
+
+    snake: Snake
+    tconv: TConv
+    res: list[ResidualUnit]
+
+
+RES_DILATIONS = (1, 3, 9)
+
+
+class DecoderWeights:
+    """Every decoder weight on one BackendSet, grouped by stage."""
+
+    def __init__(self, model: Any, backends: BackendSet, precision: Precision = "fast") -> None:
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        self.model = model
+        self.cfg: DecoderConfig = model.decoder_config
+        self.precision = precision
+        self.backends = backends
+        self.store: WeightStore = backends.weight_store()
+        self._wtype = lib.GGML_TYPE_BF16 if precision == "fast" else lib.GGML_TYPE_F32
+        cfg = self.cfg
+        eps = cfg.codebook_eps
+        self.codebooks = []
+        for q in range(cfg.num_quantizers):
+            emb = tensor_f32(model, f"dec.rvq.cb.{q}.embed_sum")
+            usage = tensor_f32(model, f"dec.rvq.cb.{q}.usage")
+            self.codebooks.append(self._f32(f"dec.rvq.cb.{q}.table",
+                                            emb / np.maximum(usage, eps)[:, None]))
+        self.first_proj = self._f32("dec.rvq.first_proj.weight",
+                                    tensor_f32(model, "dec.rvq.first_proj.weight"))
+        self.rest_proj = self._f32("dec.rvq.rest_proj.weight",
+                                   tensor_f32(model, "dec.rvq.rest_proj.weight"))
+        self.pre_conv = self._conv("dec.pre_conv")
+        self.in_proj = self._linear("dec.pretr.in_proj")
+        self.layers = [self._pretr_layer(i) for i in range(cfg.num_hidden_layers)]
+        self.final_norm = self._f32("dec.pretr.norm.weight", tensor_f32(model, "dec.pretr.norm.weight"))
+        self.out_proj = self._linear("dec.pretr.out_proj")
+        self.upsample = [
+            (self._tconv(f"dec.up.{i}.tconv", r), self._convnext(f"dec.up.{i}"))
+            for i, r in enumerate(cfg.upsampling_ratios)
+        ]
+        self.conv_in = self._conv("dec.conv_in")
+        self.blocks = [self._block(b + 1, rate) for b, (_, _, rate) in
+                       enumerate(cfg.block_channels())]
+        self.snake_out = self._snake("dec.snake_out")
+        self.conv_out = self._conv("dec.conv_out")
+        self.store.allocate()
+
+    # -- loading helpers -----------------------------------------------------------------------
+    def _f32(self, name: str, array: np.ndarray[Any, Any]) -> Tensor:
+        return self.store.add_array(name, np.ascontiguousarray(array, dtype=np.float32))
+
+    def _w(self, name: str, array: np.ndarray[Any, Any]) -> Tensor:
+        """A matmul weight in the precision mode's type."""
+        a = np.ascontiguousarray(array, dtype=np.float32)
+        return self.store.add_array(name, a, self._wtype)
+
+    def _taps(self, name: str, taps: np.ndarray[Any, Any]) -> list[Tensor]:
+        """[K, O, I] -> one [O, I] view per tap."""
+        t = self._w(name, taps)
+        k, o, i = taps.shape
+        # Views made before allocation are initialised by the store's allocator.
+        return [set_name(lib.ggml_view_2d(self.store.ctx, t, i, o, t.nb[1], j * t.nb[2]),
+                         f"{name}.{j}") for j in range(k)]
+
+    def _conv(self, prefix: str) -> Conv:
+        w = tensor_f32(self.model, f"{prefix}.weight")
+        o, i, k = w.shape
+        taps = self._taps(f"{prefix}.taps", w.transpose(2, 0, 1))
+        bias = self._f32(f"{prefix}.bias", tensor_f32(self.model, f"{prefix}.bias"))
+        return Conv(taps, bias, k, i, o)
+
+    def _tconv(self, prefix: str, stride: int) -> TConv:
+        w = tensor_f32(self.model, f"{prefix}.weight")  # [I, O, K]
+        i, o, k = w.shape
+        if k not in (stride, 2 * stride):
+            raise ModelFileError(str(self.model.path),
+                                 f"{prefix}.weight: kernel {k} is neither stride {stride} nor 2x")
+
+        def phase(sl: slice) -> np.ndarray[Any, Any]:
+            return w[:, :, sl].transpose(2, 1, 0).reshape(stride * o, i)  # [s*O, I]
+
+        cur = self._w(f"{prefix}.cur", phase(slice(0, stride)))
+        prev = self._w(f"{prefix}.prev", phase(slice(stride, 2 * stride))) if k == 2 * stride \
+            else None
+        bias = self._f32(f"{prefix}.bias", tensor_f32(self.model, f"{prefix}.bias"))
+        return TConv(cur, prev, bias, stride, i, o)
+
+    def _snake(self, prefix: str) -> Snake:
+        alpha = tensor_f32(self.model, f"{prefix}.alpha").astype(np.float64)
+        beta = tensor_f32(self.model, f"{prefix}.beta").astype(np.float64)
+        return Snake(self._f32(f"{prefix}.exp_alpha", np.exp(alpha)),
+                     self._f32(f"{prefix}.inv_beta", 1.0 / (np.exp(beta) + SNAKE_EPS)))
+
+    def _linear(self, prefix: str, bias: bool = True) -> Linear:
+        w = self._w(f"{prefix}.weight", tensor_f32(self.model, f"{prefix}.weight"))
+        b = self._f32(f"{prefix}.bias", tensor_f32(self.model, f"{prefix}.bias")) if bias else None
+        return Linear(w, b)
+
+    def _pretr_layer(self, i: int) -> PreTransformerLayer:
+        p = f"dec.pretr.blk.{i}"
+
+        def f(n: str) -> Tensor:
+            return self._f32(f"{p}.{n}", tensor_f32(self.model, f"{p}.{n}"))
+
+        def w(n: str) -> Tensor:
+            return self._w(f"{p}.{n}.weight", tensor_f32(self.model, f"{p}.{n}.weight"))
+
+        return PreTransformerLayer(
+            attn_norm=f("attn_norm.weight"), q=w("attn_q"), k=w("attn_k"), v=w("attn_v"),
+            o=w("attn_out"), attn_scale=f("attn_scale"), ffn_norm=f("ffn_norm.weight"),
+            gate=w("ffn_gate"), up=w("ffn_up"), down=w("ffn_down"), ffn_scale=f("ffn_scale"),
+        )
+
+    def _convnext(self, p: str) -> ConvNeXt:
+        dw = tensor_f32(self.model, f"{p}.dwconv.weight")  # [C, 1, K]
+        c, _, k = dw.shape
+        dw_t = self._f32(f"{p}.dwconv.taps", dw[:, 0, :].T)  # [K, C]
+        return ConvNeXt(
+            dw_taps=[set_name(lib.ggml_view_1d(self.store.ctx, dw_t, c, j * dw_t.nb[1]),
+                              f"{p}.dwconv.taps.{j}") for j in range(k)],
+            dw_bias=self._f32(f"{p}.dwconv.bias", tensor_f32(self.model, f"{p}.dwconv.bias")),
+            norm_w=self._f32(f"{p}.norm.weight", tensor_f32(self.model, f"{p}.norm.weight")),
+            norm_b=self._f32(f"{p}.norm.bias", tensor_f32(self.model, f"{p}.norm.bias")),
+            pw1=self._linear(f"{p}.pwconv1"),
+            pw2=self._linear(f"{p}.pwconv2"),
+            gamma=self._f32(f"{p}.gamma", tensor_f32(self.model, f"{p}.gamma")),
+        )
+
+    def _block(self, b: int, rate: int) -> DecoderBlock:
+        p = f"dec.blk.{b}"
+        res = []
+        for r, d in enumerate(RES_DILATIONS):
+            q = f"{p}.res.{r}"
+            res.append(ResidualUnit(self._snake(f"{q}.snake1"), self._conv(f"{q}.conv1"),
+                                    self._snake(f"{q}.snake2"), self._conv(f"{q}.conv2"), d))
+        return DecoderBlock(self._snake(f"{p}.snake"), self._tconv(f"{p}.tconv", rate), res)
+
+    def close(self) -> None:
+        """Free the weight buffers."""
+        self.store.close()
