@@ -6,7 +6,7 @@ dilation 1, 3, 9] -> snake -> conv_out (k7, 96 -> 1) -> clamp to [-1, 1].
 
 from __future__ import annotations
 
-from engine.decoder.blocks import StageGraph, causal_conv, causal_tconv, named, snake
+from engine.decoder.blocks import StageGraph, causal_conv, causal_tconv, snake
 from engine.decoder.weights import DecoderBlock, DecoderWeights, ResidualUnit
 from engine.ggml import Tensor, lib
 
@@ -24,14 +24,14 @@ def decoder_block(g: StageGraph, b: int, x: Tensor, blk: DecoderBlock) -> Tensor
     """snake -> transposed conv upsampling -> three residual units."""
     x = causal_tconv(g, f"blk{b}.tconv", snake(g, x, blk.snake), blk.tconv)
     for r, ru in enumerate(blk.res):
-        x = named(residual_unit(g, f"blk{b}.res{r}", x, ru), f"dec.blk{b}.res{r}")
+        x = g.tap(residual_unit(g, f"blk{b}.res{r}", x, ru), f"dec.blk{b}.res{r}")
     return x
 
 
 def build(g: StageGraph, w: DecoderWeights, x: Tensor) -> Tensor:
     """[4T, 1024] -> waveform [1920 T] (time-major [T', 1] is the same memory)."""
-    x = named(causal_conv(g, "conv_in", x, w.conv_in), "dec.conv_in.out")
+    x = g.tap(causal_conv(g, "conv_in", x, w.conv_in), "dec.conv_in.out")
     for b, blk in enumerate(w.blocks, start=1):
-        x = named(decoder_block(g, b, x, blk), f"dec.blk{b}.out")
+        x = g.tap(decoder_block(g, b, x, blk), f"dec.blk{b}.out")
     x = causal_conv(g, "conv_out", snake(g, x, w.snake_out), w.conv_out)
-    return named(lib.ggml_clamp(g.ctx, x, -1.0, 1.0), "dec.wav")
+    return g.tap(lib.ggml_clamp(g.ctx, x, -1.0, 1.0), "dec.wav")

@@ -23,10 +23,18 @@ class StageGraph(Graph):
     """A Graph plus the carried state it reads and writes."""
 
     def __init__(self, state: dict[str, np.ndarray[Any, Any]], use_custom_ops: bool = False,
-                 max_nodes: int = 8192) -> None:
+                 capture: bool = False, max_nodes: int = 8192) -> None:
         super().__init__(max_nodes)
         self.state = state
         self.use_custom_ops = use_custom_ops
+        self.capture = capture
+
+    def tap(self, t: Tensor, name: str) -> Tensor:
+        """Name an intermediate; with ``capture`` on, also read it back (for parity checks)."""
+        set_name(t, name)
+        if self.capture:
+            self.output(t, f"tap.{name}")
+        return t
 
     def carried(self, key: str, shape: Sequence[int]) -> Tensor:
         """The carried tensor ``key`` (numpy-order ``shape``), zeros on first use."""
@@ -107,11 +115,6 @@ def linear(g: Graph, x: Tensor, lin: Linear) -> Tensor:
     """``W x + b`` on a time-major [in, T] tensor."""
     y = lib.ggml_mul_mat(g.ctx, lin.weight, x)
     return lib.ggml_add(g.ctx, y, lin.bias) if lin.bias is not None else y
-
-
-def named(t: Tensor, name: str) -> Tensor:
-    """Name an intermediate so op logs and placement reports read like the spec."""
-    return set_name(t, name)
 
 
 def _fused_snake() -> Any:

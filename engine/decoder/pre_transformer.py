@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.decoder.blocks import StageGraph, linear, named
+from engine.decoder.blocks import StageGraph, linear
 from engine.decoder.weights import DecoderWeights, PreTransformerLayer
 from engine.ggml import NULL, Tensor, lib
 
@@ -86,7 +86,7 @@ def layer(g: StageGraph, w: DecoderWeights, il: int, h: Tensor, pos: Tensor, mas
     a = self_attention(g, w, il, rms_norm(g, h, lw.attn_norm, eps), pos, mask)
     h = lib.ggml_add(ctx, h, lib.ggml_mul(ctx, a, lw.attn_scale))
     m = mlp(g, rms_norm(g, h, lw.ffn_norm, eps), lw)
-    return named(lib.ggml_add(ctx, h, lib.ggml_mul(ctx, m, lw.ffn_scale)), f"dec.pretr.blk{il}")
+    return g.tap(lib.ggml_add(ctx, h, lib.ggml_mul(ctx, m, lw.ffn_scale)), f"dec.pretr.blk{il}")
 
 
 def build(g: StageGraph, w: DecoderWeights, x: Tensor) -> Tensor:
@@ -99,5 +99,5 @@ def build(g: StageGraph, w: DecoderWeights, x: Tensor) -> Tensor:
     for il in range(len(w.layers)):
         h = layer(g, w, il, h, pos, mask)
     h = rms_norm(g, h, w.final_norm, w.cfg.rms_norm_eps)
-    return named(linear(g, h, w.out_proj), "dec.pretr.out")
+    return g.tap(linear(g, h, w.out_proj), "dec.pretr.out")
 

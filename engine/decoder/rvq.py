@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.decoder.blocks import StageGraph, named
+from engine.decoder.blocks import StageGraph
 from engine.decoder.weights import DecoderWeights
 from engine.ggml import Tensor, lib
 
@@ -23,4 +23,4 @@ def build(g: StageGraph, w: DecoderWeights, n_frames: int) -> Tensor:
     for q in range(2, n_q):
         rest = lib.ggml_add(ctx, rest, lookup(q))
     first = lib.ggml_mul_mat(ctx, w.first_proj, lookup(0))
-    return named(lib.ggml_add(ctx, first, lib.ggml_mul_mat(ctx, w.rest_proj, rest)), "dec.rvq.out")
+    return g.tap(lib.ggml_add(ctx, first, lib.ggml_mul_mat(ctx, w.rest_proj, rest)), "dec.rvq.out")

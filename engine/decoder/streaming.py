@@ -79,15 +79,22 @@ def validate_codes(codes: Any, n_quantizers: int, codebook_size: int
 class StreamingDecoder:
     """Codes in, audio out, chunk by chunk; equal to one pass over all frames pushed so far."""
 
-    def __init__(self, model: DecoderModel) -> None:
+    def __init__(self, model: DecoderModel, capture: bool = False) -> None:
         self.model = model
+        self.capture = capture
         self.state: dict[str, np.ndarray[Any, Any]] = {}
+        self._taps: dict[str, list[np.ndarray[Any, Any]]] = {}
         self.frames = 0
 
     def reset(self) -> None:
         """Start a new utterance (all carried history back to zeros)."""
         self.state = {}
+        self._taps = {}
         self.frames = 0
+
+    def captured(self) -> dict[str, np.ndarray[Any, Any]]:
+        """With ``capture=True``: every named intermediate so far, time-major [T, C]."""
+        return {k: np.concatenate(v, axis=0) for k, v in self._taps.items()}
 
     def push(self, codes: Any) -> tuple[np.ndarray[Any, np.dtype[np.float32]], StageTimings]:
         """Decode the next frames: codes [16, n] -> float32 audio [n * 1920] in [-1, 1]."""
@@ -116,13 +123,16 @@ class StreamingDecoder:
     def _stage(self, tm: StageTimings, name: str, build: Callable[[StageGraph], Tensor],
                **inputs: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
         started = time.perf_counter()
-        g = StageGraph(self.state, self.model.use_custom_ops)
+        g = StageGraph(self.state, self.model.use_custom_ops, self.capture)
         try:
             g.output(build(g), "y")
             out = self.model.backends.execute(g, g.uploads(**inputs))
             g.update_state(out)
         finally:
             g.close()
+        for key, arr in out.items():
+            if key.startswith("tap."):
+                self._taps.setdefault(key[4:], []).append(arr.reshape(arr.shape[0], -1))
         setattr(tm, name, getattr(tm, name) + time.perf_counter() - started)
         return out["y"]
 

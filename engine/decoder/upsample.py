@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.decoder.blocks import StageGraph, causal_tconv, linear, named, rows, with_history
+from engine.decoder.blocks import StageGraph, causal_tconv, linear, rows, with_history
 from engine.decoder.weights import ConvNeXt, DecoderWeights
 from engine.ggml import Tensor, lib
 
@@ -32,5 +32,5 @@ def build(g: StageGraph, w: DecoderWeights, x: Tensor) -> Tensor:
     """[T, 1024] -> [4T, 1024]."""
     for i, (tconv, blk) in enumerate(w.upsample):
         x = causal_tconv(g, f"up.{i}.tconv", x, tconv)
-        x = named(convnext(g, f"up.{i}.dwconv", x, blk, w.cfg.layer_norm_eps), f"dec.up{i}.out")
+        x = g.tap(convnext(g, f"up.{i}.dwconv", x, blk, w.cfg.layer_norm_eps), f"dec.up{i}.out")
     return x

@@ -1,0 +1,149 @@
+"""Our ggml decoder against the official PyTorch reference on the same random weights.
+
+The reference builds a random-weight ``speech_tokenizer/`` in the released layout
+(tests/parity/reference.py); ``qtts convert`` turns it into a GGUF; both decode the same codes
+(which include ids whose cluster_usage is 0 or below the clamp).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from engine.backend import BackendSet
+from engine.convert import convert
+from engine.decoder import DecoderModel, StreamingDecoder, decode
+from engine.gguf_model import open_model
+from tests.parity import reference as ref
+
+_MISSING = [m for m in ("torch", "transformers", "qwen_tts") if importlib.util.find_spec(m) is None]
+pytestmark = [
+    pytest.mark.parity,
+    pytest.mark.skipif(bool(_MISSING), reason=f"PARITY REFERENCE NOT INSTALLED ({_MISSING}): "
+                       "run `make parity-env`"),
+]
+
+FRAMES = {"tiny": 24, "full": 31}
+# reference stage key -> our tapped intermediate
+STAGES = {
+    "quant": "dec.rvq.out",
+    "preconv": "dec.pre_conv.out",
+    "pretr": "dec.pretr.out",
+    "upsample": "dec.up1.out",
+    "conv_in": "dec.conv_in.out",
+    "blk1": "dec.blk1.out",
+    "blk2": "dec.blk2.out",
+    "blk3": "dec.blk3.out",
+    "blk4": "dec.blk4.out",
+}
+
+
+def snr_db(reference: np.ndarray, test: np.ndarray) -> float:
+    """Signal-to-noise ratio of ``test`` against ``reference`` in dB."""
+    noise = float(np.sum((reference.astype(np.float64) - test) ** 2))
+    return 10 * np.log10(float(np.sum(reference.astype(np.float64) ** 2)) / max(noise, 1e-30))
+
+
+class Case:
+    """One fixture size: reference folder, its outputs, and converted GGUFs."""
+
+    def __init__(self, size: str, tmp: Path) -> None:
+        import torch
+
+        torch.set_num_threads(2)
+        self.size = size
+        self.dir = ref.make_reference_tokenizer_dir(ref.default_cache_dir(), size, seed=0)
+        self.codes = ref.random_codes(FRAMES[size], seed=1)
+        model = ref.load_reference_decoder(self.dir)
+        self.stages = ref.reference_stage_outputs(model, self.codes)
+        self.wav = self.stages["wav"].reshape(-1)
+        self.tmp = tmp
+        self.backends = BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "2"})
+        self._gguf: dict[str, Any] = {}
+
+    def model(self, dtype: str) -> Any:
+        if dtype not in self._gguf:
+            out = self.tmp / f"{self.size}-{dtype}.gguf"
+            convert(self.dir, out, dtype=dtype, progress=False)
+            self._gguf[dtype] = open_model(out)
+        return self._gguf[dtype]
+
+    def decoder(self, dtype: str, precision: str) -> DecoderModel:
+        return DecoderModel.load(self.model(dtype), self.backends, precision)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module", params=["tiny", "full"])
+def case(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Case:
+    return Case(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def test_f32_waveform_and_every_stage_match(case: Case) -> None:
+    dec = case.decoder("f32", "exact")
+    sd = StreamingDecoder(dec, capture=True)
+    wav, timings = sd.push(case.codes)
+    assert wav.shape == case.wav.shape == (FRAMES[case.size] * 1920,)
+    assert float(np.std(case.wav)) > 0.01  # the fixture is not silence
+    assert np.abs(wav - case.wav).max() <= 1e-4
+    ours = sd.captured()
+    for stage, name in STAGES.items():
+        r, o = case.stages[stage], ours[name].T  # ours is time-major
+        assert r.shape == o.shape, stage
+        scale = max(1.0, float(np.abs(r).max()))
+        assert np.abs(r - o).max() <= 1e-4 * scale, stage
+    assert set(timings.as_dict()) == {"quant", "preconv", "pretr", "upsample", "bigvgan"}
+    assert all(v > 0 for v in timings.as_dict().values())
+
+
+def test_f16_weights_snr(case: Case, record_property: Any) -> None:
+    wav, _ = decode(case.decoder("f16", "exact"), case.codes)
+    snr = snr_db(case.wav, wav)
+    record_property("snr_f16_db", snr)
+    print(f"\n{case.size}: F16 weights SNR {snr:.1f} dB")
+    assert snr >= 45.0
+
+
+def test_fast_mode_snr(case: Case, record_property: Any) -> None:
+    wav, _ = decode(case.decoder("f32", "fast"), case.codes)
+    snr = snr_db(case.wav, wav)
+    record_property("snr_fast_db", snr)
+    print(f"\n{case.size}: fast (BF16) SNR {snr:.1f} dB")
+    assert snr >= 35.0
+
+
+@pytest.mark.parametrize("chunking", ["1", "2", "3", "5", "8", "random"])
+def test_streaming_equals_offline(case: Case, chunking: str) -> None:
+    dec = case.decoder("f32", "exact")
+    offline, _ = decode(dec, case.codes, chunk=10_000)
+    rng = np.random.default_rng(7)
+    sd = StreamingDecoder(dec)
+    t, pieces, start = case.codes.shape[1], [], 0
+    while start < t:
+        n = int(rng.integers(1, 7)) if chunking == "random" else int(chunking)
+        audio, _ = sd.push(case.codes[:, start : start + n])
+        assert audio.shape == (min(n, t - start) * 1920,)
+        pieces.append(audio)
+        start += n
+    assert np.abs(np.concatenate(pieces) - offline).max() <= 1e-5
+
+
+def test_prefix_is_causal(case: Case) -> None:
+    dec = case.decoder("f32", "exact")
+    k = FRAMES[case.size] // 2
+    full, _ = decode(dec, case.codes)
+    head, _ = decode(dec, case.codes[:, :k])
+    assert np.abs(head - full[: k * 1920]).max() <= 1e-5
+    assert np.abs(head - case.wav[: k * 1920]).max() <= 1e-4
+
+
+def test_reset_starts_a_new_utterance(case: Case) -> None:
+    dec = case.decoder("f32", "exact")
+    sd = StreamingDecoder(dec)
+    first, _ = sd.push(case.codes[:, :4])
+    sd.push(case.codes[:, 4:9])
+    sd.reset()
+    again, _ = sd.push(case.codes[:, :4])
+    np.testing.assert_array_equal(first, again)
