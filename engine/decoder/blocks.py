@@ -78,6 +78,9 @@ def causal_conv(g: StageGraph, key: str, x: Tensor, conv: Conv, dilation: int = 
     n_hist = (conv.kernel - 1) * dilation
     t = int(x.ne[1])
     xp = with_history(g, key, x, n_hist) if n_hist else x
+    if conv.taps[0].type != lib.GGML_TYPE_F32 and conv.kernel > 1:
+        # Half-precision taps would each convert their (overlapping) input rows; convert once.
+        xp = lib.ggml_cast(ctx, xp, conv.taps[0].type)
     y = None
     for j, tap in enumerate(conv.taps):
         part = lib.ggml_mul_mat(ctx, tap, rows(ctx, xp, j * dilation, t))

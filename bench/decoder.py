@@ -1,0 +1,140 @@
+#!/usr/bin/env python3
+"""Decoder benchmark: our ggml decoder vs the official PyTorch reference, same weights, same run.
+
+Both decode the same codes with the same random released-size weights on the same number of
+threads; repetitions alternate between the two so background load hits both alike, and the
+minimum of each is reported. Prints per-stage times, RTF (compute seconds / audio seconds) and
+the ratio (reference time / our time: > 1 means we are faster), then streaming costs.
+
+    python bench/decoder.py [--frames 31 125] [--threads 2] [--reps 3] [--size full]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.backend import BackendSet  # noqa: E402
+from engine.convert import convert  # noqa: E402
+from engine.decoder import DecoderModel, StreamingDecoder, decode  # noqa: E402
+from engine.gguf_model import open_model  # noqa: E402
+from engine.timings import DECODER_STAGES, StageTimings  # noqa: E402
+from tests.parity import reference as ref  # noqa: E402
+
+FRAME_SECONDS = 0.08
+
+
+def snr_db(reference: np.ndarray, test: np.ndarray) -> float:
+    noise = float(np.sum((reference.astype(np.float64) - test) ** 2))
+    return 10 * np.log10(float(np.sum(reference.astype(np.float64) ** 2)) / max(noise, 1e-30))
+
+
+def best(times: list[float]) -> float:
+    return min(times)
+
+
+def bench_offline(models: dict[str, DecoderModel], ref_model: Any, codes: np.ndarray, reps: int,
+                  chunk: int) -> None:
+    t = codes.shape[1]
+    audio_s = t * FRAME_SECONDS
+    ref_times: list[float] = []
+    ours: dict[str, list[tuple[float, StageTimings]]] = {k: [] for k in models}
+    wav_ref = None
+    outs: dict[str, np.ndarray] = {}
+    for _ in range(reps):
+        start = time.perf_counter()
+        wav_ref = ref.reference_decode(ref_model, codes)
+        ref_times.append(time.perf_counter() - start)
+        for name, m in models.items():
+            start = time.perf_counter()
+            outs[name], tm = decode(m, codes, chunk=chunk)
+            ours[name].append((time.perf_counter() - start, tm))
+    assert wav_ref is not None
+    r = best(ref_times)
+    print(f"\n## offline, {t} frames ({audio_s:.2f} s audio), decode chunk {chunk} frames")
+    print(f"| decoder | {' | '.join(DECODER_STAGES)} | total s | RTF | ratio vs ref | SNR dB |")
+    print(f"|---|{'---:|' * len(DECODER_STAGES)}---:|---:|---:|---:|")
+    print(f"| reference (PyTorch) | {' | '.join('' for _ in DECODER_STAGES)} | {r:.3f} | "
+          f"{r / audio_s:.3f} | 1.00 | |")
+    for name, runs in ours.items():
+        total, tm = min(runs, key=lambda x: x[0])
+        stages = " | ".join(f"{v:.3f}" for v in tm.as_dict().values())
+        print(f"| qtts {name} | {stages} | {total:.3f} | {total / audio_s:.3f} | "
+              f"{r / total:.2f} | {snr_db(wav_ref, outs[name]):.1f} |")
+
+
+def bench_streaming(m: DecoderModel, codes: np.ndarray, chunk_sizes: list[int], reps: int,
+                    offline_chunk: int) -> None:
+    t = codes.shape[1]
+    offline = best([_timed(lambda: decode(m, codes, chunk=offline_chunk)) for _ in range(reps)])
+    print(f"\n## streaming ({m.precision}), {t} frames; offline {offline:.3f} s")
+    print("| push size (frames) | total s | cost vs offline | first chunk ms | per-push ms |")
+    print("|---:|---:|---:|---:|---:|")
+    for n in chunk_sizes:
+        runs = []
+        for _ in range(reps):
+            sd = StreamingDecoder(m)
+            start = time.perf_counter()
+            first = None
+            for s in range(0, t, n):
+                sd.push(codes[:, s : s + n])
+                if first is None:
+                    first = time.perf_counter() - start
+            runs.append((time.perf_counter() - start, first or 0.0))
+        total, first = min(runs)
+        pushes = (t + n - 1) // n
+        print(f"| {n} | {total:.3f} | {total / offline:.2f} | {first * 1e3:.0f} | "
+              f"{total / pushes * 1e3:.0f} |")
+
+
+def _timed(fn: Any) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", default="full", choices=["tiny", "full"])
+    ap.add_argument("--frames", type=int, nargs="+", default=[31, 125])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--chunk", type=int, default=None, help="offline push size (frames)")
+    ap.add_argument("--stream", type=int, nargs="*", default=[1, 4])
+    args = ap.parse_args()
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    print(f"# decoder benchmark: {args.size} random weights, {args.threads} threads, "
+          f"min of {args.reps}; load average at start {os.getloadavg()[0]:.2f}")
+    folder = ref.make_reference_tokenizer_dir(ref.default_cache_dir(), args.size, seed=0)
+    ref_model = ref.load_reference_decoder(folder)
+    with tempfile.TemporaryDirectory() as tmp:
+        gguf = Path(tmp) / "decoder.gguf"
+        convert(folder, gguf, dtype="f32", progress=False)
+        model = open_model(gguf)
+        backends = BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": str(args.threads)})
+        models = {p: DecoderModel.load(model, backends, p) for p in ("exact", "fast")}  # type: ignore[arg-type]
+        from engine.decoder.streaming import DEFAULT_OFFLINE_CHUNK
+
+        chunk = args.chunk or DEFAULT_OFFLINE_CHUNK
+        for t in args.frames:
+            codes = ref.random_codes(t, seed=1)
+            bench_offline(models, ref_model, codes, args.reps, chunk)
+        codes = ref.random_codes(max(args.frames), seed=1)
+        for m in models.values():
+            bench_streaming(m, codes, args.stream, max(1, args.reps - 1), chunk)
+
+
+if __name__ == "__main__":
+    main()

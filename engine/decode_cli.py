@@ -1,0 +1,62 @@
+"""`qtts decode`: codes from a .npy file -> a 24 kHz float WAV, offline or streamed."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from engine.errors import InputError
+
+
+def load_codes(path: str, n_quantizers: int) -> np.ndarray[Any, Any]:
+    """Read codes [Q, T]; a [T, Q] array is transposed (and said so). One-line errors."""
+    try:
+        arr = np.load(path, allow_pickle=False)
+    except FileNotFoundError:
+        raise InputError("codes", f"{path}: no such file") from None
+    except (OSError, ValueError) as exc:
+        raise InputError("codes", f"{path}: not a readable .npy array ({exc})") from None
+    if arr.ndim == 2 and arr.shape[0] != n_quantizers and arr.shape[1] == n_quantizers:
+        print(f"qtts: {path}: codes given as [T, {n_quantizers}] {list(arr.shape)}; transposed "
+              f"to [{n_quantizers}, T]", file=sys.stderr)
+        arr = arr.T
+    return np.asarray(arr)
+
+
+def run_decode(model_path: str, codes_path: str, out_path: str, stream_chunk: int,
+               precision: str) -> int:
+    """Decode and write the WAV; returns the exit status."""
+    import soundfile as sf
+
+    from engine.backend import BackendSet
+    from engine.decoder import DecoderModel, StreamingDecoder, decode, validate_codes
+    from engine.gguf_model import open_model
+
+    model = open_model(model_path)
+    cfg = model.decoder_config
+    if cfg is None:
+        raise InputError("model", f"{model_path}: this model file has no decoder part")
+    codes = validate_codes(load_codes(codes_path, cfg.num_quantizers), cfg.num_quantizers,
+                           cfg.codebook_size)
+    if not Path(out_path).parent.exists():
+        raise InputError("out", f"{out_path}: folder does not exist")
+    dec = DecoderModel.load(model, BackendSet.from_env(), precision)  # type: ignore[arg-type]
+    started = time.perf_counter()
+    if stream_chunk > 0:
+        sd = StreamingDecoder(dec)
+        pieces = [sd.push(codes[:, s : s + stream_chunk])[0]
+                  for s in range(0, codes.shape[1], stream_chunk)]
+        audio = np.concatenate(pieces)
+    else:
+        audio, timings = decode(dec, codes)
+        timings.report("decode")
+    elapsed = time.perf_counter() - started
+    sf.write(out_path, audio, dec.sample_rate, subtype="FLOAT")
+    seconds = audio.size / dec.sample_rate
+    print(f"qtts: wrote {out_path}: {seconds:.2f} s of audio in {elapsed:.2f} s "
+          f"(RTF {elapsed / seconds:.3f}, {dec.precision})", file=sys.stderr)
+    return 0
