@@ -27,7 +27,8 @@ pytestmark = [
                        "run `make parity-env`"),
 ]
 
-FRAMES = {"tiny": 24, "full": 31}
+# full: 80 frames so the 72-frame attention window slides (the cache is exercised)
+FRAMES = {"tiny": 24, "full": 80}
 # reference stage key -> our tapped intermediate
 STAGES = {
     "quant": "dec.rvq.out",
