@@ -6,13 +6,18 @@ in the primary's buffer type and runs every graph through one ``ggml_backend_sch
 allocator is guarded by a mutex. ``execute`` is the one door to compute.
 
 Environment (read by ``BackendSet.from_env``):
-  QTTS_BACKEND           auto | cpu | blas | cuda | vulkan | metal | hexagon   (default auto)
+  QTTS_BACKEND           auto | cpu | blas | rpc | cuda | vulkan | metal | hexagon (default auto)
   QTTS_BACKEND_FALLBACK  auto order, comma list (default: every GPU-class backend the build
                          has, then cpu). ``blas`` is never chosen by default: it only runs large
                          F32 matmuls and converts every other weight type on each call.
   QTTS_DEVICE            device index within the chosen backend (default 0)
+  QTTS_RPC_SERVERS       comma list of host:port of ggml RPC servers (``python -m
+                         engine.rpc_server``); each adds one ``rpc`` device
   QTTS_THREADS           CPU threads (default: the CPUs this process may run on)
   QTTS_DEBUG_BACKEND=1   print per-graph placement: nodes per backend, op types on the CPU
+  QTTS_MAX_MATMUL_ROWS   split matmuls whose src1 has more rows (default: per backend, e.g.
+                         1024 for hexagon; none elsewhere) so they stay on the accelerator
+  QTTS_OP_LOG, QTTS_OP_FILTER, QTTS_CHECK_DETERMINISM   see engine/diagnostics.py
 """
 
 from __future__ import annotations
@@ -27,6 +32,13 @@ from typing import Any
 
 import numpy as np
 
+from engine.diagnostics import (
+    DeterminismError,
+    DiagnosticSettings,
+    EvalHook,
+    OpLog,
+    first_difference,
+)
 from engine.errors import BackendError
 from engine.ggml import Tensor, ffi, lib, native_info
 from engine.ggml.graph import Graph, name_of, new_tensor, numpy_dtype_of, set_name
@@ -35,13 +47,17 @@ from engine.ggml.graph import Graph, name_of, new_tensor, numpy_dtype_of, set_na
 REGISTRY_NAMES: dict[str, str] = {
     "cpu": "CPU",
     "blas": "BLAS",
+    "rpc": "RPC",
     "cuda": "CUDA",
     "vulkan": "Vulkan",
     "metal": "MTL",
     "hexagon": "HTP",
 }
 ACCELERATORS = ("cuda", "vulkan", "metal", "hexagon")
-DEFAULT_GRAPH_SIZE = 16384
+DEFAULT_GRAPH_SIZE = 65536  # nodes per graph the scheduler accepts (row-split decoder graphs)
+# Largest src1 row count a backend's MUL_MAT accepts. ggml exposes no such limit, so these come
+# from the backends' own supports_op code: the Hexagon (HTP) backend refuses more than 1024.
+MAX_MATMUL_ROWS: dict[str, int] = {"hexagon": 1024}
 
 
 @dataclass(frozen=True)
@@ -62,6 +78,27 @@ def _registry_loaded() -> None:
     lib.ggml_backend_load_all_from_path(lib_dir)
 
 
+_RPC_REGISTERED: set[str] = set()
+
+
+def register_rpc_servers(endpoints: str | None) -> None:
+    """Add each ``host:port`` RPC server's devices to ggml's registry (once per process)."""
+    for ep in (e.strip() for e in (endpoints or "").split(",")):
+        if not ep or ep in _RPC_REGISTERED:
+            continue
+        if "rpc" not in built_backends():
+            raise BackendError(f"QTTS_RPC_SERVERS={endpoints}: this ggml build has no rpc "
+                               "backend; rebuild with QTTS_GGML_BACKENDS=blas,rpc make native")
+        host, _, port = ep.rpartition(":")
+        if not host or not port.isdigit():
+            raise BackendError(f"QTTS_RPC_SERVERS: {ep!r} is not host:port")
+        reg = lib.ggml_backend_rpc_add_server(ep.encode())
+        if reg == ffi.NULL or lib.ggml_backend_reg_dev_count(reg) == 0:
+            raise BackendError(f"QTTS_RPC_SERVERS: no ggml rpc server answers at {ep}")
+        lib.ggml_backend_register(reg)
+        _RPC_REGISTERED.add(ep)
+
+
 def list_devices() -> list[DeviceInfo]:
     """Every device the build and the machine provide, grouped by our backend names."""
     _registry_loaded()
@@ -71,7 +108,7 @@ def list_devices() -> list[DeviceInfo]:
     for i in range(lib.ggml_backend_dev_count()):
         dev = lib.ggml_backend_dev_get(i)
         reg = ffi.string(lib.ggml_backend_reg_name(lib.ggml_backend_dev_backend_reg(dev))).decode()
-        ours = by_reg.get(reg, reg.lower())
+        ours = "rpc" if reg.startswith("RPC[") else by_reg.get(reg, reg.lower())
         out.append(
             DeviceInfo(
                 backend=ours,
@@ -121,11 +158,13 @@ def choose_backend(
     fallback: str | None = None,
     device: str | None = None,
     threads: str | None = None,
+    rpc_servers: str | None = None,
 ) -> BackendChoice:
     """Validate the backend settings against the build and the machine.
 
     Every refusal is a one-line BackendError that names what is available.
     """
+    register_rpc_servers(rpc_servers)
     devices = list_devices()
     built = built_backends()
     available = sorted({d.backend for d in devices}, key=lambda b: (b != "cpu", b))
@@ -337,9 +376,14 @@ class BackendSet:
     """Primary backend + CPU fallback, one scheduler, one locked allocator."""
 
     def __init__(self, choice: BackendChoice, graph_size: int = DEFAULT_GRAPH_SIZE,
-                 debug: bool = False) -> None:
+                 debug: bool = False, diagnostics: DiagnosticSettings | None = None,
+                 max_matmul_rows: int | None = None) -> None:
         self.choice = choice
         self.debug = debug
+        self.diagnostics = diagnostics or DiagnosticSettings()
+        self.max_matmul_rows = (max_matmul_rows if max_matmul_rows is not None
+                                else MAX_MATMUL_ROWS.get(choice.device.backend))
+        self.last_op_log: OpLog | None = None
         self.threads = choice.threads
         self.graph_size = graph_size
         self.name = choice.device.backend
@@ -371,8 +415,13 @@ class BackendSet:
             e.get("QTTS_BACKEND_FALLBACK"),
             e.get("QTTS_DEVICE"),
             e.get("QTTS_THREADS"),
+            e.get("QTTS_RPC_SERVERS"),
         )
-        return cls(choice, debug=e.get("QTTS_DEBUG_BACKEND", "") == "1", **kwargs)
+        rows = e.get("QTTS_MAX_MATMUL_ROWS")
+        if rows not in (None, ""):
+            kwargs.setdefault("max_matmul_rows", _parse_int("QTTS_MAX_MATMUL_ROWS", rows, 1))
+        return cls(choice, debug=e.get("QTTS_DEBUG_BACKEND", "") == "1",
+                   diagnostics=DiagnosticSettings.from_env(e), **kwargs)
 
     def _set_threads(self, backend: Any, dev: Any) -> None:
         reg = lib.ggml_backend_dev_backend_reg(dev)
@@ -411,15 +460,14 @@ class BackendSet:
             raise KeyError(f"no data for graph input(s) {', '.join(missing)}")
         with self._lock:
             lib.ggml_backend_sched_reset(self.sched)
+            self._apply_op_filter(graph)
             if not lib.ggml_backend_sched_alloc_graph(self.sched, graph.gf):
                 raise BackendError("the scheduler could not allocate the graph")
-            for name, arr in uploads.items():
-                src = np.ascontiguousarray(arr)
-                lib.ggml_backend_tensor_set(graph.inputs[name], ffi.from_buffer(src), 0,
-                                            src.nbytes)
-            status = lib.ggml_backend_sched_graph_compute(self.sched, graph.gf)
-            if status != lib.GGML_STATUS_SUCCESS:
-                raise BackendError(f"graph compute failed with status {status}")
+            self._upload(graph, uploads)
+            if self.diagnostics.any_hook:
+                self._compute_observed(graph, uploads)
+            else:
+                self._compute(graph)
             out: dict[str, np.ndarray[Any, Any]] = {}
             for name in names:
                 t = graph.outputs[name]
@@ -431,6 +479,50 @@ class BackendSet:
                 self.last_placement = self._placement(graph)
                 print(f"[qtts backend] {self.last_placement.line()}", file=sys.stderr)
         return out
+
+    def _upload(self, graph: Graph, uploads: Mapping[str, np.ndarray[Any, Any]]) -> None:
+        for name, arr in uploads.items():
+            src = np.ascontiguousarray(arr)
+            lib.ggml_backend_tensor_set(graph.inputs[name], ffi.from_buffer(src), 0, src.nbytes)
+
+    def _compute(self, graph: Graph) -> None:
+        status = lib.ggml_backend_sched_graph_compute(self.sched, graph.gf)
+        if status != lib.GGML_STATUS_SUCCESS:
+            raise BackendError(f"graph compute failed with status {status}")
+
+    def _apply_op_filter(self, graph: Graph) -> None:
+        """QTTS_OP_FILTER: pin the chosen op types to the CPU backend."""
+        if not self.diagnostics.op_filter:
+            return
+        for node in graph.nodes():
+            if ffi.string(lib.ggml_op_desc(node)).decode() in self.diagnostics.op_filter:
+                lib.ggml_backend_sched_set_tensor_backend(self.sched, node, self.cpu)
+
+    def _compute_observed(self, graph: Graph, uploads: Mapping[str, np.ndarray[Any, Any]]
+                          ) -> None:
+        """Compute node by node under the eval callback (op log and/or determinism check)."""
+        d = self.diagnostics
+
+        def backend_name(b: Any) -> str:
+            return ffi.string(lib.ggml_backend_name(b)).decode() if b != ffi.NULL else "none"
+
+        hook = EvalHook(self.sched, backend_name, d.op_log, d.check_determinism, echo=d.op_log)
+        hook.install()
+        try:
+            self._compute(graph)
+            if d.check_determinism:
+                again = EvalHook(self.sched, backend_name, False, True, echo=False)
+                again.install()
+                self._upload(graph, uploads)  # the allocator may have reused input memory
+                self._compute(graph)
+                diff = first_difference(hook.log.hashes, again.log.hashes)
+                if diff is not None:
+                    raise DeterminismError(diff)
+        finally:
+            lib.ggml_backend_sched_set_eval_callback(self.sched, ffi.NULL, ffi.NULL)
+        self.last_op_log = hook.log
+        if d.op_log:
+            print(hook.log.report(), file=sys.stderr)
 
     def _placement(self, graph: Graph) -> Placement:
         per: Counter[str] = Counter()
@@ -447,6 +539,7 @@ class BackendSet:
         """Place ``graph`` (without computing it) and report where each node went."""
         with self._lock:
             lib.ggml_backend_sched_reset(self.sched)
+            self._apply_op_filter(graph)
             if not lib.ggml_backend_sched_alloc_graph(self.sched, graph.gf):
                 raise BackendError("the scheduler could not allocate the graph")
             return self._placement(graph)

@@ -16,6 +16,7 @@ compiled ggml. Nothing here runs at inference time and nothing is downloaded at 
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import json
 import os
@@ -40,10 +41,14 @@ BACKEND_OPTIONS: dict[str, list[str]] = {
     "vulkan": ["-DGGML_VULKAN=ON"],
     "metal": ["-DGGML_METAL=ON"],
     "hexagon": ["-DGGML_HEXAGON=ON"],
+    "rpc": ["-DGGML_RPC=ON"],
 }
-DEFAULT_BACKENDS = "blas"
+# BLAS and RPC give CPU-only machines a real second backend: BLAS shares the CPU's buffer type,
+# RPC (a local rpc server process) has its own, like an accelerator.
+DEFAULT_BACKENDS = "blas,rpc"
 
 HEADERS = ["ggml.h", "ggml-alloc.h", "ggml-backend.h", "ggml-cpu.h", "gguf.h"]
+BACKEND_HEADERS = {"rpc": "ggml-rpc.h"}
 OPS_HEADER = NATIVE / "ops" / "qtts_ops.h"
 
 
@@ -182,8 +187,11 @@ def build_ggml(source: Path, prefix: Path, opts: list[str]) -> float:
     subprocess.run(["cmake", "-S", str(source), "-B", str(build_dir), "-Wno-dev", *opts,
                     f"-DCMAKE_INSTALL_PREFIX={prefix}"],
                    check=True, stdout=subprocess.DEVNULL)
-    subprocess.run(["cmake", "--build", str(build_dir), "-j", jobs], check=True,
-                   stdout=subprocess.DEVNULL)
+    build = subprocess.run(["cmake", "--build", str(build_dir), "-j", jobs],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if build.returncode != 0:
+        print(build.stdout[-20000:], file=sys.stderr)
+        fail(f"ggml build failed (exit {build.returncode}); its output is above")
     subprocess.run(["cmake", "--install", str(build_dir)], check=True, stdout=subprocess.DEVNULL)
     shutil.rmtree(build_dir)
     return time.perf_counter() - started
@@ -224,7 +232,8 @@ def build_ops(prefix: Path) -> Path | None:
 FAKE_LIBC = ["stdbool.h", "stddef.h", "stdint.h", "stdio.h", "stdarg.h", "stdlib.h", "string.h"]
 
 
-def preprocess(include_dir: Path, extra_headers: list[Path]) -> tuple[str, str]:
+def preprocess(include_dir: Path, extra_headers: list[Path], backends: list[str]
+               ) -> tuple[str, str]:
     """Run the headers through cpp with empty libc stand-ins; returns (declarations, macros)."""
     with tempfile.TemporaryDirectory() as tmp:
         fake = Path(tmp) / "fake"
@@ -232,7 +241,8 @@ def preprocess(include_dir: Path, extra_headers: list[Path]) -> tuple[str, str]:
         for name in FAKE_LIBC:
             (fake / name).write_text("")
         wrapper = Path(tmp) / "all.h"
-        lines = [f'#include "{h}"' for h in HEADERS]
+        headers = HEADERS + [BACKEND_HEADERS[b] for b in backends if b in BACKEND_HEADERS]
+        lines = [f'#include "{h}"' for h in headers]
         lines += [f'#include "{p}"' for p in extra_headers]
         wrapper.write_text("\n".join(lines) + "\n")
         flags = ["-nostdinc", f"-I{fake}", f"-I{include_dir}", "-U__GNUC__",
@@ -276,7 +286,7 @@ def write_binding(prefix: Path, ops_lib: Path | None, opts: list[str], key: str,
     import cffi
 
     extra = [OPS_HEADER] if ops_lib is not None and OPS_HEADER.exists() else []
-    decls, macros = preprocess(prefix / "include", extra)
+    decls, macros = preprocess(prefix / "include", extra, backends)
     cdef = clean_declarations(decls, macros)
     ffi = cffi.FFI()
     ffi.cdef(cdef)
@@ -306,6 +316,15 @@ def main() -> None:
     parser.add_argument("--force", action="store_true", help="rebuild ggml even if cached")
     args = parser.parse_args()
 
+    # Two builds on one machine (parallel CI jobs, a developer and a test) must not share a
+    # half-written prefix: hold an exclusive lock on the cache for the whole run.
+    cache_root().mkdir(parents=True, exist_ok=True)
+    with open(cache_root() / ".build.lock", "w") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        _build(args.force)
+
+
+def _build(force: bool) -> None:
     lock = read_lock()
     backends = requested_backends()
     check_prerequisites(backends)
@@ -314,7 +333,7 @@ def main() -> None:
     prefix = cache_root() / "ggml" / f"{lock['ggml_version']}-{key}"
     done = prefix / ".complete"
     build_seconds: float | None = None
-    if args.force or not done.exists():
+    if force or not done.exists():
         source = unpack(fetch_sdist(lock), lock)
         if prefix.exists():
             shutil.rmtree(prefix)

@@ -12,6 +12,7 @@ import pytest
 from engine.backend import BackendSet, built_backends, choose_backend
 from engine.errors import BackendError
 from engine.ggml import Graph, lib
+from tests.rpc import rpc_server
 
 AVAILABLE = "cpu, blas" if "blas" in built_backends() else "cpu"
 
@@ -24,8 +25,8 @@ def _env(**kw: str) -> dict[str, str]:
     ("env", "message"),
     [
         (_env(backend="tpu"),
-         f"QTTS_BACKEND='tpu' is unknown; choose auto or one of: cpu, blas, cuda, vulkan, "
-         f"metal, hexagon (available here: {AVAILABLE})"),
+         f"QTTS_BACKEND='tpu' is unknown; choose auto or one of: cpu, blas, rpc, cuda, "
+         f"vulkan, metal, hexagon (available here: {AVAILABLE})"),
         (_env(backend="cuda"),
          f"QTTS_BACKEND=cuda: this ggml build has no cuda backend (built: "
          f"{', '.join(built_backends())}); rebuild with QTTS_GGML_BACKENDS=cuda make native"),
@@ -38,8 +39,8 @@ def _env(**kw: str) -> dict[str, str]:
         (_env(backend="auto", backend_fallback=" , "),
          f"QTTS_BACKEND_FALLBACK=' , ' names no backend (available here: {AVAILABLE})"),
         (_env(backend_fallback="cuda,gpu"),
-         f"QTTS_BACKEND_FALLBACK names unknown backend(s) gpu; known: cpu, blas, cuda, vulkan, "
-         f"metal, hexagon (available here: {AVAILABLE})"),
+         f"QTTS_BACKEND_FALLBACK names unknown backend(s) gpu; known: cpu, blas, rpc, cuda, "
+         f"vulkan, metal, hexagon (available here: {AVAILABLE})"),
         (_env(backend="cpu", device="1"),
          "QTTS_DEVICE=1 is out of range: cpu has 1 device(s) (0..0)"),
         (_env(device="first"), "QTTS_DEVICE='first' is not an integer"),
@@ -165,3 +166,57 @@ def test_weights_zero_copy_from_a_file_map(tmp_path: object) -> None:
     g.output(lib.ggml_add(g.ctx, lib.ggml_mul_mat(g.ctx, tw, x), store["b"]), "y")
     xs = np.ones((3, 32), np.float32)
     np.testing.assert_allclose(bs.execute(g, {"x": xs})["y"], xs @ w.T + 1, rtol=1e-6)
+
+
+@pytest.mark.skipif("rpc" not in built_backends(), reason="build has no RPC backend")
+def test_graph_split_across_rpc_and_cpu_equals_cpu() -> None:
+    """A backend with its own buffer type, like an accelerator: weights and ops move to it."""
+    w = np.random.default_rng(3).standard_normal((256, 256)).astype(np.float32) * 0.05
+    cpu = BackendSet.from_env(_env(backend="cpu", threads="2"))
+    g, inp = _mlp_graph(200, w)
+    ref = cpu.execute(g, inp)["y"]
+    with rpc_server() as endpoint:
+        rpc = BackendSet.from_env(_env(backend="rpc", rpc_servers=endpoint, debug_backend="1"))
+        assert rpc.name == "rpc"
+        store = rpc.weight_store()  # weights live in the RPC device's own buffer type
+        tw = store.add_array("w", w)
+        store.allocate()
+        g2 = Graph()
+        tx = g2.input("x", inp["x"].shape)
+        h = lib.ggml_gelu_erf(g2.ctx, lib.ggml_mul_mat(g2.ctx, tw, tx))
+        g2.output(lib.ggml_soft_max(g2.ctx, lib.ggml_mul_mat(g2.ctx, tw, h)), "y")
+        out = rpc.execute(g2, {"x": inp["x"]})["y"]
+        p = rpc.last_placement
+        assert p is not None and p.nodes_per_backend == {f"RPC0[{endpoint}]": 4}, p
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-7)
+        # an op the primary would run, pinned to the CPU by QTTS_OP_FILTER
+        filt = BackendSet.from_env(_env(backend="rpc", rpc_servers=endpoint,
+                                        op_filter="GELU_ERF"))
+        store2 = filt.weight_store()
+        tw2 = store2.add_array("w", w)
+        store2.allocate()
+
+        def graph() -> Graph:
+            # a fresh graph per run: re-running one graph object on the rpc backend of ggml
+            # 0.20.2 after a re-allocation can return stale results (seen in development)
+            g3 = Graph()
+            tx = g3.input("x", inp["x"].shape)
+            h = lib.ggml_gelu_erf(g3.ctx, lib.ggml_mul_mat(g3.ctx, tw2, tx))
+            g3.output(lib.ggml_soft_max(g3.ctx, lib.ggml_mul_mat(g3.ctx, tw2, h)), "y")
+            return g3
+
+        placed = filt.placement(graph())
+        assert placed.cpu_fallback_ops == {"GELU_ERF": 1}, placed
+        assert placed.n_splits == 3
+        np.testing.assert_allclose(filt.execute(graph(), {"x": inp["x"]})["y"], ref,
+                                   rtol=1e-5, atol=1e-7)
+        # release remote buffers while the server is up (the rpc client aborts on a dead link)
+        for obj in (store, store2, rpc, filt):
+            obj.close()
+        with pytest.raises(BackendError, match="QTTS_DEVICE=1 is out of range: rpc has 1"):
+            BackendSet.from_env(_env(backend="rpc", rpc_servers=endpoint, device="1"))
+
+
+def test_rpc_server_errors() -> None:
+    with pytest.raises(BackendError, match=r"QTTS_RPC_SERVERS: 'nohost' is not host:port"):
+        BackendSet.from_env(_env(backend="cpu", rpc_servers="nohost"))

@@ -23,11 +23,30 @@ class StageGraph(Graph):
     """A Graph plus the carried state it reads and writes."""
 
     def __init__(self, state: dict[str, np.ndarray[Any, Any]], use_custom_ops: bool = False,
-                 capture: bool = False, max_nodes: int = 8192) -> None:
-        super().__init__(max_nodes)
+                 capture: bool = False, max_matmul_rows: int | None = None,
+                 max_nodes: int | None = None) -> None:
+        # Row-limited backends split every matmul: room for many more nodes.
+        super().__init__(max_nodes or (8192 if max_matmul_rows is None else 65536))
         self.state = state
         self.use_custom_ops = use_custom_ops
         self.capture = capture
+        self.max_matmul_rows = max_matmul_rows
+
+    def mul_mat(self, w: Tensor, x: Tensor) -> Tensor:
+        """``W x`` for a time-major x, split into row chunks when the backend limits src1 rows.
+
+        Each chunk is its own MUL_MAT, small enough to stay on a row-limited accelerator; the
+        chunks are joined along time. On the CPU the result equals the unsplit product.
+        """
+        rows_max, t = self.max_matmul_rows, int(x.ne[1])
+        if rows_max is None or t <= rows_max:
+            return lib.ggml_mul_mat(self.ctx, w, x)
+        y = None
+        for start in range(0, t, rows_max):
+            part = lib.ggml_mul_mat(self.ctx, w, rows(self.ctx, x, start, min(rows_max,
+                                                                              t - start)))
+            y = part if y is None else lib.ggml_concat(self.ctx, y, part, 1)
+        return y
 
     def tap(self, t: Tensor, name: str) -> Tensor:
         """Name an intermediate; with ``capture`` on, also read it back (for parity checks)."""
@@ -83,7 +102,7 @@ def causal_conv(g: StageGraph, key: str, x: Tensor, conv: Conv, dilation: int = 
         xp = lib.ggml_cast(ctx, xp, conv.taps[0].type)
     y = None
     for j, tap in enumerate(conv.taps):
-        part = lib.ggml_mul_mat(ctx, tap, rows(ctx, xp, j * dilation, t))
+        part = g.mul_mat(tap, rows(ctx, xp, j * dilation, t))
         y = part if y is None else lib.ggml_add(ctx, y, part)
     return lib.ggml_add(ctx, y, conv.bias)
 
@@ -96,10 +115,10 @@ def causal_tconv(g: StageGraph, key: str, x: Tensor, tc: TConv) -> Tensor:
     """
     ctx = g.ctx
     t = int(x.ne[1])
-    y = lib.ggml_mul_mat(ctx, tc.cur, x)
+    y = g.mul_mat(tc.cur, x)
     if tc.prev is not None:
         xp = with_history(g, key, x, 1)
-        y = lib.ggml_add(ctx, y, lib.ggml_mul_mat(ctx, tc.prev, rows(ctx, xp, 0, t)))
+        y = lib.ggml_add(ctx, y, g.mul_mat(tc.prev, rows(ctx, xp, 0, t)))
     y = lib.ggml_reshape_2d(ctx, y, tc.c_out, tc.stride * t)
     return lib.ggml_add(ctx, y, tc.bias)
 
@@ -114,9 +133,9 @@ def snake(g: StageGraph, x: Tensor, s: Snake) -> Tensor:
     return lib.ggml_add(ctx, x, lib.ggml_mul(ctx, sin2, s.inv_beta))
 
 
-def linear(g: Graph, x: Tensor, lin: Linear) -> Tensor:
+def linear(g: StageGraph, x: Tensor, lin: Linear) -> Tensor:
     """``W x + b`` on a time-major [in, T] tensor."""
-    y = lib.ggml_mul_mat(g.ctx, lin.weight, x)
+    y = g.mul_mat(lin.weight, x)
     return lib.ggml_add(g.ctx, y, lin.bias) if lin.bias is not None else y
 
 

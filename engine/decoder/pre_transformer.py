@@ -39,7 +39,7 @@ def self_attention(g: StageGraph, w: DecoderWeights, il: int, x: Tensor, pos: Te
     n_cache = cfg.sliding_window - 1
 
     def heads(weight: Tensor) -> Tensor:
-        return lib.ggml_reshape_3d(ctx, lib.ggml_mul_mat(ctx, weight, x), d_head, n_head, t)
+        return lib.ggml_reshape_3d(ctx, g.mul_mat(weight, x), d_head, n_head, t)
 
     def rope(h: Tensor) -> Tensor:
         return lib.ggml_rope_ext(ctx, h, pos, NULL, d_head,
@@ -57,7 +57,7 @@ def self_attention(g: StageGraph, w: DecoderWeights, il: int, x: Tensor, pos: Te
     out = lib.ggml_mul_mat(ctx, vt, probs)  # [d, T, H]
     out = lib.ggml_cont(ctx, lib.ggml_permute(ctx, out, 0, 2, 1, 3))  # [d, H, T]
     out = lib.ggml_reshape_2d(ctx, out, d_head * n_head, t)
-    return lib.ggml_mul_mat(ctx, lw.o, out)
+    return g.mul_mat(lw.o, out)
 
 
 def _windowed(g: StageGraph, key: str, h: Tensor, n_cache: int) -> Tensor:
@@ -75,8 +75,8 @@ def _windowed(g: StageGraph, key: str, h: Tensor, n_cache: int) -> Tensor:
 def mlp(g: StageGraph, x: Tensor, lw: PreTransformerLayer) -> Tensor:
     """SwiGLU: ``down(silu(gate x) * up x)``."""
     ctx = g.ctx
-    gate = lib.ggml_silu(ctx, lib.ggml_mul_mat(ctx, lw.gate, x))
-    return lib.ggml_mul_mat(ctx, lw.down, lib.ggml_mul(ctx, gate, lib.ggml_mul_mat(ctx, lw.up, x)))
+    gate = lib.ggml_silu(ctx, g.mul_mat(lw.gate, x))
+    return g.mul_mat(lw.down, lib.ggml_mul(ctx, gate, g.mul_mat(lw.up, x)))
 
 
 def layer(g: StageGraph, w: DecoderWeights, il: int, h: Tensor, pos: Tensor, mask: Tensor

@@ -22,5 +22,5 @@ def build(g: StageGraph, w: DecoderWeights, n_frames: int) -> Tensor:
     rest = lookup(1)
     for q in range(2, n_q):
         rest = lib.ggml_add(ctx, rest, lookup(q))
-    first = lib.ggml_mul_mat(ctx, w.first_proj, lookup(0))
-    return g.tap(lib.ggml_add(ctx, first, lib.ggml_mul_mat(ctx, w.rest_proj, rest)), "dec.rvq.out")
+    first = g.mul_mat(w.first_proj, lookup(0))
+    return g.tap(lib.ggml_add(ctx, first, g.mul_mat(w.rest_proj, rest)), "dec.rvq.out")

@@ -123,7 +123,8 @@ class StreamingDecoder:
     def _stage(self, tm: StageTimings, name: str, build: Callable[[StageGraph], Tensor],
                **inputs: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
         started = time.perf_counter()
-        g = StageGraph(self.state, self.model.use_custom_ops, self.capture)
+        g = StageGraph(self.state, self.model.use_custom_ops, self.capture,
+                       self.model.backends.max_matmul_rows)
         try:
             g.output(build(g), "y")
             out = self.model.backends.execute(g, g.uploads(**inputs))

@@ -1,0 +1,216 @@
+"""The ``qtts`` command line: ``qtts convert | make-model | info | decode | synth | serve``.
+
+Each subcommand is two small functions: ``_add_<name>(subparsers)`` declares its arguments and
+``_cmd_<name>(args) -> int`` runs it. ``main`` maps every ``QttsError`` to one line
+``qtts: <message>`` on stderr and exit status 2 — never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from engine.errors import QttsError
+
+Handler = Callable[[argparse.Namespace], int]
+SubParsers = Any  # argparse._SubParsersAction (private type)
+
+EXIT_ERROR = 2
+
+
+# ---------------------------------------------------------------------------------------------
+# convert
+# ---------------------------------------------------------------------------------------------
+
+
+def _add_convert(sub: SubParsers) -> None:
+    from engine.convert import DTYPES
+
+    p = sub.add_parser(
+        "convert",
+        help="convert a Qwen3-TTS checkpoint folder (or a speech-tokenizer folder) to GGUF",
+        description="Convert a released Qwen3-TTS checkpoint folder to one qtts GGUF file.",
+    )
+    p.add_argument("model_dir", help="HF checkpoint folder (or its speech_tokenizer/ folder)")
+    p.add_argument("out", help="output .gguf path")
+    p.add_argument("--dtype", choices=list(DTYPES), default="f16", help="weight type (f16)")
+    p.add_argument(
+        "--parts", default=None, help="comma list of parts: decoder,talker (default: all present)"
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_convert)
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from engine.convert import convert
+
+    report = convert(
+        args.model_dir, args.out, dtype=args.dtype, parts=args.parts, progress=not args.no_progress
+    )
+    for line in report.summary_lines():
+        print(f"qtts: {line}", file=sys.stderr)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# make-model
+# ---------------------------------------------------------------------------------------------
+
+
+def _add_make_model(sub: SubParsers) -> None:
+    from engine.convert import DTYPES
+    from engine.make_model import SIZES, VARIANTS
+
+    p = sub.add_parser(
+        "make-model",
+        help="write a deterministic random-weight model (HF layout + model.gguf) for tests",
+        description=(
+            "Write a random-weight checkpoint in the released HF layout into OUT_DIR and convert "
+            "it to OUT_DIR/model.gguf. Its audio is noise, not speech."
+        ),
+    )
+    p.add_argument("out_dir", help="output folder")
+    p.add_argument("--size", choices=SIZES, required=True, help="tiny (tests) or full (0.6B)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (0)")
+    p.add_argument("--variant", choices=VARIANTS, default="custom_voice")
+    p.add_argument(
+        "--dtype", choices=list(DTYPES), default=None, help="GGUF weight type (f16 full, f32 tiny)"
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_make_model)
+
+
+def _cmd_make_model(args: argparse.Namespace) -> int:
+    from engine.make_model import make_model
+
+    report = make_model(
+        args.out_dir,
+        size=args.size,
+        seed=args.seed,
+        variant=args.variant,
+        dtype=args.dtype,
+        progress=not args.no_progress,
+    )
+    for line in report.summary_lines():
+        print(f"qtts: {line}", file=sys.stderr)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# info
+# ---------------------------------------------------------------------------------------------
+
+
+def _add_info(sub: SubParsers) -> None:
+    p = sub.add_parser("info", help="ggml version and build options, devices, chosen backend")
+    p.set_defaults(func=_cmd_info)
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from engine.info import info_lines
+
+    print("\n".join(info_lines()))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# decode
+# ---------------------------------------------------------------------------------------------
+
+
+def _add_decode(sub: SubParsers) -> None:
+    p = sub.add_parser("decode", help="codes [16, T] (.npy) -> 24 kHz mono float WAV")
+    p.add_argument("--model", required=True, help="a qtts GGUF with the decoder part")
+    p.add_argument("--codes", required=True, help=".npy int array [16, T] (or [T, 16])")
+    p.add_argument("--out", required=True, help="output .wav (32-bit float)")
+    p.add_argument(
+        "--stream-chunk",
+        type=int,
+        default=0,
+        help="decode through the streaming path, N frames per push (0: offline)",
+    )
+    p.add_argument(
+        "--precision",
+        choices=["exact", "fast"],
+        default="fast",
+        help="exact: F32 everywhere (parity); fast: BF16 wave-generator weights",
+    )
+    p.set_defaults(func=_cmd_decode)
+
+
+def _cmd_decode(args: argparse.Namespace) -> int:
+    from engine.decode_cli import run_decode
+
+    return run_decode(args.model, args.codes, args.out, args.stream_chunk, args.precision)
+
+
+# ---------------------------------------------------------------------------------------------
+# synth           (added by its owner: _add_synth / _cmd_synth)
+# ---------------------------------------------------------------------------------------------
+
+# ---------------------------------------------------------------------------------------------
+# serve           (the HTTP service lives in service/; engine code never imports it at load)
+# ---------------------------------------------------------------------------------------------
+
+
+def _add_serve(sub: SubParsers) -> None:
+    from service.cli import add_serve_parser
+
+    add_serve_parser(sub).set_defaults(func=_cmd_serve)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from service.cli import run_serve
+
+    return run_serve(args)
+
+
+# Every subcommand's argument declarer, in help order. Add new ones here.
+SUBCOMMANDS: list[Callable[[SubParsers], None]] = [
+    _add_convert,
+    _add_make_model,
+    _add_info,
+    _add_decode,
+    _add_serve,
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full ``qtts`` argument parser."""
+    parser = argparse.ArgumentParser(prog="qtts", description="Qwen3-TTS speech synthesis on ggml")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in SUBCOMMANDS:
+        add(sub)
+    return parser
+
+
+def _setup_logging(verbose: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="qtts: %(message)s",
+        stream=sys.stderr,
+    )
+    logging.getLogger("gguf").setLevel(logging.DEBUG if verbose else logging.WARNING)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``qtts`` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.verbose)
+    func: Handler = args.func
+    try:
+        return func(args)
+    except QttsError as exc:
+        print(f"qtts: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print("qtts: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
