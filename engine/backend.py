@@ -384,6 +384,8 @@ class BackendSet:
         self.max_matmul_rows = (max_matmul_rows if max_matmul_rows is not None
                                 else MAX_MATMUL_ROWS.get(choice.device.backend))
         self.last_op_log: OpLog | None = None
+        # When a list, every execute appends where its nodes ran (used by `qtts doctor`).
+        self.placement_log: list[Placement] | None = None
         self.threads = choice.threads
         self.graph_size = graph_size
         self.name = choice.device.backend
@@ -475,9 +477,12 @@ class BackendSet:
                 arr = np.empty(shape, dtype=numpy_dtype_of(t.type))
                 lib.ggml_backend_tensor_get(t, ffi.from_buffer(arr), 0, arr.nbytes)
                 out[name] = arr
-            if self.debug:
+            if self.debug or self.placement_log is not None:
                 self.last_placement = self._placement(graph)
-                print(f"[qtts backend] {self.last_placement.line()}", file=sys.stderr)
+                if self.placement_log is not None:
+                    self.placement_log.append(self.last_placement)
+                if self.debug:
+                    print(f"[qtts backend] {self.last_placement.line()}", file=sys.stderr)
         return out
 
     def _upload(self, graph: Graph, uploads: Mapping[str, np.ndarray[Any, Any]]) -> None:

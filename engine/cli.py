@@ -148,6 +148,26 @@ def _cmd_decode(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
+# doctor
+# ---------------------------------------------------------------------------------------------
+
+
+def _add_doctor(sub: SubParsers) -> None:
+    p = sub.add_parser("doctor", help="decode on every backend the build sees; compare with CPU")
+    p.add_argument("--model", required=True, help="a qtts GGUF with the decoder part")
+    p.add_argument("--frames", type=int, default=4, help="codec frames to decode (default 4)")
+    p.set_defaults(func=_cmd_doctor)
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from engine.doctor import doctor_table, run_doctor
+
+    rows = run_doctor(args.model, frames=args.frames)
+    print(doctor_table(rows))
+    return 1 if any(r.error or r.nan or r.inf for r in rows) else 0
+
+
+# ---------------------------------------------------------------------------------------------
 # synth           (added by its owner: _add_synth / _cmd_synth)
 # ---------------------------------------------------------------------------------------------
 
@@ -174,6 +194,7 @@ SUBCOMMANDS: list[Callable[[SubParsers], None]] = [
     _add_make_model,
     _add_info,
     _add_decode,
+    _add_doctor,
     _add_serve,
 ]
 
