@@ -26,7 +26,9 @@ def test_doctor_compares_every_backend_with_the_cpu(tiny_gguf: Path) -> None:
     for name, cols in rows.items():
         offloaded, total = map(int, cols[2].split("/"))
         assert total > 100
-        assert float(cols[3]) <= 1e-5, name  # max |diff| vs the CPU
+        # summation order differs between backends (OpenBLAS vs ggml GEMMs); a faulty kernel is
+        # off by O(1) on audio in [-1, 1]
+        assert float(cols[3]) <= 1e-3, name  # max |diff| vs the CPU
         assert cols[4] == cols[5] == "0"  # no NaN / Inf
         if name == "rpc":
             assert offloaded > total // 2  # the decoder really ran on the second backend
