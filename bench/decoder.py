@@ -23,12 +23,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.backend import BackendSet  # noqa: E402
-from engine.convert import convert  # noqa: E402
-from engine.decoder import DecoderModel, StreamingDecoder, decode  # noqa: E402
-from engine.gguf_model import open_model  # noqa: E402
-from engine.timings import DECODER_STAGES, StageTimings  # noqa: E402
-from tests.parity import reference as ref  # noqa: E402
+from engine.backend import BackendSet
+from engine.convert import convert
+from engine.decoder import DecoderModel, StreamingDecoder, decode
+from engine.gguf_model import open_model
+from engine.timings import DECODER_STAGES, StageTimings
+from tests.parity import reference as ref
 
 FRAME_SECONDS = 0.08
 

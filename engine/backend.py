@@ -305,6 +305,7 @@ class WeightStore:
             ggml_type = ggml_type_of(src.dtype)
         elif numpy_dtype_of(ggml_type) != src.dtype:
             raise TypeError(f"{name}: array dtype {src.dtype} does not hold ggml type {ggml_type}")
+        assert ggml_type is not None
         t = set_name(new_tensor(self.ctx, ggml_type, array.shape), name)
         self._tensors[name] = t
         self._arrays.append((t, src))

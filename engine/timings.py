@@ -31,7 +31,7 @@ class StageTimings:
     @property
     def total(self) -> float:
         """Sum over every stage."""
-        return sum(getattr(self, f.name) for f in fields(self))
+        return float(sum(getattr(self, f.name) for f in fields(self)))
 
     def __add__(self, other: StageTimings) -> StageTimings:
         return StageTimings(**{f.name: getattr(self, f.name) + getattr(other, f.name)

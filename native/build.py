@@ -274,8 +274,9 @@ def clean_declarations(decls: str, macros: str) -> str:
     decls = "\n".join(out)
     wanted = []
     for line in macros.splitlines():
-        m = re.fullmatch(r"#define ((?:GGML|GGUF|QTTS)_[A-Z0-9_]+) (-?(?:0x[0-9a-fA-F]+|\d+))[uUlL]*",
-                         line.strip())
+        m = re.fullmatch(
+            r"#define ((?:GGML|GGUF|QTTS)_[A-Z0-9_]+) (-?(?:0x[0-9a-fA-F]+|\d+))[uUlL]*",
+            line.strip())
         if m:
             wanted.append(f"#define {m.group(1)} {m.group(2)}")
     return "\n".join(wanted) + "\n" + decls

@@ -39,7 +39,7 @@ def test_matmul(cpu: BackendSet) -> None:
 
 def _conv1d_numpy(x: np.ndarray, w: np.ndarray, dilation: int) -> np.ndarray:
     """Causal conv: x [C, T], w [O, C, K] -> [O, T] with (K-1)*d zeros on the left."""
-    o, c, k = w.shape
+    _o, c, k = w.shape
     pad = (k - 1) * dilation
     xp = np.concatenate([np.zeros((c, pad), x.dtype), x], axis=1)
     t = x.shape[1]

@@ -174,7 +174,8 @@ class DecoderWeights:
         self.pre_conv = self._conv("dec.pre_conv")
         self.in_proj = self._linear("dec.pretr.in_proj")
         self.layers = [self._pretr_layer(i) for i in range(cfg.num_hidden_layers)]
-        self.final_norm = self._f32("dec.pretr.norm.weight", tensor_f32(model, "dec.pretr.norm.weight"))
+        self.final_norm = self._f32("dec.pretr.norm.weight",
+                                    tensor_f32(model, "dec.pretr.norm.weight"))
         self.out_proj = self._linear("dec.pretr.out_proj")
         self.upsample = [
             (self._tconv(f"dec.up.{i}.tconv", r), self._convnext(f"dec.up.{i}"))
