@@ -168,8 +168,39 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# synth           (added by its owner: _add_synth / _cmd_synth)
+# synth / voices  (text -> speech; the logic lives in engine/talker/synth_cli.py)
 # ---------------------------------------------------------------------------------------------
+
+
+def _add_synth(sub: SubParsers) -> None:
+    from engine.talker.synth_cli import add_synth_arguments
+
+    p = sub.add_parser(
+        "synth",
+        help="text -> 24 kHz float WAV (talker + code predictor + decoder, streamed)",
+        description="Speak TEXT with a voice of the model; writes a 32-bit float WAV.",
+    )
+    add_synth_arguments(p)
+    p.set_defaults(func=_cmd_synth)
+
+
+def _cmd_synth(args: argparse.Namespace) -> int:
+    from engine.talker.synth_cli import run_synth
+
+    return run_synth(args)
+
+
+def _add_voices(sub: SubParsers) -> None:
+    p = sub.add_parser("voices", help="list a model's voices and languages")
+    p.add_argument("--model", required=True, help="a qtts GGUF with the talker part")
+    p.set_defaults(func=_cmd_voices)
+
+
+def _cmd_voices(args: argparse.Namespace) -> int:
+    from engine.talker.synth_cli import run_voices
+
+    return run_voices(args.model)
+
 
 # ---------------------------------------------------------------------------------------------
 # serve           (the HTTP service lives in service/; engine code never imports it at load)
@@ -194,6 +225,8 @@ SUBCOMMANDS: list[Callable[[SubParsers], None]] = [
     _add_make_model,
     _add_info,
     _add_decode,
+    _add_synth,
+    _add_voices,
     _add_doctor,
     _add_serve,
 ]

@@ -1,0 +1,981 @@
+"""``qtts convert``: a released Qwen3-TTS checkpoint folder -> one qtts GGUF file.
+
+Input layouts (spec §4):
+
+* a full model folder (``config.json`` with ``model_type = "qwen3_tts"``): the talker and code
+  predictor come from ``model.safetensors``, the decoder from ``speech_tokenizer/``, the text
+  tokenizer from ``vocab.json`` / ``merges.txt`` / ``tokenizer_config.json``, sampling defaults from
+  ``generation_config.json``;
+* a speech-tokenizer folder on its own (``model_type = "qwen3_tts_tokenizer_12hz"``): a
+  decoder-only GGUF (usable for ``qtts decode`` and ``codes`` requests, not for text).
+
+The Mimi encoder (``encoder.*``) and the speaker encoder (``speaker_encoder.*``) are skipped —
+they are only needed for voice cloning, which is not built yet — and the report says so.
+
+Conversion streams tensor by tensor in row chunks (peak memory ~ one chunk, not the model);
+safetensors are parsed here (F32, F16 and BF16 payloads) with plain file reads.
+
+Precision policy (see ``engine.tensor_names``): 1-D tensors, codebooks, norms, biases, snake
+parameters and layer scales stay F32; embeddings follow ``--dtype`` but never below F16; other
+weights follow ``--dtype``; a quantised type that does not fit a tensor's row length falls back to
+F16 for that tensor and is reported.
+
+Documented error of a stored type against the F32 source (``max_abs_error``):
+
+* F32: exact.   F16: ``|e| <= 2^-11 |x| + 2^-24``.   BF16: ``|e| <= 2^-8 |x|``.
+* Q8_0: per 32-value block, ``|e| <= max|block| / 127``.
+* Q4_0: per 32-value block, ``|e| <= max|block| / 8``  (the clamp of the top level).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import struct
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+import numpy.typing as npt
+from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
+from gguf import quants as gguf_quants
+from gguf.constants import GGML_QUANT_SIZES
+
+from engine.errors import ConversionError
+from engine.tensor_names import (
+    ALL_PARTS,
+    ARCH,
+    CODE_PREDICTOR_KEYS,
+    DECODER_KEYS,
+    DECODER_SKIPPED_HF,
+    ENCODER_HF_PREFIX,
+    FORMAT_VERSION,
+    GENERATION_KEYS,
+    GGML_BF16,
+    GGML_F16,
+    GGML_F32,
+    GGML_Q4_0,
+    GGML_Q8_0,
+    GGML_TYPE_NAMES,
+    PART_DECODER,
+    PART_TALKER,
+    QUANT_BLOCK,
+    SPEAKER_ENCODER_HF_PREFIX,
+    SPECIAL_KEYS,
+    TALKER_KEYS,
+    CodePredictorConfig,
+    DecoderConfig,
+    GenerationDefaults,
+    Keys,
+    KeySpec,
+    Kind,
+    SchemaError,
+    SpecialIds,
+    TalkerConfig,
+    TensorSpec,
+    Voices,
+    VType,
+    check_decoder_config,
+    check_generation,
+    check_talker_config,
+    decoder_tensor_specs,
+    talker_tensor_specs,
+)
+from engine.tokenizer_gguf import TokenizerData, read_hf_tokenizer, tokenizer_kv
+
+log = logging.getLogger("qtts.convert")
+
+DTYPES: dict[str, int] = {
+    "f32": GGML_F32,
+    "f16": GGML_F16,
+    "bf16": GGML_BF16,
+    "q8_0": GGML_Q8_0,
+    "q4_0": GGML_Q4_0,
+}
+# llama.cpp general.file_type values for the "mostly X" of each --dtype
+_FILE_TYPE = {GGML_F32: 0, GGML_F16: 1, GGML_Q4_0: 2, GGML_Q8_0: 7, GGML_BF16: 32}
+
+TOKENIZER_MODEL_TYPE = "qwen3_tts_tokenizer_12hz"
+TTS_MODEL_TYPE = "qwen3_tts"
+SYNTHETIC_MARKER = "qtts_synthetic"  # config.json field written by `qtts make-model`
+
+CHUNK_ELEMS = 4 << 20  # elements per conversion chunk (16 MiB of f32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Error bounds of the stored types
+# ---------------------------------------------------------------------------------------------
+
+
+def max_abs_error(ggml_type: int, x: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+    """Per-element bound on ``|stored - x|`` for type ``ggml_type`` (see module docstring)."""
+    a = np.abs(x.astype(np.float32))
+    if ggml_type == GGML_F32:
+        return np.zeros_like(a)
+    if ggml_type == GGML_F16:
+        return a * np.float32(2.0**-11) + np.float32(2.0**-24)
+    if ggml_type == GGML_BF16:
+        return a * np.float32(2.0**-8)
+    if ggml_type in (GGML_Q8_0, GGML_Q4_0):
+        blocks = a.reshape(-1, QUANT_BLOCK)
+        amax = blocks.max(axis=1, keepdims=True)
+        div = 127.0 if ggml_type == GGML_Q8_0 else 8.0
+        # the f16-rounded block scale adds at most 2^-10 relative
+        bound = amax * np.float32((1.0 + 2.0**-10) / div) + np.float32(1e-12)
+        return np.broadcast_to(bound, blocks.shape).reshape(a.shape)
+    raise ValueError(f"no error bound for ggml type {ggml_type}")
+
+
+# ---------------------------------------------------------------------------------------------
+# safetensors: a streaming reader and writer (no torch, no safetensors package)
+# ---------------------------------------------------------------------------------------------
+
+_ST_DTYPES: dict[str, tuple[str, int]] = {"F32": ("<f4", 4), "F16": ("<f2", 2), "BF16": ("<u2", 2)}
+_ST_ITEMSIZE = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+    "BOOL": 1, "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1,
+}  # fmt: skip
+_MAX_ST_HEADER = 256 << 20
+
+
+@dataclass(frozen=True)
+class StEntry:
+    """One tensor of a safetensors file: dtype string, shape, absolute byte range."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def bf16_bits_to_f32(bits: npt.NDArray[np.uint16]) -> npt.NDArray[np.float32]:
+    """Widen raw bf16 bit patterns to float32 (exact)."""
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def f32_to_bf16_bits(x: npt.NDArray[np.float32]) -> npt.NDArray[np.uint16]:
+    """Round float32 to bf16 (nearest even, NaN kept quiet) and return the raw bit patterns."""
+    n = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    nan = (n & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    rounded = n.astype(np.uint64) + (np.uint64(0x7FFF) + ((n >> np.uint32(16)) & np.uint32(1)))
+    out = (rounded >> np.uint64(16)).astype(np.uint16)
+    if nan.any():
+        out[nan] = ((n[nan] >> np.uint32(16)) | np.uint32(0x40)).astype(np.uint16)
+    return out
+
+
+class SafetensorsFile:
+    """Header of a safetensors file plus chunked reads as float32. Raises ``ConversionError``."""
+
+    def __init__(self, path: Path, display: str | None = None) -> None:
+        self.path = path
+        self.display = display or str(path)
+        try:
+            size = path.stat().st_size
+            with path.open("rb") as f:
+                head = f.read(8)
+                if len(head) < 8:
+                    raise self._err("file is too short to be a safetensors file")
+                (n,) = struct.unpack("<Q", head)
+                if n > _MAX_ST_HEADER or 8 + n > size:
+                    raise self._err(f"header length {n} does not fit the file ({size} bytes)")
+                raw = f.read(n)
+        except FileNotFoundError:
+            raise self._err("file is missing") from None
+        except OSError as exc:
+            raise self._err(f"cannot read ({exc.strerror or exc})") from None
+        try:
+            header = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise self._err("header is not valid JSON") from None
+        if not isinstance(header, dict):
+            raise self._err("header is not a JSON object")
+        start = 8 + n
+        self.entries: dict[str, StEntry] = {}
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            if not isinstance(info, dict):
+                raise self._err(f"header entry {name!r} is not an object")
+            dtype, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+            if (
+                not isinstance(dtype, str)
+                or not isinstance(shape, list)
+                or not all(isinstance(s, int) and s >= 0 for s in shape)
+                or not isinstance(offs, list)
+                or len(offs) != 2
+                or not all(isinstance(o, int) for o in offs)
+            ):
+                raise self._err(f"header entry {name!r} is malformed")
+            b, e = start + offs[0], start + offs[1]
+            if not start <= b <= e <= size:
+                raise self._err(f"tensor {name} data lies outside the file")
+            item = _ST_ITEMSIZE.get(dtype)
+            if item is not None and e - b != math.prod(shape) * item:
+                raise self._err(
+                    f"tensor {name} has {e - b} bytes, expected {math.prod(shape) * item} "
+                    f"for {dtype} {shape}"
+                )
+            self.entries[name] = StEntry(dtype, tuple(shape), b, e)
+
+    def _err(self, problem: str) -> ConversionError:
+        return ConversionError(self.display, problem)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def names(self) -> list[str]:
+        """Tensor names in file order of the header."""
+        return list(self.entries)
+
+    def read_f32(self, name: str, start: int, count: int) -> npt.NDArray[np.float32]:
+        """``count`` elements from flat index ``start`` of tensor ``name``, as float32."""
+        e = self.entries[name]
+        if e.dtype not in _ST_DTYPES:
+            raise self._err(f"tensor {name} has dtype {e.dtype}; only F32, F16, BF16 are read")
+        np_dtype, item = _ST_DTYPES[e.dtype]
+        raw = self._read(e.begin + start * item, count, np_dtype)
+        if e.dtype == "BF16":
+            return bf16_bits_to_f32(raw.astype(np.uint16, copy=False))
+        return raw.astype(np.float32, copy=False)
+
+    def read_bf16_bits(self, name: str, start: int, count: int) -> npt.NDArray[np.uint16]:
+        """Raw bf16 bit patterns (tensor must be BF16)."""
+        e = self.entries[name]
+        raw = self._read(e.begin + start * 2, count, "<u2")
+        return raw.astype(np.uint16, copy=False)
+
+    def _read(self, offset: int, count: int, np_dtype: str) -> npt.NDArray[Any]:
+        try:
+            with self.path.open("rb") as f:
+                arr = np.fromfile(f, dtype=np.dtype(np_dtype), count=count, offset=offset)
+        except OSError as exc:
+            raise self._err(f"cannot read ({exc.strerror or exc})") from None
+        if arr.size != count:
+            raise self._err("file ends early (truncated?)")
+        return arr
+
+
+class SafetensorsWriter:
+    """Streaming safetensors writer: declare all tensors, then write their data in order."""
+
+    def __init__(self, path: Path, tensors: Sequence[tuple[str, str, Sequence[int]]]) -> None:
+        """``tensors``: ``(name, dtype, shape)`` in write order; dtype F32, F16 or BF16."""
+        self.path = path
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        self._order: list[tuple[str, int]] = []
+        off = 0
+        for name, dtype, shape in tensors:
+            nbytes = math.prod(shape) * _ST_DTYPES[dtype][1]
+            header[name] = {
+                "dtype": dtype,
+                "shape": list(shape),
+                "data_offsets": [off, off + nbytes],
+            }
+            self._order.append((name, nbytes))
+            off += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        raw += b" " * (-len(raw) % 8)
+        self._f: IO[bytes] = path.open("wb")
+        self._f.write(struct.pack("<Q", len(raw)))
+        self._f.write(raw)
+        self._i = 0
+        self._left = self._order[0][1] if self._order else 0
+
+    def write(self, data: npt.NDArray[Any]) -> None:
+        """Append the next bytes of the current tensor (any number of chunks per tensor)."""
+        buf = np.ascontiguousarray(data)
+        self._skip_empty()
+        if self._i >= len(self._order) or buf.nbytes > self._left:
+            raise ValueError("chunk overruns the declared tensor data")
+        self._f.write(buf.data)
+        self._left -= buf.nbytes
+        self._skip_empty()
+
+    def _skip_empty(self) -> None:
+        while self._i < len(self._order) and self._left == 0:
+            self._i += 1
+            self._left = self._order[self._i][1] if self._i < len(self._order) else 0
+
+    def close(self) -> None:
+        """Finish the file; raises if some declared data was not written."""
+        self._f.close()
+        self._skip_empty()
+        if self._i < len(self._order):
+            raise ValueError(f"tensor {self._order[self._i][0]} was not fully written")
+
+
+# ---------------------------------------------------------------------------------------------
+# HF config parsing
+# ---------------------------------------------------------------------------------------------
+
+_MISSING = object()
+
+
+def _load_json(path: Path, display: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConversionError(display, "file is missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConversionError(display, f"is not valid JSON ({exc})") from None
+    if not isinstance(obj, dict):
+        raise ConversionError(display, "is not a JSON object")
+    return obj
+
+
+def _get_int(d: dict[str, Any], key: str, where: str, default: Any = _MISSING) -> int:
+    v = d.get(key, _MISSING)
+    if v is _MISSING or v is None:
+        if default is _MISSING:
+            raise SchemaError(f"{where}{key} is missing")
+        return int(default)
+    if isinstance(v, bool) or not isinstance(v, int):
+        if isinstance(v, float) and v.is_integer():
+            return int(v)
+        raise SchemaError(f"{where}{key} = {v!r} is not an integer")
+    return v
+
+
+def _get_float(d: dict[str, Any], key: str, where: str, default: Any = _MISSING) -> float:
+    v = d.get(key, _MISSING)
+    if v is _MISSING or v is None:
+        if default is _MISSING:
+            raise SchemaError(f"{where}{key} is missing")
+        return float(default)
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise SchemaError(f"{where}{key} = {v!r} is not a number")
+    return float(v)
+
+
+def _get_bool(d: dict[str, Any], key: str, where: str, default: Any = _MISSING) -> bool:
+    v = d.get(key, _MISSING)
+    if v is _MISSING or v is None:
+        if default is _MISSING:
+            raise SchemaError(f"{where}{key} is missing")
+        return bool(default)
+    if not isinstance(v, bool):
+        raise SchemaError(f"{where}{key} = {v!r} is not true/false")
+    return v
+
+
+def _get_int_list(d: dict[str, Any], key: str, where: str) -> tuple[int, ...]:
+    v = d.get(key)
+    if v is None:
+        raise SchemaError(f"{where}{key} is missing")
+    if not isinstance(v, list) or not all(
+        isinstance(x, int) and not isinstance(x, bool) for x in v
+    ):
+        raise SchemaError(f"{where}{key} = {v!r} is not a list of integers")
+    return tuple(v)
+
+
+def _get_dict(d: dict[str, Any], key: str, where: str, required: bool = True) -> dict[str, Any]:
+    v = d.get(key)
+    if v is None:
+        if required:
+            raise SchemaError(f"{where}{key} is missing")
+        return {}
+    if not isinstance(v, dict):
+        raise SchemaError(f"{where}{key} is not an object")
+    return v
+
+
+def _expect(d: dict[str, Any], key: str, where: str, allowed: Iterable[Any]) -> None:
+    if key in d and d[key] not in tuple(allowed):
+        raise SchemaError(f"{where}{key} = {d[key]!r} is not supported")
+
+
+def parse_decoder_config(top: dict[str, Any]) -> DecoderConfig:
+    """``DecoderConfig`` from a speech-tokenizer ``config.json`` (raises ``SchemaError``)."""
+    dc = _get_dict(top, "decoder_config", "")
+    w = "decoder_config."
+    _expect(dc, "hidden_act", w, ["silu"])
+    _expect(dc, "attention_bias", w, [False])
+    cfg = DecoderConfig(
+        codebook_size=_get_int(dc, "codebook_size", w),
+        codebook_dim=_get_int(dc, "codebook_dim", w),
+        num_quantizers=_get_int(dc, "num_quantizers", w),
+        num_semantic_quantizers=_get_int(dc, "num_semantic_quantizers", w, 1),
+        latent_dim=_get_int(dc, "latent_dim", w),
+        hidden_size=_get_int(dc, "hidden_size", w),
+        num_hidden_layers=_get_int(dc, "num_hidden_layers", w),
+        num_attention_heads=_get_int(dc, "num_attention_heads", w),
+        num_key_value_heads=_get_int(dc, "num_key_value_heads", w),
+        head_dim=_get_int(dc, "head_dim", w),
+        intermediate_size=_get_int(dc, "intermediate_size", w),
+        sliding_window=_get_int(dc, "sliding_window", w),
+        rope_theta=_get_float(dc, "rope_theta", w, 10000.0),
+        max_position_embeddings=_get_int(dc, "max_position_embeddings", w, 8000),
+        rms_norm_eps=_get_float(dc, "rms_norm_eps", w, 1e-5),
+        layer_norm_eps=1e-6,
+        codebook_eps=1e-5,
+        decoder_dim=_get_int(dc, "decoder_dim", w),
+        upsample_rates=_get_int_list(dc, "upsample_rates", w),
+        upsampling_ratios=_get_int_list(dc, "upsampling_ratios", w),
+        sample_rate=_get_int(top, "output_sample_rate", "", 24000),
+        upsample_total=_get_int(top, "decode_upsample_rate", "", 1920),
+    )
+    check_decoder_config(cfg)
+    return cfg
+
+
+def _codec_id(v: Any, where: str) -> int:
+    if isinstance(v, list) and len(v) == 1:
+        v = v[0]
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise SchemaError(f"{where} = {v!r} is not an id")
+    return v
+
+
+def _lower_unique(table: dict[str, Any], where: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in table.items():
+        lk = k.lower()
+        if lk in out:
+            raise SchemaError(f"{where} names {k!r} twice (names are matched lower-cased)")
+        out[lk] = v
+    return out
+
+
+def parse_talker_config(
+    root: dict[str, Any], has_mtp_tensor: bool
+) -> tuple[TalkerConfig, CodePredictorConfig, SpecialIds, Voices]:
+    """Talker, code-predictor, special ids and voices from a root ``config.json``.
+
+    Defaults are those of the reference config classes; fields without a code default are
+    required. Raises ``SchemaError``.
+    """
+    tc = _get_dict(root, "talker_config", "")
+    w = "talker_config."
+    _expect(tc, "hidden_act", w, ["silu"])
+    _expect(tc, "attention_bias", w, [False])
+    rope = _get_dict(tc, "rope_scaling", w)
+    hidden = _get_int(tc, "hidden_size", w, 1024)
+    heads = _get_int(tc, "num_attention_heads", w, 16)
+    talker = TalkerConfig(
+        vocab_size=_get_int(tc, "vocab_size", w, 3072),
+        hidden_size=hidden,
+        intermediate_size=_get_int(tc, "intermediate_size", w, 2048),
+        num_hidden_layers=_get_int(tc, "num_hidden_layers", w, 20),
+        num_attention_heads=heads,
+        num_key_value_heads=_get_int(tc, "num_key_value_heads", w, 2),
+        head_dim=_get_int(tc, "head_dim", w, hidden // max(heads, 1)),
+        rms_norm_eps=_get_float(tc, "rms_norm_eps", w, 1e-6),
+        rope_theta=_get_float(tc, "rope_theta", w, 10000.0),
+        max_position_embeddings=_get_int(tc, "max_position_embeddings", w, 32768),
+        num_code_groups=_get_int(tc, "num_code_groups", w, 32),
+        text_hidden_size=_get_int(tc, "text_hidden_size", w, 2048),
+        text_vocab_size=_get_int(tc, "text_vocab_size", w),
+        mrope_section=_get_int_list(rope, "mrope_section", w + "rope_scaling."),
+        mrope_interleaved=_get_bool(rope, "interleaved", w + "rope_scaling."),
+        codec_eos_token_id=_get_int(tc, "codec_eos_token_id", w, 4198),
+        codec_think_id=_get_int(tc, "codec_think_id", w, 4202),
+        codec_nothink_id=_get_int(tc, "codec_nothink_id", w, 4203),
+        codec_think_bos_id=_get_int(tc, "codec_think_bos_id", w, 4204),
+        codec_think_eos_id=_get_int(tc, "codec_think_eos_id", w, 4205),
+        codec_pad_id=_get_int(tc, "codec_pad_id", w, 4196),
+        codec_bos_id=_get_int(tc, "codec_bos_id", w, 4197),
+    )
+    cpc = _get_dict(tc, "code_predictor_config", w)
+    wc = "code_predictor_config."
+    _expect(cpc, "hidden_act", wc, ["silu"])
+    _expect(cpc, "attention_bias", wc, [False])
+    cp_hidden = _get_int(cpc, "hidden_size", wc, 1024)
+    cp = CodePredictorConfig(
+        vocab_size=_get_int(cpc, "vocab_size", wc, 2048),
+        hidden_size=cp_hidden,
+        intermediate_size=_get_int(cpc, "intermediate_size", wc, 3072),
+        num_hidden_layers=_get_int(cpc, "num_hidden_layers", wc, 5),
+        num_attention_heads=_get_int(cpc, "num_attention_heads", wc, 16),
+        num_key_value_heads=_get_int(cpc, "num_key_value_heads", wc, 8),
+        head_dim=_get_int(cpc, "head_dim", wc, 128),
+        rms_norm_eps=_get_float(cpc, "rms_norm_eps", wc, 1e-6),
+        rope_theta=_get_float(cpc, "rope_theta", wc, 10000.0),
+        max_position_embeddings=_get_int(cpc, "max_position_embeddings", wc, 32768),
+        num_code_groups=_get_int(cpc, "num_code_groups", wc, 32),
+        has_mtp_projection=has_mtp_tensor or cp_hidden != hidden,
+    )
+    special = SpecialIds(
+        im_start_token_id=_get_int(root, "im_start_token_id", "", 151644),
+        im_end_token_id=_get_int(root, "im_end_token_id", "", 151645),
+        tts_pad_token_id=_get_int(root, "tts_pad_token_id", "", 151671),
+        tts_bos_token_id=_get_int(root, "tts_bos_token_id", "", 151672),
+        tts_eos_token_id=_get_int(root, "tts_eos_token_id", "", 151673),
+    )
+    langs_raw = _lower_unique(_get_dict(tc, "codec_language_id", w), w + "codec_language_id")
+    spk_raw = _lower_unique(_get_dict(tc, "spk_id", w, required=False), w + "spk_id")
+    dia_raw = _lower_unique(
+        _get_dict(tc, "spk_is_dialect", w, required=False), w + "spk_is_dialect"
+    )
+    languages = {k: _codec_id(v, f"{w}codec_language_id[{k!r}]") for k, v in langs_raw.items()}
+    speakers = {k: _codec_id(v, f"{w}spk_id[{k!r}]") for k, v in spk_raw.items()}
+    dialects: dict[str, str] = {}
+    for k, v in dia_raw.items():
+        if v is False or v is None:
+            continue
+        if not isinstance(v, str):
+            raise SchemaError(f"{w}spk_is_dialect[{k!r}] = {v!r} is neither false nor a name")
+        dialects[k] = v.lower()
+    voices = Voices(speakers=speakers, languages=languages, dialects=dialects)
+    return talker, cp, special, voices
+
+
+def parse_generation_config(g: dict[str, Any]) -> GenerationDefaults:
+    """Sampling defaults from ``generation_config.json`` (absent keys keep spec defaults)."""
+    d = GenerationDefaults()
+    w = "generation_config."
+    out = GenerationDefaults(
+        do_sample=_get_bool(g, "do_sample", w, d.do_sample),
+        temperature=_get_float(g, "temperature", w, d.temperature),
+        top_k=_get_int(g, "top_k", w, d.top_k),
+        top_p=_get_float(g, "top_p", w, d.top_p),
+        repetition_penalty=_get_float(g, "repetition_penalty", w, d.repetition_penalty),
+        min_new_tokens=_get_int(g, "min_new_tokens", w, d.min_new_tokens),
+        max_new_tokens=_get_int(g, "max_new_tokens", w, d.max_new_tokens),
+        subtalker_dosample=_get_bool(g, "subtalker_dosample", w, d.subtalker_dosample),
+        subtalker_temperature=_get_float(g, "subtalker_temperature", w, d.subtalker_temperature),
+        subtalker_top_k=_get_int(g, "subtalker_top_k", w, d.subtalker_top_k),
+        subtalker_top_p=_get_float(g, "subtalker_top_p", w, d.subtalker_top_p),
+    )
+    check_generation(out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversion
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ConversionReport:
+    """What ``convert`` did: output, parts, sizes, per-tensor fallbacks and skip notes."""
+
+    out_path: Path
+    parts: tuple[str, ...]
+    dtype: str
+    n_tensors: int = 0
+    n_bytes: int = 0
+    file_size: int = 0
+    seconds: float = 0.0
+    synthetic: bool = False
+    fallbacks: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    type_counts: dict[str, int] = field(default_factory=dict)
+
+    def summary_lines(self) -> list[str]:
+        """Human-readable report lines (the CLI prints these)."""
+        lines = list(self.notes)
+        if self.fallbacks:
+            shown = ", ".join(f.split(":")[0] for f in self.fallbacks[:4])
+            more = f", ... (+{len(self.fallbacks) - 4})" if len(self.fallbacks) > 4 else ""
+            lines.append(
+                f"{len(self.fallbacks)} tensors kept at F16 instead of {self.dtype.upper()} "
+                f"(row length not a multiple of {QUANT_BLOCK}): {shown}{more}"
+            )
+        types = ", ".join(f"{k} {v}" for k, v in sorted(self.type_counts.items()))
+        lines.append(
+            f"wrote {self.out_path} ({self.file_size / 1e6:.1f} MB, {self.n_tensors} tensors: "
+            f"{types}; parts: {','.join(self.parts)}) in {self.seconds:.1f} s"
+        )
+        if self.synthetic:
+            lines.append("note: synthetic random-weight model: its audio is noise, not speech")
+        return lines
+
+
+@dataclass
+class _Planned:
+    spec: TensorSpec
+    src: SafetensorsFile
+    ggml_type: int
+    nbytes: int
+
+
+@dataclass
+class _Source:
+    """Everything read from the checkpoint folder before writing."""
+
+    parts: tuple[str, ...]
+    decoder: DecoderConfig | None = None
+    talker: TalkerConfig | None = None
+    cp: CodePredictorConfig | None = None
+    special: SpecialIds | None = None
+    voices: Voices | None = None
+    generation: GenerationDefaults | None = None
+    tokenizer: TokenizerData | None = None
+    tts_model_type: str = ""
+    tts_model_size: str = ""
+    synthetic: bool = False
+    tensors: list[tuple[TensorSpec, SafetensorsFile]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def _parse_parts(parts: str | Sequence[str] | None) -> tuple[str, ...] | None:
+    if parts is None:
+        return None
+    items = [p.strip() for p in (parts.split(",") if isinstance(parts, str) else parts)]
+    items = [p for p in items if p]
+    bad = [p for p in items if p not in ALL_PARTS]
+    if bad or not items:
+        raise ConversionError(
+            "--parts", f"{','.join(bad) or '(empty)'} is not a part (choose from decoder,talker)"
+        )
+    return tuple(p for p in ALL_PARTS if p in items)
+
+
+def _match_tensors(
+    st: SafetensorsFile, specs: Sequence[TensorSpec], skip: Callable[[str], bool]
+) -> list[tuple[TensorSpec, SafetensorsFile]]:
+    """Check the file holds exactly ``specs`` (plus skippable names) with the right shapes."""
+    want = {s.hf_name: s for s in specs}
+    for name in st.names():
+        if name not in want and not skip(name):
+            raise ConversionError(
+                st.display,
+                f"unexpected tensor {name} (not in the Qwen3-TTS layout for this config)",
+            )
+    out = []
+    for s in specs:
+        e = st.entries.get(s.hf_name)
+        if e is None:
+            raise ConversionError(st.display, f"tensor {s.hf_name} is missing")
+        if e.shape != s.hf_shape:
+            raise ConversionError(
+                st.display,
+                f"tensor {s.hf_name} has shape {list(e.shape)}, expected {list(s.hf_shape)}",
+            )
+        if e.dtype not in _ST_DTYPES:
+            raise ConversionError(
+                st.display, f"tensor {s.hf_name} has dtype {e.dtype}; expected F32, F16 or BF16"
+            )
+        out.append((s, st))
+    return out
+
+
+def _read_decoder(folder: Path, label: str, src: _Source) -> None:
+    top = _load_json(folder / "config.json", f"{label}config.json")
+    mt = top.get("model_type")
+    if mt != TOKENIZER_MODEL_TYPE:
+        raise ConversionError(
+            f"{label}config.json",
+            f"unknown speech-tokenizer model_type {mt!r} (expected {TOKENIZER_MODEL_TYPE!r})",
+        )
+    try:
+        src.decoder = parse_decoder_config(top)
+    except SchemaError as exc:
+        raise ConversionError(f"{label}config.json", str(exc)) from None
+    src.synthetic |= top.get(SYNTHETIC_MARKER) is True
+    st = SafetensorsFile(folder / "model.safetensors", f"{label}model.safetensors")
+    skipped_enc = [n for n in st.names() if n.startswith(ENCODER_HF_PREFIX)]
+
+    def skip(name: str) -> bool:
+        return name.startswith(ENCODER_HF_PREFIX) or name in DECODER_SKIPPED_HF
+
+    src.tensors += _match_tensors(st, decoder_tensor_specs(src.decoder), skip)
+    if skipped_enc:
+        src.notes.append(
+            f"skipped {len(skipped_enc)} encoder.* tensors (Mimi encoder: needed only for "
+            "voice cloning, which is not built yet)"
+        )
+    else:
+        src.notes.append("no encoder.* tensors (Mimi encoder is not needed for synthesis)")
+
+
+def _read_talker(folder: Path, src: _Source, root: dict[str, Any]) -> None:
+    st = SafetensorsFile(folder / "model.safetensors", "model.safetensors")
+    has_mtp = "talker.code_predictor.small_to_mtp_projection.weight" in st
+    try:
+        talker, cp, special, voices = parse_talker_config(root, has_mtp)
+        check_talker_config(talker, cp, special, voices, src.decoder)
+    except SchemaError as exc:
+        raise ConversionError("config.json", str(exc)) from None
+    gen_path = folder / "generation_config.json"
+    if gen_path.exists():
+        try:
+            src.generation = parse_generation_config(_load_json(gen_path, "generation_config.json"))
+        except SchemaError as exc:
+            raise ConversionError("generation_config.json", str(exc)) from None
+    else:
+        src.generation = GenerationDefaults()
+        src.notes.append("no generation_config.json: using the reference sampling defaults")
+    try:
+        src.tokenizer = read_hf_tokenizer(folder, talker.text_vocab_size)
+    except SchemaError as exc:
+        raise ConversionError(str(folder), f"text tokenizer: {exc}") from None
+    for name in (
+        "im_start_token_id",
+        "im_end_token_id",
+        "tts_pad_token_id",
+        "tts_bos_token_id",
+        "tts_eos_token_id",
+    ):
+        idx = getattr(special, name)
+        if src.tokenizer.tokens[idx].startswith("[PAD"):
+            raise ConversionError("config.json", f"{name} = {idx} is not a token of the tokenizer")
+    src.talker, src.cp, src.special, src.voices = talker, cp, special, voices
+    n_spk = [n for n in st.names() if n.startswith(SPEAKER_ENCODER_HF_PREFIX)]
+
+    def skip(name: str) -> bool:
+        return name.startswith(SPEAKER_ENCODER_HF_PREFIX)
+
+    src.tensors += _match_tensors(st, talker_tensor_specs(talker, cp), skip)
+    if n_spk:
+        src.notes.append(
+            f"skipped {len(n_spk)} speaker_encoder.* tensors (speaker encoder: needed only "
+            "for voice cloning, which is not built yet)"
+        )
+
+
+def read_checkpoint(model_dir: Path, parts: str | Sequence[str] | None = None) -> _Source:
+    """Read and check configs, tokenizer and tensor headers of a checkpoint folder."""
+    want = _parse_parts(parts)
+    if not model_dir.is_dir():
+        raise ConversionError(str(model_dir), "is not a folder")
+    cfg_path = model_dir / "config.json"
+    if not cfg_path.is_file():
+        raise ConversionError(str(model_dir), "not a Qwen3-TTS model: no config.json")
+    root = _load_json(cfg_path, "config.json")
+    mt = root.get("model_type")
+    if mt is None:
+        raise ConversionError("config.json", "not a Qwen3-TTS model: no model_type")
+    if mt == TOKENIZER_MODEL_TYPE:
+        if want is not None and PART_TALKER in want:
+            raise ConversionError(
+                str(model_dir),
+                "is a speech-tokenizer folder: it has no talker (use --parts decoder)",
+            )
+        src = _Source(parts=(PART_DECODER,))
+        _read_decoder(model_dir, "", src)
+        src.notes.insert(0, "speech-tokenizer folder: writing a decoder-only GGUF (no text input)")
+        return src
+    if mt != TTS_MODEL_TYPE:
+        raise ConversionError(
+            "config.json",
+            f"unknown model_type {mt!r} (expected {TTS_MODEL_TYPE!r} or {TOKENIZER_MODEL_TYPE!r})",
+        )
+    tt = root.get("tokenizer_type", TOKENIZER_MODEL_TYPE)
+    if tt != TOKENIZER_MODEL_TYPE:
+        raise ConversionError(
+            "config.json", f"tokenizer_type {tt!r} is not supported (only {TOKENIZER_MODEL_TYPE})"
+        )
+    src = _Source(parts=want or ALL_PARTS)
+    src.synthetic = root.get(SYNTHETIC_MARKER) is True
+    src.tts_model_type = str(root.get("tts_model_type") or "")
+    src.tts_model_size = str(root.get("tts_model_size") or "")
+    if PART_DECODER in src.parts:
+        st_dir = model_dir / "speech_tokenizer"
+        if not (st_dir / "config.json").is_file():
+            raise ConversionError(
+                str(model_dir),
+                "speech_tokenizer/config.json is missing (use --parts talker to convert only "
+                "the talker)",
+            )
+        _read_decoder(st_dir, "speech_tokenizer/", src)
+    if PART_TALKER in src.parts:
+        _read_talker(model_dir, src, root)
+    return src
+
+
+def _plan_type(spec: TensorSpec, want: int) -> tuple[int, str | None]:
+    if spec.kind is Kind.F32:
+        return GGML_F32, None
+    quant = want in (GGML_Q8_0, GGML_Q4_0)
+    if spec.kind is Kind.EMBED:
+        return (GGML_F16 if quant else want), None
+    if quant and spec.shape[-1] % QUANT_BLOCK:
+        return GGML_F16, (
+            f"{spec.name}: row length {spec.shape[-1]} is not a multiple of {QUANT_BLOCK}, "
+            f"stored F16 instead of {GGML_TYPE_NAMES[want]}"
+        )
+    return want, None
+
+
+def _nbytes(shape: Sequence[int], ggml_type: int) -> int:
+    blk, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    return math.prod(shape) // blk * size
+
+
+def _add_kv(w: GGUFWriter, specs: Sequence[KeySpec], obj: object) -> None:
+    for s in specs:
+        v = getattr(obj, s.field)
+        if s.vtype is VType.U32:
+            w.add_uint32(s.key, int(v))
+        elif s.vtype is VType.F32:
+            w.add_float32(s.key, float(v))
+        elif s.vtype is VType.BOOL:
+            w.add_bool(s.key, bool(v))
+        elif s.vtype is VType.STR:
+            w.add_string(s.key, str(v))
+        elif s.vtype is VType.U32_ARRAY:
+            if v:
+                w.add_key_value(
+                    s.key, [int(x) for x in v], GGUFValueType.ARRAY, GGUFValueType.UINT32
+                )
+        else:  # pragma: no cover - exhaustive
+            raise AssertionError(s.vtype)
+
+
+def _write_metadata(w: GGUFWriter, src: _Source, want: int) -> None:
+    w.add_uint32(Keys.FORMAT_VERSION, FORMAT_VERSION)
+    w.add_bool(Keys.SYNTHETIC, src.synthetic)
+    w.add_uint32(Keys.FILE_TYPE, _FILE_TYPE[want])
+    w.add_key_value(Keys.PARTS, list(src.parts), GGUFValueType.ARRAY, GGUFValueType.STRING)
+    if src.decoder is not None:
+        _add_kv(w, DECODER_KEYS, src.decoder)
+    if src.talker is not None:
+        assert src.cp and src.special and src.voices and src.generation and src.tokenizer
+        name = "Qwen3-TTS " + " ".join(x for x in (src.tts_model_size, src.tts_model_type) if x)
+        w.add_string(Keys.NAME, name)
+        if src.tts_model_type:
+            w.add_string(Keys.TTS_MODEL_TYPE, src.tts_model_type)
+        if src.tts_model_size:
+            w.add_string(Keys.TTS_MODEL_SIZE, src.tts_model_size)
+        _add_kv(w, TALKER_KEYS, src.talker)
+        _add_kv(w, CODE_PREDICTOR_KEYS, src.cp)
+        _add_kv(w, SPECIAL_KEYS, src.special)
+        _add_kv(w, GENERATION_KEYS, src.generation)
+        v = src.voices
+        arr, s_t, i_t = GGUFValueType.ARRAY, GGUFValueType.STRING, GGUFValueType.INT32
+        if v.speakers:
+            names = list(v.speakers)
+            w.add_key_value(Keys.SPEAKER_NAMES, names, arr, s_t)
+            w.add_key_value(Keys.SPEAKER_IDS, [v.speakers[n] for n in names], arr, i_t)
+            w.add_key_value(Keys.SPEAKER_DIALECTS, [v.dialects.get(n, "") for n in names], arr, s_t)
+        if v.languages:
+            names = list(v.languages)
+            w.add_key_value(Keys.LANGUAGE_NAMES, names, arr, s_t)
+            w.add_key_value(Keys.LANGUAGE_IDS, [v.languages[n] for n in names], arr, i_t)
+        for key, kind, value in tokenizer_kv(src.tokenizer):
+            if kind == "str":
+                w.add_string(key, str(value))
+            elif kind == "bool":
+                w.add_bool(key, bool(value))
+            elif kind == "u32":
+                w.add_uint32(key, int(value))  # type: ignore[call-overload]
+            elif kind == "str[]":
+                w.add_key_value(key, value, arr, s_t)
+            elif kind == "i32[]":
+                w.add_key_value(key, value, arr, i_t)
+    else:
+        w.add_string(Keys.NAME, "Qwen3-TTS-Tokenizer-12Hz decoder")
+
+
+def _convert_chunk(p: _Planned, start_row: int, rows: int, row_len: int) -> npt.NDArray[Any]:
+    spec, st = p.spec, p.src
+    start, count = start_row * row_len, rows * row_len
+    if p.ggml_type == GGML_BF16 and st.entries[spec.hf_name].dtype == "BF16":
+        return st.read_bf16_bits(spec.hf_name, start, count)
+    x = st.read_f32(spec.hf_name, start, count)
+    if not np.isfinite(x).all():
+        raise ConversionError(st.display, f"tensor {spec.hf_name} contains NaN or Inf values")
+    if p.ggml_type == GGML_F32:
+        return x
+    if p.ggml_type == GGML_F16:
+        y = x.astype(np.float16)
+        if not np.isfinite(y).all():
+            raise ConversionError(
+                st.display,
+                f"tensor {spec.hf_name} has values beyond the F16 range; use --dtype bf16 or f32",
+            )
+        return y
+    if p.ggml_type == GGML_BF16:
+        return f32_to_bf16_bits(x)
+    q = gguf_quants.quantize(x.reshape(rows, row_len), GGMLQuantizationType(p.ggml_type))
+    return np.asarray(q)
+
+
+def convert(
+    model_dir: str | os.PathLike[str],
+    out_path: str | os.PathLike[str],
+    dtype: str = "f16",
+    parts: str | Sequence[str] | None = None,
+    progress: bool = True,
+) -> ConversionReport:
+    """Convert a checkpoint folder into one GGUF. Raises ``ConversionError`` with one line."""
+    t0 = time.perf_counter()
+    if dtype not in DTYPES:
+        raise ConversionError("--dtype", f"{dtype!r} is not one of {', '.join(DTYPES)}")
+    want = DTYPES[dtype]
+    mdir, out = Path(model_dir), Path(out_path)
+    if not out.parent.is_dir():
+        raise ConversionError(str(out), "output folder does not exist")
+    src = read_checkpoint(mdir, parts)
+    report = ConversionReport(out, src.parts, dtype, synthetic=src.synthetic, notes=src.notes)
+    plan: list[_Planned] = []
+    for spec, st in src.tensors:
+        gtype, fb = _plan_type(spec, want)
+        if fb:
+            report.fallbacks.append(fb)
+            log.debug("%s", fb)
+        plan.append(_Planned(spec, st, gtype, _nbytes(spec.shape, gtype)))
+        tname = GGML_TYPE_NAMES[gtype]
+        report.type_counts[tname] = report.type_counts.get(tname, 0) + 1
+    for note in src.notes:
+        log.debug("%s", note)
+    tmp = out.with_name(out.name + ".part")
+    try:
+        _write_gguf(tmp, src, plan, want, progress)
+        os.replace(tmp, out)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise ConversionError(str(out), f"cannot write ({exc.strerror or exc})") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    report.n_tensors = len(plan)
+    report.n_bytes = sum(p.nbytes for p in plan)
+    report.file_size = out.stat().st_size
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _write_gguf(
+    path: Path, src: _Source, plan: Sequence[_Planned], want: int, progress: bool
+) -> None:
+    from tqdm import tqdm
+
+    w = GGUFWriter(path, ARCH)
+    try:
+        _write_metadata(w, src, want)
+        for p in plan:
+            w.add_tensor_info(
+                p.spec.name,
+                p.spec.shape,
+                np.dtype(np.float32),
+                p.nbytes,
+                raw_dtype=GGMLQuantizationType(p.ggml_type),
+            )
+        w.write_header_to_file(path)
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        assert w.fout is not None
+        fout = w.fout[0]
+        w.write_padding(fout, fout.tell())
+        total = sum(p.nbytes for p in plan)
+        bar = tqdm(
+            total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="convert",
+            disable=not progress, leave=False,
+        )  # fmt: skip
+        with bar:
+            for i, p in enumerate(plan, start=1):
+                bar.set_postfix_str(f"tensor {i}/{len(plan)}", refresh=False)
+                row_len = p.spec.shape[-1]
+                n_rows = math.prod(p.spec.shape) // row_len
+                step = max(1, CHUNK_ELEMS // row_len)
+                written = 0
+                for r0 in range(0, n_rows, step):
+                    rows = min(step, n_rows - r0)
+                    data = np.ascontiguousarray(_convert_chunk(p, r0, rows, row_len))
+                    fout.write(data.data)
+                    written += data.nbytes
+                    bar.update(data.nbytes)
+                if written != p.nbytes:  # pragma: no cover - internal consistency
+                    raise AssertionError(f"{p.spec.name}: wrote {written}, planned {p.nbytes}")
+                w.write_padding(fout, p.nbytes)
+    finally:
+        w.close()

@@ -1,0 +1,558 @@
+"""``qtts make-model``: a deterministic random-weight checkpoint in the released HF layout.
+
+``make_checkpoint`` writes the folder a released Qwen3-TTS CustomVoice model has (spec §4):
+root ``config.json`` / ``generation_config.json`` / ``model.safetensors`` (talker, bf16) / Qwen2
+BPE tokenizer files, and ``speech_tokenizer/`` with ``config.json`` and ``model.safetensors``
+(decoder, f32; the Mimi ``encoder.*`` tensors are omitted). ``make_model`` then converts it with
+the same code path as ``qtts convert`` into ``OUT_DIR/model.gguf``.
+
+Sizes:
+
+* ``full`` — released dims of the 0.6B CustomVoice model (talker §3.1/3.2, decoder §2.1/2.2),
+  text vocabulary 151936 with the Qwen3 added tokens at their released ids (§3.4).
+* ``tiny`` — small dims for fast tests; the codec side keeps the released ids (codebooks of
+  2048, talker vocabulary 3072, same control/language/speaker ids), the text vocabulary is 512
+  with the same 33 added tokens appended after a small learned BPE vocabulary, and the text
+  special ids in config.json are remapped to where those tokens land.
+
+Weights are seeded per tensor (``seed`` and the tensor name), scaled so activations stay finite:
+linears and embeddings ``N(0, 0.02)``, convolutions ``N(0, 1/fan_in)``, norms 1, biases
+``N(0, 0.01)``, layer scales 0.01, ConvNeXt gamma 0.1, snake alpha/beta ~0, codebook usage
+positive with a few exact zeros (their sums ~0). The configs carry ``"qtts_synthetic": true`` and
+the GGUF ``qtts.synthetic = true``: the audio such a model makes is noise, not speech.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import zlib
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from engine.convert import (
+    SYNTHETIC_MARKER,
+    ConversionReport,
+    SafetensorsWriter,
+    convert,
+    f32_to_bf16_bits,
+    parse_decoder_config,
+    parse_talker_config,
+)
+from engine.errors import ConversionError
+from engine.tensor_names import (
+    DECODER_SKIPPED_HF,
+    SchemaError,
+    decoder_tensor_specs,
+    talker_tensor_specs,
+)
+from engine.tokenizer_gguf import bytes_to_unicode, qwen2_pre_tokenizer
+
+SIZES = ("tiny", "full")
+VARIANTS = ("custom_voice",)
+
+# The 33 added tokens of the Qwen3 tokenizer, in id order from <|endoftext|> (151643 released).
+# (content, special)
+QWEN3_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
+    ("<|endoftext|>", True),
+    ("<|im_start|>", True),
+    ("<|im_end|>", True),
+    ("<|object_ref_start|>", True),
+    ("<|object_ref_end|>", True),
+    ("<|box_start|>", True),
+    ("<|box_end|>", True),
+    ("<|quad_start|>", True),
+    ("<|quad_end|>", True),
+    ("<|vision_start|>", True),
+    ("<|vision_end|>", True),
+    ("<|vision_pad|>", True),
+    ("<|image_pad|>", True),
+    ("<|video_pad|>", True),
+    ("<tool_call>", False),
+    ("</tool_call>", False),
+    ("<|fim_prefix|>", False),
+    ("<|fim_middle|>", False),
+    ("<|fim_suffix|>", False),
+    ("<|fim_pad|>", False),
+    ("<|repo_name|>", False),
+    ("<|file_sep|>", False),
+    ("<tool_response>", False),
+    ("</tool_response>", False),
+    ("<think>", False),
+    ("</think>", False),
+    ("<|audio_start|>", True),
+    ("<|audio_end|>", True),
+    ("<tts_pad>", True),
+    ("<tts_text_bos>", True),
+    ("<tts_text_eod>", True),
+    ("<tts_text_bos_single>", True),
+    ("<|audio_pad|>", True),
+)
+_ADDED_INDEX = {c: i for i, (c, _) in enumerate(QWEN3_ADDED_TOKENS)}
+
+# Codec control / language / speaker ids of the released 0.6B CustomVoice config (spec §3.4).
+CODEC_IDS = {
+    "codec_pad_id": 2148,
+    "codec_bos_id": 2149,
+    "codec_eos_token_id": 2150,
+    "codec_think_id": 2154,
+    "codec_nothink_id": 2155,
+    "codec_think_bos_id": 2156,
+    "codec_think_eos_id": 2157,
+}
+LANGUAGE_IDS = {
+    "chinese": 2055,
+    "english": 2050,
+    "german": 2053,
+    "italian": 2070,
+    "portuguese": 2071,
+    "spanish": 2054,
+    "japanese": 2058,
+    "korean": 2064,
+    "french": 2061,
+    "russian": 2069,
+    "beijing_dialect": 2074,
+    "sichuan_dialect": 2062,
+}
+SPEAKER_IDS = {
+    "serena": 3066,
+    "vivian": 3065,
+    "uncle_fu": 3010,
+    "ryan": 3061,
+    "aiden": 2861,
+    "ono_anna": 2873,
+    "sohee": 2864,
+    "eric": 2875,
+    "dylan": 2878,
+}
+SPEAKER_DIALECTS = {"eric": "sichuan_dialect", "dylan": "beijing_dialect"}
+
+_DIMS: dict[str, dict[str, dict[str, Any]]] = {
+    "full": {
+        "decoder": {
+            "codebook_size": 2048, "codebook_dim": 512, "latent_dim": 1024, "hidden_size": 512,
+            "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 16,
+            "head_dim": 64, "intermediate_size": 1024, "sliding_window": 72,
+            "decoder_dim": 1536, "vector_quantization_hidden_dimension": 512,
+        },
+        "talker": {
+            "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 28,
+            "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+            "text_hidden_size": 2048, "text_vocab_size": 151936, "mrope_section": [24, 20, 20],
+        },
+        "cp": {
+            "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 5,
+            "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+        },
+    },
+    "tiny": {
+        "decoder": {
+            "codebook_size": 2048, "codebook_dim": 32, "latent_dim": 32, "hidden_size": 32,
+            "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 2,
+            "head_dim": 16, "intermediate_size": 64, "sliding_window": 8, "decoder_dim": 64,
+            "vector_quantization_hidden_dimension": 32,
+        },
+        "talker": {
+            "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+            "text_hidden_size": 32, "text_vocab_size": 512, "mrope_section": [4, 2, 2],
+        },
+        "cp": {
+            "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+        },
+    },
+}  # fmt: skip
+
+# Text the synthetic BPE merges are learned from (any text works; this one is varied).
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. Speech synthesis turns written text into sound.
+A talker predicts the first codebook, a code predictor fills in the rest, and the decoder turns
+sixteen codes per frame into twenty-four thousand samples per second. Hello, world! How are you
+today? I'm fine, thanks; we'll see what they've done. It's 12:30 on 2024-05-17, and the price is
+$19.99 (about 18 euros). Numbers like 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 100 and 1000 are common.
+Streaming audio should start quickly: the first chunk matters most for latency. Voices such as
+Vivian, Serena, Ryan and Aiden speak English, Chinese, Japanese, Korean, German, French, Spanish,
+Italian, Portuguese and Russian. 你好世界。今天天气很好。こんにちは。안녕하세요. Привет, мир!
+Guten Tag, wie geht es Ihnen? Bonjour, comment allez-vous? ¿Dónde está la biblioteca?
+The model reads the text, thinks about the language, and then it speaks the words one frame at a
+time, eighty milliseconds per frame, until it reaches the end of speech token.
+"""
+# Chat-template words must be single tokens: the prompt code relies on
+# "<|im_start|>assistant\n" being exactly 3 tokens (spec §3.4).
+_CORPUS += "system\nuser\nassistant\nuser\nassistant\n" * 40
+
+
+def _learn_merges(n_merges: int) -> list[tuple[str, str]]:
+    """Deterministic byte-level BPE merges learned from ``_CORPUS`` (ties broken by pair)."""
+    pre = qwen2_pre_tokenizer()
+    pieces = [p for p, _ in pre.pre_tokenize_str(_CORPUS)]
+    words: Counter[tuple[str, ...]] = Counter(tuple(p) for p in pieces)
+    merges: list[tuple[str, str]] = []
+    while len(merges) < n_merges:
+        pairs: Counter[tuple[str, str]] = Counter()
+        for w, f in words.items():
+            for a, b in itertools.pairwise(w):
+                pairs[(a, b)] += f
+        if not pairs:
+            break
+        best, count = min(pairs.items(), key=lambda kv: (-kv[1], kv[0]))
+        if count < 2:
+            break
+        merges.append(best)
+        merged: Counter[tuple[str, ...]] = Counter()
+        for w, f in words.items():
+            out: list[str] = []
+            i = 0
+            while i < len(w):
+                if i + 1 < len(w) and (w[i], w[i + 1]) == best:
+                    out.append(w[i] + w[i + 1])
+                    i += 2
+                else:
+                    out.append(w[i])
+                    i += 1
+            merged[tuple(out)] += f
+        words = merged
+    return merges
+
+
+def write_tokenizer_files(folder: Path, text_vocab_size: int) -> dict[str, int]:
+    """Write vocab.json / merges.txt / tokenizer_config.json; return the text special ids.
+
+    The BPE vocabulary (256 byte symbols, learned merges, then filler tokens) has exactly
+    ``text_vocab_size - 33`` entries for tiny and 151643 for full, so the 33 added tokens follow
+    it contiguously — which is how ``Qwen2TokenizerFast`` assigns their ids.
+    """
+    n_added = len(QWEN3_ADDED_TOKENS)
+    base = 151643 if text_vocab_size >= 151643 + n_added else text_vocab_size - n_added
+    if base < 256:
+        raise ConversionError(str(folder), f"text_vocab_size {text_vocab_size} is too small")
+    vocab: dict[str, int] = {}
+    for ch in bytes_to_unicode().values():
+        vocab[ch] = len(vocab)
+    merges = _learn_merges(min(base - 256, 4000))
+    for a, b in merges:
+        if a + b not in vocab:
+            vocab[a + b] = len(vocab)
+    i = 0
+    while len(vocab) < base:
+        vocab.setdefault(f"qtts_fill_{i}", len(vocab))
+        i += 1
+    (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    (folder / "merges.txt").write_text(
+        "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8"
+    )
+    added = {
+        str(base + k): {
+            "content": content,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": special,
+        }
+        for k, (content, special) in enumerate(QWEN3_ADDED_TOKENS)
+    }
+    cfg = {
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "added_tokens_decoder": added,
+        "additional_special_tokens": [
+            "<|im_start|>", "<|im_end|>", "<|audio_start|>", "<|audio_end|>", "<tts_pad>",
+            "<tts_text_bos>", "<tts_text_eod>", "<tts_text_bos_single>", "<|audio_pad|>",
+        ],
+        "bos_token": None,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|im_end|>",
+        "errors": "replace",
+        "model_max_length": 131072,
+        "pad_token": "<|endoftext|>",
+        "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer",
+        "unk_token": None,
+    }  # fmt: skip
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2), encoding="utf-8")
+
+    def at(content: str) -> int:
+        return base + _ADDED_INDEX[content]
+
+    return {
+        "im_start_token_id": at("<|im_start|>"),
+        "im_end_token_id": at("<|im_end|>"),
+        "tts_pad_token_id": at("<tts_pad>"),
+        "tts_bos_token_id": at("<tts_text_bos>"),
+        "tts_eos_token_id": at("<tts_text_eod>"),
+    }
+
+
+def build_configs(
+    size: str, variant: str = "custom_voice", overrides: dict[str, dict[str, Any]] | None = None
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """``(root config, speech-tokenizer config, generation config)`` for a size.
+
+    ``overrides`` may hold ``"decoder"``, ``"talker"``, ``"cp"`` dicts merged into the
+    respective config sections (tests use it to build unusual layouts). Text special ids are
+    filled in by ``make_checkpoint`` from the tokenizer it writes.
+    """
+    if size not in SIZES:
+        raise ConversionError("--size", f"{size!r} is not one of {', '.join(SIZES)}")
+    if variant not in VARIANTS:
+        raise ConversionError("--variant", f"{variant!r} is not one of {', '.join(VARIANTS)}")
+    ov = overrides or {}
+    dims = _DIMS[size]
+    dec = {
+        **dims["decoder"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "hidden_act": "silu",
+        "layer_scale_initial_scale": 0.01,
+        "max_position_embeddings": 8000,
+        "num_quantizers": 16,
+        "num_semantic_quantizers": 1,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "semantic_codebook_size": 4096,
+        "upsample_rates": [8, 5, 4, 3],
+        "upsampling_ratios": [2, 2],
+        **ov.get("decoder", {}),
+    }
+    st_cfg = {
+        "architectures": ["Qwen3TTSTokenizerV2Model"],
+        "model_type": "qwen3_tts_tokenizer_12hz",
+        "encoder_valid_num_quantizers": 16,
+        "input_sample_rate": 24000,
+        "output_sample_rate": 24000,
+        "decode_upsample_rate": 1920,
+        "encode_downsample_rate": 1920,
+        "encoder_config": {
+            "model_type": "mimi", "hidden_size": 512, "num_hidden_layers": 8,
+            "num_quantizers": 32, "codebook_size": 2048, "codebook_dim": 256,
+            "frame_rate": 12.5, "sampling_rate": 24000,
+        },
+        "decoder_config": dec,
+        "transformers_version": "4.57.3",
+        SYNTHETIC_MARKER: True,
+    }  # fmt: skip
+    tdims = dict(dims["talker"])
+    mrope = tdims.pop("mrope_section")
+    cp = {
+        **dims["cp"],
+        "vocab_size": 2048,
+        "hidden_act": "silu",
+        "max_position_embeddings": 65536,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000,
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "num_code_groups": 16,
+        **ov.get("cp", {}),
+    }
+    talker = {
+        **tdims,
+        "vocab_size": 3072,
+        "hidden_act": "silu",
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000,
+        "rope_scaling": {"interleaved": True, "mrope_section": mrope, "rope_type": "default"},
+        "attention_bias": False,
+        "use_sliding_window": False,
+        "num_code_groups": 16,
+        **CODEC_IDS,
+        "codec_language_id": dict(LANGUAGE_IDS),
+        "spk_id": {k: [v] for k, v in SPEAKER_IDS.items()},
+        "spk_is_dialect": {k: SPEAKER_DIALECTS.get(k, False) for k in SPEAKER_IDS},
+        "code_predictor_config": cp,
+        **ov.get("talker", {}),
+    }
+    root = {
+        "architectures": ["Qwen3TTSForConditionalGeneration"],
+        "model_type": "qwen3_tts",
+        "tts_model_type": variant,
+        "tts_model_size": "0b6",
+        "tokenizer_type": "qwen3_tts_tokenizer_12hz",
+        "talker_config": talker,
+        "speaker_encoder_config": {"enc_dim": 1024, "sample_rate": 24000},
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.57.3",
+        SYNTHETIC_MARKER: True,
+    }
+    gen = {
+        "do_sample": True,
+        "repetition_penalty": 1.05,
+        "temperature": 0.9,
+        "top_p": 1.0,
+        "top_k": 50,
+        "subtalker_dosample": True,
+        "subtalker_temperature": 0.9,
+        "subtalker_top_k": 50,
+        "subtalker_top_p": 1.0,
+        "max_new_tokens": 8192,
+    }
+    return root, st_cfg, gen
+
+
+# ---------------------------------------------------------------------------------------------
+# Random weights
+# ---------------------------------------------------------------------------------------------
+
+_CHUNK = 4 << 20
+
+
+def _rng(seed: int, name: str) -> np.random.Generator:
+    return np.random.default_rng([seed, zlib.crc32(name.encode())])
+
+
+def _usage(seed: int, name: str, n: int) -> npt.NDArray[np.float32]:
+    rng = _rng(seed, name)
+    u = rng.uniform(0.5, 2.0, size=n).astype(np.float32)
+    u[rng.choice(n, size=min(3, n), replace=False)] = 0.0
+    return u
+
+
+def _fill(name: str, shape: Sequence[int]) -> float | None:
+    """Constant init for the tensor, or None for a random one."""
+    if name.endswith(("layernorm.weight", "norm.weight", "q_norm.weight", "k_norm.weight")):
+        return 1.0
+    if name.endswith("layer_scale.scale"):
+        return 0.01
+    if name.endswith(".gamma"):
+        return 0.1
+    if name.endswith(".norm.bias"):
+        return 0.0
+    return None
+
+
+def _std(name: str, shape: Sequence[int]) -> float:
+    if name.endswith((".alpha", ".beta")) or name.endswith(".bias"):
+        return 0.01
+    if len(shape) == 3:  # conv: [out, in/groups, k]; transposed conv: [in, out, k]
+        if ".upsample." in f".{name}" and name.endswith("0.conv.weight"):
+            fan_in = shape[0]  # kernel == stride: one tap per output
+        elif ".block.1.conv.weight" in name:
+            fan_in = shape[0] * 2  # kernel 2r, stride r: two taps per output
+        else:
+            fan_in = shape[1] * shape[2]
+        return 1.0 / math.sqrt(fan_in)
+    return 0.02
+
+
+def generate_tensor(
+    seed: int, name: str, shape: Sequence[int]
+) -> Iterator[npt.NDArray[np.float32]]:
+    """Yield float32 chunks (flat, in order) of the deterministic init of tensor ``name``."""
+    n = math.prod(shape)
+    if name.endswith("cluster_usage"):
+        yield _usage(seed, name, n)
+        return
+    if name.endswith("embedding_sum"):
+        usage = _usage(seed, name[: -len("embedding_sum")] + "cluster_usage", shape[0])
+        e = _rng(seed, name).standard_normal(tuple(shape), dtype=np.float32)
+        e *= np.where(usage > 0, usage, 1e-6).astype(np.float32)[:, None]
+        yield e.reshape(-1)
+        return
+    const = _fill(name, shape)
+    if const is not None:
+        yield np.full(n, const, dtype=np.float32)
+        return
+    rng, std = _rng(seed, name), np.float32(_std(name, shape))
+    for start in range(0, n, _CHUNK):
+        x = rng.standard_normal(min(_CHUNK, n - start), dtype=np.float32)
+        x *= std
+        yield x
+
+
+def _write_safetensors(
+    path: Path, tensors: Sequence[tuple[str, Sequence[int]]], dtype: str, seed: int, bar: Any
+) -> None:
+    ordered = sorted(tensors)
+    w = SafetensorsWriter(path, [(n, dtype, s) for n, s in ordered])
+    try:
+        for name, shape in ordered:
+            for chunk in generate_tensor(seed, name, shape):
+                data = f32_to_bf16_bits(chunk) if dtype == "BF16" else chunk
+                w.write(data)
+                bar.update(data.nbytes)
+    finally:
+        w.close()
+
+
+def make_checkpoint(
+    out_dir: str | os.PathLike[str],
+    size: str = "tiny",
+    seed: int = 0,
+    variant: str = "custom_voice",
+    overrides: dict[str, dict[str, Any]] | None = None,
+    progress: bool = True,
+) -> Path:
+    """Write a random-weight checkpoint folder in the released HF layout; return its path."""
+    from tqdm import tqdm
+
+    out = Path(out_dir)
+    root, st_cfg, gen = build_configs(size, variant, overrides)
+    try:
+        (out / "speech_tokenizer").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConversionError(str(out), f"cannot create ({exc.strerror or exc})") from None
+    special = write_tokenizer_files(out, int(root["talker_config"]["text_vocab_size"]))
+    root.update(special)
+    try:
+        dec_cfg = parse_decoder_config(st_cfg)
+        talker, cp, _, _ = parse_talker_config(root, has_mtp_tensor=False)
+    except SchemaError as exc:
+        raise ConversionError(str(out), f"bad synthetic config: {exc}") from None
+    dec_tensors = [(s.hf_name, s.hf_shape) for s in decoder_tensor_specs(dec_cfg)]
+    cbd = dec_cfg.codebook_vector_dim
+    dec_tensors += [(n, (cbd, dec_cfg.codebook_dim, 1)) for n in DECODER_SKIPPED_HF]
+    talk_tensors = [(s.hf_name, s.hf_shape) for s in talker_tensor_specs(talker, cp)]
+    total = 4 * sum(math.prod(s) for _, s in dec_tensors)
+    total += 2 * sum(math.prod(s) for _, s in talk_tensors)
+    files = {
+        "config.json": root,
+        "generation_config.json": gen,
+        "preprocessor_config.json": {"processor_class": "Qwen3TTSProcessor"},
+        "speech_tokenizer/config.json": st_cfg,
+        "speech_tokenizer/preprocessor_config.json": {
+            "feature_extractor_type": "EncodecFeatureExtractor", "feature_size": 1,
+            "padding_side": "right", "padding_value": 0.0, "return_attention_mask": True,
+            "sampling_rate": 24000,
+        },
+        "speech_tokenizer/configuration.json": {"framework": "pytorch", "task": "text-to-speech"},
+    }  # fmt: skip
+    try:
+        for rel, obj in files.items():
+            (out / rel).write_text(json.dumps(obj, indent=2, ensure_ascii=False), encoding="utf-8")
+        with tqdm(
+            total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="make-model",
+            disable=not progress, leave=False,
+        ) as bar:  # fmt: skip
+            _write_safetensors(
+                out / "speech_tokenizer" / "model.safetensors", dec_tensors, "F32", seed, bar
+            )
+            _write_safetensors(out / "model.safetensors", talk_tensors, "BF16", seed, bar)
+    except OSError as exc:
+        raise ConversionError(str(out), f"cannot write ({exc.strerror or exc})") from None
+    return out
+
+
+def make_model(
+    out_dir: str | os.PathLike[str],
+    size: str = "tiny",
+    seed: int = 0,
+    variant: str = "custom_voice",
+    dtype: str | None = None,
+    progress: bool = True,
+    overrides: dict[str, dict[str, Any]] | None = None,
+) -> ConversionReport:
+    """Write the checkpoint and convert it to ``OUT_DIR/model.gguf`` (f16 full, f32 tiny)."""
+    folder = make_checkpoint(out_dir, size, seed, variant, overrides, progress)
+    if dtype is None:
+        dtype = "f16" if size == "full" else "f32"
+    return convert(folder, folder / "model.gguf", dtype=dtype, progress=progress)

@@ -1,0 +1,32 @@
+"""Shared fixtures: a session-wide tiny synthetic model and the qtts cache folder."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from engine.make_model import make_model
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random-weight checkpoint (HF layout) with its ``model.gguf`` (f32), made once."""
+    folder = tmp_path_factory.mktemp("tiny_model")
+    make_model(folder, size="tiny", seed=0, progress=False)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tiny_model_dir: Path) -> Path:
+    """Path of the tiny model's ``model.gguf``."""
+    return tiny_model_dir / "model.gguf"
+
+
+@pytest.fixture(scope="session")
+def qtts_cache_dir() -> Path:
+    """The qtts cache folder: ``$QTTS_CACHE_DIR`` or ``~/.cache/qtts`` (created if missing)."""
+    folder = Path(os.environ.get("QTTS_CACHE_DIR") or "~/.cache/qtts").expanduser()
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder

@@ -1,0 +1,372 @@
+"""`qtts convert`: round trips at every dtype, layouts it accepts, and every refusal."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from engine import convert as convert_mod
+from engine.cli import main
+from engine.convert import (
+    DTYPES,
+    SafetensorsFile,
+    SafetensorsWriter,
+    convert,
+    max_abs_error,
+)
+from engine.errors import ConversionError, ModelFileError
+from engine.gguf_model import open_model
+from engine.make_model import make_checkpoint
+from engine.tensor_names import (
+    GGML_F16,
+    GGML_F32,
+    QUANT_BLOCK,
+    Kind,
+    decoder_tensor_specs,
+    talker_tensor_specs,
+)
+
+QUANT = ("q8_0", "q4_0")
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def copy_ckpt(src: Path, dst: Path) -> Path:
+    """A copy of a checkpoint folder without its GGUF."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("*.gguf", "*.part"))
+    return dst
+
+
+def edit_json(path: Path, fn: Callable[[dict[str, Any]], None]) -> None:
+    obj = json.loads(path.read_text())
+    fn(obj)
+    path.write_text(json.dumps(obj))
+
+
+def rewrite_st(path: Path, fn: Callable[[dict[str, np.ndarray]], object]) -> None:
+    """Load every tensor of a safetensors file as f32, let ``fn`` edit the dict, write it back."""
+    st = SafetensorsFile(path)
+    tensors = {
+        n: st.read_f32(n, 0, math.prod(e.shape)).reshape(e.shape) for n, e in st.entries.items()
+    }
+    fn(tensors)
+    w = SafetensorsWriter(path, [(n, "F32", a.shape) for n, a in tensors.items()])
+    for a in tensors.values():
+        w.write(np.ascontiguousarray(a, dtype=np.float32))
+    w.close()
+
+
+def source_tensor(folder: Path, spec: Any) -> np.ndarray:
+    rel = "speech_tokenizer/model.safetensors" if spec.part == "decoder" else "model.safetensors"
+    st = SafetensorsFile(folder / rel)
+    return st.read_f32(spec.hf_name, 0, math.prod(spec.hf_shape)).reshape(spec.shape)
+
+
+# -- round trips --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_round_trip_every_tensor(tiny_model_dir: Path, tmp_path: Path, dtype: str) -> None:
+    out = tmp_path / f"model-{dtype}.gguf"
+    report = convert(tiny_model_dir, out, dtype=dtype, progress=False)
+    want = DTYPES[dtype]
+    with open_model(out) as m:
+        assert m.decoder_config is not None
+        assert m.talker_config is not None and m.code_predictor_config is not None
+        specs = decoder_tensor_specs(m.decoder_config) + talker_tensor_specs(
+            m.talker_config, m.code_predictor_config
+        )
+        assert sorted(m.tensor_names()) == sorted(s.name for s in specs)
+        for s in specs:
+            ref = source_tensor(tiny_model_dir, s)
+            gtype = m.tensor_info(s.name).ggml_type
+            got = m.tensor_f32(s.name)
+            assert got.shape == s.shape
+            if s.kind is Kind.F32:
+                assert gtype == GGML_F32, s.name
+            elif s.kind is Kind.EMBED:
+                assert gtype == (GGML_F16 if dtype in QUANT else want), s.name
+            elif dtype in QUANT and s.shape[-1] % QUANT_BLOCK:
+                assert gtype == GGML_F16, s.name
+            else:
+                assert gtype == want, s.name
+            if gtype == GGML_F32:
+                np.testing.assert_array_equal(got, ref, err_msg=s.name)
+            else:
+                err = np.abs(got.astype(np.float64) - ref)
+                assert (err <= max_abs_error(gtype, ref)).all(), s.name
+    assert report.n_tensors == len(specs)
+    assert report.file_size == out.stat().st_size
+    if dtype in QUANT:
+        assert report.fallbacks
+        assert all(f"stored F16 instead of {dtype.upper()}" in f for f in report.fallbacks)
+        assert any("fall" in line or "kept at F16" in line for line in report.summary_lines())
+    else:
+        assert not report.fallbacks
+
+
+def test_conversion_streams_in_chunks(
+    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Tiny chunks (many per tensor) give byte-identical output to the default chunking."""
+    a, b = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    convert(tiny_model_dir, a, dtype="q8_0", progress=False)
+    monkeypatch.setattr(convert_mod, "CHUNK_ELEMS", 100)
+    convert(tiny_model_dir, b, dtype="q8_0", progress=False)
+    assert a.read_bytes() == b.read_bytes()
+
+
+def test_bf16_source_is_read_exactly(tiny_model_dir: Path) -> None:
+    st = SafetensorsFile(tiny_model_dir / "model.safetensors")
+    e = st.entries["talker.model.norm.weight"]
+    assert e.dtype == "BF16"
+    assert np.array_equal(st.read_f32("talker.model.norm.weight", 0, e.shape[0]), np.ones(e.shape))
+    raw = np.fromfile(tiny_model_dir / "model.safetensors", dtype="<u2", count=4, offset=e.begin)
+    assert raw.tolist() == [0x3F80] * 4  # bf16 1.0
+
+
+def test_parts_and_decoder_only_folder(tiny_model_dir: Path, tmp_path: Path) -> None:
+    dec = tmp_path / "dec.gguf"
+    report = convert(tiny_model_dir / "speech_tokenizer", dec, progress=False)
+    assert report.parts == ("decoder",)
+    assert any("decoder-only" in n for n in report.notes)
+    with open_model(dec) as m:
+        assert m.parts == {"decoder"}
+        assert m.talker_config is None and m.special_ids is None
+        assert all(n.startswith("dec.") for n in m.tensor_names())
+        with pytest.raises(ModelFileError, match=r"decoder-only model.*cannot synthesise text"):
+            m.tokenizer()
+    talk = tmp_path / "talk.gguf"
+    convert(tiny_model_dir, talk, parts="talker", progress=False)
+    with open_model(talk) as m:
+        assert m.parts == {"talker"} and m.decoder_config is None
+        m.require("talker")
+        with pytest.raises(ModelFileError, match=r"has no decoder part \(it holds: talker\)"):
+            m.require("decoder")
+        assert all(not n.startswith("dec.") for n in m.tensor_names())
+    only_dec = tmp_path / "only_dec.gguf"
+    convert(tiny_model_dir, only_dec, parts=["decoder"], progress=False)
+    with open_model(only_dec) as m:
+        assert m.parts == {"decoder"}
+
+
+def test_encoder_and_speaker_encoder_tensors_are_skipped(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    ck = copy_ckpt(tiny_model_dir, tmp_path / "ck")
+
+    def add_encoder(t: dict[str, np.ndarray]) -> None:
+        t["encoder.encoder.layers.0.conv.weight"] = np.ones((4, 1, 7), np.float32)
+        t["encoder.quantizer.semantic_residual_vector_quantizer.input_proj.weight"] = np.ones(
+            (8, 4, 1), np.float32
+        )
+
+    rewrite_st(ck / "speech_tokenizer" / "model.safetensors", add_encoder)
+    rewrite_st(
+        ck / "model.safetensors",
+        lambda t: t.__setitem__("speaker_encoder.fc.conv.weight", np.ones((8, 8, 1), np.float32)),
+    )
+    report = convert(ck, ck / "model.gguf", progress=False)
+    assert any("skipped 2 encoder.* tensors" in n and "voice cloning" in n for n in report.notes)
+    assert any("skipped 1 speaker_encoder.* tensors" in n for n in report.notes)
+    with open_model(ck / "model.gguf") as m:
+        assert not any("encoder" in n for n in m.tensor_names())
+
+
+def test_mtp_projection_when_widths_differ(tmp_path: Path) -> None:
+    ck = make_checkpoint(
+        tmp_path / "ck",
+        "tiny",
+        overrides={"cp": {"hidden_size": 16, "intermediate_size": 32, "head_dim": 8}},
+        progress=False,
+    )
+    convert(ck, ck / "model.gguf", progress=False)
+    with open_model(ck / "model.gguf") as m:
+        assert m.code_predictor_config is not None
+        assert m.code_predictor_config.has_mtp_projection
+        assert m.tensor("cp.mtp_proj.weight").shape == (16, 32)
+        assert m.tensor("cp.mtp_proj.bias").shape == (16,)
+        assert m.tensor("cp.codec_embd.0.weight").shape == (2048, 32)
+        assert m.tensor("cp.head.0.weight").shape == (2048, 16)
+
+
+def test_cli_convert(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "cli.gguf"
+    code = main(["convert", str(tiny_model_dir), str(out), "--dtype", "q8_0", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "kept at F16 instead of Q8_0" in err and "wrote" in err and "synthetic" in err
+    with open_model(out) as m:
+        assert m.synthetic
+
+
+# -- refusals -----------------------------------------------------------------------------------
+
+
+def _set(path: str, *keys: str, value: Any) -> Callable[[Path], None]:
+    def fn(ck: Path) -> None:
+        def upd(obj: dict[str, Any]) -> None:
+            d = obj
+            for k in keys[:-1]:
+                d = d[k]
+            if value is _DELETE:
+                del d[keys[-1]]
+            else:
+                d[keys[-1]] = value
+
+        edit_json(ck / path, upd)
+
+    return fn
+
+
+_DELETE = object()
+ST = "speech_tokenizer/config.json"
+CFG = "config.json"
+
+
+def _st_edit(rel: str, fn: Callable[[dict[str, np.ndarray]], object]) -> Callable[[Path], None]:
+    return lambda ck: rewrite_st(ck / rel, fn)
+
+
+def _truncate(rel: str) -> Callable[[Path], None]:
+    def fn(ck: Path) -> None:
+        p = ck / rel
+        with p.open("r+b") as f:
+            f.truncate(p.stat().st_size - 1000)
+
+    return fn
+
+
+REFUSALS: list[tuple[str, Callable[[Path], object], str]] = [
+    ("unknown model_type", _set(CFG, "model_type", value="llama"),
+     "config.json: unknown model_type 'llama' (expected 'qwen3_tts' or "
+     "'qwen3_tts_tokenizer_12hz')"),
+    ("no model_type", _set(CFG, "model_type", value=_DELETE),
+     "config.json: not a Qwen3-TTS model: no model_type"),
+    ("bad json", lambda ck: (ck / CFG).write_text("{"), "config.json: is not valid JSON"),
+    ("25 Hz tokenizer", _set(CFG, "tokenizer_type", value="qwen3_tts_tokenizer_25hz"),
+     "config.json: tokenizer_type 'qwen3_tts_tokenizer_25hz' is not supported"),
+    ("unknown speech tokenizer", _set(ST, "model_type", value="mimi"),
+     "speech_tokenizer/config.json: unknown speech-tokenizer model_type 'mimi'"),
+    ("no speech_tokenizer", lambda ck: shutil.rmtree(ck / "speech_tokenizer"),
+     "speech_tokenizer/config.json is missing (use --parts talker"),
+    ("missing tensor",
+     _st_edit("model.safetensors", lambda t: t.pop("talker.model.norm.weight")),
+     "model.safetensors: tensor talker.model.norm.weight is missing"),
+    ("mismatched shape",
+     _st_edit("speech_tokenizer/model.safetensors", lambda t: t.__setitem__(
+         "decoder.decoder.1.block.1.conv.weight", np.zeros((64, 32, 15), np.float32))),
+     "speech_tokenizer/model.safetensors: tensor decoder.decoder.1.block.1.conv.weight has shape "
+     "[64, 32, 15], expected [64, 32, 16]"),
+    ("unexpected tensor",
+     _st_edit("model.safetensors", lambda t: t.__setitem__(
+         "talker.model.layers.2.input_layernorm.weight", np.ones(32, np.float32))),
+     "model.safetensors: unexpected tensor talker.model.layers.2.input_layernorm.weight"),
+    ("truncated safetensors", _truncate("model.safetensors"),
+     "model.safetensors: tensor "),
+    ("window out of range", _set(ST, "decoder_config", "sliding_window", value=0),
+     "speech_tokenizer/config.json: decoder_config.sliding_window = 0 is out of range"),
+    ("decoder act", _set(ST, "decoder_config", "hidden_act", value="gelu"),
+     "decoder_config.hidden_act = 'gelu' is not supported"),
+    ("upsample total", _set(ST, "decode_upsample_rate", value=2000),
+     "decode_upsample_rate = 2000 does not match the decoder's rates (product of upsample_rates "
+     "and upsampling_ratios = 1920)"),
+    ("negative eps", _set(CFG, "talker_config", "rms_norm_eps", value=-1.0),
+     "config.json: talker_config.rms_norm_eps = -1.0 is out of range (0, 0.1]"),
+    ("codec id", _set(CFG, "talker_config", "codec_pad_id", value=5000),
+     "config.json: talker_config.codec_pad_id = 5000 is out of range [2048, 3072)"),
+    ("mrope", _set(CFG, "talker_config", "rope_scaling", "mrope_section", value=[4, 4, 4]),
+     "mrope_section [4, 4, 4] does not sum to head_dim/2 = 8"),
+    ("missing text vocab", _set(CFG, "talker_config", "text_vocab_size", value=_DELETE),
+     "config.json: talker_config.text_vocab_size is missing"),
+    ("heads", _set(CFG, "talker_config", "num_key_value_heads", value=3),
+     "talker_config.num_attention_heads = 2 is not a multiple of num_key_value_heads = 3"),
+    ("dialect", _set(CFG, "talker_config", "spk_is_dialect", "eric", value="klingon"),
+     "talker_config.spk_is_dialect['eric'] = 'klingon' is not a language in codec_language_id"),
+    ("speaker id", _set(CFG, "talker_config", "spk_id", "eric", value="x"),
+     "talker_config.spk_id['eric'] = 'x' is not an id"),
+    ("text special id", _set(CFG, "im_start_token_id", value=600),
+     "config.json: im_start_token_id = 600 is out of range [0, 512)"),
+    ("code groups", _set(CFG, "talker_config", "code_predictor_config", "num_code_groups",
+                         value=8),
+     "code_predictor_config.num_code_groups = 8 differs from talker_config.num_code_groups = 16"),
+    ("generation", _set("generation_config.json", "temperature", value=0),
+     "generation_config.json: generation_config temperature = 0.0 is out of range (0, 100]"),
+    ("merges missing", lambda ck: (ck / "merges.txt").unlink(),
+     "text tokenizer: merges.txt is missing"),
+    ("bad merge", lambda ck: (ck / "merges.txt").write_text("#version: 0.2\nzz qq\n"),
+     "text tokenizer: merges.txt merge 'zz qq' uses a token that is not in vocab.json"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "mutate", "message"), REFUSALS, ids=[r[0] for r in REFUSALS])
+def test_refusals(
+    tiny_model_dir: Path,
+    tmp_path: Path,
+    case: str,
+    mutate: Callable[[Path], object],
+    message: str,
+) -> None:
+    ck = copy_ckpt(tiny_model_dir, tmp_path / "ck")
+    mutate(ck)
+    out = tmp_path / "out.gguf"
+    with pytest.raises(ConversionError) as info:
+        convert(ck, out, progress=False)
+    text = str(info.value)
+    assert message in text, text
+    assert "\n" not in text
+    assert not out.exists() and not (tmp_path / "out.gguf.part").exists()
+
+
+def test_refusals_without_a_model(tiny_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "o.gguf"
+    with pytest.raises(ConversionError, match=r"nope: is not a folder$"):
+        convert(tmp_path / "nope", out, progress=False)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConversionError, match=r"empty: not a Qwen3-TTS model: no config\.json"):
+        convert(tmp_path / "empty", out, progress=False)
+    with pytest.raises(ConversionError, match=r"--dtype: 'q5' is not one of f32, f16"):
+        convert(tiny_model_dir, out, dtype="q5", progress=False)
+    with pytest.raises(ConversionError, match=r"--parts: foo is not a part"):
+        convert(tiny_model_dir, out, parts="decoder,foo", progress=False)
+    with pytest.raises(ConversionError, match="is a speech-tokenizer folder: it has no talker"):
+        convert(tiny_model_dir / "speech_tokenizer", out, parts="talker", progress=False)
+    with pytest.raises(ConversionError, match="output folder does not exist"):
+        convert(tiny_model_dir, tmp_path / "no" / "o.gguf", progress=False)
+
+
+def test_cli_refusal_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["convert", str(tmp_path / "nope"), str(tmp_path / "o.gguf"), "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err == f"qtts: {tmp_path / 'nope'}: is not a folder\n"
+
+
+def test_converts_a_folder_saved_by_the_official_code(tmp_path: Path) -> None:
+    """The reference's own save_pretrained layout (Mimi encoder included) converts exactly."""
+    pytest.importorskip("torch")
+    from tests.parity import reference as ref
+
+    ok, why = ref.reference_available()
+    if not ok:
+        pytest.skip(why)
+    folder = ref.make_reference_tokenizer_dir(ref.default_cache_dir(), "tiny", 0)
+    out = tmp_path / "ref.gguf"
+    report = convert(folder, out, dtype="f32", progress=False)
+    assert any(n.startswith("skipped") and "encoder.*" in n for n in report.notes)
+    st = SafetensorsFile(folder / "model.safetensors")
+    with open_model(out) as m:
+        assert m.parts == {"decoder"} and m.decoder_config is not None
+        for s in decoder_tensor_specs(m.decoder_config):
+            ref_arr = st.read_f32(s.hf_name, 0, math.prod(s.hf_shape)).reshape(s.shape)
+            np.testing.assert_array_equal(m.tensor(s.name), ref_arr, err_msg=s.name)

@@ -1,0 +1,204 @@
+"""`qtts make-model`: released HF layout, determinism, dims, and the synthetic marker."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from engine.cli import main
+from engine.convert import SafetensorsFile, parse_decoder_config, parse_talker_config
+from engine.gguf_model import open_model
+from engine.make_model import build_configs, make_model, write_tokenizer_files
+from engine.tensor_names import DECODER_SKIPPED_HF, decoder_tensor_specs, talker_tensor_specs
+
+LAYOUT = [
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer_config.json",
+    "preprocessor_config.json",
+    "speech_tokenizer/config.json",
+    "speech_tokenizer/model.safetensors",
+    "speech_tokenizer/preprocessor_config.json",
+    "speech_tokenizer/configuration.json",
+    "model.gguf",
+]
+
+
+def _full_configs() -> tuple[dict[str, Any], dict[str, Any]]:
+    root, st_cfg, _ = build_configs("full")
+    root.update(
+        im_start_token_id=151644, im_end_token_id=151645, tts_pad_token_id=151671,
+        tts_bos_token_id=151672, tts_eos_token_id=151673,
+    )  # fmt: skip
+    return root, st_cfg
+
+
+def test_tiny_layout_and_weights(tiny_model_dir: Path) -> None:
+    for rel in LAYOUT:
+        assert (tiny_model_dir / rel).is_file(), rel
+    root = json.loads((tiny_model_dir / "config.json").read_text())
+    assert root["model_type"] == "qwen3_tts" and root["tts_model_type"] == "custom_voice"
+    assert root["qtts_synthetic"] is True
+    st_cfg = json.loads((tiny_model_dir / "speech_tokenizer" / "config.json").read_text())
+    assert st_cfg["model_type"] == "qwen3_tts_tokenizer_12hz" and st_cfg["qtts_synthetic"]
+    gen = json.loads((tiny_model_dir / "generation_config.json").read_text())
+    assert gen["temperature"] == 0.9 and gen["top_k"] == 50 and gen["max_new_tokens"] == 8192
+
+    talk = SafetensorsFile(tiny_model_dir / "model.safetensors")
+    dec = SafetensorsFile(tiny_model_dir / "speech_tokenizer" / "model.safetensors")
+    assert {e.dtype for e in talk.entries.values()} == {"BF16"}
+    assert {e.dtype for e in dec.entries.values()} == {"F32"}
+    assert not any(n.startswith("encoder.") for n in dec.names())
+    for n in DECODER_SKIPPED_HF:
+        assert n in dec
+    for st in (talk, dec):
+        for name, e in st.entries.items():
+            x = st.read_f32(name, 0, math.prod(e.shape))
+            assert np.isfinite(x).all(), name
+            if name.endswith("cluster_usage"):
+                assert (x >= 0).all() and 1 <= (x == 0).sum() <= 3, name
+            elif name.endswith(("norm.weight", "layernorm.weight")):
+                assert (x == 1).all(), name
+            elif name.endswith((".alpha", ".beta")):
+                assert np.abs(x).max() < 0.1, name
+            elif e.shape and len(e.shape) >= 2 and x.size > 100:
+                assert 0 < float(x.std()) < 1.5, name
+    usage = dec.read_f32("decoder.quantizer.rvq_first.vq.layers.0._codebook.cluster_usage", 0, 2048)
+    emb = dec.read_f32(
+        "decoder.quantizer.rvq_first.vq.layers.0._codebook.embedding_sum", 0, 2048 * 16
+    ).reshape(2048, 16)
+    table = emb / np.maximum(usage, 1e-5)[:, None]  # the decoder's E_q stays moderate
+    assert np.abs(table).max() < 10
+
+
+def test_deterministic_and_seeded(tmp_path: Path) -> None:
+    a = make_model(tmp_path / "a", "tiny", seed=7, progress=False)
+    b = make_model(tmp_path / "b", "tiny", seed=7, progress=False)
+    c = make_model(tmp_path / "c", "tiny", seed=8, progress=False)
+    assert a.out_path.read_bytes() == b.out_path.read_bytes()
+    assert a.out_path.read_bytes() != c.out_path.read_bytes()
+    for rel in ("model.safetensors", "speech_tokenizer/model.safetensors", "vocab.json"):
+        assert (tmp_path / "a" / rel).read_bytes() == (tmp_path / "b" / rel).read_bytes()
+
+
+def test_dtype_option_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["make-model", str(tmp_path / "m"), "--size", "tiny", "--seed", "3",
+                 "--dtype", "q4_0", "--no-progress"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert "synthetic" in err
+    with open_model(tmp_path / "m" / "model.gguf") as m:
+        assert m.synthetic
+        assert m.tensor_info("talk.blk.0.ffn_up.weight").ggml_type == 2  # Q4_0
+        assert m.tensor_info("talk.text_embd.weight").ggml_type == 1  # F16, never quantised
+    with pytest.raises(SystemExit) as info:  # argparse refuses an unknown size
+        main(["make-model", str(tmp_path / "x"), "--size", "huge"])
+    assert info.value.code == 2
+
+
+def test_full_dims_match_the_released_model() -> None:
+    """Released 0.6B CustomVoice + tokenizer dims (spec §2.1/2.2/3.1/3.2), without writing."""
+    root, st_cfg = _full_configs()
+    dec = parse_decoder_config(st_cfg)
+    talker, cp, special, voices = parse_talker_config(root, has_mtp_tensor=False)
+    dspecs = decoder_tensor_specs(dec)
+    assert len(dspecs) + len(DECODER_SKIPPED_HF) == 271
+    n_dec = sum(math.prod(s.hf_shape) for s in dspecs) + 2 * 256 * 512
+    assert n_dec == 114_323_137
+    tspecs = talker_tensor_specs(talker, cp)
+    assert sum(math.prod(s.hf_shape) for s in tspecs) == 905_788_672  # 914.6 M - speaker enc.
+    assert talker.text_vocab_size == 151936 and talker.vocab_size == 3072
+    assert (talker.hidden_size, talker.num_hidden_layers, talker.head_dim) == (1024, 28, 128)
+    assert (cp.num_hidden_layers, cp.vocab_size, cp.num_code_groups) == (5, 2048, 16)
+    assert not cp.has_mtp_projection
+    assert talker.mrope_section == (24, 20, 20) and talker.rope_theta == 1e6
+    assert (talker.codec_pad_id, talker.codec_bos_id, talker.codec_eos_token_id) == (
+        2148,
+        2149,
+        2150,
+    )
+    assert voices.speakers["dylan"] == 2878 and voices.dialects["dylan"] == "beijing_dialect"
+    assert voices.languages["sichuan_dialect"] == 2062
+    assert special.tts_pad_token_id == 151671
+    assert dec.block_channels() == [(1536, 768, 8), (768, 384, 5), (384, 192, 4), (192, 96, 3)]
+
+
+def test_full_tokenizer_reaches_the_specials(tmp_path: Path) -> None:
+    ids = write_tokenizer_files(tmp_path, 151936)
+    vocab = json.loads((tmp_path / "vocab.json").read_text())
+    assert len(vocab) == 151643 and max(vocab.values()) == 151642
+    added = json.loads((tmp_path / "tokenizer_config.json").read_text())["added_tokens_decoder"]
+    assert added[str(ids["im_start_token_id"])]["content"] == "<|im_start|>"
+    assert (
+        added["151671"]["content"] == "<tts_pad>" and added["151675"]["content"] == "<|audio_pad|>"
+    )
+
+
+def _reference() -> Any:
+    pytest.importorskip("torch")
+    from tests.parity import reference as ref
+
+    ok, why = ref.reference_available()
+    if not ok:
+        pytest.skip(why)
+    ref.import_reference()
+    return ref
+
+
+@pytest.mark.parametrize("size", ["tiny", "full"])
+def test_layout_equals_the_official_classes(size: str) -> None:
+    """Our name/shape table equals the state dicts of the official qwen-tts classes."""
+    ref = _reference()
+    import torch
+    from qwen_tts.core.models.configuration_qwen3_tts import (  # type: ignore[import-untyped,unused-ignore]
+        Qwen3TTSConfig,
+    )
+    from qwen_tts.core.models.modeling_qwen3_tts import (  # type: ignore[import-untyped,unused-ignore]
+        Qwen3TTSForConditionalGeneration,
+    )
+
+    mods = ref.import_reference()
+    if size == "full":
+        root, st_cfg = _full_configs()
+    else:
+        root, st_cfg, _ = build_configs("tiny")
+        root.update(im_start_token_id=480, im_end_token_id=481, tts_pad_token_id=507,
+                    tts_bos_token_id=508, tts_eos_token_id=509)  # fmt: skip
+    dec = parse_decoder_config(st_cfg)
+    talker, cp, _, _ = parse_talker_config(root, has_mtp_tensor=False)
+    with torch.device("meta"):
+        tok_model = mods.Qwen3TTSTokenizerV2Model(mods.Qwen3TTSTokenizerV2Config(**st_cfg))
+        tts = Qwen3TTSForConditionalGeneration(Qwen3TTSConfig(**root))
+    ref_dec = {
+        k: tuple(v.shape) for k, v in tok_model.state_dict().items() if k.startswith("decoder.")
+    }
+    ours = {s.hf_name: s.hf_shape for s in decoder_tensor_specs(dec)}
+    ours.update({n: (dec.codebook_vector_dim, dec.codebook_dim, 1) for n in DECODER_SKIPPED_HF})
+    assert ours == ref_dec
+    ref_talk = {k: tuple(v.shape) for k, v in tts.state_dict().items()}
+    assert {s.hf_name: s.hf_shape for s in talker_tensor_specs(talker, cp)} == ref_talk
+
+
+@pytest.mark.slow
+def test_full_model(qtts_cache_dir: Path) -> None:
+    """Makes (once, cached) the released-size synthetic model at f16 and validates it."""
+    if not os.environ.get("QTTS_RUN_SLOW"):
+        pytest.skip("set QTTS_RUN_SLOW=1 to build the 2.5 GB full-size synthetic model")
+    folder = qtts_cache_dir / "models" / "synthetic-full-f16-seed0"
+    if not (folder / "model.gguf").is_file():
+        make_model(folder, "full", seed=0, dtype="f16", progress=False)
+    with open_model(folder / "model.gguf") as m:
+        assert m.synthetic and m.parts == {"decoder", "talker"}
+        assert m.tensor("talk.text_embd.weight").shape == (151936, 2048)
+        assert m.tensor("dec.blk.1.tconv.weight").shape == (1536, 768, 16)
+        tok = m.tokenizer()
+        assert tok.encode("<|im_start|>assistant\n").ids[0] == 151644
