@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from engine.decoder.weights import Conv, Linear, Snake, TConv
-from engine.ggml import Graph, Tensor, lib
+from engine.ggml import Graph, Tensor, custom_ops, lib
 from engine.ggml.graph import set_name
 
 
@@ -92,14 +92,16 @@ def with_history(g: StageGraph, key: str, x: Tensor, n_hist: int) -> Tensor:
 
 
 def causal_conv(g: StageGraph, key: str, x: Tensor, conv: Conv, dilation: int = 1) -> Tensor:
-    """Causal conv1d: left history (k-1)*d, no look-ahead, one mul_mat per tap."""
+    """Causal conv1d: left history (k-1)*d, no look-ahead."""
     ctx = g.ctx
     n_hist = (conv.kernel - 1) * dilation
-    t = int(x.ne[1])
     xp = with_history(g, key, x, n_hist) if n_hist else x
+    if conv.packed is not None:
+        return custom_ops.conv1d_tm(ctx, xp, conv.packed, conv.bias, dilation)
     if conv.taps[0].type != lib.GGML_TYPE_F32 and conv.kernel > 1:
         # Half-precision taps would each convert their (overlapping) input rows; convert once.
         xp = lib.ggml_cast(ctx, xp, conv.taps[0].type)
+    t = int(x.ne[1])
     y = None
     for j, tap in enumerate(conv.taps):
         part = g.mul_mat(tap, rows(ctx, xp, j * dilation, t))
@@ -126,9 +128,8 @@ def causal_tconv(g: StageGraph, key: str, x: Tensor, tc: TConv) -> Tensor:
 def snake(g: StageGraph, x: Tensor, s: Snake) -> Tensor:
     """SnakeBeta: ``x + sin(exp(a) x)^2 / (exp(b) + 1e-9)`` with folded per-channel constants."""
     ctx = g.ctx
-    fused = _fused_snake()
-    if fused is not None and g.use_custom_ops:
-        return fused(ctx, x, s.exp_alpha, s.inv_beta)
+    if g.use_custom_ops:
+        return custom_ops.snake_beta(ctx, x, s.exp_alpha, s.inv_beta)
     sin2 = lib.ggml_sqr(ctx, lib.ggml_sin(ctx, lib.ggml_mul(ctx, x, s.exp_alpha)))
     return lib.ggml_add(ctx, x, lib.ggml_mul(ctx, sin2, s.inv_beta))
 
@@ -138,10 +139,3 @@ def linear(g: StageGraph, x: Tensor, lin: Linear) -> Tensor:
     y = g.mul_mat(lin.weight, x)
     return lib.ggml_add(g.ctx, y, lin.bias) if lin.bias is not None else y
 
-
-def _fused_snake() -> Any:
-    try:
-        from engine.ggml import custom_ops
-    except ImportError:
-        return None
-    return getattr(custom_ops, "snake_beta", None) if custom_ops.available() else None

@@ -33,8 +33,8 @@ class DecoderModel:
         self.backends = weights.backends
         self.precision = weights.precision
         # Our fused CPU kernels only pay where the graph runs on the CPU; on an accelerator they
-        # would split every block back to the host.
-        self.use_custom_ops = self.backends.name in ("cpu", "blas")
+        # would split every block back to the host (and an rpc server cannot run them at all).
+        self.use_custom_ops = weights.use_custom_ops
 
     @classmethod
     def load(cls, model: Any, backends: BackendSet, precision: Precision = "fast"

@@ -24,7 +24,7 @@ import numpy as np
 
 from engine.backend import BackendSet, WeightStore
 from engine.errors import ModelFileError
-from engine.ggml import Tensor, lib
+from engine.ggml import Tensor, custom_ops, lib
 from engine.ggml.graph import set_name
 from engine.tensor_names import DecoderConfig
 
@@ -54,9 +54,15 @@ def tensor_f32(model: Any, name: str) -> np.ndarray[Any, np.dtype[np.float32]]:
 
 @dataclass
 class Conv:
-    """A causal conv: one [O, I] matrix per tap (views of one [K, O, I] tensor) and a bias."""
+    """A causal conv and its bias, in one of two forms.
+
+    ``packed``: weights blocked for qtts's direct conv kernel (exact F32, CPU; see
+    engine/ggml/custom_ops.py). Otherwise ``taps``: one [O, I] matrix per tap (views of one
+    [K, O, I] tensor), each a ggml mul_mat (any backend, F32 or BF16).
+    """
 
     taps: list[Tensor]
+    packed: Tensor | None
     bias: Tensor
     kernel: int
     c_in: int
@@ -142,6 +148,8 @@ class DecoderBlock:
 
 
 RES_DILATIONS = (1, 3, 9)
+# Input channels from which a fast-mode conv uses BF16 GEMMs instead of the direct F32 kernel.
+FAST_GEMM_MIN_CHANNELS = 768
 
 
 class DecoderWeights:
@@ -155,6 +163,9 @@ class DecoderWeights:
         self.precision = precision
         self.backends = backends
         self.store: WeightStore = backends.weight_store()
+        # qtts's own direct conv kernel beats K mul_mats 1.4-2.9x on this CPU (bench/kernels.py);
+        # it runs on the CPU backend only, so accelerators keep the mul_mat form.
+        self.use_custom_ops = backends.name in ("cpu", "blas") and custom_ops.available()
         # Fast mode: BF16 only where the work is (decoder.1-4, ~95 % of the FLOPs). The
         # pre-transformer, upsampler and conv_in are ~5 % of the time but, in BF16, cost ~3.5 dB
         # of SNR against the F32 reference (34.1 vs 37.7 dB measured on the full random model).
@@ -208,9 +219,15 @@ class DecoderWeights:
     def _conv(self, prefix: str, bulk: bool = False) -> Conv:
         w = tensor_f32(self.model, f"{prefix}.weight")
         o, i, k = w.shape
-        taps = self._taps(f"{prefix}.taps", w.transpose(2, 0, 1), bulk)
         bias = self._f32(f"{prefix}.bias", tensor_f32(self.model, f"{prefix}.bias"))
-        return Conv(taps, bias, k, i, o)
+        # In fast mode the wide convs go to BF16 GEMMs (~2x the F32 kernel's throughput there);
+        # the narrow ones, where GEMMs starve, to the direct F32 kernel.
+        if self.use_custom_ops and not (bulk and self._bulk_type != lib.GGML_TYPE_F32
+                                        and i >= FAST_GEMM_MIN_CHANNELS):
+            packed = self._f32(f"{prefix}.packed", custom_ops.pack_conv_weight(w))
+            return Conv([], packed, bias, k, i, o)
+        taps = self._taps(f"{prefix}.taps", w.transpose(2, 0, 1), bulk)
+        return Conv(taps, None, bias, k, i, o)
 
     def _tconv(self, prefix: str, stride: int, bulk: bool = False) -> TConv:
         w = tensor_f32(self.model, f"{prefix}.weight")  # [I, O, K]

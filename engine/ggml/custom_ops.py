@@ -1,0 +1,192 @@
+"""qtts's own ggml custom ops (native/ops/*.c): graph-building wrappers.
+
+Layout is the decoder's "time-major" one: an activation of numpy shape ``[T, C]`` is a ggml
+tensor with ``ne = [C, T]`` (channels fastest, contiguous rows); per-channel parameters are F32
+vectors of numpy shape ``[C]``.
+
+The C functions run inside ggml's CPU backend through ``ggml_map_custom3`` /
+``ggml_custom_4d`` with ``GGML_N_TASKS_MAX`` (one task per compute thread). ggml stores only the
+raw function pointer in the node, so the cffi function objects are kept alive here for the life
+of the process. A ``GGML_ASSERT`` inside an op aborts the process, so every shape and type rule
+the C code relies on is checked here first and raised as ``ValueError`` / ``TypeError``.
+
+Custom ops run on the CPU backend only. CUDA/Vulkan/Metal report them unsupported, so the
+scheduler runs these nodes on the CPU fallback. **The RPC backend (ggml 0.20.2) reports every op
+as supported**: a custom node scheduled there would send a raw function pointer of this process
+to the rpc-server process, which would call it (read from ggml-rpc.cpp: no op check on the
+server side; not tried). Pin custom nodes to the CPU
+(``ggml_backend_sched_set_tensor_backend(sched, node, cpu)``) whenever RPC is in the set.
+Neither op is eligible for ggml-alloc's in-place reuse, so dst never aliases an input.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from engine.errors import NativeBuildError
+from engine.ggml.graph import Tensor
+from engine.ggml.native import ffi, lib, ops
+
+# ggml.h spells it "(-1)", which the binding's integer-macro filter does not pick up.
+GGML_N_TASKS_MAX = -1
+
+ISA_NAMES = {0: "scalar", 2: "avx2", 5: "avx512"}
+
+# Function pointers handed to ggml, per library object: cffi keeps the library (and thus the
+# code) alive while these objects are referenced.
+_FN_CACHE: dict[tuple[int, str, str], tuple[Any, Any]] = {}
+
+
+def _library(library: Any | None) -> Any:
+    lib_ops = ops if library is None else library
+    if lib_ops is None:
+        raise NativeBuildError(
+            "the qtts native ops library (libqtts_ops) is not built: run `make native` "
+            "(or `python native/build.py`) with native/ops/*.c present"
+        )
+    return lib_ops
+
+
+def _fn(library: Any | None, name: str, ctype: str) -> Any:
+    lib_ops = _library(library)
+    key = (id(lib_ops), name, ctype)
+    hit = _FN_CACHE.get(key)
+    if hit is None:
+        hit = (lib_ops, ffi.cast(ctype, getattr(lib_ops, name)))
+        _FN_CACHE[key] = hit
+    return hit[1]
+
+
+def available() -> bool:
+    """Whether libqtts_ops is built and loaded."""
+    return ops is not None
+
+
+def simd_isa(library: Any | None = None) -> str:
+    """The SIMD path libqtts_ops was compiled with: ``"avx512"``, ``"avx2"`` or ``"scalar"``."""
+    return ISA_NAMES.get(int(_library(library).qtts_ops_isa()), "unknown")
+
+
+def _check_f32(t: Tensor, what: str) -> None:
+    if t.type != lib.GGML_TYPE_F32:
+        raise TypeError(f"{what} must be F32, got ggml type {int(t.type)}")
+
+
+def _check_vector(t: Tensor, n: int, what: str) -> None:
+    _check_f32(t, what)
+    if not lib.ggml_is_contiguous(t) or int(lib.ggml_nelements(t)) != n:
+        raise ValueError(
+            f"{what} must be a contiguous F32 vector of {n} elements, "
+            f"got ne={[int(t.ne[i]) for i in range(4)]}"
+        )
+
+
+def snake_beta(ctx: Any, x: Tensor, exp_alpha: Tensor, inv_beta: Tensor, *,
+               library: Any | None = None) -> Tensor:
+    """Fused multi-threaded SnakeBeta: ``x + inv_beta * sin(exp_alpha * x)**2`` per channel.
+
+    Args:
+        ctx: the graph's ggml context (``Graph.ctx``).
+        x: F32, contiguous, ne = [C, T] (numpy ``[T, C]``; more trailing dims are allowed:
+            every row of C values is one time step).
+        exp_alpha: F32 vector ne = [C] holding ``exp(alpha)`` (precomputed at load).
+        inv_beta: F32 vector ne = [C] holding ``1 / (exp(beta) + 1e-9)`` (precomputed at load).
+        library: for tests only: another build of libqtts_ops (``ffi.dlopen``) to run instead.
+
+    Returns:
+        A new F32 tensor shaped like ``x``. Rows are split over the compute threads; the
+        result does not depend on the thread count. |exp_alpha * x| above
+        QTTS_SNAKE_FAST_MAX (131072) is computed with double-precision libm.
+    """
+    _check_f32(x, "snake_beta: x")
+    if not lib.ggml_is_contiguous(x):
+        raise ValueError("snake_beta: x must be contiguous (ggml_cont it first)")
+    c = int(x.ne[0])
+    _check_vector(exp_alpha, c, "snake_beta: exp_alpha")
+    _check_vector(inv_beta, c, "snake_beta: inv_beta")
+    fn = _fn(library, "qtts_snake_beta_op", "ggml_custom3_op_t")
+    return lib.ggml_map_custom3(ctx, x, exp_alpha, inv_beta, fn, GGML_N_TASKS_MAX, ffi.NULL)
+
+
+def conv_block(library: Any | None = None) -> int:
+    """Output channels per packed weight block of ``conv1d_tm`` (32 for AVX-512, 16 for AVX2,
+    64 for the scalar build)."""
+    return int(_library(library).qtts_conv1d_tm_block())
+
+
+def pack_conv_weight(w: np.ndarray[Any, Any], *, library: Any | None = None
+                     ) -> np.ndarray[Any, Any]:
+    """PyTorch Conv1d weight ``[C_out, C_in, K]`` -> the packed F32 array ``conv1d_tm`` takes.
+
+    The result has numpy shape ``[ceil(C_out / B), K, C_in, B]`` (ggml ne = [B, C_in, K, n]),
+    ``B = conv_block()``: block j holds output channels j*B .. j*B+B-1, zero past C_out, so
+    the kernel streams each block's weights contiguously. Do this once, at load time, for the
+    library that will run it (``library``: as in ``conv1d_tm``).
+    """
+    if w.ndim != 3:
+        raise ValueError(f"conv weight must be [C_out, C_in, K], got shape {w.shape}")
+    b = conv_block(library)
+    c_out, c_in, k = w.shape
+    n = -(-c_out // b)
+    padded = np.zeros((n * b, c_in, k), np.float32)
+    padded[:c_out] = w
+    # [n*B, C_in, K] -> [n, B, C_in, K] -> [n, K, C_in, B]
+    return np.ascontiguousarray(padded.reshape(n, b, c_in, k).transpose(0, 3, 2, 1))
+
+
+def conv1d_tm(ctx: Any, xp: Tensor, w: Tensor, bias: Tensor, dilation: int = 1, *,
+              library: Any | None = None) -> Tensor:
+    """Exact-F32 causal dilated conv1d in the time-major layout (register-blocked C kernel).
+
+    ``y[t, o] = bias[o] + sum_k sum_c W[o, c, k] * xp[t + k*dilation, c]`` (W as in PyTorch)
+
+    Args:
+        ctx: the graph's ggml context.
+        xp: F32 input *with its left history already in front*: ne = [C_in, T + (K-1)*dilation]
+            (numpy ``[T + P, C_in]``); rows must be contiguous (nb[0] = 4) but the row stride
+            may be larger (a view of a wider buffer is fine); 2-D only.
+        w: the packed weight from ``pack_conv_weight``: F32, contiguous,
+            ne = [B, C_in, K, ceil(C_out / B)], B = ``conv_block()``.
+        bias: F32 vector ne = [C_out] (it also gives C_out).
+        dilation: d >= 1 (ignored when K = 1).
+        library: for tests only: another build of libqtts_ops to run instead.
+
+    Returns:
+        A new F32 tensor ne = [C_out, T] (numpy ``[T, C_out]``). Threads share out time chunks
+        (and output-channel blocks); the result does not depend on the thread count.
+    """
+    _check_f32(xp, "conv1d_tm: xp")
+    _check_f32(w, "conv1d_tm: w")
+    _check_f32(bias, "conv1d_tm: bias")
+    if not lib.ggml_is_contiguous(w):
+        raise ValueError("conv1d_tm: w must be contiguous")
+    b = conv_block(library)
+    c_out = int(bias.ne[0])
+    c_in, k, n_blocks = int(w.ne[1]), int(w.ne[2]), int(w.ne[3])
+    if int(w.ne[0]) != b or n_blocks != -(-c_out // b):
+        raise ValueError(
+            f"conv1d_tm: w has ne={[int(w.ne[i]) for i in range(4)]}; for {c_out} output "
+            f"channels (the bias) it must be packed as [{b}, C_in, K, {-(-c_out // b)}] "
+            "(pack_conv_weight)"
+        )
+    if dilation < 1:
+        raise ValueError(f"conv1d_tm: dilation must be >= 1, got {dilation}")
+    if int(xp.ne[0]) != c_in:
+        raise ValueError(f"conv1d_tm: xp has {int(xp.ne[0])} channels, w expects {c_in}")
+    if int(xp.ne[2]) != 1 or int(xp.ne[3]) != 1:
+        raise ValueError("conv1d_tm: xp must be 2-D, ne = [C_in, T + P]")
+    if int(xp.nb[0]) != 4 or int(xp.nb[1]) % 4 != 0 or int(xp.nb[1]) < 4 * c_in:
+        raise ValueError("conv1d_tm: xp rows must be contiguous F32")
+    pad = (k - 1) * dilation
+    t = int(xp.ne[1]) - pad
+    if t < 1:
+        raise ValueError(
+            f"conv1d_tm: xp has {int(xp.ne[1])} rows, needs more than the {pad} of history"
+        )
+    _check_vector(bias, c_out, "conv1d_tm: bias")
+    fn = _fn(library, "qtts_conv1d_tm_op", "ggml_custom_op_t")
+    args = ffi.new("struct ggml_tensor *[3]", [xp, w, bias])
+    return lib.ggml_custom_4d(ctx, lib.GGML_TYPE_F32, c_out, t, 1, 1, args, 3, fn,
+                              GGML_N_TASKS_MAX, ffi.cast("void *", dilation if k > 1 else 1))

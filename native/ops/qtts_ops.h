@@ -1,0 +1,43 @@
+/* qtts native kernels: ggml custom ops written for the Qwen3-TTS decoder.
+ *
+ * Declarations only (this header is also fed to cffi by native/build.py): no includes other
+ * than ggml.h, no macros other than integer #defines.
+ *
+ * Layout ("time-major"): activations are F32 tensors with ne = [C, T] (channels fastest,
+ * contiguous rows); per-channel parameters are F32 vectors ne = [C].
+ */
+#pragma once
+
+#include "ggml.h"
+
+/* Which SIMD path the library was compiled with (chosen at compile time by -march). */
+#define QTTS_ISA_SCALAR 0
+#define QTTS_ISA_AVX2 2
+#define QTTS_ISA_AVX512 5
+
+/* Fast-path limit of the vectorised sine: |exp_alpha * x| above it goes through libm (double). */
+#define QTTS_SNAKE_FAST_MAX 131072
+
+int qtts_ops_isa(void);
+
+/* SnakeBeta as a ggml_custom3_op_t for ggml_map_custom3(ctx, x, exp_alpha, inv_beta, ...):
+ *   dst[t, c] = x[t, c] + inv_beta[c] * sin(exp_alpha[c] * x[t, c])^2
+ * x, dst: F32 contiguous, ne = [C, T, ...]; exp_alpha, inv_beta: F32 contiguous, ne = [C].
+ * Rows (time steps) are split across the nth threads. */
+void qtts_snake_beta_op(struct ggml_tensor * dst, const struct ggml_tensor * a,
+                        const struct ggml_tensor * b, const struct ggml_tensor * c,
+                        int ith, int nth, void * userdata);
+
+/* Causal dilated conv1d, time-major, as a ggml_custom_op_t for
+ * ggml_custom_4d(ctx, F32, C_out, T, 1, 1, {xp, w, bias}, 3, qtts_conv1d_tm_op, n, (void*)d):
+ *   dst[t, o] = bias[o] + sum_k sum_c W[k, c, o] * xp[t + k*d, c]
+ * xp: F32 ne = [C_in, T + (K-1)*d], rows contiguous (nb[0] = 4, any row stride);
+ * w: F32 contiguous, W packed in blocks of B = qtts_conv1d_tm_block() output channels:
+ *   ne = [B, C_in, K, ceil(C_out / B)] (numpy [n_blocks, K, C_in, B]), w[j, k, c, i] =
+ *   W[k, c, j*B + i], zero past C_out;
+ * bias: F32 ne = [C_out]; dst: ne = [C_out, T]; userdata: the dilation d (an integer cast to
+ * a pointer). Threads split time chunks (and output-channel blocks when time is short). */
+void qtts_conv1d_tm_op(struct ggml_tensor * dst, int ith, int nth, void * userdata);
+
+/* Output channels per packed weight block of qtts_conv1d_tm_op (depends on the SIMD path). */
+int qtts_conv1d_tm_block(void);

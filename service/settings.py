@@ -1,0 +1,106 @@
+"""Service settings: every knob is a ``QTTS_`` environment variable, read once at start.
+
+The engine reads its own variables (``QTTS_BACKEND``, ``QTTS_DEVICE``, ...) from the environment
+each worker process inherits; ``threads_per_worker`` is handed to it as ``QTTS_THREADS``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+FRAME_RATE = 12.5  # codec frames per second of audio
+SAMPLE_RATE = 24000
+SAMPLES_PER_FRAME = 1920
+
+
+class Settings(BaseSettings):
+    """Service configuration (environment variables ``QTTS_<NAME>``)."""
+
+    model_config = SettingsConfigDict(env_prefix="QTTS_", extra="ignore", frozen=True)
+
+    model: Path = Field(
+        default=Path("model.gguf"), description="path of the qtts GGUF model (QTTS_MODEL)"
+    )
+    host: str = Field(default="127.0.0.1", description="address to listen on")
+    port: int = Field(default=8000, ge=0, le=65535, description="TCP port (0 = any free port)")
+    workers: int = Field(default=1, ge=1, le=64, description="worker processes")
+    threads_per_worker: int = Field(
+        default=0, ge=0, le=256,
+        description="CPU threads per worker (0 = (usable CPUs - 1) / workers, at least 1)",
+    )
+    queue_size: int = Field(
+        default=8, ge=0, le=10000, description="requests allowed to wait for a worker"
+    )
+    max_text_chars: int = Field(default=4096, ge=1, description="longest accepted text")
+    request_timeout: float = Field(
+        default=300.0, gt=0, description="seconds a request may take, queue wait included"
+    )
+    max_audio_seconds: float = Field(
+        default=120.0, gt=0, description="longest audio one request may produce"
+    )
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024, description="request body cap")
+    api_key: str | None = Field(
+        default=None, description="when set, /tts and /v1/* need 'Authorization: Bearer KEY'"
+    )
+    log_format: Literal["text", "json"] = Field(default="text", description="request log style")
+    log_level: str = Field(default="info", description="python logging level")
+    precision: Literal["fast", "exact"] = Field(default="fast", description="decoder precision")
+    chunk_max_frames: int = Field(
+        default=8, ge=1, le=256, description="largest decoder chunk of the 1,2,4,.. ramp"
+    )
+    drain_seconds: float = Field(
+        default=30.0, ge=0, description="on SIGTERM: how long in-flight requests may finish"
+    )
+    cancel_grace_seconds: float = Field(
+        default=10.0, gt=0, description="a worker that ignores a cancel this long is killed"
+    )
+    worker_start_timeout: float = Field(
+        default=600.0, gt=0, description="load + warm-up time allowed to a worker"
+    )
+    warmup_frames: int = Field(default=4, ge=0, le=64, description="frames decoded at warm-up")
+    retry_after_seconds: int = Field(default=1, ge=1, description="Retry-After on a 503")
+    model_name: str = Field(default="qtts", description="model id shown by /v1/models")
+    # server-side caps for per-request sampling overrides (text requests)
+    max_temperature: float = Field(default=2.0, gt=0)
+    max_top_k: int = Field(default=2048, ge=1)
+    max_repetition_penalty: float = Field(default=2.0, ge=1.0)
+
+    @field_validator("log_level")
+    @classmethod
+    def _level(cls, v: str) -> str:
+        v = v.lower()
+        if v not in {"debug", "info", "warning", "error", "critical"}:
+            raise ValueError("one of debug, info, warning, error, critical")
+        return v
+
+    @property
+    def max_frames(self) -> int:
+        return int(self.max_audio_seconds * FRAME_RATE)
+
+    def worker_env(self) -> dict[str, str]:
+        """Extra environment for a worker process (the engine's own variables)."""
+        env: dict[str, str] = {}
+        env["QTTS_LOG_FORMAT"] = self.log_format
+        env["QTTS_LOG_LEVEL"] = self.log_level
+        env["QTTS_THREADS"] = str(self.threads_for_workers())
+        return env
+
+    def threads_for_workers(self) -> int:
+        """Threads each worker computes with: the setting, or an even share of the CPUs."""
+        if self.threads_per_worker:
+            return self.threads_per_worker
+        engine_threads = os.environ.get("QTTS_THREADS", "")
+        if engine_threads.isdigit() and int(engine_threads) > 0:
+            return int(engine_threads)  # the engine's own variable, set by hand
+        try:
+            cpus = len(os.sched_getaffinity(0))
+        except AttributeError:  # not Linux
+            cpus = os.cpu_count() or 1
+        # one CPU stays with the front end (HTTP, encoding): ggml's threads spin-wait, and an
+        # oversubscribed worker slows down many times over
+        return max(1, (cpus - 1) // self.workers)

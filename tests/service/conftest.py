@@ -1,0 +1,49 @@
+"""Service tests: a real ``qtts serve`` (``python -m service serve``) on 127.0.0.1 at a free port,
+real worker processes on the tiny synthetic model, real HTTP clients (httpx, openai)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.service.helpers import Server
+
+
+@pytest.fixture(scope="session")
+def service_model(tiny_gguf: Path) -> Path:
+    """The model the servers load: ``$QTTS_TEST_MODEL``, else the session's tiny model."""
+    given = os.environ.get("QTTS_TEST_MODEL")
+    return Path(given) if given else tiny_gguf
+
+
+@pytest.fixture
+def make_server(service_model: Path, tmp_path: Path) -> Iterator[Any]:
+    servers: list[Server] = []
+
+    def start(**env: Any) -> Server:
+        s = Server(service_model, tmp_path, **env)
+        servers.append(s)
+        s.wait_ready()
+        return s
+
+    yield start
+    for s in servers:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def server(service_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A shared server: 2 workers, small body cap, JSON logs."""
+    s = Server(service_model, tmp_path_factory.mktemp("server"), workers=2,
+               max_body_bytes=300_000, queue_size=16)
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop()
+
+

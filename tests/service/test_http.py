@@ -1,0 +1,367 @@
+"""The HTTP API against a real server (2 workers, tiny model): streaming, formats, OpenAI
+client, validation, disconnects, metrics and request logs."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.service.helpers import FRAME_SAMPLES, Server, codes, decoded_seconds, metric
+
+FRAME_S = FRAME_SAMPLES / 24000
+
+
+def test_health_ready_docs(server: Server) -> None:
+    assert httpx.get(server.url + "/healthz").json()["status"] == "ok"
+    r = httpx.get(server.url + "/readyz")
+    assert r.status_code == 200 and r.json()["status"] == "ready"
+    assert len(r.json()["workers"]) == 2
+    assert httpx.get(server.url + "/docs").status_code == 200
+    spec = httpx.get(server.url + "/openapi.json").json()
+    assert {"/tts", "/v1/audio/speech", "/v1/audio/voices", "/v1/models"} <= set(spec["paths"])
+
+
+def test_models_and_voices_from_model_metadata(server: Server) -> None:
+    models = httpx.get(server.url + "/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "qtts"
+    assert models["data"][0]["synthetic"] is True
+    v = httpx.get(server.url + "/v1/audio/voices").json()
+    assert "ryan" in v["voices"] and "english" in v["languages"]
+    assert {"id": "ryan", "name": "ryan", "object": "voice"} in v["data"]
+
+
+def test_streaming_is_real(server: Server) -> None:
+    """The first chunk arrives while later frames are still being decoded."""
+    n = 120
+    arrivals: list[tuple[float, int]] = []
+    t0 = time.monotonic()
+    with httpx.stream("POST", server.url + "/tts", json={"codes": codes(n), "format": "pcm"},
+                      timeout=60) as r:
+        assert r.status_code == 200
+        assert r.headers["x-sample-rate"] == "24000" and r.headers["x-audio-format"] == "pcm"
+        assert r.headers["content-type"] == "audio/pcm" and r.headers["x-request-id"]
+        assert "content-length" not in r.headers
+        for piece in r.iter_raw():
+            arrivals.append((time.monotonic() - t0, len(piece)))
+    total = sum(b for _, b in arrivals)
+    assert total == n * FRAME_SAMPLES * 2
+    first_t, first_b = arrivals[0]
+    end_t = arrivals[-1][0]
+    # the first frame (1 of 120) is out long before synthesis ends, as its own small chunk
+    assert first_b < total / 4
+    assert first_t < 0.25 * end_t, arrivals[:5]
+    assert len(arrivals) >= 5
+
+
+@pytest.mark.parametrize("fmt", ["wav", "pcm", "flac", "mp3", "opus", "aac"])
+@pytest.mark.parametrize("stream", [True, False])
+def test_every_format_decodes_to_the_expected_length(server: Server, fmt: str,
+                                                     stream: bool) -> None:
+    n = 25
+    r = httpx.post(server.url + "/tts", json={"codes": codes(n, seed=1), "format": fmt,
+                                              "stream": stream}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-audio-format"] == fmt
+    if stream:
+        assert "content-length" not in r.headers
+    else:
+        assert int(r.headers["content-length"]) == len(r.content)
+    got = decoded_seconds(r.content, fmt)
+    assert abs(got - n * FRAME_S) < 0.1, (fmt, got)
+
+
+def test_wav_stream_has_exactly_one_header(server: Server) -> None:
+    n = 30
+    r = httpx.post(server.url + "/tts", json={"codes": codes(n, seed=2), "format": "wav"},
+                   timeout=60)
+    data = r.content
+    assert data[:4] == b"RIFF" and data[8:16] == b"WAVEfmt "
+    assert len(data) == 44 + n * FRAME_SAMPLES * 2
+    assert data.count(b"WAVEfmt ") == 1
+
+
+def test_streamed_pcm_equals_whole_file(server: Server) -> None:
+    """Chunked streaming changes nothing in the samples (the decoder carries state)."""
+    body = {"codes": codes(20, seed=3), "format": "pcm"}
+    a = httpx.post(server.url + "/tts", json=body, timeout=60).content
+    b = httpx.post(server.url + "/tts", json={**body, "stream": False}, timeout=60).content
+    assert a == b
+
+
+def test_speed_time_stretches(server: Server) -> None:
+    n = 50
+    r = httpx.post(server.url + "/tts", json={"codes": codes(n), "format": "wav", "speed": 2.0},
+                   timeout=60)
+    assert r.status_code == 200
+    assert abs(decoded_seconds(r.content, "wav") - n * FRAME_S / 2) < 0.1
+
+
+def test_max_seconds_caps_codes(server: Server) -> None:
+    r = httpx.post(server.url + "/tts", json={"codes": codes(40), "format": "pcm",
+                                              "max_seconds": 1.0}, timeout=60)
+    assert len(r.content) == int(1.0 * 12.5) * FRAME_SAMPLES * 2
+
+
+def test_request_id_is_echoed(server: Server) -> None:
+    r = httpx.post(server.url + "/tts", json={"codes": codes(2), "format": "pcm"},
+                   headers={"X-Request-Id": "abc-123"}, timeout=60)
+    assert r.headers["x-request-id"] == "abc-123"
+
+
+def test_openai_client_create_and_streaming(server: Server) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    n = 25
+    extra = {"codes": codes(n, seed=4)}
+    resp = client.audio.speech.create(model="qtts", voice="ryan", input="",
+                                      response_format="wav", extra_body=extra)
+    assert abs(decoded_seconds(resp.content, "wav") - n * FRAME_S) < 0.01
+    chunks = []
+    with client.audio.speech.with_streaming_response.create(
+        model="tts-1", voice="ryan", input="", response_format="mp3", extra_body=extra
+    ) as stream:
+        assert stream.headers["content-type"] == "audio/mpeg"
+        for c in stream.iter_bytes():
+            chunks.append(c)
+    assert abs(decoded_seconds(b"".join(chunks), "mp3") - n * FRAME_S) < 0.1
+
+
+def test_openai_sse_stream_format(server: Server) -> None:
+    n = 20
+    events = []
+    with httpx.stream("POST", server.url + "/v1/audio/speech", timeout=60, json={
+        "model": "qtts", "voice": "ryan", "input": "", "response_format": "pcm",
+        "stream_format": "sse", "codes": codes(n, seed=5),
+    }) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    assert events[-1]["type"] == "speech.audio.done"
+    assert events[-1]["usage"]["output_tokens"] == n
+    deltas = [e for e in events if e["type"] == "speech.audio.delta"]
+    assert len(deltas) >= 2
+    pcm = b"".join(base64.b64decode(e["audio"]) for e in deltas)
+    assert len(pcm) == n * FRAME_SAMPLES * 2
+
+
+def _text_ready(server: Server) -> bool:
+    return bool(httpx.get(server.url + "/v1/models").json()["data"][0]["text"])
+
+
+def test_text_request_streams(server: Server) -> None:
+    """Text through the talker (random weights: the tiny model speaks noise, and may never
+    emit end-of-speech, so max_seconds bounds it)."""
+    if not _text_ready(server):
+        pytest.skip("the engine has no text pipeline")
+    body = {"text": "Hello there, how are you today?", "voice": "Ryan", "language": "English",
+            "format": "pcm", "seed": 7, "max_seconds": 2.0, "temperature": 0.8, "top_k": 40}
+    t0 = time.monotonic()
+    arrivals = []
+    data = b""
+    with httpx.stream("POST", server.url + "/tts", json=body, timeout=60,
+                      headers={"X-Request-Id": "text-1"}) as r:
+        assert r.status_code == 200, r.read()
+        for piece in r.iter_raw():
+            arrivals.append(time.monotonic() - t0)
+            data += piece
+    assert 0 < len(data) <= 25 * FRAME_SAMPLES * 2 and len(data) % (FRAME_SAMPLES * 2) == 0
+    assert len(arrivals) >= 2 and arrivals[0] < arrivals[-1]
+    # the same seed gives the same audio
+    again = httpx.post(server.url + "/tts", json={**body, "stream": False}, timeout=60).content
+    assert again == data
+    ms = server.metrics()
+    for stage in ("prefill", "talker_step", "code_predictor"):
+        assert metric(ms, "qtts_stage_seconds_count", stage=stage) > 0, stage
+    assert metric(ms, "qtts_stage_seconds_count", stage="talker_step") >= len(data) / 2 / 1920
+
+
+def test_text_through_the_openai_client(server: Server) -> None:
+    openai = pytest.importorskip("openai")
+    if not _text_ready(server):
+        pytest.skip("the engine has no text pipeline")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    resp = client.audio.speech.create(model="tts-1", voice="vivian", input="Good morning!",
+                                      response_format="opus",
+                                      extra_body={"max_seconds": 1.0, "seed": 3})
+    assert 0 < decoded_seconds(resp.content, "opus") <= 1.1
+
+
+def test_text_errors_from_the_pipeline_name_the_field(server: Server) -> None:
+    if not _text_ready(server):
+        pytest.skip("the engine has no text pipeline")
+    # this tiny CustomVoice model does not honour instructions: the worker's pipeline says so
+    r = httpx.post(server.url + "/tts", json={"text": "hi", "voice": "ryan", "instruct": "whisper"},
+                   timeout=60)
+    if r.status_code == 200:
+        pytest.skip("this model honours instruct")
+    assert r.status_code == 400
+    assert r.json()["error"]["field"] == "instruct"
+
+
+BAD = [
+    # route, body, status, field, message fragment
+    ("/tts", {}, 400, "text", "empty"),
+    ("/tts", {"text": "   "}, 400, "text", "empty"),
+    ("/tts", {"text": "x" * 5000}, 400, "text", "limit is 4096"),
+    ("/tts", {"text": "hello"}, 422, "text", "send codes"),
+    ("/tts", {"text": "hi", "voice": "nobody"}, 400, "voice", "ryan"),
+    ("/tts", {"text": "hi", "language": "klingon"}, 400, "language", "english"),
+    ("/tts", {"text": "hi", "format": "ogg"}, 400, "format", "wav"),
+    ("/tts", {"text": "hi", "temperature": 5.0}, 400, "temperature", "cap"),
+    ("/tts", {"text": "hi", "top_k": 0}, 400, "top_k", "greater than or equal"),
+    ("/tts", {"text": "hi", "top_p": 1.5}, 400, "top_p", "less than or equal"),
+    ("/tts", {"text": "hi", "repetition_penalty": 0.5}, 400, "repetition_penalty", "greater"),
+    ("/tts", {"text": "hi", "speed": 0.1}, 400, "speed", "greater than or equal"),
+    ("/tts", {"text": "hi", "max_seconds": 10_000}, 400, "max_seconds", "server limit"),
+    ("/tts", {"codes": [[1, 2]] * 15}, 400, "codes", "16 rows"),
+    ("/tts", {"codes": [[1, 2]] * 15 + [[1]]}, 400, "codes", "equal"),
+    ("/tts", {"codes": [[0, 4096]] * 16}, 400, "codes", "outside 0..2047"),
+    ("/tts", {"codes": "abc"}, 400, "codes", "list"),
+    ("/tts", {"codes": [[1]] * 16, "text": "hi"}, 400, "text", "not both"),
+    ("/tts", {"text": "hi", "nonsense": 1}, 400, "nonsense", "not a known field"),
+    ("/v1/audio/speech", {"model": "qtts", "voice": "ryan", "input": ""}, 400, "input", "empty"),
+    ("/v1/audio/speech", {"model": "qtts", "input": "hi"}, 400, "voice", "required"),
+    ("/v1/audio/speech", {"model": "qtts", "voice": "x", "input": "hi"}, 400, "voice", "ryan"),
+    ("/v1/audio/speech", {"model": "qtts", "voice": "ryan", "input": "hi",
+                          "response_format": "ogg"}, 400, "response_format", "mp3"),
+    ("/v1/audio/speech", {"model": "qtts", "voice": "ryan", "input": "hi",
+                          "stream_format": "ws"}, 400, "stream_format", "sse"),
+    ("/v1/audio/speech", {"model": "qtts", "voice": "ryan", "input": "hi",
+                          "speed": 5}, 400, "speed", "4"),
+]
+
+
+@pytest.mark.parametrize(("route", "body", "status", "field", "fragment"), BAD)
+def test_bad_input_is_a_4xx_naming_the_field(server: Server, route: str, body: dict,
+                                            status: int, field: str, fragment: str) -> None:
+    if status == 422 and httpx.get(server.url + "/v1/models").json()["data"][0]["text"]:
+        pytest.skip("this engine has a text pipeline: text is valid input now")
+    r = httpx.post(server.url + route, json=body, timeout=10)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["field"] == field and err["param"] == field, err
+    assert fragment in err["message"], err
+    assert err["type"] == "invalid_request_error"
+
+
+def test_malformed_transport_is_a_4xx(server: Server) -> None:
+    url = server.url + "/tts"
+    r = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["field"] == "body"
+    r = httpx.post(url, content=b"text=hi", headers={"content-type": "text/plain"})
+    assert r.status_code == 415 and r.json()["error"]["field"] == "content-type"
+    r = httpx.post(url, content=b"{}")  # no content type
+    assert r.status_code == 415
+    big = json.dumps({"codes": codes(5000)}).encode()  # over the 300 kB cap of this server
+    r = httpx.post(url, content=big, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["field"] == "body"
+
+    def gen():  # chunked upload without Content-Length
+        for i in range(0, len(big), 65536):
+            yield big[i : i + 65536]
+
+    r = httpx.post(url, content=gen(), headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    assert httpx.get(url).status_code == 405
+    assert httpx.get(server.url + "/nowhere").json()["error"]["message"] == "Not Found"
+
+
+@pytest.mark.parametrize("kind", ["codes", "text"])
+def test_disconnect_mid_stream_frees_the_worker(server: Server, kind: str) -> None:
+    if kind == "text" and not _text_ready(server):
+        pytest.skip("the engine has no text pipeline")
+    before = server.metrics()
+    gone0 = metric(before, "qtts_requests_total", route="/tts", outcome="client_gone")
+    n = 1000  # ~80 s of audio, several seconds of work on the tiny model
+    body: dict = {"codes": codes(n), "format": "pcm"}
+    if kind == "text":  # random talker weights: it rarely ends by itself before max_seconds
+        body = {"text": "Tell me a long story. " * 20, "voice": "ryan", "format": "pcm",
+                "max_seconds": n / 12.5, "seed": 5}
+    arrivals = []
+    with httpx.stream("POST", server.url + "/tts", json=body, timeout=60) as r:
+        it = r.iter_raw()
+        received = 0
+        while received < 30 * FRAME_SAMPLES * 2:  # past the ramp 1, 2, 4, 8: full chunks now
+            piece = next(it, None)
+            if piece is None:
+                pytest.skip("the request ended by itself before the disconnect")
+            received += len(piece)
+            arrivals.append(time.monotonic())
+        assert metric(server.metrics(), "qtts_requests_running") >= 1
+    t_close = time.monotonic()
+    chunk_time = max(b - a for a, b in zip(arrivals[-3:], arrivals[-2:], strict=False))
+    freed = None
+    while time.monotonic() - t_close < 5:
+        ms = server.metrics()
+        if (metric(ms, "qtts_requests_running") == 0
+                and metric(ms, "qtts_requests_total", route="/tts", outcome="client_gone")
+                == gone0 + 1):
+            freed = time.monotonic() - t_close
+            break
+        time.sleep(0.02)
+    assert freed is not None, "the worker still runs the abandoned request"
+    # freed within about one decoder chunk (8 frames; the longest push), with polling slack
+    assert freed < max(1.0, 3 * chunk_time), (freed, chunk_time)
+    assert all(w["state"] == "idle" for w in server.workers())
+
+
+def test_metrics_after_requests(server: Server) -> None:
+    # one fresh request so every histogram has an observation
+    httpx.post(server.url + "/tts", json={"codes": codes(12), "format": "mp3"}, timeout=60)
+    ms = server.metrics()
+    assert metric(ms, "qtts_workers_alive") == 2
+    assert metric(ms, "qtts_requests_waiting") == 0
+    assert metric(ms, "qtts_requests_running") == 0
+    assert metric(ms, "qtts_requests_total", route="/tts", outcome="ok") >= 10
+    assert metric(ms, "qtts_requests_total", route="/tts", outcome="rejected") >= 10
+    assert metric(ms, "qtts_audio_seconds_total") > 10
+    assert metric(ms, "qtts_worker_restarts_total") == 0
+    assert metric(ms, "qtts_stream_gaps_total") >= 0
+    assert metric(ms, "qtts_build_info", version="0.1.0", backend="cpu", model="qtts") == 1
+    for stage in ("quant", "preconv", "pretr", "upsample", "bigvgan", "encode"):
+        assert metric(ms, "qtts_stage_seconds_count", stage=stage) > 0, stage
+        assert metric(ms, "qtts_stage_seconds_sum", stage=stage) > 0, stage
+    if _text_ready(server):  # text requests ran above
+        for stage in ("prefill", "talker_step", "code_predictor"):
+            assert metric(ms, "qtts_stage_seconds_count", stage=stage) > 0
+    for h in ("qtts_time_to_first_audio_seconds", "qtts_request_queue_seconds",
+              "qtts_request_duration_seconds", "qtts_rtf"):
+        count, total = metric(ms, h + "_count"), metric(ms, h + "_sum")
+        assert count > 0 and total >= 0, h
+    # tiny model on one thread: faster than real time, first audio well under a second
+    assert 0 < metric(ms, "qtts_rtf_sum") / metric(ms, "qtts_rtf_count") < 1.0
+    assert (metric(ms, "qtts_time_to_first_audio_seconds_sum")
+            / metric(ms, "qtts_time_to_first_audio_seconds_count")) < 1.0
+    assert metric(ms, "qtts_rejections_total", reason="invalid") >= 10
+
+
+def test_one_structured_log_line_per_request(server: Server) -> None:
+    rid = "log-line-test"
+    httpx.post(server.url + "/tts", json={"codes": codes(10), "format": "pcm"},
+               headers={"X-Request-Id": rid}, timeout=60)
+    deadline = time.monotonic() + 5  # the line is written just after the last byte is sent
+    while True:
+        lines = [rec for rec in server.request_lines() if rec.get("id") == rid]
+        if lines or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert len(lines) == 1
+    rec = lines[0]
+    for key in ("id", "route", "voice", "chars", "audio_seconds", "queue_seconds",
+                "ttfa_seconds", "rtf", "outcome"):
+        assert key in rec, key
+    assert rec["outcome"] == "ok" and rec["route"] == "/tts"
+    assert rec["audio_seconds"] == pytest.approx(10 * FRAME_S, abs=1e-3)
+    assert rec["rtf"] > 0 and rec["ttfa_seconds"] > 0 and rec["queue_seconds"] >= 0
+
+
+def test_pcm_is_s16le_of_the_decoder_output(server: Server) -> None:
+    r = httpx.post(server.url + "/tts", json={"codes": codes(3), "format": "pcm"}, timeout=60)
+    pcm = np.frombuffer(r.content, dtype="<i2")
+    assert len(pcm) == 3 * FRAME_SAMPLES and np.abs(pcm).max() > 0

@@ -1,0 +1,377 @@
+"""qtts's native ggml custom ops (native/ops) against float64 numpy and against stock ggml ops."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from engine.backend import BackendSet
+from engine.errors import NativeBuildError
+from engine.ggml import Graph, ffi, lib, native_info, ops
+from engine.ggml import custom_ops as co
+
+needs_ops = pytest.mark.skipif(ops is None, reason="libqtts_ops not built (no native/ops/*.c)")
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def cpu2() -> BackendSet:
+    return BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "2"})
+
+
+@pytest.fixture(scope="module")
+def cpu1() -> BackendSet:
+    return BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "1"})
+
+
+# ---------------------------------------------------------------------------------------------
+# SnakeBeta
+
+
+def snake_params(rng: np.random.Generator, c: int) -> tuple[np.ndarray[Any, Any], ...]:
+    """exp(alpha) over e^-2..e^4 (0.14..55), 1/(exp(beta)+1e-9) over e^-2..e^2."""
+    ea = np.exp(rng.uniform(-2, 4, c)).astype(np.float32)
+    ib = (1 / (np.exp(rng.uniform(-2, 2, c)) + 1e-9)).astype(np.float32)
+    return ea, ib
+
+
+def snake_input(rng: np.random.Generator, t: int, c: int) -> np.ndarray[Any, Any]:
+    """N(0, 2) plus rows of large values: |exp_alpha * x| reaches ~5e3 (and 1e6 in a few)."""
+    x = (rng.standard_normal((t, c)) * 2).astype(np.float32)
+    x[::7] *= 50
+    x[::997] *= 300  # beyond QTTS_SNAKE_FAST_MAX: the libm lanes
+    return x
+
+
+def snake_ref(x: np.ndarray[Any, Any], ea: np.ndarray[Any, Any], ib: np.ndarray[Any, Any]
+              ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """float64 reference and the magnitude of its terms (|x| + ib * sin^2: the scale of the
+    rounding that any float32 evaluation makes)."""
+    xd = x.astype(np.float64)
+    s2 = ib.astype(np.float64) * np.sin(ea.astype(np.float64) * xd) ** 2
+    return xd + s2, np.abs(xd) + s2
+
+
+def run_snake(be: BackendSet, x: np.ndarray[Any, Any], ea: np.ndarray[Any, Any],
+              ib: np.ndarray[Any, Any], library: Any = None) -> np.ndarray[Any, Any]:
+    g = Graph()
+    tx, ta, tb = g.input("x", x.shape), g.input("a", ea.shape), g.input("b", ib.shape)
+    g.output(co.snake_beta(g.ctx, tx, ta, tb, library=library), "y")
+    # execute drops trailing size-1 ggml dims (numpy-leading ones): T = 1 comes back as [C]
+    return be.execute(g, {"x": x, "a": ea, "b": ib})["y"].reshape(x.shape)
+
+
+def check_snake(y: np.ndarray[Any, Any], x: np.ndarray[Any, Any], ea: np.ndarray[Any, Any],
+                ib: np.ndarray[Any, Any]) -> None:
+    ref, scale = snake_ref(x, ea, ib)
+    assert y.shape == x.shape and y.dtype == np.float32
+    err = np.abs(y - ref)
+    assert np.all(err <= 2e-6 * scale), f"max err/scale {np.max(err / scale):.3g}"
+    assert err.max() <= 2e-6 * np.abs(ref).max()
+
+
+@needs_ops
+@pytest.mark.parametrize("c", [96, 1536, 100])
+@pytest.mark.parametrize("t", [1, 7, 5000])
+def test_snake_matches_float64(cpu2: BackendSet, c: int, t: int) -> None:
+    rng = np.random.default_rng(c * 10007 + t)
+    ea, ib = snake_params(rng, c)
+    x = snake_input(rng, t, c)
+    check_snake(run_snake(cpu2, x, ea, ib), x, ea, ib)
+
+
+@needs_ops
+def test_snake_covers_large_arguments(cpu2: BackendSet) -> None:
+    """|exp_alpha * x| from 0 to 1e4 on a grid (range reduction), plus zeros, tiny values and
+    arguments just around multiples of pi."""
+    c = 96
+    ea = np.exp(np.linspace(-2, 4, c)).astype(np.float32)
+    ib = np.full(c, 0.7, np.float32)
+    z = np.concatenate([np.linspace(-1e4, 1e4, 40001), np.arange(-3000, 3000) * np.pi,
+                        [0.0, 1e-30, -1e-20, 1e-7]])
+    x = (z[:, None] / ea[None, :].astype(np.float64)).astype(np.float32)
+    check_snake(run_snake(cpu2, x, ea, ib), x, ea, ib)
+
+
+@needs_ops
+@pytest.mark.parametrize("c,t", [(96, 5000), (1536, 33), (192, 1)])
+def test_snake_threads_identical(cpu1: BackendSet, cpu2: BackendSet, c: int, t: int) -> None:
+    rng = np.random.default_rng(5)
+    ea, ib = snake_params(rng, c)
+    x = snake_input(rng, t, c)
+    assert np.array_equal(run_snake(cpu1, x, ea, ib), run_snake(cpu2, x, ea, ib))
+
+
+def run_stock_snake(be: BackendSet, x: np.ndarray[Any, Any], ea: np.ndarray[Any, Any],
+                    ib: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """The unfused graph: ggml_mul, ggml_sin, ggml_sqr, ggml_mul, ggml_add."""
+    g = Graph()
+    tx, ta, tb = g.input("x", x.shape), g.input("a", ea.shape), g.input("b", ib.shape)
+    s = lib.ggml_sqr(g.ctx, lib.ggml_sin(g.ctx, lib.ggml_mul(g.ctx, tx, ta)))
+    g.output(lib.ggml_add(g.ctx, tx, lib.ggml_mul(g.ctx, s, tb)), "y")
+    return be.execute(g, {"x": x, "a": ea, "b": ib})["y"].reshape(x.shape)
+
+
+@needs_ops
+@pytest.mark.parametrize("c,t", [(96, 3000), (1536, 40)])
+def test_snake_matches_stock_ops(cpu2: BackendSet, c: int, t: int) -> None:
+    """Equal to the stock-op composition within 1e-6 (of max|y| and of each element's scale)
+    where the arguments are moderate (|exp_alpha * x| up to ~15)."""
+    rng = np.random.default_rng(6)
+    ea = np.exp(rng.uniform(-1, 1, c)).astype(np.float32)
+    ib = (1 / (np.exp(rng.uniform(-1, 1, c)) + 1e-9)).astype(np.float32)
+    x = rng.standard_normal((t, c)).astype(np.float32)
+    stock = run_stock_snake(cpu2, x, ea, ib)
+    fused = run_snake(cpu2, x, ea, ib)
+    _, scale = snake_ref(x, ea, ib)
+    assert np.abs(fused - stock).max() <= 1e-6 * np.abs(stock).max()
+    assert np.all(np.abs(fused - stock) <= 1e-6 * np.maximum(scale, 1.0))
+
+
+@needs_ops
+def test_snake_vs_stock_ops_on_large_arguments(cpu2: BackendSet) -> None:
+    """With large arguments the stock graph's sin(fl(ea * x)) carries the product's rounding
+    (|z| * 6e-8); the fused op does not. Any gap beyond 1e-6 is the stock graph's own error."""
+    rng = np.random.default_rng(8)
+    c = 96
+    ea, ib = snake_params(rng, c)
+    x = (rng.standard_normal((2000, c)) * 20).astype(np.float32)
+    stock = run_stock_snake(cpu2, x, ea, ib)
+    fused = run_snake(cpu2, x, ea, ib)
+    ref, scale = snake_ref(x, ea, ib)
+    gap = np.abs(fused.astype(np.float64) - stock)
+    assert np.all(gap <= 1e-6 * scale + np.abs(stock - ref))
+    assert np.abs(fused - ref).max() < np.abs(stock - ref).max()
+
+
+@needs_ops
+def test_snake_in_a_graph_with_other_ops(cpu2: BackendSet) -> None:
+    """A 3-D input (rows = every trailing index) and a snake feeding a stock op."""
+    rng = np.random.default_rng(7)
+    c = 48
+    ea, ib = snake_params(rng, c)
+    x = rng.standard_normal((3, 5, c)).astype(np.float32)
+    g = Graph()
+    tx, ta, tb = g.input("x", x.shape), g.input("a", (c,)), g.input("b", (c,))
+    g.output(lib.ggml_scale(g.ctx, co.snake_beta(g.ctx, tx, ta, tb), 2.0), "y")
+    y = cpu2.execute(g, {"x": x, "a": ea, "b": ib})["y"]
+    ref, scale = snake_ref(x, ea, ib)
+    assert np.all(np.abs(y - 2 * ref) <= 4e-6 * scale)
+
+
+@needs_ops
+def test_snake_rejects_what_the_kernel_cannot_take() -> None:
+    with Graph() as g:
+        x = g.input("x", (10, 96))
+        a, b = g.input("a", (96,)), g.input("b", (96,))
+        with pytest.raises(ValueError, match="contiguous"):
+            co.snake_beta(g.ctx, lib.ggml_transpose(g.ctx, x), a, b)
+        with pytest.raises(ValueError, match="exp_alpha"):
+            co.snake_beta(g.ctx, x, g.input("a2", (95,)), b)
+        with pytest.raises(TypeError, match="F32"):
+            co.snake_beta(g.ctx, g.input("h", (10, 96), np.float16), a, b)
+
+
+def test_missing_library_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(co, "ops", None)
+    with Graph() as g:
+        x = g.input("x", (4, 8))
+        a, b = g.input("a", (8,)), g.input("b", (8,))
+        with pytest.raises(NativeBuildError, match="libqtts_ops"):
+            co.snake_beta(g.ctx, x, a, b)
+        w, bias = g.input("w", (1, 8, 8)), g.input("bias", (8,))
+        with pytest.raises(NativeBuildError, match="libqtts_ops"):
+            co.conv1d_tm(g.ctx, x, w, bias)
+
+
+# ---------------------------------------------------------------------------------------------
+# Causal dilated conv1d, time-major
+
+
+def conv_ref(xp: np.ndarray[Any, Any], w_oik: np.ndarray[Any, Any], b: np.ndarray[Any, Any],
+             d: int) -> np.ndarray[Any, Any]:
+    """float64: y[t, o] = b[o] + sum_k sum_c W[o, c, k] xp[t + k d, c]."""
+    k = w_oik.shape[2]
+    t = xp.shape[0] - (k - 1) * d
+    xd, wd = xp.astype(np.float64), w_oik.astype(np.float64)
+    y = np.broadcast_to(b.astype(np.float64), (t, w_oik.shape[0])).copy()
+    for i in range(k):
+        y += xd[i * d : i * d + t] @ wd[:, :, i].T
+    return y
+
+
+def conv_data(rng: np.random.Generator, c_in: int, c_out: int, t: int, k: int, d: int
+              ) -> tuple[np.ndarray[Any, Any], ...]:
+    xp = rng.standard_normal((t + (k - 1) * d, c_in)).astype(np.float32)
+    w = (rng.standard_normal((c_out, c_in, k)) / np.sqrt(c_in * k)).astype(np.float32)
+    b = rng.standard_normal(c_out).astype(np.float32)
+    return xp, w, b
+
+
+def run_conv(be: BackendSet, xp: np.ndarray[Any, Any], w_oik: np.ndarray[Any, Any],
+             b: np.ndarray[Any, Any], d: int, library: Any = None) -> np.ndarray[Any, Any]:
+    wp = co.pack_conv_weight(w_oik, library=library)
+    g = Graph()
+    tx, tw, tb = g.input("x", xp.shape), g.input("w", wp.shape), g.input("b", b.shape)
+    g.output(co.conv1d_tm(g.ctx, tx, tw, tb, d, library=library), "y")
+    t = xp.shape[0] - (w_oik.shape[2] - 1) * d
+    return be.execute(g, {"x": xp, "w": wp, "b": b})["y"].reshape(t, w_oik.shape[0])
+
+
+def check_conv(y: np.ndarray[Any, Any], ref: np.ndarray[Any, Any]) -> None:
+    assert y.shape == ref.shape and y.dtype == np.float32
+    rel = np.abs(y - ref).max() / np.abs(ref).max()
+    assert rel <= 1e-5, f"max|d|/max|y| = {rel:.3g}"
+
+
+CONV_CASES = [  # (C_in, C_out, T, K, d)
+    (96, 96, 1, 7, 1),
+    (96, 96, 13, 7, 3),
+    (96, 96, 5000, 7, 9),
+    (192, 192, 700, 7, 1),
+    (384, 384, 257, 7, 3),
+    (768, 768, 40, 7, 9),
+    (96, 96, 999, 1, 1),  # the 1x1 conv
+    (384, 384, 31, 1, 1),
+    (96, 1, 500, 7, 1),  # decoder.6: 96 -> 1 (masked output block)
+    (40, 100, 77, 3, 2),  # odd channel counts: one full block + a masked one
+    (1536, 768, 9, 7, 1),
+]
+
+
+@needs_ops
+@pytest.mark.parametrize("c_in,c_out,t,k,d", CONV_CASES)
+def test_conv_matches_float64(cpu2: BackendSet, c_in: int, c_out: int, t: int, k: int,
+                              d: int) -> None:
+    rng = np.random.default_rng(c_in + 7 * c_out + 13 * t + d)
+    xp, w, b = conv_data(rng, c_in, c_out, t, k, d)
+    check_conv(run_conv(cpu2, xp, w, b, d), conv_ref(xp, w, b, d))
+
+
+@needs_ops
+@pytest.mark.parametrize("c,t,d", [(96, 3001, 3), (768, 5, 1), (384, 1, 9)])
+def test_conv_threads_identical(cpu1: BackendSet, cpu2: BackendSet, c: int, t: int,
+                                d: int) -> None:
+    rng = np.random.default_rng(11)
+    xp, w, b = conv_data(rng, c, c, t, 7, d)
+    assert np.array_equal(run_conv(cpu1, xp, w, b, d), run_conv(cpu2, xp, w, b, d))
+
+
+@needs_ops
+def test_conv_on_a_strided_view(cpu2: BackendSet) -> None:
+    """xp may be a row view of a wider buffer (e.g. [history | other channels])."""
+    rng = np.random.default_rng(12)
+    c, t, d = 96, 200, 3
+    wide = rng.standard_normal((t + 6 * d, 2 * c)).astype(np.float32)
+    _, w, b = conv_data(rng, c, c, t, 7, d)
+    wp = co.pack_conv_weight(w)
+    g = Graph()
+    tx, tw, tb = g.input("x", wide.shape), g.input("w", wp.shape), g.input("b", b.shape)
+    view = lib.ggml_view_2d(g.ctx, tx, c, t + 6 * d, tx.nb[1], 4 * c)  # the right half
+    g.output(co.conv1d_tm(g.ctx, view, tw, tb, d), "y")
+    y = cpu2.execute(g, {"x": wide, "w": wp, "b": b})["y"]
+    check_conv(y, conv_ref(wide[:, c:], w, b, d))
+
+
+@needs_ops
+def test_conv_matches_the_mul_mat_formulation(cpu2: BackendSet) -> None:
+    """Same as the K x ggml_mul_mat over shifted views (what it replaces), to F32 rounding."""
+    rng = np.random.default_rng(13)
+    c, t, d, k = 192, 300, 9, 7
+    xp, w, b = conv_data(rng, c, c, t, k, d)
+    g = Graph()
+    tx, tw, tb = g.input("x", xp.shape), g.input("w", (k, c, c)), g.input("b", (c,))
+    y = tb
+    for i in range(k):
+        wk = lib.ggml_view_2d(g.ctx, tw, c, c, tw.nb[1], i * tw.nb[2])
+        xk = lib.ggml_view_2d(g.ctx, tx, c, t, tx.nb[1], i * d * tx.nb[1])
+        y = lib.ggml_add(g.ctx, lib.ggml_mul_mat(g.ctx, wk, xk), y)
+    g.output(y, "y")
+    mm = cpu2.execute(g, {"x": xp, "w": np.ascontiguousarray(w.transpose(2, 0, 1)), "b": b})
+    ours = run_conv(cpu2, xp, w, b, d)
+    assert np.abs(ours - mm["y"]).max() <= 1e-5 * np.abs(mm["y"]).max()
+
+
+@needs_ops
+def test_conv_rejects_what_the_kernel_cannot_take() -> None:
+    blk = co.conv_block()
+    with Graph() as g:
+        x = g.input("x", (20, 96))
+        w, b = g.input("w", (-(-96 // blk), 7, 96, blk)), g.input("b", (96,))
+        with pytest.raises(ValueError, match="history"):
+            co.conv1d_tm(g.ctx, x, w, b, 9)  # 20 rows < 6*9 + 1
+        with pytest.raises(ValueError, match="channels"):
+            co.conv1d_tm(g.ctx, g.input("x2", (20, 48)), w, b, 1)
+        with pytest.raises(ValueError, match="pack_conv_weight"):
+            co.conv1d_tm(g.ctx, x, w, g.input("b2", (48 + 2 * blk,)), 1)
+        with pytest.raises(ValueError, match="pack_conv_weight"):
+            co.conv1d_tm(g.ctx, x, g.input("w_torch_layout", (96, 96, 7)), b, 1)
+        with pytest.raises(ValueError, match="dilation"):
+            co.conv1d_tm(g.ctx, x, w, b, 0)
+        with pytest.raises(ValueError, match="contiguous"):
+            co.conv1d_tm(g.ctx, lib.ggml_transpose(g.ctx, g.input("x3", (96, 20))), w, b, 1)
+
+
+@needs_ops
+def test_pack_conv_weight() -> None:
+    blk = co.conv_block()
+    c_out = blk + 3
+    w = np.arange(c_out * 5 * 4, dtype=np.float32).reshape(c_out, 5, 4)  # [O, I, K]
+    p = co.pack_conv_weight(w)
+    assert p.shape == (2, 4, 5, blk) and p.flags.c_contiguous and p.dtype == np.float32
+    assert p[0, 3, 1, 2] == w[2, 1, 3]
+    assert p[1, 2, 4, 1] == w[blk + 1, 4, 2]
+    assert not p[1, :, :, 3:].any()  # zero past C_out
+
+
+# ---------------------------------------------------------------------------------------------
+# The other ISA paths (AVX2 and scalar), compiled here from the same sources
+
+
+def _build_variant(tmp: Path, march_flags: list[str], name: str) -> Any:
+    info = native_info()
+    out = tmp / f"libqtts_ops_{name}.so"
+    sources = sorted(str(p) for p in (REPO / "native" / "ops").glob("*.c"))
+    cmd = ["cc", "-O2", *march_flags, "-fPIC", "-shared", "-std=c11",
+           f"-I{info['prefix']}/include", f"-I{REPO / 'native' / 'ops'}", *sources,
+           f"-L{info['lib_dir']}", "-lggml-base", "-lggml", "-lm",
+           f"-Wl,-rpath,{info['lib_dir']}", "-o", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True)
+    return ffi.dlopen(str(out))
+
+
+VARIANTS = {
+    "avx2": (["-march=x86-64-v3", "-mno-avx512f"], "avx2"),
+    "scalar": (["-march=x86-64"], "scalar"),
+}
+
+
+@needs_ops
+@pytest.mark.skipif(shutil.which("cc") is None or platform.machine() != "x86_64",
+                    reason="needs cc on x86-64")
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_other_isa_paths(cpu1: BackendSet, cpu2: BackendSet, tmp_path: Path,
+                         variant: str) -> None:
+    flags, isa = VARIANTS[variant]
+    library = _build_variant(tmp_path, flags, variant)
+    assert co.simd_isa(library) == isa
+    assert co.conv_block(library) == {"avx2": 16, "scalar": 64}[isa]
+    rng = np.random.default_rng(21)
+    for c, t in [(96, 300), (100, 3)]:
+        ea, ib = snake_params(rng, c)
+        x = snake_input(rng, t, c)
+        y = run_snake(cpu2, x, ea, ib, library)
+        check_snake(y, x, ea, ib)
+        assert np.array_equal(y, run_snake(cpu1, x, ea, ib, library))
+    for c_in, c_out, t, k, d in [(96, 96, 301, 7, 3), (40, 100, 17, 3, 2), (96, 1, 50, 7, 1),
+                                 (384, 384, 20, 1, 1)]:
+        xp, w, b = conv_data(rng, c_in, c_out, t, k, d)
+        y = run_conv(cpu2, xp, w, b, d, library)
+        check_conv(y, conv_ref(xp, w, b, d))
+        assert np.array_equal(y, run_conv(cpu1, xp, w, b, d, library))
