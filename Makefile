@@ -9,7 +9,7 @@ DEFAULT_MODEL := $(CACHE)/models/synthetic-full-f16-seed0/model.gguf
 MODEL := $(or $(QTTS_MODEL),$(DEFAULT_MODEL))
 PYTEST_ARGS ?=
 
-.PHONY: run test native venv sysdeps parity-env model lint bench clean
+.PHONY: run test native venv sysdeps parity-env model lint bench clean cuda-check
 
 run: native model
 	QTTS_MODEL=$(MODEL) $(QTTS) serve
@@ -51,6 +51,13 @@ $(DEFAULT_MODEL): | venv
 
 model: native
 	@if [ -z "$(QTTS_MODEL)" ]; then $(MAKE) --no-print-directory $(DEFAULT_MODEL); fi
+
+# Compile check of the CUDA backend (nvcc here, no GPU needed). About 40+ minutes on 2 cores
+# the first time, then cached by (ggml version, options, compiler) like every native build:
+# run it when native/ggml.lock or native/build.py change. Not part of `make test`.
+cuda-check: sysdeps venv
+	QTTS_GGML_BACKENDS=blas,rpc,cuda $(PY) native/build.py
+	QTTS_GGML_BACKENDS=blas,rpc $(PY) native/build.py
 
 lint: venv
 	$(VENV)/bin/ruff check engine service tests bench native

@@ -144,6 +144,40 @@ def check_prerequisites(backends: list[str]) -> None:
         fail("the CUDA backend needs nvcc on PATH")
 
 
+CUBLAS_WHEEL = "nvidia-cublas==13.1.1.3"  # matches the local nvcc 13.0; the toolkit lacks cuBLAS
+
+
+def cublas_from_pypi() -> list[str]:
+    """CMake options pointing at cuBLAS from its PyPI wheel, when the CUDA toolkit has none."""
+    nvcc = shutil.which("nvcc")
+    assert nvcc is not None
+    toolkit = Path(nvcc).resolve().parent.parent
+    if (toolkit / "include" / "cublas_v2.h").exists():
+        return []
+    root = cache_root() / "cublas" / CUBLAS_WHEEL.split("==")[1]
+    inc, libs = root / "nvidia" / "cu13" / "include", root / "nvidia" / "cu13" / "lib"
+    if not (inc / "cublas_v2.h").exists():
+        import zipfile
+
+        log(f"fetching {CUBLAS_WHEEL} (the CUDA toolkit here has no cuBLAS)")
+        with tempfile.TemporaryDirectory() as tmp:
+            subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
+                            "-d", tmp, CUBLAS_WHEEL], check=True)
+            wheel = next(Path(tmp).glob("*.whl"))
+            with zipfile.ZipFile(wheel) as z:
+                z.extractall(root)
+        for name in ("libcublas", "libcublasLt"):
+            link = libs / f"{name}.so"
+            if not link.exists():
+                link.symlink_to(f"{name}.so.13")
+    return [
+        f"-DCUDA_cublas_LIBRARY={libs / 'libcublas.so'}",
+        f"-DCUDA_cublasLt_LIBRARY={libs / 'libcublasLt.so'}",
+        f"-DCMAKE_CUDA_FLAGS=-I{inc}",
+        f"-DCMAKE_CXX_FLAGS=-I{inc}",
+    ]
+
+
 def cmake_options(backends: list[str]) -> list[str]:
     opts = [
         "-DCMAKE_BUILD_TYPE=Release",
@@ -157,9 +191,12 @@ def cmake_options(backends: list[str]) -> list[str]:
     for name in backends:
         opts += BACKEND_OPTIONS[name]
     if "cuda" in backends:
+        # No libcuda.so on build machines without a GPU driver: NO_VMM drops the driver API;
+        # the architecture must be explicit ("native" needs a GPU). 90 = H100/H200.
         opts += [
             "-DGGML_CUDA_NO_VMM=ON",
             f"-DCMAKE_CUDA_ARCHITECTURES={os.environ.get('QTTS_CUDA_ARCH', '90')}",
+            *cublas_from_pypi(),
         ]
     return opts
 
