@@ -9,13 +9,17 @@ DEFAULT_MODEL := $(CACHE)/models/synthetic-full-f16-seed0/model.gguf
 MODEL := $(or $(QTTS_MODEL),$(DEFAULT_MODEL))
 PYTEST_ARGS ?=
 
-.PHONY: run test native venv sysdeps parity-env model lint bench clean cuda-check
+.PHONY: run test native venv sysdeps parity-env model lint bench clean cuda-check deploy-tools
 
 run: native model
 	QTTS_MODEL=$(MODEL) $(QTTS) serve
 
-test: native parity-env
+test: native parity-env deploy-tools
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# Prometheus (Debian) and the npm schema validators the deploy tests use.
+deploy-tools:
+	bash deploy/ci/install-tools.sh
 
 # OpenBLAS backs ggml's BLAS backend: the second real backend the scheduler tests split onto.
 sysdeps:
@@ -60,7 +64,7 @@ cuda-check: sysdeps venv
 	QTTS_GGML_BACKENDS=blas,rpc $(PY) native/build.py
 
 lint: venv
-	$(VENV)/bin/ruff check engine service tests bench native
+	$(VENV)/bin/ruff check engine service tests bench native deploy
 	$(VENV)/bin/mypy engine service
 
 bench: native parity-env
