@@ -1,0 +1,164 @@
+"""The frame loop: prefill, then per frame sample codebook 0, run the code predictor, step.
+
+Order of one utterance (spec §3.6)::
+
+    logits, h = prefill(prompt)
+    k = 0
+    loop:
+        c0 = sample(logits)                    # penalty, EOS mask, suppression, warpers
+        if c0 == EOS:          -> outcome "ok" (the EOS frame makes no audio)
+        if k == frame budget:  -> outcome "truncated_no_eos"
+        c1..c15 = code predictor(h, c0)        # frame k complete: yield it
+        k += 1
+        logits, h = step(C(c0) + sum cp_embd(c_j) + trailing_text[k-1] or PAD)
+
+So with a budget of F frames the talker samples at most F+1 tokens, like the reference with
+``max_new_tokens = F + 1``; a request that hits the budget without EOS ends
+``truncated_no_eos`` (reported, never silent). Cancellation is checked before every talker step
+and every code-predictor run: work stops within one frame.
+
+Frame budget (documented in docs/talker.md): ``budget = 40 + 12 * n_text_tokens`` frames
+(3.2 s plus ~1 s per text token; speech runs at ~3-5 frames per token in every supported
+language, so this is a runaway guard, not a length limit), replaced by the request's
+``max_frames`` when given (at most the server cap), and never above the hard cap
+``min(server cap, generation max_new_tokens - 1)``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from engine.errors import InputError
+from engine.talker.model import TalkerModel
+from engine.talker.prompt import Prompt
+from engine.talker.sampling import SamplingParams, choose, suppress_mask, talker_scores
+from engine.timings import StageTimings
+
+Outcome = Literal["ok", "truncated_no_eos", "cancelled"]
+OUTCOMES: tuple[str, ...] = ("ok", "truncated_no_eos", "cancelled")
+
+BUDGET_BASE_FRAMES = 40
+BUDGET_FRAMES_PER_TOKEN = 12
+DEFAULT_MAX_FRAMES_CAP = 4096  # server cap: 327.7 s of audio
+
+
+def frame_budget(n_text_tokens: int, requested: int | None, server_cap: int,
+                 max_new_tokens: int) -> int:
+    """Frames a request may generate (see the module docstring); ``InputError`` if over cap."""
+    hard_cap = max(1, min(server_cap, max_new_tokens - 1))
+    if requested is not None and requested != 0:
+        if requested < 0:
+            raise InputError("max_frames", f"must be >= 1, got {requested}")
+        if requested > server_cap:
+            raise InputError("max_frames", f"{requested} is over the server cap of {server_cap}")
+        return min(requested, hard_cap)
+    return min(BUDGET_BASE_FRAMES + BUDGET_FRAMES_PER_TOKEN * n_text_tokens, hard_cap)
+
+
+@dataclass
+class Frame:
+    """One generated frame: its 16 codes and the talker time spent on it."""
+
+    index: int
+    codes: npt.NDArray[np.int32]  # [16]: codebook 0 .. 15
+    timings: StageTimings
+
+
+@dataclass
+class Trace:
+    """Raw float32 logits of every sampling decision (for parity tests and diagnostics)."""
+
+    talker: list[npt.NDArray[np.float32]] = field(default_factory=list)
+    code_predictor: list[list[npt.NDArray[np.float32]]] = field(default_factory=list)
+
+
+@dataclass
+class Result:
+    """How generation ended, plus the talker time not attributed to a frame (the last step)."""
+
+    outcome: Outcome = "ok"
+    frames: int = 0
+    leftover: StageTimings = field(default_factory=StageTimings)
+
+
+def is_cancelled(cancel: Callable[[], bool] | None) -> bool:
+    """Evaluate a cancellation flag (a callable; ``threading.Event.is_set`` works)."""
+    return bool(cancel is not None and cancel())
+
+
+def generate_frames(
+    talker: TalkerModel,
+    prompt: Prompt,
+    params: SamplingParams,
+    budget: int,
+    rng: np.random.Generator,
+    cancel: Callable[[], bool] | None = None,
+    trace: Trace | None = None,
+) -> Generator[Frame, None, Result]:
+    """Yield frames as they complete; the generator's return value is the :class:`Result`."""
+    if budget < 1:
+        raise InputError("max_frames", f"must be >= 1, got {budget}")
+    result = Result()
+    if is_cancelled(cancel):
+        result.outcome = "cancelled"
+        return result
+    cfg = talker.cfg
+    eos = talker.eos_id
+    suppressed = suppress_mask(int(cfg.vocab_size), eos)
+    generated: list[int] = []
+
+    talker.reserve(prompt.length + budget)
+    t0 = time.perf_counter()
+    pre = talker.prefill(prompt)
+    pending = StageTimings(prefill=time.perf_counter() - t0)
+    logits, hidden = pre.logits, pre.hidden
+
+    def sub_choose(lg: npt.NDArray[np.float32], j: int) -> int:
+        if trace is not None:
+            trace.code_predictor[-1].append(lg)
+        return choose(lg, params.subtalker_do_sample, params.subtalker_temperature,
+                      params.subtalker_top_k, params.subtalker_top_p, rng)
+
+    k = 0
+    while True:
+        if trace is not None:
+            trace.talker.append(logits)
+        scores = talker_scores(logits, generated, params.repetition_penalty,
+                               params.min_new_tokens, eos, suppressed)
+        c0 = choose(scores, params.do_sample, params.temperature, params.top_k, params.top_p,
+                    rng)
+        generated.append(c0)
+        if c0 == eos:
+            result.outcome = "ok"
+            break
+        if k >= budget:
+            result.outcome = "truncated_no_eos"
+            break
+        if is_cancelled(cancel):
+            result.outcome = "cancelled"
+            break
+        t1 = time.perf_counter()
+        if trace is not None:
+            trace.code_predictor.append([])
+        rest = talker.predict(hidden, c0, sub_choose)
+        pending.code_predictor += time.perf_counter() - t1
+        codes = np.concatenate([np.asarray([c0], dtype=np.int32), rest])
+        yield Frame(k, codes, pending)
+        k += 1
+        result.frames = k
+        pending = StageTimings()
+        if is_cancelled(cancel):
+            result.outcome = "cancelled"
+            break
+        text_add = pre.trailing[k - 1] if k - 1 < pre.trailing.shape[0] else pre.pad
+        t2 = time.perf_counter()
+        logits, hidden = talker.step(codes, text_add, prompt.length + k - 1)
+        pending.talker_step += time.perf_counter() - t2
+    result.leftover = pending
+    return result

@@ -1,0 +1,361 @@
+"""The talker LLM and the code predictor on ggml: prefill, one step per frame, 15 code passes.
+
+Graphs (all built from the shared block builder in ``engine.talker.qwen3``):
+
+* **prefill** (one-off, through ``BackendSet.execute``): the text projection of every text id
+  of the prompt *and* of the trailing text (plus ``tts_pad``) in one batch; the prompt
+  embeddings ``T(text) + mask * C(codec)``; all talker layers over the whole prompt (batched,
+  causal mask), writing the KV cache; final norm and ``codec_head`` at the last position.
+  Returns logits, the final-normed hidden state, and the projected trailing text / pad rows.
+  The K/V rows of the prompt prefix (instruction, role, codec prefix, speaker) are kept and
+  written back for the next request with the same prefix, which then prefills only its text.
+* **talker step** (``CachedGraph``, one per 64-position bucket of the cache): the next input
+  ``C(c0) + sum_j cp_embd[j](c_j) + text_add``, one position through every layer (reading the
+  bucket's cache prefix with a mask for the positions not written yet), logits and hidden.
+* **code predictor** (15 ``CachedGraph``s, built once): pass 0 feeds
+  ``[h_last, C(c0)]`` (through ``small_to_mtp`` when present) at positions 0-1 and uses
+  ``lm_head[0]``; pass j (1..14) feeds ``cp_embd[j-1](c_j)`` at position j+1 and uses
+  ``lm_head[j]``. The 16-position cache is simply overwritten every frame ("fresh per frame").
+
+Sampling is the caller's (``engine.talker.generate``): every graph returns float32 logits.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from engine.backend import BackendSet
+from engine.errors import InputError
+from engine.ggml import Graph, Tensor, lib
+from engine.talker.prompt import Prompt
+from engine.talker.qwen3 import (
+    Builder,
+    KVCache,
+    attn_inputs,
+    attn_uploads,
+    last_column,
+    stack,
+)
+from engine.talker.runner import BuildStats, CachedGraph, execute_timed
+from engine.talker.weights import TalkerWeights
+
+F32 = npt.NDArray[np.float32]
+I32 = npt.NDArray[np.int32]
+
+KV_TYPES: dict[str, int] = {"f32": lib.GGML_TYPE_F32, "f16": lib.GGML_TYPE_F16}
+STEP_BUCKET = 64  # talker-step graphs are rebuilt when the cache prefix crosses a bucket
+SHRINK_BYTES = 64 << 20  # a talker cache over this size shrinks when 4x bigger than needed
+PREFIX_CACHE_ENTRIES = 32  # prompt prefixes (voice x language x instruction) kept, LRU
+
+
+@dataclass
+class PrefillOut:
+    """What the prefill returns (float32 numpy arrays)."""
+
+    logits: F32  # [vocab]
+    hidden: F32  # [hidden]: final-normed state at the last position (code-predictor input)
+    trailing: F32  # [n_trailing, hidden]: projected trailing text rows, one per frame
+    pad: F32  # [hidden]: projected tts_pad row (after the trailing text)
+    taps: dict[str, F32] = field(default_factory=dict)  # capture=True: named intermediates
+
+
+class TalkerModel:
+    """Talker + code predictor weights, their KV caches and cached step graphs.
+
+    One utterance at a time (the caches are shared state). ``kv_type``: "f16" (default; half
+    the cache memory and bandwidth) or "f32" (parity with the F32 reference to ~1e-5).
+    ``repack``: Q4_0 matrices in ggml's CPU_REPACK layout (see ``engine.talker.weights``).
+    """
+
+    def __init__(self, model: Any, backends: BackendSet, kv_type: str = "f16",
+                 repack: bool = True) -> None:
+        if kv_type not in KV_TYPES:
+            raise ValueError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {kv_type!r}")
+        self.backends = backends
+        self.weights = TalkerWeights(model, backends, repack)
+        self.cfg = model.talker_config
+        self.cp_cfg = model.code_predictor_config
+        self.kv_type = KV_TYPES[kv_type]
+        self.stats = BuildStats()
+        self.n_groups = int(self.cfg.num_code_groups)
+        w = self.weights
+        self.cache: KVCache | None = None
+        self._step: tuple[int, CachedGraph] | None = None
+        self.cp_cache = KVCache(backends, len(w.cp_layers), w.cp_shape.kv_dim, self.n_groups,
+                                self.kv_type, "cp")
+        self._cp_graphs: list[CachedGraph] = []
+        self._cp_uploads: list[dict[str, np.ndarray[Any, Any]]] = []
+        # prompt-prefix key -> (K rows, V rows) as [n_layers, P, kv_dim] in the cache's dtype
+        self._prefix: OrderedDict[tuple[bytes, bytes, bytes],
+                                  tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]] = OrderedDict()
+        self.last_prefill_positions = 0
+
+    @property
+    def hidden_size(self) -> int:
+        """Talker width H."""
+        return int(self.cfg.hidden_size)
+
+    @property
+    def eos_id(self) -> int:
+        """The codec end-of-speech id."""
+        return int(self.cfg.codec_eos_token_id)
+
+    # -- talker cache ------------------------------------------------------------------------
+
+    def reserve(self, n_positions: int) -> None:
+        """Make the talker cache hold at least ``n_positions`` (bucket-rounded).
+
+        The cache persists across utterances (allocated once per worker for typical lengths);
+        it grows when needed and shrinks back only when it is both large and 4x oversized.
+        """
+        if n_positions > int(self.cfg.max_position_embeddings):
+            raise InputError(
+                "max_frames",
+                f"prompt + frames = {n_positions} positions exceed the talker's "
+                f"{self.cfg.max_position_embeddings}",
+            )
+        if self.cache is not None and self.cache.n_ctx >= n_positions:
+            # Keep a big cache for the next long request, unless it is far bigger than
+            # needed and worth giving back (one 4096-frame request at 0.6B holds ~0.5 GB).
+            if self.cache.n_ctx <= 4 * n_positions or self.cache.nbytes <= SHRINK_BYTES:
+                return
+        n_ctx = -(-n_positions // STEP_BUCKET) * STEP_BUCKET
+        self._drop_step_graph()
+        if self.cache is not None:
+            self.cache.close()
+        w = self.weights
+        self.cache = KVCache(self.backends, len(w.layers), w.talker_shape.kv_dim, n_ctx,
+                             self.kv_type, "talk")
+
+    def _drop_step_graph(self) -> None:
+        if self._step is not None:
+            self._step[1].close()
+            self._step = None
+
+    # -- prefill -----------------------------------------------------------------------------
+
+    def prefill(self, prompt: Prompt, capture: bool = False, reuse_prefix: bool = True
+                ) -> PrefillOut:
+        """Run the prompt through the talker (positions 0..L-1) and project the trailing text.
+
+        The prompt prefix (instruction, role, codec prefix, speaker: ``prompt.n_prefix``
+        positions) is the same for every request with the same voice/language/instruction, so
+        its K/V rows are kept (a small LRU of host arrays) and written back into the cache
+        instead of recomputed: a repeat request prefills only its own text (about a quarter of
+        the prefill for a short sentence). ``capture`` (parity taps) always runs the full prompt.
+        """
+        if self.cache is None or self.cache.n_ctx < prompt.length:
+            self.reserve(prompt.length + 1)
+        cache = self.cache
+        assert cache is not None
+        w = self.weights
+        n_all = prompt.length
+        n_pre = prompt.n_prefix if 0 < prompt.n_prefix < n_all else 0
+        key = (prompt.text_ids[:n_pre].tobytes(), prompt.codec_ids[:n_pre].tobytes(),
+               prompt.codec_mask[:n_pre].tobytes())
+        reuse = self._prefix.get(key) if (n_pre and reuse_prefix and not capture) else None
+        start = n_pre if reuse is not None else 0
+        snapshot = n_pre if (reuse is None and n_pre and not capture) else 0
+        n = n_all - start  # positions computed here
+        n_trail = int(prompt.trailing_ids.shape[0])
+        text_ids = np.concatenate([prompt.text_ids[start:], prompt.trailing_ids,
+                                   np.asarray([prompt.pad_id], dtype=np.int32)])
+        n_text = int(text_ids.shape[0])
+        kv_np = np.float16 if self.kv_type == lib.GGML_TYPE_F16 else np.float32
+        n_layers = len(w.layers)
+
+        def build(g: Graph) -> None:
+            ctx = g.ctx
+            b = Builder(g, w.talker_shape, capture)
+            ids = g.input("text_ids", (n_text,), np.int32)
+            e = lib.ggml_get_rows(ctx, w.text_embd, ids)
+            h = lib.ggml_silu(ctx, b.linear(e, w.text_fc1_w, w.text_fc1_b))
+            txt = b.cb(b.linear(h, w.text_fc2_w, w.text_fc2_b), "text_proj")  # [H, n_text]
+            hs = int(txt.ne[0])
+            t_prompt = lib.ggml_view_2d(ctx, txt, hs, n, txt.nb[1], 0)
+            tail = lib.ggml_view_2d(ctx, txt, hs, n_text - n, txt.nb[1], n * txt.nb[1])
+            g.output(lib.ggml_cont(ctx, tail), "text_tail")
+            cid = g.input("codec_ids", (n,), np.int32)
+            cmask = g.input("codec_mask", (n, 1))
+            c = lib.ggml_mul(ctx, lib.ggml_get_rows(ctx, w.codec_embd, cid), cmask)
+            x = b.cb(lib.ggml_add(ctx, t_prompt, c), "inp_embd")
+            a = attn_inputs(g, cache, n, n_all, masked=True)
+            a.snapshot = snapshot
+            if reuse is not None:
+                kv = w.talker_shape.kv_dim
+                a.prefix_k = g.input("prefix_k", (n_layers, n_pre, kv), kv_np)
+                a.prefix_v = g.input("prefix_v", (n_layers, n_pre, kv), kv_np)
+                a.prefix_k_idx = g.input("prefix_k_idx", (n_pre,), np.int32)
+                a.prefix_v_idx = g.input("prefix_v_idx", (kv * n_pre,), np.int32)
+            x = stack(b, w.layers, x, a, cache)
+            x = b.cb(b.rms_norm(last_column(b, x), w.output_norm, w.talker_shape.eps), "out_norm")
+            g.output(x, "hidden")
+            g.output(lib.ggml_mul_mat(ctx, w.codec_head, x), "logits")
+
+        up: dict[str, np.ndarray[Any, Any]] = {
+            "text_ids": text_ids,
+            "codec_ids": prompt.codec_ids[start:],
+            "codec_mask": prompt.codec_mask[start:].reshape(n, 1),
+            **attn_uploads(cache, start, n, n_all),
+        }
+        if reuse is not None:
+            pre_pos = np.arange(n_pre, dtype=np.int32)
+            up.update(prefix_k=reuse[0], prefix_v=reuse[1], prefix_k_idx=pre_pos,
+                      prefix_v_idx=cache.v_index(pre_pos))
+            self._prefix.move_to_end(key)
+        out = execute_timed(self.backends, build, up, max_nodes=_graph_nodes(n_layers, n),
+                            stats=self.stats)
+        if snapshot:
+            pk = np.stack([out[f"snap_k.{il}"] for il in range(n_layers)]).astype(kv_np)
+            pv = np.stack([out[f"snap_v.{il}"] for il in range(n_layers)]).astype(kv_np)
+            self._prefix[key] = (pk, pv)
+            while len(self._prefix) > PREFIX_CACHE_ENTRIES:
+                self._prefix.popitem(last=False)
+        self.last_prefill_positions = n
+        tail = out["text_tail"].reshape(n_trail + 1, -1)
+        taps = {k[4:]: v for k, v in out.items() if k.startswith("tap.")}
+        return PrefillOut(
+            logits=out["logits"].reshape(-1),
+            hidden=out["hidden"].reshape(-1),
+            trailing=tail[:n_trail],
+            pad=tail[n_trail],
+            taps=taps,
+        )
+
+    # -- one talker step ---------------------------------------------------------------------
+
+    def step(self, codes: I32, text_add: F32, pos: int) -> tuple[F32, F32]:
+        """Feed frame codes [16] (+ the text row) at position ``pos``; return (logits, hidden)."""
+        cache = self.cache
+        if cache is None or pos >= cache.n_ctx:
+            raise InputError("max_frames", f"talker cache too small for position {pos}")
+        n_kv = min(-(-(pos + 1) // STEP_BUCKET) * STEP_BUCKET, cache.n_ctx)
+        if self._step is None or self._step[0] != n_kv:
+            self._drop_step_graph()
+            self._step = (n_kv, CachedGraph(self.backends, self._step_builder(cache, n_kv),
+                                            _graph_nodes(len(self.weights.layers), 1),
+                                            self.stats))
+        up = {
+            "codes": np.ascontiguousarray(codes, dtype=np.int32),
+            "text_add": np.ascontiguousarray(text_add, dtype=np.float32).reshape(1, -1),
+            **attn_uploads(cache, pos, 1, n_kv),
+        }
+        out = self._step[1].run(up)
+        return out["logits"].reshape(-1), out["hidden"].reshape(-1)
+
+    def _step_builder(self, cache: KVCache, n_kv: int) -> Callable[[Graph], None]:
+        w = self.weights
+        n_groups = self.n_groups
+
+        def build(g: Graph) -> None:
+            ctx = g.ctx
+            b = Builder(g, w.talker_shape)
+            codes = g.input("codes", (n_groups,), np.int32)
+            es = int(codes.nb[0])
+            x = lib.ggml_get_rows(ctx, w.codec_embd, lib.ggml_view_1d(ctx, codes, 1, 0))
+            for j, table in enumerate(w.cp_embd):
+                idx = lib.ggml_view_1d(ctx, codes, 1, (j + 1) * es)
+                x = lib.ggml_add(ctx, x, lib.ggml_get_rows(ctx, table, idx))
+            text_add = g.input("text_add", (1, w.talker_shape.hidden))
+            x = b.cb(lib.ggml_add(ctx, x, text_add), "inp_embd")
+            a = attn_inputs(g, cache, 1, n_kv, masked=True)
+            x = stack(b, w.layers, x, a, cache)
+            x = b.cb(b.rms_norm(x, w.output_norm, w.talker_shape.eps), "out_norm")
+            g.output(x, "hidden")
+            g.output(lib.ggml_mul_mat(ctx, w.codec_head, x), "logits")
+
+        return build
+
+    # -- code predictor ----------------------------------------------------------------------
+
+    def _build_cp_graphs(self) -> None:
+        w = self.weights
+        cache = self.cp_cache
+        shape = w.cp_shape
+        nodes = _graph_nodes(len(w.cp_layers), 2)
+
+        def project(b: Builder, x: Tensor) -> Tensor:
+            if w.cp_mtp_w is None:
+                return x
+            return b.cb(b.linear(x, w.cp_mtp_w, w.cp_mtp_b), "mtp_proj")
+
+        def head(b: Builder, g: Graph, x: Tensor, j: int) -> None:
+            x = b.cb(b.rms_norm(last_column(b, x), w.cp_output_norm, shape.eps), "out_norm")
+            g.output(lib.ggml_mul_mat(b.ctx, w.cp_heads[j], x), "logits")
+
+        def first(g: Graph) -> None:
+            b = Builder(g, shape)
+            hidden = g.input("hidden", (1, w.talker_shape.hidden))
+            c0 = g.input("code", (1,), np.int32)
+            e0 = lib.ggml_get_rows(g.ctx, w.codec_embd, c0)
+            x = project(b, b.cb(lib.ggml_concat(g.ctx, hidden, e0, 1), "inp_embd"))
+            x = stack(b, w.cp_layers, x, attn_inputs(g, cache, 2, 2, masked=True), cache)
+            head(b, g, x, 0)
+
+        def nxt(j: int) -> Callable[[Graph], None]:
+            def build(g: Graph) -> None:
+                b = Builder(g, shape)
+                code = g.input("code", (1,), np.int32)
+                e = b.cb(lib.ggml_get_rows(g.ctx, w.cp_embd[j - 1], code), "inp_embd")
+                x = project(b, e)
+                # Position j+1 attends to every position 0..j+1 written this frame: no mask.
+                a = attn_inputs(g, cache, 1, j + 2, masked=False)
+                x = stack(b, w.cp_layers, x, a, cache)
+                head(b, g, x, j)
+
+            return build
+
+        self._cp_graphs = [CachedGraph(self.backends, first, nodes, self.stats)]
+        self._cp_uploads = [attn_uploads(cache, 0, 2, 2)]
+        for j in range(1, self.n_groups - 1):
+            self._cp_graphs.append(CachedGraph(self.backends, nxt(j), nodes, self.stats))
+            self._cp_uploads.append(attn_uploads(cache, j + 1, 1, None))
+
+    def predict(self, hidden: F32, c0: int, choose: Callable[[F32, int], int]) -> I32:
+        """Codebooks 1..15 of one frame: ``choose(logits, j)`` picks code j+1 from pass j."""
+        if not self._cp_graphs:
+            self._build_cp_graphs()
+        codes = np.empty(self.n_groups - 1, dtype=np.int32)
+        prev = c0
+        for j, graph in enumerate(self._cp_graphs):
+            up = dict(self._cp_uploads[j])
+            up["code"] = np.asarray([prev], dtype=np.int32)
+            if j == 0:
+                up["hidden"] = np.ascontiguousarray(hidden, dtype=np.float32).reshape(1, -1)
+            logits = graph.run(up)["logits"].reshape(-1)
+            prev = choose(logits, j)
+            codes[j] = prev
+        return codes
+
+    def warm_up(self) -> float:
+        """Build the cached code-predictor graphs now (load time), return the seconds spent."""
+        t0 = time.perf_counter()
+        if not self._cp_graphs:
+            self._build_cp_graphs()
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Free graphs, caches and weights."""
+        self._drop_step_graph()
+        for g in self._cp_graphs:
+            g.close()
+        self._cp_graphs = []
+        if self.cache is not None:
+            self.cache.close()
+            self.cache = None
+        self.cp_cache.close()
+        self.weights.close()
+
+
+def _graph_nodes(n_layers: int, n_tokens: int) -> int:
+    # ~45 nodes and ~12 leaves per layer plus embeddings/heads/capture; generous but bounded
+    # (the per-graph scheduler sizes its tables from this).
+    del n_tokens
+    return 160 * n_layers + 512

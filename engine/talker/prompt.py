@@ -1,0 +1,271 @@
+"""The text side of synthesis: request validation and the talker prompt (spec §3.4-3.5) as ids.
+
+A prompt is described by ids only; the embeddings are computed in the prefill graph, because the
+text embedding table (151936 x 2048) and the text projection live with the weights. Every
+prefill position is ``T(text_ids[i]) + codec_mask[i] * C(codec_ids[i])`` where ``T`` is the text
+projection of a text-vocabulary embedding and ``C`` the talker codec embedding. (Every position of
+the reference prompt has a text term; only the instruction and role positions lack a codec term.)
+
+Layout, exactly as ``Qwen3TTSForConditionalGeneration.generate`` builds it:
+
+1. instruction (if any): ``T(ids of "<|im_start|>user\\n{instruct}<|im_end|>\\n")``;
+2. role: ``T(ids[0:3])`` of the target string
+   ``"<|im_start|>assistant\\n{text}<|im_end|>\\n<|im_start|>assistant\\n"``
+   (the reference slices by position: ``ids[3:-5]`` are the text tokens ``w``);
+3. codec prefix ``p`` = ``[nothink, think_bos, think_eos]`` for language "auto", else
+   ``[think, think_bos, lang, think_eos]``; then the speaker id (CustomVoice); then ``[pad, bos]``.
+   Positions ``PAD + C(p_j)`` for all but the last two elements, then ``BOS + C(pad)``;
+4. text: non-streaming ("full"): ``T(w_i) + C(pad)`` for every token, ``EOS + C(pad)``,
+   ``PAD + C(bos)``, and the trailing text is empty (PAD forever). Streaming ("stream"):
+   ``T(w_0) + C(bos)`` and the trailing text is ``[w_1 .. w_{n-1}, EOS]``, one per frame.
+
+A dialect speaker (``eric`` -> sichuan_dialect, ``dylan`` -> beijing_dialect) speaking Chinese or
+"auto" uses the dialect's language id. Instructions: see :func:`instruct_supported`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from engine.errors import InputError
+
+TextMode = Literal["full", "stream"]
+TEXT_MODES: tuple[str, ...] = ("full", "stream")
+AUTO = "auto"
+
+# The reference relies on these token counts (spec §3.4); they hold for the Qwen2 tokenizer.
+ROLE_TOKENS = 3  # "<|im_start|>", "assistant", "\n"
+TAIL_TOKENS = 5  # "<|im_end|>", "\n", "<|im_start|>", "assistant", "\n"
+
+
+def assistant_text(text: str) -> str:
+    """The string the reference tokenises for the target text."""
+    return f"<|im_start|>assistant\n{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def instruct_text(instruct: str) -> str:
+    """The string the reference tokenises for an instruction."""
+    return f"<|im_start|>user\n{instruct}<|im_end|>\n"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A talker prompt as ids (see the module docstring for the layout).
+
+    ``text_ids`` / ``codec_ids`` / ``codec_mask`` have one entry per prefill position;
+    ``codec_ids`` holds 0 where ``codec_mask`` is 0. ``trailing_ids`` are the text ids added
+    to the talker input of generated frames 0, 1, ... (then ``pad_id``). ``n_text_tokens`` is the
+    number of target-text tokens (the frame-budget formula uses it). The first ``n_prefix``
+    positions (instruction, role, codec prefix, speaker) do not depend on the target text, so
+    their KV rows can be reused by the next request with the same prefix.
+    """
+
+    text_ids: npt.NDArray[np.int32]
+    codec_ids: npt.NDArray[np.int32]
+    codec_mask: npt.NDArray[np.float32]
+    trailing_ids: npt.NDArray[np.int32]
+    pad_id: int
+    n_text_tokens: int
+    voice: str | None
+    language: str
+    text_mode: str
+    instruct: str | None
+    n_prefix: int = 0
+
+    @property
+    def length(self) -> int:
+        """Number of prefill positions."""
+        return int(self.text_ids.shape[0])
+
+
+def instruct_supported(model_type: str, model_size: str) -> bool:
+    """Whether the model honours style instructions.
+
+    VoiceDesign models always do (the instruction *is* the voice). CustomVoice models do only at
+    1.7B: the reference wrapper drops instructions when ``tts_model_size in "0b6"`` (which also
+    matches an empty size), and so does this function.
+    """
+    if model_type == "voice_design":
+        return True
+    return model_type == "custom_voice" and model_size not in "0b6"
+
+
+class PromptBuilder:
+    """Validates a request's text/voice/language/instruction and builds its :class:`Prompt`.
+
+    ``model`` is a validated ``GgufModel`` with the talker part (its tokenizer, special ids,
+    voices and languages are read from the file). ``ignore_unsupported_instruct``: by default an
+    instruction sent to a model that does not honour it is an ``InputError`` on field
+    ``instruct`` (a 4xx); with True it is dropped silently, as the reference wrapper does.
+    """
+
+    def __init__(self, model: Any, ignore_unsupported_instruct: bool = False) -> None:
+        model.require("talker")
+        self.tokenizer = model.tokenizer()
+        self.cfg = model.talker_config
+        self.special = model.special_ids
+        self.speakers: dict[str, int] = dict(model.speakers)
+        self.dialects: dict[str, str] = dict(model.dialects)
+        self.all_languages: dict[str, int] = dict(model.languages)
+        self.model_type: str = model.tts_model_type or "custom_voice"
+        self.model_size: str = model.tts_model_size
+        self.ignore_unsupported_instruct = ignore_unsupported_instruct
+        self._role_ids = self.encode("<|im_start|>assistant\n")
+
+    # -- what a request may ask for ---------------------------------------------------------
+
+    @property
+    def languages(self) -> list[str]:
+        """Languages a request may name: "auto" plus every non-dialect language of the model.
+
+        Dialects are reached through their speakers, as in the reference wrapper.
+        """
+        return [AUTO, *sorted(n for n in self.all_languages if "dialect" not in n)]
+
+    @property
+    def voices(self) -> list[str]:
+        """Speaker names (lower case), sorted."""
+        return sorted(self.speakers)
+
+    @property
+    def honours_instruct(self) -> bool:
+        """Whether this model uses instructions (see :func:`instruct_supported`)."""
+        return instruct_supported(self.model_type, self.model_size)
+
+    def encode(self, s: str) -> list[int]:
+        """Token ids of ``s`` (no BOS is ever added: the Qwen2 tokenizer has none)."""
+        return list(self.tokenizer.encode(s).ids)
+
+    def resolve_voice(self, voice: str | None) -> str | None:
+        """The lower-cased speaker name, or an ``InputError`` listing the valid ones."""
+        if self.model_type == "base":
+            raise InputError(
+                "voice", "this is a Base (voice-clone) model; voice cloning is not supported yet"
+            )
+        if self.model_type == "voice_design":
+            if voice:
+                raise InputError(
+                    "voice", "a VoiceDesign model has no named voices; describe the voice in "
+                    "`instruct` instead"
+                )
+            return None
+        if not voice:
+            raise InputError("voice", f"is required; choose one of: {', '.join(self.voices)}")
+        name = voice.strip().lower()
+        if name not in self.speakers:
+            raise InputError(
+                "voice", f"unknown voice {voice!r}; choose one of: {', '.join(self.voices)}"
+            )
+        return name
+
+    def resolve_language(self, language: str | None) -> str:
+        """The lower-cased language name ("auto" for None), or an ``InputError``."""
+        if language is None or not language.strip():
+            return AUTO
+        name = language.strip().lower()
+        if name not in self.languages:
+            raise InputError(
+                "language",
+                f"unknown language {language!r}; choose one of: {', '.join(self.languages)}",
+            )
+        return name
+
+    def resolve_instruct(self, instruct: str | None) -> str | None:
+        """The instruction to use (None for none), or an ``InputError`` if unsupported."""
+        if instruct is None or instruct == "":
+            return None  # the reference treats an empty instruction as none (also VoiceDesign)
+        if not self.honours_instruct:
+            if self.ignore_unsupported_instruct:
+                return None
+            size = self.model_size or "unknown size"
+            raise InputError(
+                "instruct",
+                f"this {self.model_type} model ({size}) does not honour style instructions "
+                "(only 1.7B CustomVoice and VoiceDesign models do); omit it",
+            )
+        return instruct
+
+    # -- the prompt -------------------------------------------------------------------------
+
+    def build(
+        self,
+        text: str,
+        voice: str | None = None,
+        language: str | None = None,
+        instruct: str | None = None,
+        text_mode: str = "full",
+    ) -> Prompt:
+        """Validate the request fields and lay out the prompt (module docstring)."""
+        if not isinstance(text, str) or not text.strip():
+            raise InputError("text", "is empty")
+        if text_mode not in TEXT_MODES:
+            raise InputError(
+                "text_mode", f"must be one of {', '.join(TEXT_MODES)}, got {text_mode!r}"
+            )
+        spk = self.resolve_voice(voice)
+        lang = self.resolve_language(language)
+        ins = self.resolve_instruct(instruct)
+        cfg, sp = self.cfg, self.special
+
+        ids = self.encode(assistant_text(text))
+        if len(ids) <= ROLE_TOKENS + TAIL_TOKENS or ids[:ROLE_TOKENS] != self._role_ids:
+            # Cannot happen with a Qwen2 tokenizer; a foreign tokenizer would break the slicing.
+            raise InputError("text", "tokenises to no text tokens between the chat markers")
+        words = ids[ROLE_TOKENS:-TAIL_TOKENS]
+
+        lang_id: int | None = None if lang == AUTO else self.all_languages[lang]
+        if spk is not None and lang in ("chinese", AUTO) and spk in self.dialects:
+            lang_id = self.all_languages[self.dialects[spk]]
+        if lang_id is None:
+            prefix = [cfg.codec_nothink_id, cfg.codec_think_bos_id, cfg.codec_think_eos_id]
+        else:
+            prefix = [cfg.codec_think_id, cfg.codec_think_bos_id, lang_id, cfg.codec_think_eos_id]
+        if spk is not None:
+            prefix.append(self.speakers[spk])
+        prefix += [cfg.codec_pad_id, cfg.codec_bos_id]
+
+        text_ids: list[int] = []
+        codec_ids: list[int] = []
+        mask: list[float] = []
+
+        def put(t: int, c: int | None) -> None:
+            text_ids.append(t)
+            codec_ids.append(0 if c is None else c)
+            mask.append(0.0 if c is None else 1.0)
+
+        if ins is not None:
+            for t in self.encode(instruct_text(ins)):
+                put(t, None)
+        for t in ids[:ROLE_TOKENS]:
+            put(t, None)
+        for j, c in enumerate(prefix[:-1]):
+            put(sp.tts_bos_token_id if j == len(prefix) - 2 else sp.tts_pad_token_id, c)
+        n_prefix = len(text_ids)
+        trailing: Sequence[int]
+        if text_mode == "full":
+            for w in words:
+                put(w, cfg.codec_pad_id)
+            put(sp.tts_eos_token_id, cfg.codec_pad_id)
+            put(sp.tts_pad_token_id, cfg.codec_bos_id)
+            trailing = []
+        else:
+            put(words[0], cfg.codec_bos_id)
+            trailing = [*words[1:], sp.tts_eos_token_id]
+        return Prompt(
+            text_ids=np.asarray(text_ids, dtype=np.int32),
+            codec_ids=np.asarray(codec_ids, dtype=np.int32),
+            codec_mask=np.asarray(mask, dtype=np.float32),
+            trailing_ids=np.asarray(trailing, dtype=np.int32),
+            pad_id=sp.tts_pad_token_id,
+            n_text_tokens=len(words),
+            voice=spk,
+            language=lang,
+            text_mode=text_mode,
+            instruct=ins,
+            n_prefix=n_prefix,
+        )

@@ -1,0 +1,226 @@
+"""The ggml talker and code predictor on the tiny synthetic model: caches, graphs, the loop."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from engine.backend import BackendSet
+from engine.errors import InputError
+from engine.ggml import Graph
+from engine.ggml.graph import name_of
+from engine.gguf_model import open_model
+from engine.talker import (
+    PromptBuilder,
+    SamplingParams,
+    TalkerModel,
+    Trace,
+    frame_budget,
+    generate_frames,
+    make_rng,
+)
+from engine.talker import model as talker_model
+from engine.talker.generate import BUDGET_BASE_FRAMES, BUDGET_FRAMES_PER_TOKEN, Result
+
+
+@pytest.fixture(scope="module")
+def backends() -> BackendSet:
+    return BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "1"})
+
+
+@pytest.fixture(scope="module")
+def model(tiny_gguf: Path) -> Any:
+    return open_model(tiny_gguf)
+
+
+@pytest.fixture(scope="module")
+def talker(model: Any, backends: BackendSet) -> TalkerModel:
+    return TalkerModel(model, backends, kv_type="f32")
+
+
+def run(talker: TalkerModel, model: Any, text: str, frames: int, seed: int = 0,
+        greedy: bool = True, cancel: Any = None, voice: str = "ryan", mode: str = "full"
+        ) -> tuple[np.ndarray, Trace, Result]:
+    prompt = PromptBuilder(model).build(text, voice, "english", text_mode=mode)
+    params = SamplingParams.from_defaults(model.generation_defaults)
+    if greedy:
+        params = params.greedy()
+    trace = Trace()
+    gen = generate_frames(talker, prompt, params, frames, make_rng(seed)[0], cancel, trace)
+    out = []
+    while True:
+        try:
+            out.append(next(gen).codes)
+        except StopIteration as stop:
+            res: Result = stop.value
+            break
+    codes = np.stack(out, 1) if out else np.zeros((16, 0), np.int32)
+    return codes, trace, res
+
+
+def test_codes_are_valid_and_logits_finite(talker: TalkerModel, model: Any) -> None:
+    codes, trace, res = run(talker, model, "Hello world.", 6)
+    assert codes.shape == (16, 6) and codes.dtype == np.int32
+    assert codes.min() >= 0 and codes.max() < 2048
+    assert res.outcome == "truncated_no_eos" and res.frames == 6
+    assert len(trace.talker) == 7 and len(trace.code_predictor) == 6
+    assert all(len(r) == 15 for r in trace.code_predictor)
+    assert all(np.isfinite(x).all() for x in trace.talker)
+
+
+def test_cache_reuse_across_utterances_and_buckets(model: Any, backends: BackendSet,
+                                                   talker: TalkerModel,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stale cache rows from a longer earlier utterance and the bucket size never leak."""
+    run(talker, model, "A much longer sentence that fills the cache with other rows.", 20,
+        mode="stream")
+    a, ta, _ = run(talker, model, "Hello world.", 8)
+    fresh = TalkerModel(model, backends, kv_type="f32")
+    b, tb, _ = run(fresh, model, "Hello world.", 8)
+    assert np.array_equal(a, b)
+    assert max(np.abs(x - y).max() for x, y in zip(ta.talker, tb.talker, strict=True)) <= 1e-5
+    monkeypatch.setattr(talker_model, "STEP_BUCKET", 4)
+    small = TalkerModel(model, backends, kv_type="f32")
+    c, tc, _ = run(small, model, "Hello world.", 8)
+    assert np.array_equal(a, c)
+    assert max(np.abs(x - y).max() for x, y in zip(ta.talker, tc.talker, strict=True)) <= 1e-5
+    fresh.close()
+    small.close()
+
+
+def test_seed_makes_sampling_reproducible(talker: TalkerModel, model: Any) -> None:
+    a, _, _ = run(talker, model, "Hello world.", 5, seed=42, greedy=False)
+    b, _, _ = run(talker, model, "Hello world.", 5, seed=42, greedy=False)
+    c, _, _ = run(talker, model, "Hello world.", 5, seed=43, greedy=False)
+    g, _, _ = run(talker, model, "Hello world.", 5, greedy=True)
+    assert np.array_equal(a, b)
+    assert not np.array_equal(a, c)
+    assert not np.array_equal(a, g)
+
+
+def test_cancellation_stops_within_one_frame(talker: TalkerModel, model: Any) -> None:
+    ev = threading.Event()
+    prompt = PromptBuilder(model).build("Hello world.", "ryan", "english")
+    params = SamplingParams.from_defaults(model.generation_defaults).greedy()
+    gen = generate_frames(talker, prompt, params, 50, make_rng(0)[0], ev.is_set)
+    frames = [next(gen), next(gen)]
+    ev.set()
+    with pytest.raises(StopIteration) as stop:
+        next(gen)
+    assert stop.value.value.outcome == "cancelled" and stop.value.value.frames == len(frames)
+    pre = threading.Event()
+    pre.set()
+    codes, _, res = run(talker, model, "Hello world.", 5, cancel=pre.is_set)
+    assert codes.shape[1] == 0 and res.outcome == "cancelled"
+
+
+def test_frame_budget_formula_and_caps() -> None:
+    assert frame_budget(10, None, 4096, 8192) == BUDGET_BASE_FRAMES + 10 * BUDGET_FRAMES_PER_TOKEN
+    assert frame_budget(10, 0, 4096, 8192) == frame_budget(10, None, 4096, 8192)
+    assert frame_budget(10, 7, 4096, 8192) == 7
+    assert frame_budget(1000, None, 300, 8192) == 300  # server cap
+    assert frame_budget(1000, None, 4096, 201) == 200  # generation_config max_new_tokens - 1
+    with pytest.raises(InputError) as err:
+        frame_budget(10, 5000, 4096, 8192)
+    assert err.value.field == "max_frames"
+    with pytest.raises(InputError):
+        frame_budget(10, -3, 4096, 8192)
+
+
+def test_every_intermediate_is_named(talker: TalkerModel, model: Any) -> None:
+    """Graphs read like the spec: talk.blk0.attn_out, cp.blk1.ffn_out, ..."""
+    run(talker, model, "Hi.", 2)
+    assert talker._step is not None
+    step_names = {name_of(n) for n in talker._step[1].graph.nodes()}
+    cp_names = {name_of(n) for n in talker._cp_graphs[3].graph.nodes()}
+    for il in range(len(talker.weights.layers)):
+        for part in ("attn_norm", "q_norm", "k_rope", "kq_soft_max", "attn_out", "attn_res",
+                     "ffn_out", "l_out"):
+            assert f"talk.blk{il}.{part}" in step_names
+    assert {"hidden", "logits", "talk.inp_embd"} <= step_names and "cp.blk1.ffn_out" in cp_names
+    assert isinstance(talker._step[1].graph, Graph)
+
+
+def test_graphs_are_cached_not_rebuilt(talker: TalkerModel, model: Any) -> None:
+    run(talker, model, "Hi.", 3)
+    builds = talker.stats.builds
+    run(talker, model, "Hi.", 3)
+    # per utterance only the prefill graph is built: the step graph of the same cache bucket
+    # and the 15 code-predictor graphs are reused
+    assert talker.stats.builds - builds == 1
+    assert len(talker._cp_graphs) == 15
+    assert talker.stats.runs > talker.stats.builds
+    assert 0.0 <= talker.stats.share() < 1.0
+
+
+def test_max_positions_are_enforced(talker: TalkerModel) -> None:
+    with pytest.raises(InputError):
+        talker.reserve(int(talker.cfg.max_position_embeddings) + 1)
+    with pytest.raises(ValueError):
+        TalkerModel.__new__(TalkerModel).__init__(None, None, kv_type="q8")  # type: ignore[misc]
+
+
+def test_q4_0_repack_matches_plain_layout(tiny_model_dir: Path, backends: BackendSet,
+                                          tmp_path: Path) -> None:
+    """The CPU_REPACK copy of Q4_0 matrices computes what the zero-copy layout computes."""
+    from engine.convert import convert
+
+    out = tmp_path / "q4.gguf"
+    convert(tiny_model_dir, out, dtype="q4_0", progress=False)
+    m = open_model(out)
+    plain = TalkerModel(m, backends, kv_type="f32", repack=False)
+    packed = TalkerModel(m, backends, kv_type="f32", repack=True)
+    assert plain.weights.repacked is None
+    assert packed.weights.repacked is not None and packed.weights.repacked.nbytes > 0
+    a, ta, _ = run(plain, m, "Hello world.", 4)
+    b, tb, _ = run(packed, m, "Hello world.", 4)
+    assert np.array_equal(a, b)
+    d = max(np.abs(x - y).max() for x, y in zip(ta.talker, tb.talker, strict=True))
+    assert d <= 1e-4 * max(1.0, float(np.abs(ta.talker[0]).max()))
+    plain.close()
+    packed.close()
+
+
+def test_talker_cache_grows_and_shrinks(model: Any, backends: BackendSet,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    t = TalkerModel(model, backends, kv_type="f16")
+    t.reserve(100)
+    assert t.cache is not None and t.cache.n_ctx == 128
+    t.reserve(1000)
+    assert t.cache.n_ctx == 1024
+    t.reserve(300)  # small caches are kept for the next long request
+    assert t.cache.n_ctx == 1024
+    monkeypatch.setattr(talker_model, "SHRINK_BYTES", 0)
+    t.reserve(300)
+    assert t.cache.n_ctx == 1024  # not 4x oversized
+    t.reserve(100)
+    assert t.cache.n_ctx == 128
+    t.close()
+
+
+def test_prompt_prefix_reuse(model: Any, backends: BackendSet) -> None:
+    """A repeat voice/language prefills only the text; results equal a full prefill."""
+    t = TalkerModel(model, backends, kv_type="f32")
+    pb = PromptBuilder(model)
+    first = pb.build("Something else entirely.", "ryan", "english")
+    p = pb.build("Hello world.", "ryan", "english")
+    assert first.n_prefix == p.n_prefix == 9
+    t.prefill(first)
+    assert t.last_prefill_positions == first.length
+    reused = t.prefill(p)
+    assert t.last_prefill_positions == p.length - p.n_prefix
+    full = t.prefill(p, reuse_prefix=False)
+    assert t.last_prefill_positions == p.length
+    assert np.abs(reused.logits - full.logits).max() <= 1e-5
+    assert np.abs(reused.hidden - full.hidden).max() <= 1e-5
+    other = pb.build("Hello world.", "vivian", "english")  # another speaker: another prefix
+    t.prefill(other)
+    assert t.last_prefill_positions == other.length
+    a, _, _ = run(t, model, "Hello world.", 6)
+    b, _, _ = run(TalkerModel(model, backends, kv_type="f32"), model, "Hello world.", 6)
+    assert np.array_equal(a, b)
+    t.close()
