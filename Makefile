@@ -69,6 +69,8 @@ lint: venv
 
 bench: native parity-env
 	$(PY) bench/decoder.py
+	$(PY) bench/talker.py
+	$(PY) bench/load.py
 
 clean:
 	rm -rf $(VENV) engine/ggml/_ggml_cffi.py engine/ggml/_native.json .pytest_cache

@@ -432,6 +432,11 @@ class BackendSet:
         if fn != ffi.NULL:
             ffi.cast("ggml_backend_set_n_threads_t", fn)(backend, self.threads)
 
+    @property
+    def lock(self) -> threading.Lock:
+        """The allocator's mutex: hold it to run graphs kept allocated outside ``execute``."""
+        return self._lock
+
     def weight_store(self, max_tensors: int = 4096) -> WeightStore:
         """An empty store for one model's weights on this backend set."""
         return WeightStore(self, max_tensors)

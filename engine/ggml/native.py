@@ -8,6 +8,7 @@ every C call, so a thread computing a graph does not stop other Python threads.
 from __future__ import annotations
 
 import json
+import logging
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -45,3 +46,25 @@ def _load() -> tuple[Any, Any, Any]:
 ffi, lib, ops = _load()
 
 NULL = ffi.NULL
+
+_log = logging.getLogger("qtts.ggml")
+
+
+@ffi.callback("ggml_log_callback")
+def _ggml_log(level: int, text: Any, _user: Any) -> None:
+    # ggml's own messages go through logging: debug chatter (e.g. one line per repacked tensor)
+    # stays out of the way, warnings and errors keep their level.
+    if level in (lib.GGML_LOG_LEVEL_DEBUG, lib.GGML_LOG_LEVEL_CONT):
+        return
+    msg = ffi.string(text).decode(errors="replace").rstrip()
+    if not msg:
+        return
+    if level == lib.GGML_LOG_LEVEL_ERROR:
+        _log.error("%s", msg)
+    elif level == lib.GGML_LOG_LEVEL_WARN:
+        _log.warning("%s", msg)
+    else:
+        _log.debug("%s", msg)
+
+
+lib.ggml_log_set(_ggml_log, ffi.NULL)

@@ -88,7 +88,7 @@ class CachedGraph:
                                                 False, True)
         if self.sched == NULL:
             raise BackendError("cannot create a scheduler for a cached graph")
-        with _lock(backends):
+        with backends.lock:
             if not lib.ggml_backend_sched_alloc_graph(self.sched, g.gf):
                 self.close()
                 raise BackendError("the scheduler could not allocate a cached graph")
@@ -105,7 +105,7 @@ class CachedGraph:
             missing = sorted(set(self._in) - set(uploads))
             raise KeyError(f"no data for cached-graph input(s) {', '.join(missing)}")
         out: dict[str, np.ndarray[Any, Any]] = {}
-        with _lock(self.backends):
+        with self.backends.lock:
             for name, arr in uploads.items():
                 t, n = self._in[name]
                 src = np.ascontiguousarray(arr)
@@ -140,19 +140,6 @@ class CachedGraph:
 
     def __del__(self) -> None:
         self.close()
-
-
-class _lock:
-    """The BackendSet's compute lock (``execute`` holds the same one)."""
-
-    def __init__(self, backends: BackendSet) -> None:
-        self._l = backends._lock
-
-    def __enter__(self) -> None:
-        self._l.acquire()
-
-    def __exit__(self, *exc: object) -> None:
-        self._l.release()
 
 
 def execute_timed(backends: BackendSet, build: Callable[[Graph], None],
