@@ -50,7 +50,6 @@ NULL = ffi.NULL
 _log = logging.getLogger("qtts.ggml")
 
 
-@ffi.callback("ggml_log_callback")
 def _ggml_log(level: int, text: Any, _user: Any) -> None:
     # ggml's own messages go through logging: debug chatter (e.g. one line per repacked tensor)
     # stays out of the way, warnings and errors keep their level.
@@ -67,4 +66,5 @@ def _ggml_log(level: int, text: Any, _user: Any) -> None:
         _log.debug("%s", msg)
 
 
-lib.ggml_log_set(_ggml_log, ffi.NULL)
+_ggml_log_cb = ffi.callback("ggml_log_callback", _ggml_log)  # kept alive for the process
+lib.ggml_log_set(_ggml_log_cb, ffi.NULL)
