@@ -67,10 +67,10 @@ lint: venv
 	$(VENV)/bin/ruff check engine service tests bench native deploy
 	$(VENV)/bin/mypy engine service
 
-bench: native parity-env
+bench: native parity-env model
 	$(PY) bench/decoder.py
 	$(PY) bench/talker.py
-	$(PY) bench/load.py
+	$(PY) bench/load.py --model $(MODEL)
 
 clean:
 	rm -rf $(VENV) engine/ggml/_ggml_cffi.py engine/ggml/_native.json .pytest_cache

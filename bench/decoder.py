@@ -72,28 +72,41 @@ def bench_offline(models: dict[str, DecoderModel], ref_model: Any, codes: np.nda
               f"{r / total:.2f} | {snr_db(wav_ref, outs[name]):.1f} |")
 
 
+def ramp(t: int, first: int, largest: int) -> list[int]:
+    """Push sizes of the service's chunk ramp: 1, 2, 4, ... up to ``largest``, then steady."""
+    sizes, n, done = [], first, 0
+    while done < t:
+        sizes.append(min(n, t - done))
+        done += sizes[-1]
+        n = min(2 * n, largest)
+    return sizes
+
+
 def bench_streaming(m: DecoderModel, codes: np.ndarray, chunk_sizes: list[int], reps: int,
                     offline_chunk: int) -> None:
     t = codes.shape[1]
     offline = best([_timed(lambda: decode(m, codes, chunk=offline_chunk)) for _ in range(reps)])
     print(f"\n## streaming ({m.precision}), {t} frames; offline {offline:.3f} s")
-    print("| push size (frames) | total s | cost vs offline | first chunk ms | per-push ms |")
-    print("|---:|---:|---:|---:|---:|")
-    for n in chunk_sizes:
+    print("| pushes (frames) | total s | cost vs offline | first chunk ms | per-push ms |")
+    print("|---|---:|---:|---:|---:|")
+    plans = [(str(n), [n] * ((t + n - 1) // n)) for n in chunk_sizes]
+    plans.append(("ramp 1,2,4,8,8,...", ramp(t, 1, 8)))
+    for label, sizes in plans:
         runs = []
         for _ in range(reps):
             sd = StreamingDecoder(m)
             start = time.perf_counter()
             first = None
-            for s in range(0, t, n):
-                sd.push(codes[:, s : s + n])
+            pos = 0
+            for n in sizes:
+                sd.push(codes[:, pos : pos + n])
+                pos += n
                 if first is None:
                     first = time.perf_counter() - start
             runs.append((time.perf_counter() - start, first or 0.0))
         total, first = min(runs)
-        pushes = (t + n - 1) // n
-        print(f"| {n} | {total:.3f} | {total / offline:.2f} | {first * 1e3:.0f} | "
-              f"{total / pushes * 1e3:.0f} |")
+        print(f"| {label} | {total:.3f} | {total / offline:.2f} | {first * 1e3:.0f} | "
+              f"{total / len(sizes) * 1e3:.0f} |")
 
 
 def _timed(fn: Any) -> float:
