@@ -7,6 +7,9 @@
         (c) torch.nn.functional.conv1d F32 (channel-major, pre-padded input), if torch is here.
   snake: SnakeBeta on [T, C] as the stock-op composition (mul, sin, sqr, mul, add) vs the fused
         qtts_snake_beta op.
+  bf16: fast mode's BF16 conv (K=7, d=1; --extra adds d=9 and the K=1 conv) as
+        qtts_conv1d_tm_bf16 (native/ops/conv1d_tm_bf16.c) side by side with the exact-F32
+        qtts_conv1d_tm, K x ggml_mul_mat with BF16 weights, and torch conv1d F32 / BF16.
 
 ggml timings are ``ggml_backend_sched_graph_compute`` alone (graph allocated and inputs set
 beforehand; inputs re-set before each repetition, untimed). Each repetition also records how
@@ -16,7 +19,7 @@ dropped when enough clean ones exist. Prints min and median wall ms and ratios (
 qtts_ms, > 1 means the qtts kernel is faster), then the same runs as min CPU time per thread,
 which time-slicing by other processes does not inflate.
 
-  .venv/bin/python bench/kernels.py [--threads 2] [--reps 7] [--only conv|snake] [--extra]
+  .venv/bin/python bench/kernels.py [--threads 2] [--reps 7] [--only conv|snake|bf16] [--extra]
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import numpy as np
 from engine.backend import BackendSet
 from engine.ggml import Graph, ffi, lib
 from engine.ggml import custom_ops as co
+from engine.ggml.graph import new_tensor, set_name
 
 CONV_CASES = [  # (C, T, dilation, K)
     (96, 59520, 1, 7),
@@ -40,6 +44,13 @@ CONV_CASES = [  # (C, T, dilation, K)
     (384, 4960, 1, 7),
 ]
 EXTRA_CONV_CASES = [(96, 59520, 9, 7), (768, 1240, 1, 7), (96, 59520, 1, 1), (768, 1240, 1, 1)]
+BF16_CONV_CASES = [  # (C, T, dilation, K): the decoder's residual-unit convs, ~5 s of audio
+    (96, 59520, 1, 7),
+    (192, 19840, 1, 7),
+    (384, 4960, 1, 7),
+    (768, 1240, 1, 7),
+]
+EXTRA_BF16_CASES = [(96, 59520, 9, 7), (384, 4960, 9, 7), (96, 59520, 1, 1), (384, 4960, 1, 1)]
 
 
 def _cpu_ticks() -> tuple[int, int]:
@@ -215,6 +226,117 @@ def bench_conv(cpu: BackendSet, cases: list[tuple[int, int, int, int]], reps: in
     print("\n".join(cpu_rows), flush=True)
 
 
+def _bf16_input(g: Graph, name: str, shape: tuple[int, ...]) -> Any:
+    """A BF16 graph input (upload uint16 bits: co.bf16_bits)."""
+    t = set_name(new_tensor(g.ctx, lib.GGML_TYPE_BF16, shape), name)
+    lib.ggml_set_input(t)
+    g.inputs[name] = t
+    return t
+
+
+def conv_graph_mulmat_bf16(c: int, t: int, d: int, k: int) -> Graph:
+    """K x mul_mat with BF16 weights [K, C_out, C_in] (ggml converts xp to BF16 per mul_mat)."""
+    g = Graph()
+    xp = g.input("xp", (t + (k - 1) * d, c))
+    w = _bf16_input(g, "w", (k, c, c))
+    b = g.input("b", (c,))
+    y = None
+    for i in range(k):
+        wk = lib.ggml_view_2d(g.ctx, w, c, c, w.nb[1], i * w.nb[2])
+        xk = lib.ggml_view_2d(g.ctx, xp, c, t, xp.nb[1], i * d * xp.nb[1])
+        m = lib.ggml_mul_mat(g.ctx, wk, xk)
+        y = m if y is None else lib.ggml_add(g.ctx, y, m)
+    g.output(lib.ggml_add(g.ctx, y, b), "y")
+    return g
+
+
+def conv_graph_custom_bf16(c: int, t: int, d: int, k: int) -> Graph:
+    g = Graph()
+    xp = g.input("xp", (t + (k - 1) * d, c))
+    blk = co.CONV_BF16_BLOCK
+    w = _bf16_input(g, "w", (-(-c // blk), k, -(-c // 2), 2 * blk))  # pack_conv_weight_bf16
+    b = g.input("b", (c,))
+    g.output(co.conv1d_tm_bf16(g.ctx, xp, w, b, d), "y")
+    return g
+
+
+def bench_conv_bf16(cpu: BackendSet, cases: list[tuple[int, int, int, int]], reps: int,
+                    max_busy: float, threads: int) -> None:
+    try:
+        import torch
+        import torch.nn.functional as F
+
+        torch.set_num_threads(threads)
+    except ImportError:
+        torch = None  # type: ignore[assignment]
+    print(f"\n## BF16 causal conv1d time-major, {threads} threads: min ms (GF/s); "
+          f"qtts BF16 kernel: {'AVX512_BF16' if co.bf16_available() else 'portable C (slow)'}"
+          + ("" if torch is not None else "  (torch not installed: no torch columns)"))
+    print("| case | GFLOP | qtts_conv1d_tm F32 | qtts_conv1d_tm_bf16 | K x mul_mat BF16 | "
+          "torch F32 | torch BF16 | bf16 vs F32 op | bf16 vs mul_mat BF16 | "
+          "max|Δ|/max|y| vs F32 op | others' load |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    rng = np.random.default_rng(0)
+    cpu_rows: list[str] = []
+    for c, t, d, k in cases:
+        p = (k - 1) * d
+        xp = rng.standard_normal((t + p, c)).astype(np.float32)
+        w_t = (rng.standard_normal((c, c, k)) / np.sqrt(c * k)).astype(np.float32)  # torch
+        b = rng.standard_normal(c).astype(np.float32)
+        flop = 2.0 * c * c * k * t
+        stats: dict[str, dict[str, float]] = {}
+        outs: dict[str, np.ndarray[Any, Any]] = {}
+        # one graph at a time: allocating a graph on the scheduler invalidates the previous one
+        for name, graph, inputs in [
+            ("f32", conv_graph_custom(c, t, d, k),
+             {"xp": xp, "w": co.pack_conv_weight(w_t), "b": b}),
+            ("bf16", conv_graph_custom_bf16(c, t, d, k),
+             {"xp": xp, "w": co.bf16_bits(co.pack_conv_weight_bf16(w_t)), "b": b}),
+            ("mm", conv_graph_mulmat_bf16(c, t, d, k),
+             {"xp": xp, "w": co.bf16_bits(np.transpose(w_t, (2, 0, 1))), "b": b}),
+        ]:
+            r = GraphRunner(cpu, graph, inputs)
+            stats[name] = timed(r.run, reps, max_busy, r.set_inputs, threads)
+            outs[name] = r.output("y")
+            graph.close()
+        err = float(np.abs(outs["bf16"] - outs["f32"]).max() / np.abs(outs["f32"]).max())
+        if torch is not None:
+            with torch.inference_mode():
+                for name, dt in [("tf32", torch.float32), ("tbf16", torch.bfloat16)]:
+                    tx = torch.from_numpy(np.ascontiguousarray(xp.T))[None].to(dt)
+                    tw, tb = torch.from_numpy(w_t).to(dt), torch.from_numpy(b).to(dt)
+
+                    def run_torch(tx: Any = tx, tw: Any = tw, tb: Any = tb, d: int = d) -> None:
+                        F.conv1d(tx, tw, tb, dilation=d)
+
+                    stats[name] = timed(run_torch, reps, max_busy, None, threads)
+
+        def col(name: str, stats: dict[str, dict[str, float]] = stats,
+                flop: float = flop) -> str:
+            s = stats.get(name)
+            return "n/a" if s is None else f"{s['min']:.1f} ({flop / s['min'] / 1e6:.0f})"
+
+        def cpu_col(name: str, stats: dict[str, dict[str, float]] = stats) -> str:
+            s = stats.get(name)
+            return "n/a" if s is None else f"{s['cpu']:.1f}"
+
+        busy = max(s["busy"] for s in stats.values())
+        case = f"C={c} T={t} K={k} d={d}"
+        print(f"| {case} | {flop / 1e9:.2f} | {col('f32')} | {col('bf16')} | {col('mm')} | "
+              f"{col('tf32')} | {col('tbf16')} | "
+              f"{stats['f32']['min'] / stats['bf16']['min']:.2f}x | "
+              f"{stats['mm']['min'] / stats['bf16']['min']:.2f}x | {err:.1e} | {busy:.0%} |",
+              flush=True)
+        cpu_rows.append(f"| {case} | {cpu_col('f32')} | {cpu_col('bf16')} | {cpu_col('mm')} | "
+                        f"{cpu_col('tf32')} | {cpu_col('tbf16')} | "
+                        f"{stats['f32']['cpu'] / stats['bf16']['cpu']:.2f}x |")
+    print(f"\nSame runs, min CPU ms per thread (process CPU time / {threads}):")
+    print("| case | F32 op | BF16 op | K x mul_mat BF16 | torch F32 | torch BF16 | "
+          "bf16 vs F32 op |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("\n".join(cpu_rows), flush=True)
+
+
 def bench_snake(cpu: BackendSet, reps: int, max_busy: float) -> None:
     print("\n## SnakeBeta [T, C] F32")
     print("| case | stock ops (mul,sin,sqr,mul,add) ms (min/med) | fused ms (min/med) | "
@@ -261,8 +383,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--max-busy", type=float, default=0.05,
                     help="drop repetitions where other processes used more of the machine")
-    ap.add_argument("--only", choices=["conv", "snake"], default=None)
-    ap.add_argument("--extra", action="store_true", help=f"also {EXTRA_CONV_CASES}")
+    ap.add_argument("--only", choices=["conv", "snake", "bf16"], default=None)
+    ap.add_argument("--extra", action="store_true",
+                    help=f"also {EXTRA_CONV_CASES} (conv) and {EXTRA_BF16_CASES} (bf16)")
     args = ap.parse_args()
     cpu = BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": str(args.threads)})
     print(f"qtts kernels: libqtts_ops {co.simd_isa()} path, {args.threads} threads, "
@@ -272,6 +395,9 @@ def main() -> None:
     if args.only in (None, "conv"):
         cases = CONV_CASES + (EXTRA_CONV_CASES if args.extra else [])
         bench_conv(cpu, cases, args.reps, args.max_busy, args.threads)
+    if args.only in (None, "bf16"):
+        cases = BF16_CONV_CASES + (EXTRA_BF16_CASES if args.extra else [])
+        bench_conv_bf16(cpu, cases, args.reps, args.max_busy, args.threads)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from engine.backend import BackendSet
 from engine.errors import NativeBuildError
 from engine.ggml import Graph, ffi, lib, native_info, ops
 from engine.ggml import custom_ops as co
+from engine.ggml.graph import new_tensor, set_name
 
 needs_ops = pytest.mark.skipif(ops is None, reason="libqtts_ops not built (no native/ops/*.c)")
 REPO = Path(__file__).resolve().parents[1]
@@ -188,6 +189,9 @@ def test_missing_library_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> No
         w, bias = g.input("w", (1, 8, 8)), g.input("bias", (8,))
         with pytest.raises(NativeBuildError, match="libqtts_ops"):
             co.conv1d_tm(g.ctx, x, w, bias)
+        with pytest.raises(NativeBuildError, match="libqtts_ops"):
+            co.conv1d_tm_bf16(g.ctx, x, bf16_input(g, "wb", (1, 1, 4, 64)), bias)
+    assert not co.bf16_available()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -331,6 +335,205 @@ def test_pack_conv_weight() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# BF16 causal dilated conv1d, time-major (fast mode)
+
+
+def bf16_input(g: Graph, name: str, shape: tuple[int, ...]) -> Any:
+    """A BF16 graph input (upload ``co.bf16_bits`` of the values)."""
+    t = set_name(new_tensor(g.ctx, lib.GGML_TYPE_BF16, shape), name)
+    lib.ggml_set_input(t)
+    g.inputs[name] = t
+    return t
+
+
+def run_conv_bf16(be: BackendSet, xp: np.ndarray[Any, Any], w_oik: np.ndarray[Any, Any],
+                  b: np.ndarray[Any, Any], d: int, library: Any = None) -> np.ndarray[Any, Any]:
+    wp = co.bf16_bits(co.pack_conv_weight_bf16(w_oik))
+    g = Graph()
+    tx, tb = g.input("x", xp.shape), g.input("b", b.shape)
+    tw = bf16_input(g, "w", wp.shape)
+    g.output(co.conv1d_tm_bf16(g.ctx, tx, tw, tb, d, library=library), "y")
+    t = xp.shape[0] - (w_oik.shape[2] - 1) * d
+    return be.execute(g, {"x": xp, "w": wp, "b": b})["y"].reshape(t, w_oik.shape[0])
+
+
+def conv_ref_bf16(xp: np.ndarray[Any, Any], w_oik: np.ndarray[Any, Any],
+                  b: np.ndarray[Any, Any], d: int) -> np.ndarray[Any, Any]:
+    """float64 conv of the BF16-rounded input and weights: all the op may add is F32 sums."""
+    return conv_ref(co.round_bf16(xp), co.round_bf16(w_oik), b, d)
+
+
+BF16_CASES = [  # (C_in, C_out, T, K, d)
+    (96, 96, 1, 7, 1),
+    (96, 96, 5000, 7, 1),
+    (96, 96, 5000, 7, 3),
+    (96, 96, 5000, 7, 9),
+    (96, 96, 5000, 1, 1),
+    (192, 192, 1, 7, 3),
+    (192, 192, 5000, 7, 9),
+    (192, 192, 5000, 1, 1),
+    (384, 384, 1, 7, 9),
+    (384, 384, 700, 7, 1),
+    (384, 384, 999, 1, 1),
+    (768, 768, 1, 7, 1),
+    (768, 768, 40, 7, 3),
+    (768, 768, 77, 1, 1),
+    (95, 100, 333, 7, 3),  # odd C_in (a zero pad channel), C_out = 3 blocks + 4
+    (95, 40, 1, 7, 9),  # C_out = 32 + 8: a half-width (<= 16) last block
+    (96, 1, 500, 7, 1),  # decoder.6: 96 -> 1
+    (1, 3, 20, 3, 2),  # one input channel (half a pair)
+    (1536, 768, 9, 7, 1),  # several input-pair chunks
+]
+
+
+@needs_ops
+@pytest.mark.parametrize("c_in,c_out,t,k,d", BF16_CASES)
+def test_conv_bf16_matches_float64(cpu2: BackendSet, c_in: int, c_out: int, t: int, k: int,
+                                   d: int) -> None:
+    rng = np.random.default_rng(c_in + 7 * c_out + 13 * t + d + 3 * k)
+    xp, w, b = conv_data(rng, c_in, c_out, t, k, d)
+    y = run_conv_bf16(cpu2, xp, w, b, d)
+    check_conv(y, conv_ref_bf16(xp, w, b, d))
+
+
+# Typical max|d|/max|y| of BF16 against the F32 op on these data: 1.5e-3 .. 3e-3 (the rounding
+# of the input and the weights, ~2^-9 relative each, averaged over C_in * K products).
+@needs_ops
+@pytest.mark.parametrize("c,t,k,d", [(96, 5000, 7, 9), (192, 1, 7, 1), (384, 300, 7, 3),
+                                     (768, 40, 1, 1), (95, 200, 7, 1)])
+def test_conv_bf16_close_to_f32_op(cpu2: BackendSet, c: int, t: int, k: int, d: int) -> None:
+    rng = np.random.default_rng(31 + c + t)
+    xp, w, b = conv_data(rng, c, c, t, k, d)
+    ref = run_conv(cpu2, xp, w, b, d)
+    rel = np.abs(run_conv_bf16(cpu2, xp, w, b, d) - ref).max() / np.abs(ref).max()
+    assert 1e-5 < rel <= 1e-2, f"max|d|/max|y| = {rel:.3g}"
+
+
+@needs_ops
+@pytest.mark.parametrize("c_in,c_out,t,k,d", [(96, 96, 5000, 7, 3), (768, 768, 5, 7, 1),
+                                              (384, 384, 1, 7, 9), (95, 100, 777, 1, 1),
+                                              (1536, 40, 30, 7, 1), (96, 96, 300, 7, 9)])
+def test_conv_bf16_threads_identical(cpu1: BackendSet, cpu2: BackendSet, c_in: int, c_out: int,
+                                     t: int, k: int, d: int) -> None:
+    rng = np.random.default_rng(17)
+    xp, w, b = conv_data(rng, c_in, c_out, t, k, d)
+    assert np.array_equal(run_conv_bf16(cpu1, xp, w, b, d), run_conv_bf16(cpu2, xp, w, b, d))
+
+
+@needs_ops
+def test_conv_bf16_on_a_strided_view(cpu2: BackendSet) -> None:
+    rng = np.random.default_rng(18)
+    c, t, d = 96, 200, 3
+    wide = rng.standard_normal((t + 6 * d, 2 * c)).astype(np.float32)
+    _, w, b = conv_data(rng, c, c, t, 7, d)
+    wp = co.bf16_bits(co.pack_conv_weight_bf16(w))
+    g = Graph()
+    tx, tb = g.input("x", wide.shape), g.input("b", b.shape)
+    tw = bf16_input(g, "w", wp.shape)
+    view = lib.ggml_view_2d(g.ctx, tx, c, t + 6 * d, tx.nb[1], 4 * c)  # the right half
+    g.output(co.conv1d_tm_bf16(g.ctx, view, tw, tb, d), "y")
+    y = cpu2.execute(g, {"x": wide, "w": wp, "b": b})["y"]
+    check_conv(y, conv_ref_bf16(wide[:, c:], w, b, d))
+
+
+@needs_ops
+def test_conv_bf16_weight_through_the_weight_store(cpu2: BackendSet) -> None:
+    """The decoder's path: ``add_array(name, packed, GGML_TYPE_BF16)`` stores the packed values
+    losslessly (they are BF16 already), giving the same result as the raw bits."""
+    rng = np.random.default_rng(19)
+    c, t, d = 192, 100, 9
+    xp, w, b = conv_data(rng, c, c, t, 7, d)
+    store = cpu2.weight_store()
+    tw = store.add_array("w", co.pack_conv_weight_bf16(w), lib.GGML_TYPE_BF16)
+    tb = store.add_array("b", b)
+    store.allocate()
+    try:
+        g = Graph()
+        tx = g.input("x", xp.shape)
+        g.output(co.conv1d_tm_bf16(g.ctx, tx, tw, tb, d), "y")
+        y = cpu2.execute(g, {"x": xp})["y"]
+    finally:
+        store.close()
+    assert np.array_equal(y, run_conv_bf16(cpu2, xp, w, b, d))
+
+
+@needs_ops
+def test_conv_bf16_rejects_what_the_kernel_cannot_take() -> None:
+    with Graph() as g:
+        x = g.input("x", (20, 96))
+        w, b = bf16_input(g, "w", (3, 7, 48, 64)), g.input("b", (96,))
+        with pytest.raises(ValueError, match="history"):
+            co.conv1d_tm_bf16(g.ctx, x, w, b, 9)  # 20 rows < 6*9 + 1
+        with pytest.raises(ValueError, match="channels"):
+            co.conv1d_tm_bf16(g.ctx, g.input("x2", (20, 48)), w, b, 1)
+        with pytest.raises(ValueError, match="channels"):
+            co.conv1d_tm_bf16(g.ctx, g.input("x2b", (20, 98)), w, b, 1)
+        with pytest.raises(ValueError, match="pack_conv_weight_bf16"):
+            co.conv1d_tm_bf16(g.ctx, x, w, g.input("b2", (97,)), 1)
+        with pytest.raises(ValueError, match="pack_conv_weight_bf16"):
+            co.conv1d_tm_bf16(g.ctx, x, bf16_input(g, "w_torch", (96, 96, 7)), b, 1)
+        with pytest.raises(TypeError, match="BF16"):  # the F32 op's packing
+            co.conv1d_tm_bf16(g.ctx, x, g.input("w32", (3, 7, 48, 64)), b, 1)
+        with pytest.raises(TypeError, match="F32"):
+            co.conv1d_tm_bf16(g.ctx, bf16_input(g, "xb", (20, 96)), w, b, 1)
+        with pytest.raises(ValueError, match="dilation"):
+            co.conv1d_tm_bf16(g.ctx, x, w, b, 0)
+        with pytest.raises(ValueError, match="contiguous"):
+            co.conv1d_tm_bf16(g.ctx, lib.ggml_transpose(g.ctx, g.input("x3", (96, 20))), w, b,
+                              1)
+        with pytest.raises(ValueError, match="2-D"):
+            co.conv1d_tm_bf16(g.ctx, g.input("x4", (2, 20, 96)), w, b, 1)
+
+
+def test_pack_conv_weight_bf16() -> None:
+    blk = co.CONV_BF16_BLOCK
+    c_out, c_in, k = blk + 3, 5, 4
+    w = np.random.default_rng(0).standard_normal((c_out, c_in, k)).astype(np.float32)
+    p = co.pack_conv_weight_bf16(w)
+    assert p.shape == (2, k, 3, 2 * blk) and p.flags.c_contiguous and p.dtype == np.float32
+    want = np.zeros((2, k, 3, blk, 2), np.float32)
+    for o in range(c_out):
+        for c in range(c_in):
+            for j in range(k):
+                want[o // blk, j, c // 2, o % blk, c % 2] = co.round_bf16(w[o, c, j])
+    assert np.array_equal(p, want.reshape(p.shape))  # zero past C_out and past C_in
+    assert p[1, 2, 0, 2 * 1 + 1] == co.round_bf16(w[blk + 1, 1, 2])
+    assert np.array_equal(p, co.round_bf16(p))  # BF16 values
+
+
+def test_round_bf16() -> None:
+    bits = np.array([0x3F800000, 0x3F808000, 0x3F818000, 0x3F808001, 0xBF80FFFF, 0x7F7FFFFF,
+                     0x00400000, 0x80000001, 0x7F800000, 0xFF800000, 0x7F800001, 0x00800000],
+                    np.uint32)
+    want = np.array([0x3F80, 0x3F80, 0x3F82, 0x3F81, 0xBF81, 0x7F80,
+                     0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0x0080], np.uint16)
+    # 1.0; ties to even down and up; above a tie; carry; overflow to inf; subnormals to signed
+    # zero; infinities; NaN quieted; the smallest normal kept
+    assert np.array_equal(co.bf16_bits(bits.view(np.float32)), want)
+    r = co.round_bf16(bits.view(np.float32)).view(np.uint32)
+    assert np.array_equal(r >> 16, want.astype(np.uint32)) and not (r & 0xFFFF).any()
+
+
+@needs_ops
+def test_bf16_available() -> None:
+    assert ops is not None
+    assert co.bf16_available() == (int(ops.qtts_conv1d_tm_bf16_fast()) == 1)
+    if co.simd_isa() == "avx512" and "avx512_bf16" in _cpu_flags():
+        assert co.bf16_available()
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+# ---------------------------------------------------------------------------------------------
 # The other ISA paths (AVX2 and scalar), compiled here from the same sources
 
 
@@ -375,3 +578,13 @@ def test_other_isa_paths(cpu1: BackendSet, cpu2: BackendSet, tmp_path: Path,
         y = run_conv(cpu2, xp, w, b, d, library)
         check_conv(y, conv_ref(xp, w, b, d))
         assert np.array_equal(y, run_conv(cpu1, xp, w, b, d, library))
+    assert not co.bf16_available(library)  # the portable BF16 conv: correct, not fast
+    for c_in, c_out, t, k, d in [(96, 96, 301, 7, 3), (95, 40, 17, 3, 2), (96, 1, 50, 7, 1),
+                                 (384, 384, 20, 1, 1)]:
+        xp, w, b = conv_data(rng, c_in, c_out, t, k, d)
+        y = run_conv_bf16(cpu2, xp, w, b, d, library)
+        check_conv(y, conv_ref_bf16(xp, w, b, d))
+        assert np.array_equal(y, run_conv_bf16(cpu1, xp, w, b, d, library))
+        if co.bf16_available():
+            # the same sums as VDPBF16PS (odd product, then even; F32 RNE) without subnormals
+            assert np.array_equal(y, run_conv_bf16(cpu2, xp, w, b, d))

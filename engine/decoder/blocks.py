@@ -97,6 +97,8 @@ def causal_conv(g: StageGraph, key: str, x: Tensor, conv: Conv, dilation: int = 
     n_hist = (conv.kernel - 1) * dilation
     xp = with_history(g, key, x, n_hist) if n_hist else x
     if conv.packed is not None:
+        if conv.packed.type == lib.GGML_TYPE_BF16:
+            return custom_ops.conv1d_tm_bf16(ctx, xp, conv.packed, conv.bias, dilation)
         return custom_ops.conv1d_tm(ctx, xp, conv.packed, conv.bias, dilation)
     if conv.taps[0].type != lib.GGML_TYPE_F32 and conv.kernel > 1:
         # Half-precision taps would each convert their (overlapping) input rows; convert once.
@@ -117,6 +119,10 @@ def causal_tconv(g: StageGraph, key: str, x: Tensor, tc: TConv) -> Tensor:
     """
     ctx = g.ctx
     t = int(x.ne[1])
+    if tc.conv is not None:
+        y = causal_conv(g, key, x, tc.conv)  # phases as taps (prev, cur); bias per phase
+        return lib.ggml_reshape_2d(ctx, y, tc.c_out, tc.stride * t)
+    assert tc.cur is not None
     y = g.mul_mat(tc.cur, x)
     if tc.prev is not None:
         xp = with_history(g, key, x, 1)

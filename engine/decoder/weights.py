@@ -71,10 +71,16 @@ class Conv:
 
 @dataclass
 class TConv:
-    """A causal transposed conv (k = s or 2s) as phase matrices [s*O, I]; ``prev`` for k = 2s."""
+    """A causal transposed conv (k = s or 2s) in polyphase form.
 
-    cur: Tensor
+    Either phase matrices [s*O, I] for ggml mul_mats (``cur``; ``prev`` for k = 2s), or the
+    same phases as a 1- or 2-tap causal conv [s*O, I, k/s] for the direct kernel (``conv``),
+    whose bias is repeated per phase.
+    """
+
+    cur: Tensor | None
     prev: Tensor | None
+    conv: Conv | None
     bias: Tensor
     stride: int
     c_in: int
@@ -148,8 +154,6 @@ class DecoderBlock:
 
 
 RES_DILATIONS = (1, 3, 9)
-# Input channels from which a fast-mode conv uses BF16 GEMMs instead of the direct F32 kernel.
-FAST_GEMM_MIN_CHANNELS = 768
 
 
 class DecoderWeights:
@@ -163,9 +167,11 @@ class DecoderWeights:
         self.precision = precision
         self.backends = backends
         self.store: WeightStore = backends.weight_store()
-        # qtts's own direct conv kernel beats K mul_mats 1.4-2.9x on this CPU (bench/kernels.py);
-        # it runs on the CPU backend only, so accelerators keep the mul_mat form.
+        # qtts's own direct conv kernels beat ggml's K mul_mats 1.4-2.9x (F32) and 1.8-2.4x
+        # (BF16) on this CPU (bench/kernels.py); they run on the CPU backend only, so
+        # accelerators keep the mul_mat form.
         self.use_custom_ops = backends.name in ("cpu", "blas") and custom_ops.available()
+        self._bf16_kernel = self.use_custom_ops and custom_ops.bf16_available()
         # Fast mode: BF16 only where the work is (decoder.1-4, ~95 % of the FLOPs). The
         # pre-transformer, upsampler and conv_in are ~5 % of the time but, in BF16, cost ~3.5 dB
         # of SNR against the F32 reference (34.1 vs 37.7 dB measured on the full random model).
@@ -218,13 +224,20 @@ class DecoderWeights:
 
     def _conv(self, prefix: str, bulk: bool = False) -> Conv:
         w = tensor_f32(self.model, f"{prefix}.weight")
-        o, i, k = w.shape
         bias = self._f32(f"{prefix}.bias", tensor_f32(self.model, f"{prefix}.bias"))
-        # In fast mode the wide convs go to BF16 GEMMs (~2x the F32 kernel's throughput there);
-        # the narrow ones, where GEMMs starve, to the direct F32 kernel.
-        if self.use_custom_ops and not (bulk and self._bulk_type != lib.GGML_TYPE_F32
-                                        and i >= FAST_GEMM_MIN_CHANNELS):
-            packed = self._f32(f"{prefix}.packed", custom_ops.pack_conv_weight(w))
+        return self._conv_from(prefix, w, bias, bulk)
+
+    def _conv_from(self, prefix: str, w: np.ndarray[Any, Any], bias: Tensor, bulk: bool
+                   ) -> Conv:
+        """A conv from its PyTorch weight [O, I, K], in the fastest form this backend runs."""
+        o, i, k = w.shape
+        if self.use_custom_ops:
+            if bulk and self._bulk_type == lib.GGML_TYPE_BF16 and self._bf16_kernel:
+                packed = self.store.add_array(f"{prefix}.packed_bf16",
+                                              custom_ops.pack_conv_weight_bf16(w),
+                                              lib.GGML_TYPE_BF16)
+            else:
+                packed = self._f32(f"{prefix}.packed", custom_ops.pack_conv_weight(w))
             return Conv([], packed, bias, k, i, o)
         taps = self._taps(f"{prefix}.taps", w.transpose(2, 0, 1), bulk)
         return Conv(taps, None, bias, k, i, o)
@@ -239,11 +252,20 @@ class DecoderWeights:
         def phase(sl: slice) -> np.ndarray[Any, Any]:
             return w[:, :, sl].transpose(2, 1, 0).reshape(stride * o, i)  # [s*O, I]
 
-        cur = self._w(f"{prefix}.cur", phase(slice(0, stride)), bulk)
-        prev = (self._w(f"{prefix}.prev", phase(slice(stride, 2 * stride)), bulk)
-                if k == 2 * stride else None)
-        bias = self._f32(f"{prefix}.bias", tensor_f32(self.model, f"{prefix}.bias"))
-        return TConv(cur, prev, bias, stride, i, o)
+        cur = phase(slice(0, stride))
+        prev = phase(slice(stride, 2 * stride)) if k == 2 * stride else None
+        bias_np = tensor_f32(self.model, f"{prefix}.bias")
+        bias = self._f32(f"{prefix}.bias", bias_np)
+        if self.use_custom_ops:
+            # y[t] (all s phases) = W_prev x[t-1] + W_cur x[t]: a causal conv with k/s taps.
+            taps = [cur] if prev is None else [prev, cur]
+            conv = self._conv_from(prefix, np.stack(taps, axis=2),
+                                   self._f32(f"{prefix}.bias_phases", np.tile(bias_np, stride)),
+                                   bulk)
+            return TConv(None, None, conv, bias, stride, i, o)
+        return TConv(self._w(f"{prefix}.cur", cur, bulk),
+                     self._w(f"{prefix}.prev", prev, bulk) if prev is not None else None,
+                     None, bias, stride, i, o)
 
     def _snake(self, prefix: str) -> Snake:
         alpha = tensor_f32(self.model, f"{prefix}.alpha").astype(np.float64)

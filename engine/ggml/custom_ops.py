@@ -17,6 +17,10 @@ to the rpc-server process, which would call it (read from ggml-rpc.cpp: no op ch
 server side; not tried). Pin custom nodes to the CPU
 (``ggml_backend_sched_set_tensor_backend(sched, node, cpu)``) whenever RPC is in the set.
 Neither op is eligible for ggml-alloc's in-place reuse, so dst never aliases an input.
+
+Ops: ``snake_beta``; ``conv1d_tm`` (exact F32 direct conv, weights from ``pack_conv_weight``);
+``conv1d_tm_bf16`` (its fast-mode twin: BF16 weights from ``pack_conv_weight_bf16`` and BF16-rounded
+input, F32 sums; AVX512_BF16 when ``bf16_available()``, else a slow portable path).
 """
 
 from __future__ import annotations
@@ -187,6 +191,132 @@ def conv1d_tm(ctx: Any, xp: Tensor, w: Tensor, bias: Tensor, dilation: int = 1, 
         )
     _check_vector(bias, c_out, "conv1d_tm: bias")
     fn = _fn(library, "qtts_conv1d_tm_op", "ggml_custom_op_t")
+    args = ffi.new("struct ggml_tensor *[3]", [xp, w, bias])
+    return lib.ggml_custom_4d(ctx, lib.GGML_TYPE_F32, c_out, t, 1, 1, args, 3, fn,
+                              GGML_N_TASKS_MAX, ffi.cast("void *", dilation if k > 1 else 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# BF16 direct conv (fast mode)
+
+CONV_BF16_BLOCK = 32  # QTTS_CONV_BF16_BLOCK: output channels per packed block, every build
+
+
+def bf16_available(library: Any | None = None) -> bool:
+    """Whether ``conv1d_tm_bf16`` has its AVX512_BF16 kernel (VDPBF16PS, ~2x the F32 kernel's
+    throughput). False when libqtts_ops is missing, predates the op, or was compiled without
+    AVX512_BF16: the op then still runs, on a portable C path that is correct but slow, so keep
+    the F32 ``conv1d_tm`` there."""
+    try:
+        lib_ops = _library(library)
+    except NativeBuildError:
+        return False
+    fast = getattr(lib_ops, "qtts_conv1d_tm_bf16_fast", None)
+    return fast is not None and bool(fast())
+
+
+def round_bf16(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """float32 -> float32 holding the nearest BF16 value, as the kernel rounds its input
+    (VCVTNEPS2BF16): round to nearest even, zero and subnormals to signed zero, NaN quieted."""
+    f = np.asarray(a, dtype=np.float32)
+    u = np.ascontiguousarray(f).view(np.uint32).reshape(f.shape)
+    r = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
+    r = np.where((u & np.uint32(0x7F800000)) == 0, u & np.uint32(0x80000000), r)
+    nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    r = np.where(nan, (u | np.uint32(0x00400000)) & np.uint32(0xFFFF0000), r)
+    return np.asarray(r, dtype=np.uint32).view(np.float32)
+
+
+def bf16_bits(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """The BF16 bit patterns (uint16) of ``round_bf16(a)``: what a GGML_TYPE_BF16 tensor holds
+    (for uploading a packed weight as a graph input rather than through ``add_array``)."""
+    return (round_bf16(a).view(np.uint32) >> np.uint32(16)).astype(np.uint16)
+
+
+def pack_conv_weight_bf16(w: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """PyTorch Conv1d weight ``[C_out, C_in, K]`` -> the packed weight ``conv1d_tm_bf16`` takes.
+
+    Returns **float32** values that are exactly BF16 (``round_bf16``), numpy shape
+    ``[ceil(C_out / 32), K, ceil(C_in / 2), 64]``: element ``[j, k, p, 2*i + e]`` is
+    ``W[j*32 + i, 2*p + e, k]`` (pairs of consecutive input channels interleaved per output
+    lane, the operand layout of VDPBF16PS), zero past C_out and past C_in. Upload it as a
+    BF16 tensor, losslessly: ``WeightStore.add_array(name, arr, lib.GGML_TYPE_BF16)`` (ggml
+    ne = [64, ceil(C_in / 2), K, ceil(C_out / 32)]); or ``bf16_bits(arr)`` for raw uint16 bits.
+    The layout is the same for every build of libqtts_ops.
+    """
+    if w.ndim != 3:
+        raise ValueError(f"conv weight must be [C_out, C_in, K], got shape {w.shape}")
+    b = CONV_BF16_BLOCK
+    c_out, c_in, k = w.shape
+    n, cp = -(-c_out // b), -(-c_in // 2)
+    padded = np.zeros((n * b, 2 * cp, k), np.float32)
+    padded[:c_out, :c_in] = w
+    # [n*B, 2*cp, K] -> [n, B, cp, 2, K] -> [n, K, cp, B, 2]
+    packed = padded.reshape(n, b, cp, 2, k).transpose(0, 4, 2, 1, 3).reshape(n, k, cp, 2 * b)
+    return round_bf16(np.ascontiguousarray(packed))
+
+
+def conv1d_tm_bf16(ctx: Any, xp: Tensor, w: Tensor, bias: Tensor, dilation: int = 1, *,
+                   library: Any | None = None) -> Tensor:
+    """BF16 causal dilated conv1d in the time-major layout (fast mode; F32 in and out).
+
+    ``y[t, o] = bias[o] + sum_k sum_c bf16(W[o, c, k]) * bf16(xp[t + k*dilation, c])``, the
+    products summed in F32: the only error beyond rounding the weights and the input to BF16
+    is F32 accumulation. Same contract as ``conv1d_tm`` otherwise.
+
+    Args:
+        ctx: the graph's ggml context.
+        xp: F32 input with its left history in front: ne = [C_in, T + (K-1)*dilation]; rows
+            contiguous (nb[0] = 4), any row stride; 2-D only. Rounded to BF16 inside the op.
+        w: the packed weight from ``pack_conv_weight_bf16`` as a BF16 tensor, contiguous,
+            ne = [64, ceil(C_in / 2), K, ceil(C_out / 32)]. (An odd C_in packs like C_in + 1
+            with a zero channel; the shape cannot tell the two apart.)
+        bias: F32 vector ne = [C_out] (it also gives C_out).
+        dilation: d >= 1 (ignored when K = 1).
+        library: for tests only: another build of libqtts_ops to run instead.
+
+    Returns:
+        A new F32 tensor ne = [C_out, T]. The result does not depend on the thread count.
+        ``bf16_available()`` says whether this runs on the AVX512_BF16 kernel or the slow
+        portable one.
+    """
+    _check_f32(xp, "conv1d_tm_bf16: xp")
+    if w.type != lib.GGML_TYPE_BF16:
+        raise TypeError(
+            f"conv1d_tm_bf16: w must be BF16 (pack_conv_weight_bf16, uploaded as "
+            f"GGML_TYPE_BF16), got ggml type {int(w.type)}"
+        )
+    _check_f32(bias, "conv1d_tm_bf16: bias")
+    if not lib.ggml_is_contiguous(w):
+        raise ValueError("conv1d_tm_bf16: w must be contiguous")
+    b = CONV_BF16_BLOCK
+    c_out = int(bias.ne[0])
+    c_in = int(xp.ne[0])
+    cp, k, n_blocks = int(w.ne[1]), int(w.ne[2]), int(w.ne[3])
+    if int(w.ne[0]) != 2 * b or n_blocks != -(-c_out // b):
+        raise ValueError(
+            f"conv1d_tm_bf16: w has ne={[int(w.ne[i]) for i in range(4)]}; for {c_out} output "
+            f"channels (the bias) it must be packed as [{2 * b}, ceil(C_in/2), K, "
+            f"{-(-c_out // b)}] (pack_conv_weight_bf16)"
+        )
+    if dilation < 1:
+        raise ValueError(f"conv1d_tm_bf16: dilation must be >= 1, got {dilation}")
+    if cp != -(-c_in // 2):
+        raise ValueError(
+            f"conv1d_tm_bf16: xp has {c_in} channels, w expects {2 * cp - 1} or {2 * cp}"
+        )
+    if int(xp.ne[2]) != 1 or int(xp.ne[3]) != 1:
+        raise ValueError("conv1d_tm_bf16: xp must be 2-D, ne = [C_in, T + P]")
+    if int(xp.nb[0]) != 4 or int(xp.nb[1]) % 4 != 0 or int(xp.nb[1]) < 4 * c_in:
+        raise ValueError("conv1d_tm_bf16: xp rows must be contiguous F32")
+    pad = (k - 1) * dilation
+    t = int(xp.ne[1]) - pad
+    if t < 1:
+        raise ValueError(
+            f"conv1d_tm_bf16: xp has {int(xp.ne[1])} rows, needs more than the {pad} of history"
+        )
+    _check_vector(bias, c_out, "conv1d_tm_bf16: bias")
+    fn = _fn(library, "qtts_conv1d_tm_bf16_op", "ggml_custom_op_t")
     args = ffi.new("struct ggml_tensor *[3]", [xp, w, bias])
     return lib.ggml_custom_4d(ctx, lib.GGML_TYPE_F32, c_out, t, 1, 1, args, 3, fn,
                               GGML_N_TASKS_MAX, ffi.cast("void *", dilation if k > 1 else 1))

@@ -41,3 +41,21 @@ void qtts_conv1d_tm_op(struct ggml_tensor * dst, int ith, int nth, void * userda
 
 /* Output channels per packed weight block of qtts_conv1d_tm_op (depends on the SIMD path). */
 int qtts_conv1d_tm_block(void);
+
+/* Output channels per packed weight block of qtts_conv1d_tm_bf16_op (every build). */
+#define QTTS_CONV_BF16_BLOCK 32
+
+/* BF16 causal dilated conv1d, time-major (fast mode), as a ggml_custom_op_t for
+ * ggml_custom_4d(ctx, F32, C_out, T, 1, 1, {xp, w, bias}, 3, qtts_conv1d_tm_bf16_op, n, (void*)d):
+ *   dst[t, o] = bias[o] + sum_k sum_c bf16(W[k, c, o]) * bf16(xp[t + k*d, c])   (F32 sums)
+ * xp: F32 ne = [C_in, T + (K-1)*d], rows contiguous (nb[0] = 4, any row stride), converted to
+ *   BF16 inside the op (nearest even, subnormals to zero);
+ * w: BF16 contiguous, ne = [2*B, ceil(C_in / 2), K, ceil(C_out / B)], B = QTTS_CONV_BF16_BLOCK
+ *   (numpy [n_blocks, K, C_in/2, B, 2]): w[j, k, p, i, e] = W[k, 2p + e, j*B + i], zero past
+ *   C_out and past C_in;
+ * bias: F32 ne = [C_out]; dst: ne = [C_out, T]; userdata: the dilation d. The result does not
+ * depend on the thread count. */
+void qtts_conv1d_tm_bf16_op(struct ggml_tensor * dst, int ith, int nth, void * userdata);
+
+/* 1 when qtts_conv1d_tm_bf16_op has its AVX512_BF16 kernel, 0 for the slow portable path. */
+int qtts_conv1d_tm_bf16_fast(void);

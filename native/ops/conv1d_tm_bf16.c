@@ -1,0 +1,345 @@
+/* BF16 causal dilated conv1d in the time-major layout (see qtts_ops.h): the fast-mode twin of
+ * conv1d_tm.c. BF16 weights and inputs, F32 accumulation, F32 bias and output.
+ *
+ *   y[t, o] = bias[o] + sum_k sum_p ( W[k, 2p+1, o] * x[t + k*d, 2p+1]
+ *                                   + W[k, 2p,   o] * x[t + k*d, 2p] )
+ *
+ * with W and x rounded to BF16 (round to nearest even, subnormals to signed zero, as
+ * VCVTNEPS2BF16 does). AVX512_BF16 path: a tile of 2 x 16 output channels x 12 time steps
+ * (24 zmm accumulators) stays in registers; per (tap k, input-channel pair p) it loads the two
+ * weight vectors of the packed block (each lane o holds the pair W[k, 2p, o], W[k, 2p+1, o]) and
+ * for each of the 12 time steps broadcasts the input pair (x[.., 2p], x[.., 2p+1]) as one dword
+ * into VDPBF16PS (two BF16 products, exact in F32, added to the F32 accumulator: 2x the FMA
+ * throughput of the F32 kernel).
+ *
+ * The F32 input is converted to BF16 pairs inside the op: each thread converts the rows of the
+ * time chunk it works on (<= TCHUNK steps plus (K-1)*d of history) into a thread-local scratch
+ * buffer (kept between calls, freed at thread exit), then runs every output-channel block of its
+ * units over it. Odd C_in: the last pair is (x[C_in - 1], 0), with a zero weight.
+ *
+ * Summation order per output element: bias; then per input-pair chunk (depends on C_in only):
+ * k ascending, pair ascending, one VDPBF16PS each. Tiles and threads do not change it, so the
+ * result does not depend on the thread count. Work split as in conv1d_tm.c, with time chunks
+ * evened out (see the op).
+ *
+ * Without AVX512_BF16 (and AVX512BW/VL) a portable C path computes the same sums (odd product
+ * first, then even, as Intel's VDPBF16PS pseudocode, but without its flushing of subnormal
+ * products and sums): correct, not fast. qtts_conv1d_tm_bf16_fast() tells which one is built.
+ */
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "qtts_ops.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define BF16_SIMD 1
+#include <immintrin.h>
+#else
+#define BF16_SIMD 0
+#endif
+
+#define INLINE static inline __attribute__((always_inline))
+#define OB QTTS_CONV_BF16_BLOCK /* 32 output channels per packed block */
+#define VW 16                   /* F32 lanes per zmm */
+#define NT_MAIN 12              /* time steps per tile */
+#ifndef TCHUNK
+#define TCHUNK (NT_MAIN * 32)   /* most time steps per work unit */
+#endif
+#ifndef KP_MAX
+#define KP_MAX 128 /* input-channel pairs per reduction chunk (256 channels, as conv1d_tm.c) */
+#endif
+
+int qtts_conv1d_tm_bf16_fast(void) { return BF16_SIMD; }
+
+/* ---- thread-local scratch for the converted input ----------------------------------------- */
+
+static pthread_key_t scratch_key;
+static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
+static int scratch_key_ok;
+static _Thread_local void * scratch_ptr;
+static _Thread_local size_t scratch_cap;
+
+/* free() itself is the destructor: nothing of this library runs at thread exit. */
+static void scratch_key_init(void) { scratch_key_ok = pthread_key_create(&scratch_key, free) == 0; }
+
+static void * scratch_get(size_t bytes) {
+    if (bytes > scratch_cap) {
+        size_t cap = (bytes + bytes / 4 + 4095) & ~(size_t)4095;
+        free(scratch_ptr);
+        scratch_ptr = aligned_alloc(64, cap);
+        GGML_ASSERT(scratch_ptr != NULL && "conv1d_tm_bf16: out of memory for the scratch");
+        scratch_cap = cap;
+        pthread_once(&scratch_once, scratch_key_init);
+        if (scratch_key_ok) pthread_setspecific(scratch_key, scratch_ptr);
+    }
+    return scratch_ptr;
+}
+
+/* ---- F32 -> BF16 pairs ---------------------------------------------------------------------- */
+
+/* Rounding as VCVTNEPS2BF16: NaN quieted, zero/subnormal to signed zero, else nearest even. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u);
+    if ((u & 0x7F800000u) == 0) return (uint16_t)((u >> 16) & 0x8000u);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* rows x ci floats (row stride ss) -> rows x cp pairs (row stride cp dwords), zero-padded. */
+static void convert_rows(uint32_t * dst, int64_t cp, const float * src, int64_t ss, int64_t rows,
+                         int64_t ci) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float * s = src + r * ss;
+        uint16_t * o = (uint16_t *)(dst + r * cp);
+        int64_t c = 0;
+#if BF16_SIMD
+        for (; c + 32 <= ci; c += 32) {
+            const __m512 lo = _mm512_loadu_ps(s + c), hi = _mm512_loadu_ps(s + c + 16);
+            _mm512_storeu_si512((void *)(o + c), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        }
+        for (; c < ci; c += 16) {
+            const int rem = (int)(ci - c < 16 ? ci - c : 16);
+            const __m512 v = _mm512_maskz_loadu_ps((__mmask16)((1u << rem) - 1u), s + c);
+            const int ne = (rem + 1) & ~1; /* the pad of an odd C_in is written as 0 */
+            _mm256_mask_storeu_epi16((void *)(o + c), (__mmask16)((1u << ne) - 1u),
+                                     (__m256i)_mm512_cvtneps_pbh(v));
+        }
+#else
+        for (; c < ci; c++) o[c] = f32_to_bf16(s[c]);
+        if (ci & 1) o[ci] = 0;
+#endif
+    }
+}
+
+/* ---- tiles -------------------------------------------------------------------------------- */
+
+/* What the tiles of one (input-pair chunk of a) conv share. x and w point at the chunk's first
+ * pair (w also at the block's first output channel). */
+typedef struct {
+    const uint32_t * x; /* BF16 pair p of row j at x[j*xs + p] */
+    int64_t xs;         /* row stride (pairs) */
+    const uint16_t * w; /* block: w[(k*wks) + p*2*OB + 2*o + {0,1}] (BF16) */
+    int64_t wks;        /* stride between taps: cp * 2*OB */
+    int64_t d;          /* dilation */
+    int64_t np;         /* pairs in this chunk */
+    int K;
+} bconv_args;
+
+typedef void (*btile_fn)(float * out, int64_t ys, const float * init, int64_t is,
+                         const bconv_args * a, int width);
+
+#if BF16_SIMD
+
+/* NV vectors (1 or 2) x NT steps; MASKED: the last, partial block (weights are zero there). */
+INLINE void tile_bf16(const int NV, const int NT, const int MASKED, float * out, int64_t ys,
+                      const float * init, int64_t is, const bconv_args * a, int width) {
+    const uint32_t * x = a->x;
+    const uint16_t * w = a->w;
+    const int64_t xs = a->xs, wks = a->wks, d = a->d, np = a->np;
+    const int K = a->K;
+    __m512 acc[2][NT_MAIN];
+    __mmask16 m[2];
+#pragma GCC unroll 2
+    for (int v = 0; v < NV; v++) {
+        int rem = width - v * VW;
+        rem = rem < 0 ? 0 : (rem > VW ? VW : rem);
+        m[v] = MASKED ? (__mmask16)((1u << rem) - 1u) : (__mmask16)0xFFFF;
+#pragma GCC unroll 16
+        for (int j = 0; j < NT; j++) {
+            acc[v][j] = MASKED ? _mm512_maskz_loadu_ps(m[v], init + j * is + v * VW)
+                               : _mm512_loadu_ps(init + j * is + v * VW);
+        }
+    }
+    for (int k = 0; k < K; k++) {
+        const uint32_t * xk = x + (int64_t)k * d * xs;
+        const uint16_t * wk = w + (int64_t)k * wks;
+        for (int64_t p = 0; p < np; p++) {
+            __m512bh wv[2];
+#pragma GCC unroll 2
+            for (int v = 0; v < NV; v++) {
+                wv[v] = (__m512bh)_mm512_loadu_si512((const void *)(wk + p * 2 * OB + v * 2 * VW));
+            }
+#pragma GCC unroll 16
+            for (int j = 0; j < NT; j++) {
+                const __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xk[j * xs + p]);
+#pragma GCC unroll 2
+                for (int v = 0; v < NV; v++) acc[v][j] = _mm512_dpbf16_ps(acc[v][j], wv[v], xb);
+            }
+        }
+    }
+#pragma GCC unroll 16
+    for (int j = 0; j < NT; j++) {
+#pragma GCC unroll 2
+        for (int v = 0; v < NV; v++) {
+            if (MASKED) {
+                _mm512_mask_storeu_ps(out + j * ys + v * VW, m[v], acc[v][j]);
+            } else {
+                _mm512_storeu_ps(out + j * ys + v * VW, acc[v][j]);
+            }
+        }
+    }
+}
+
+#define DEF_TILE(nt)                                                                            \
+    static void btile_full_##nt(TILE_ARGS) { tile_bf16(2, nt, 0, TILE_PASS); }                 \
+    static void btile_mask_##nt(TILE_ARGS) { tile_bf16(2, nt, 1, TILE_PASS); }                 \
+    static void btile_half_##nt(TILE_ARGS) { tile_bf16(1, nt, 1, TILE_PASS); }
+
+#else
+
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static void tile_generic(int NT, float * out, int64_t ys, const float * init, int64_t is,
+                         const bconv_args * a, int width) {
+    const uint32_t * x = a->x;
+    const uint16_t * w = a->w;
+    const int64_t xs = a->xs, wks = a->wks, d = a->d, np = a->np;
+    const int K = a->K;
+    float acc[NT_MAIN][OB];
+    for (int j = 0; j < NT; j++) {
+        for (int o = 0; o < OB; o++) acc[j][o] = o < width ? init[j * is + o] : 0.0f;
+    }
+    for (int k = 0; k < K; k++) {
+        const uint32_t * xk = x + (int64_t)k * d * xs;
+        const uint16_t * wk = w + (int64_t)k * wks;
+        for (int64_t p = 0; p < np; p++) {
+            const uint16_t * wp = wk + p * 2 * OB;
+            float w0[OB], w1[OB];
+            for (int o = 0; o < OB; o++) {
+                w0[o] = bf16_to_f32(wp[2 * o]);
+                w1[o] = bf16_to_f32(wp[2 * o + 1]);
+            }
+            for (int j = 0; j < NT; j++) {
+                const uint32_t xv = xk[j * xs + p];
+                const float x0 = bf16_to_f32((uint16_t)(xv & 0xFFFFu));
+                const float x1 = bf16_to_f32((uint16_t)(xv >> 16));
+                for (int o = 0; o < OB; o++) {
+                    float s = acc[j][o] + w1[o] * x1; /* products are exact in F32 */
+                    acc[j][o] = s + w0[o] * x0;
+                }
+            }
+        }
+    }
+    for (int j = 0; j < NT; j++) memcpy(out + j * ys, acc[j], (size_t)width * sizeof(float));
+}
+
+#define DEF_TILE(nt)                                                                            \
+    static void btile_full_##nt(TILE_ARGS) { tile_generic(nt, TILE_PASS); }                    \
+    static void btile_mask_##nt(TILE_ARGS) { tile_generic(nt, TILE_PASS); }                    \
+    static void btile_half_##nt(TILE_ARGS) { tile_generic(nt, TILE_PASS); }
+
+#endif
+
+#define TILE_ARGS                                                                               \
+    float * out, int64_t ys, const float * init, int64_t is, const bconv_args * a, int width
+#define TILE_PASS out, ys, init, is, a, width
+
+DEF_TILE(1)
+DEF_TILE(2)
+DEF_TILE(3)
+DEF_TILE(4)
+DEF_TILE(5)
+DEF_TILE(6)
+DEF_TILE(7)
+DEF_TILE(8)
+DEF_TILE(9)
+DEF_TILE(10)
+DEF_TILE(11)
+DEF_TILE(12)
+
+#define TILE_TABLE(kind)                                                                        \
+    {0, btile_##kind##_1, btile_##kind##_2, btile_##kind##_3, btile_##kind##_4,               \
+     btile_##kind##_5, btile_##kind##_6, btile_##kind##_7, btile_##kind##_8,                  \
+     btile_##kind##_9, btile_##kind##_10, btile_##kind##_11, btile_##kind##_12}
+
+static const btile_fn BTILE_FULL[NT_MAIN + 1] = TILE_TABLE(full);
+static const btile_fn BTILE_MASK[NT_MAIN + 1] = TILE_TABLE(mask);
+static const btile_fn BTILE_HALF[NT_MAIN + 1] = TILE_TABLE(half);
+
+/* ---- the op ------------------------------------------------------------------------------- */
+
+void qtts_conv1d_tm_bf16_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const struct ggml_tensor * x = dst->src[0];
+    const struct ggml_tensor * wt = dst->src[1];
+    const struct ggml_tensor * bt = dst->src[2];
+    const int64_t d = (int64_t)(intptr_t)userdata;
+    GGML_ASSERT(x->type == GGML_TYPE_F32 && wt->type == GGML_TYPE_BF16);
+    GGML_ASSERT(bt->type == GGML_TYPE_F32 && dst->type == GGML_TYPE_F32);
+    const int64_t Ci = x->ne[0], O = dst->ne[0], T = dst->ne[1];
+    const int64_t cp = (Ci + 1) / 2;
+    const int K = (int)wt->ne[2];
+    const int64_t n_ob = (O + OB - 1) / OB;
+    GGML_ASSERT(wt->ne[0] == 2 * OB && wt->ne[1] == cp && wt->ne[3] == n_ob &&
+                ggml_is_contiguous(wt));
+    GGML_ASSERT(ggml_nelements(bt) == O && ggml_is_contiguous(bt));
+    GGML_ASSERT(d >= 1 && x->ne[1] == T + (K - 1) * d && x->ne[2] == 1 && x->ne[3] == 1);
+    GGML_ASSERT(x->nb[0] == sizeof(float) && ggml_is_contiguous(dst));
+
+    const int64_t xs = (int64_t)(x->nb[1] / sizeof(float));
+    const float * xp = (const float *)x->data;
+    const uint16_t * w = (const uint16_t *)wt->data;
+    const float * bias = (const float *)bt->data;
+    float * y = (float *)dst->data;
+
+    const int64_t n_kc = (cp + KP_MAX - 1) / KP_MAX;
+    const int64_t kc = (cp + n_kc - 1) / n_kc;
+    const int64_t hist = (int64_t)(K - 1) * d;
+
+    /* Time chunks of equal length (whole tiles), at most TCHUNK steps; when that leaves fewer
+     * than 4 units per thread, shorter ones, so that contiguous unit ranges share the work out
+     * evenly (T = 1240, 2 threads: 4 chunks of 312 rather than 384, 384, 384, 88). Only which
+     * thread computes an element depends on this, never its sum. */
+    const int64_t n_tiles = (T + NT_MAIN - 1) / NT_MAIN;
+    int64_t n_tc = (T + TCHUNK - 1) / TCHUNK;
+    if (n_tc * n_ob < 4 * (int64_t)nth) {
+        const int64_t want = (4 * (int64_t)nth + n_ob - 1) / n_ob;
+        n_tc = want < n_tiles ? want : n_tiles;
+    }
+    const int64_t tch = (n_tiles + n_tc - 1) / n_tc * NT_MAIN; /* steps per chunk */
+    n_tc = (T + tch - 1) / tch;
+    const int64_t units = n_ob * n_tc;
+    const int64_t u0 = units * ith / nth, u1 = units * (ith + 1) / nth;
+    if (u0 >= u1) return;
+    const int64_t max_rows = (T < tch ? T : tch) + hist;
+    uint32_t * xb = (uint32_t *)scratch_get((size_t)(max_rows * cp) * sizeof(uint32_t));
+    int64_t have_tc = -1;
+    for (int64_t u = u0; u < u1; u++) {
+        const int64_t tc = u / n_ob, ob = u % n_ob;
+        const int64_t t0 = tc * tch;
+        const int64_t t_end = t0 + tch < T ? t0 + tch : T;
+        if (tc != have_tc) { /* rows t0 .. t_end + hist of xp, as BF16 pairs */
+            convert_rows(xb, cp, xp + t0 * xs, xs, t_end - t0 + hist, Ci);
+            have_tc = tc;
+        }
+        const int64_t o0 = ob * OB;
+        const int width = (int)(O - o0 < OB ? O - o0 : OB);
+        const btile_fn * fns = width == OB ? BTILE_FULL : (width <= VW ? BTILE_HALF : BTILE_MASK);
+        for (int64_t p0 = 0; p0 < cp; p0 += kc) {
+            const bconv_args a = {
+                .x = xb + p0, .xs = cp, .w = w + (ob * K * cp + p0) * 2 * OB,
+                .wks = cp * 2 * OB, .d = d, .np = cp - p0 < kc ? cp - p0 : kc, .K = K,
+            };
+            for (int64_t t = t0; t < t_end; t += NT_MAIN) {
+                const int nt = (int)(t_end - t < NT_MAIN ? t_end - t : NT_MAIN);
+                float * out = y + t * O + o0;
+                const bconv_args at = {
+                    .x = a.x + (t - t0) * cp, .xs = cp, .w = a.w, .wks = a.wks, .d = d,
+                    .np = a.np, .K = K,
+                };
+                if (p0 == 0) {
+                    fns[nt](out, O, bias + o0, 0, &at, width);
+                } else {
+                    fns[nt](out, O, out, O, &at, width);
+                }
+            }
+        }
+    }
+}
