@@ -295,10 +295,12 @@ class WeightStore:
 
     def add_array(self, name: str, array: np.ndarray[Any, Any], ggml_type: int | None = None
                   ) -> Tensor:
-        """A weight computed at load time. ``ggml_type`` BF16 converts float32 data."""
+        """A weight computed at load time. ``ggml_type`` BF16 or F16 converts float32 data."""
         src = np.ascontiguousarray(array)
         if ggml_type == lib.GGML_TYPE_BF16:
             src = _to_bf16(src)
+        elif ggml_type == lib.GGML_TYPE_F16 and src.dtype == np.float32:
+            src = src.astype(np.float16)
         elif ggml_type is None:
             from engine.ggml.graph import ggml_type_of
 
