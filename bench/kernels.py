@@ -19,7 +19,8 @@ dropped when enough clean ones exist. Prints min and median wall ms and ratios (
 qtts_ms, > 1 means the qtts kernel is faster), then the same runs as min CPU time per thread,
 which time-slicing by other processes does not inflate.
 
-  .venv/bin/python bench/kernels.py [--threads 2] [--reps 7] [--only conv|snake|bf16] [--extra]
+  .venv/bin/python bench/kernels.py [--threads 2] [--reps 7] [--only conv|snake|bf16|hist]
+                                    [--extra]
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ BF16_CONV_CASES = [  # (C, T, dilation, K): the decoder's residual-unit convs, ~
     (768, 1240, 1, 7),
 ]
 EXTRA_BF16_CASES = [(96, 59520, 9, 7), (384, 4960, 9, 7), (96, 59520, 1, 1), (384, 4960, 1, 1)]
+HIST_CASES = [(96, 59520, 1, 7)]  # (C, T, dilation, K)
+EXTRA_HIST_CASES = [(96, 59520, 9, 7), (384, 4960, 1, 7)]
 
 
 def _cpu_ticks() -> tuple[int, int]:
@@ -337,6 +340,63 @@ def bench_conv_bf16(cpu: BackendSet, cases: list[tuple[int, int, int, int]], rep
     print("\n".join(cpu_rows), flush=True)
 
 
+def conv_graph_hist(c: int, t: int, d: int, k: int, dtype: str, apart: bool) -> Graph:
+    """The direct conv (dtype "f32" or "bf16") on [history | x]: ggml_concat(hist, x) then
+    the op (apart=False), or the op with ``hist=`` (apart=True, no concat node)."""
+    g = Graph()
+    p = (k - 1) * d
+    h, x = g.input("h", (p, c)), g.input("x", (t, c))
+    b = g.input("b", (c,))
+    if dtype == "bf16":
+        blk = co.CONV_BF16_BLOCK
+        w = _bf16_input(g, "w", (-(-c // blk), k, -(-c // 2), 2 * blk))
+        fn = co.conv1d_tm_bf16
+    else:
+        blk = co.conv_block()
+        w = g.input("w", (-(-c // blk), k, c, blk))
+        fn = co.conv1d_tm
+    if apart:
+        y = fn(g.ctx, x, w, b, d, hist=h)
+    else:
+        y = fn(g.ctx, lib.ggml_concat(g.ctx, h, x, 1), w, b, d)
+    g.output(y, "y")
+    return g
+
+
+def bench_hist(cpu: BackendSet, cases: list[tuple[int, int, int, int]], reps: int,
+               max_busy: float, threads: int) -> None:
+    print(f"\n## direct conv: concat(history, x) + conv vs the two-source conv (hist=), "
+          f"{threads} threads: min / median ms")
+    print("| case | op | concat + conv | conv(x, hist=) | saved (min) | bit-identical | "
+          "cpu ms concat+conv / two-source | others' load |")
+    print("|---|---|---:|---:|---:|---|---:|---:|")
+    rng = np.random.default_rng(3)
+    for c, t, d, k in cases:
+        p = (k - 1) * d
+        h = rng.standard_normal((p, c)).astype(np.float32)
+        x = rng.standard_normal((t, c)).astype(np.float32)
+        w_t = (rng.standard_normal((c, c, k)) / np.sqrt(c * k)).astype(np.float32)
+        b = rng.standard_normal(c).astype(np.float32)
+        for dtype in ("f32", "bf16"):
+            wp = (co.bf16_bits(co.pack_conv_weight_bf16(w_t)) if dtype == "bf16"
+                  else co.pack_conv_weight(w_t))
+            stats: dict[bool, dict[str, float]] = {}
+            outs: dict[bool, np.ndarray[Any, Any]] = {}
+            for apart in (False, True):  # one graph at a time (see bench_conv_bf16)
+                graph = conv_graph_hist(c, t, d, k, dtype, apart)
+                r = GraphRunner(cpu, graph, {"h": h, "x": x, "w": wp, "b": b})
+                stats[apart] = timed(r.run, reps, max_busy, r.set_inputs, threads)
+                outs[apart] = r.output("y")
+                graph.close()
+            s0, s1 = stats[False], stats[True]
+            same = np.array_equal(outs[False], outs[True])
+            print(f"| C={c} T={t} K={k} d={d} | {dtype} | {s0['min']:.2f} / {s0['median']:.2f} "
+                  f"| {s1['min']:.2f} / {s1['median']:.2f} | {s0['min'] - s1['min']:.2f} ms "
+                  f"({1 - s1['min'] / s0['min']:.1%}) | {'yes' if same else 'NO'} | "
+                  f"{s0['cpu']:.2f} / {s1['cpu']:.2f} | "
+                  f"{max(s0['busy'], s1['busy']):.0%} |", flush=True)
+
+
 def bench_snake(cpu: BackendSet, reps: int, max_busy: float) -> None:
     print("\n## SnakeBeta [T, C] F32")
     print("| case | stock ops (mul,sin,sqr,mul,add) ms (min/med) | fused ms (min/med) | "
@@ -383,9 +443,10 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--max-busy", type=float, default=0.05,
                     help="drop repetitions where other processes used more of the machine")
-    ap.add_argument("--only", choices=["conv", "snake", "bf16"], default=None)
+    ap.add_argument("--only", choices=["conv", "snake", "bf16", "hist"], default=None)
     ap.add_argument("--extra", action="store_true",
-                    help=f"also {EXTRA_CONV_CASES} (conv) and {EXTRA_BF16_CASES} (bf16)")
+                    help=f"also {EXTRA_CONV_CASES} (conv), {EXTRA_BF16_CASES} (bf16) and "
+                    f"{EXTRA_HIST_CASES} (hist)")
     args = ap.parse_args()
     cpu = BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": str(args.threads)})
     print(f"qtts kernels: libqtts_ops {co.simd_isa()} path, {args.threads} threads, "
@@ -398,6 +459,9 @@ def main() -> None:
     if args.only in (None, "bf16"):
         cases = BF16_CONV_CASES + (EXTRA_BF16_CASES if args.extra else [])
         bench_conv_bf16(cpu, cases, args.reps, args.max_busy, args.threads)
+    if args.only in (None, "hist"):
+        cases = HIST_CASES + (EXTRA_HIST_CASES if args.extra else [])
+        bench_hist(cpu, cases, args.reps, args.max_busy, args.threads)
 
 
 if __name__ == "__main__":

@@ -534,6 +534,141 @@ def _cpu_flags() -> set[str]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Both convs with the history in a tensor of its own (``hist=``): no concat in front
+
+
+def _conv_op_inputs(g: Graph, op: str, w_oik: np.ndarray[Any, Any], library: Any = None
+                    ) -> tuple[Any, Any, dict[str, np.ndarray[Any, Any]]]:
+    """The packed weight (as the op wants it) and the bias as graph inputs, with their data."""
+    b = np.random.default_rng(w_oik.shape[0]).standard_normal(w_oik.shape[0]).astype(np.float32)
+    if op == "bf16":
+        wp = co.bf16_bits(co.pack_conv_weight_bf16(w_oik))
+        tw = bf16_input(g, "w", wp.shape)
+    else:
+        wp = co.pack_conv_weight(w_oik, library=library)
+        tw = g.input("w", wp.shape)
+    return tw, g.input("b", b.shape), {"w": wp, "b": b}
+
+
+def _conv_op(op: str) -> Any:
+    return co.conv1d_tm_bf16 if op == "bf16" else co.conv1d_tm
+
+
+def run_conv_two_ways(bes: list[BackendSet], op: str, hist: np.ndarray[Any, Any],
+                      x: np.ndarray[Any, Any], w_oik: np.ndarray[Any, Any], d: int,
+                      library: Any = None) -> list[np.ndarray[Any, Any]]:
+    """One graph with the conv on ggml_concat(hist, x) (the decoder's way until now) and the
+    conv on (x, hist=hist), run on each backend: [concat, two-source] per backend."""
+    fn = _conv_op(op)
+    g = Graph()
+    tw, tb, data = _conv_op_inputs(g, op, w_oik, library)
+    tx = g.input("x", x.shape)
+    if hist.shape[0]:
+        th = g.input("h", hist.shape)
+        xp = lib.ggml_concat(g.ctx, th, tx, 1)
+        data["h"] = hist
+    else:  # K = 1: no history; a 0-row hist is accepted and dropped
+        th = new_tensor(g.ctx, lib.GGML_TYPE_F32, (0, x.shape[1]))
+        xp = tx
+    g.output(fn(g.ctx, xp, tw, tb, d, library=library), "concat")
+    g.output(fn(g.ctx, tx, tw, tb, d, hist=th, library=library), "two")
+    data["x"] = x
+    shape = (x.shape[0], w_oik.shape[0])
+    outs = []
+    for be in bes:
+        r = be.execute(g, data)
+        outs += [r["concat"].reshape(shape), r["two"].reshape(shape)]
+    g.close()
+    return outs
+
+
+@needs_ops
+@pytest.mark.parametrize("op", ["f32", "bf16"])
+@pytest.mark.parametrize("t", [1, 2, 17, 5000])
+@pytest.mark.parametrize("c", [96, 95, 384])
+@pytest.mark.parametrize("k,d", [(1, 1), (3, 1), (3, 3), (3, 9), (7, 1), (7, 3), (7, 9)])
+def test_conv_hist_apart_equals_concat(cpu1: BackendSet, cpu2: BackendSet, op: str, t: int,
+                                       c: int, k: int, d: int) -> None:
+    """Bit for bit the conv of the concatenation, with 1 and 2 threads, T below and above the
+    history length (K = 1 takes no d: one case)."""
+    rng = np.random.default_rng(1000 * k + 100 * d + c + t)
+    p = (k - 1) * d
+    hist = rng.standard_normal((p, c)).astype(np.float32)
+    x = rng.standard_normal((t, c)).astype(np.float32)
+    w = (rng.standard_normal((c, c, k)) / np.sqrt(c * k)).astype(np.float32)
+    cat1, two1, cat2, two2 = run_conv_two_ways([cpu1, cpu2], op, hist, x, w, d)
+    assert np.array_equal(two2, cat2)
+    assert np.array_equal(two1, cat1)
+    assert np.array_equal(two1, two2)
+    if t <= 17:  # and the concat path is right (the other tests cover it at length)
+        xp = np.concatenate([hist, x])
+        b = np.random.default_rng(c).standard_normal(c).astype(np.float32)
+        ref = conv_ref_bf16(xp, w, b, d) if op == "bf16" else conv_ref(xp, w, b, d)
+        check_conv(two2, ref)
+
+
+@needs_ops
+@pytest.mark.parametrize("op", ["f32", "bf16"])
+@pytest.mark.parametrize("t", [3, 300])
+def test_conv_hist_apart_on_strided_views(cpu1: BackendSet, cpu2: BackendSet, op: str,
+                                          t: int) -> None:
+    """x and hist may each be a row view of a wider buffer, at an offset."""
+    rng = np.random.default_rng(40 + t)
+    c, k, d = 96, 7, 3
+    p = (k - 1) * d
+    wide_h = rng.standard_normal((p + 2, 3 * c)).astype(np.float32)
+    wide_x = rng.standard_normal((t + 1, 2 * c + 5)).astype(np.float32)
+    w = (rng.standard_normal((c, c, k)) / np.sqrt(c * k)).astype(np.float32)
+    fn = _conv_op(op)
+    g = Graph()
+    tw, tb, data = _conv_op_inputs(g, op, w)
+    th, tx = g.input("h", wide_h.shape), g.input("x", wide_x.shape)
+    vh = lib.ggml_view_2d(g.ctx, th, c, p, th.nb[1], 2 * th.nb[1] + 4 * c)  # rows 2.., mid
+    vx = lib.ggml_view_2d(g.ctx, tx, c, t, tx.nb[1], tx.nb[1] + 4 * (c + 5))  # rows 1.., right
+    g.output(fn(g.ctx, vx, tw, tb, d, hist=vh), "y")
+    data.update(h=wide_h, x=wide_x)
+    y1, y2 = (be.execute(g, data)["y"].reshape(t, c) for be in (cpu1, cpu2))
+    g.close()
+    h, x = wide_h[2:, c:2 * c], wide_x[1:, c + 5:]
+    cat = run_conv_two_ways([cpu2], op, np.ascontiguousarray(h), np.ascontiguousarray(x), w, d)
+    assert np.array_equal(y2, cat[0]) and np.array_equal(y1, y2)
+
+
+@needs_ops
+@pytest.mark.parametrize("op", ["f32", "bf16"])
+def test_conv_hist_rejects_what_the_kernel_cannot_take(op: str) -> None:
+    fn = _conv_op(op)
+    c, k, d = 96, 7, 3
+    w_oik = np.zeros((c, c, k), np.float32)
+    with Graph() as g:
+        tw, tb, _ = _conv_op_inputs(g, op, w_oik)
+        x, h = g.input("x", (20, c)), g.input("h", ((k - 1) * d, c))
+        fn(g.ctx, x, tw, tb, d, hist=h)  # fine
+        with pytest.raises(ValueError, match="hist has 17 rows"):
+            fn(g.ctx, x, tw, tb, d, hist=g.input("h_short", (17, c)))
+        with pytest.raises(ValueError, match="hist has 18 rows"):
+            fn(g.ctx, x, tw, tb, 1, hist=h)  # the history of d = 3, not of d = 1
+        with pytest.raises(ValueError, match="hist has 48 channels"):
+            fn(g.ctx, x, tw, tb, d, hist=g.input("h_narrow", (18, 48)))
+        with pytest.raises(ValueError, match="x has 48 channels"):
+            fn(g.ctx, g.input("x_narrow", (20, 48)), tw, tb, d, hist=h)
+        with pytest.raises(TypeError, match="hist must be F32"):
+            fn(g.ctx, x, tw, tb, d, hist=g.input("h16", (18, c), np.float16))
+        with pytest.raises(ValueError, match="hist must be 2-D"):
+            fn(g.ctx, x, tw, tb, d, hist=g.input("h3", (2, 18, c)))
+        with pytest.raises(ValueError, match="hist rows must be contiguous"):
+            fn(g.ctx, x, tw, tb, d,
+               hist=lib.ggml_transpose(g.ctx, g.input("h_t", (c, 18))))
+        with pytest.raises(ValueError, match="x must be 2-D"):
+            fn(g.ctx, g.input("x3", (2, 20, c)), tw, tb, d, hist=h)
+        with pytest.raises(ValueError, match="x has no rows"):
+            fn(g.ctx, new_tensor(g.ctx, lib.GGML_TYPE_F32, (0, c)), tw, tb, d, hist=h)
+        tw1, tb1, _ = _conv_op_inputs(g, op, np.zeros((c, c, 1), np.float32))
+        with pytest.raises(ValueError, match="K = 1 has no history"):
+            fn(g.ctx, x, tw1, tb1, 1, hist=g.input("h1", (1, c)))
+
+
+# ---------------------------------------------------------------------------------------------
 # The other ISA paths (AVX2 and scalar), compiled here from the same sources
 
 
@@ -588,3 +723,12 @@ def test_other_isa_paths(cpu1: BackendSet, cpu2: BackendSet, tmp_path: Path,
         if co.bf16_available():
             # the same sums as VDPBF16PS (odd product, then even; F32 RNE) without subnormals
             assert np.array_equal(y, run_conv_bf16(cpu2, xp, w, b, d))
+    for op in ("f32", "bf16"):  # the history apart (hist=): bit for bit the concat
+        for c, t, k, d in [(96, 2, 7, 3), (95, 50, 7, 9), (40, 300, 3, 1)]:
+            p = (k - 1) * d
+            hist = rng.standard_normal((p, c)).astype(np.float32)
+            x = rng.standard_normal((t, c)).astype(np.float32)
+            w = (rng.standard_normal((c, c, k)) / np.sqrt(c * k)).astype(np.float32)
+            cat1, two1, cat2, two2 = run_conv_two_ways([cpu1, cpu2], op, hist, x, w, d, library)
+            assert np.array_equal(two1, cat1) and np.array_equal(two2, cat2)
+            assert np.array_equal(two1, two2)

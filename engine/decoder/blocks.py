@@ -95,11 +95,9 @@ def causal_conv(g: StageGraph, key: str, x: Tensor, conv: Conv, dilation: int = 
     """Causal conv1d: left history (k-1)*d, no look-ahead."""
     ctx = g.ctx
     n_hist = (conv.kernel - 1) * dilation
-    xp = with_history(g, key, x, n_hist) if n_hist else x
     if conv.packed is not None:
-        if conv.packed.type == lib.GGML_TYPE_BF16:
-            return custom_ops.conv1d_tm_bf16(ctx, xp, conv.packed, conv.bias, dilation)
-        return custom_ops.conv1d_tm(ctx, xp, conv.packed, conv.bias, dilation)
+        return _direct_conv(g, key, x, conv, dilation, n_hist)
+    xp = with_history(g, key, x, n_hist) if n_hist else x
     if conv.taps[0].type != lib.GGML_TYPE_F32 and conv.kernel > 1:
         # Half-precision taps would each convert their (overlapping) input rows; convert once.
         xp = lib.ggml_cast(ctx, xp, conv.taps[0].type)
@@ -109,6 +107,23 @@ def causal_conv(g: StageGraph, key: str, x: Tensor, conv: Conv, dilation: int = 
         part = g.mul_mat(tap, rows(ctx, xp, j * dilation, t))
         y = part if y is None else lib.ggml_add(ctx, y, part)
     return lib.ggml_add(ctx, y, conv.bias)
+
+
+def _direct_conv(g: StageGraph, key: str, x: Tensor, conv: Conv, dilation: int, n_hist: int
+                 ) -> Tensor:
+    """qtts's direct conv kernels, reading the carried history as a second source (no concat)."""
+    ctx, packed = g.ctx, conv.packed
+    assert packed is not None
+    op = custom_ops.conv1d_tm_bf16 if packed.type == lib.GGML_TYPE_BF16 else custom_ops.conv1d_tm
+    if not n_hist:
+        return op(ctx, x, packed, conv.bias, dilation)
+    t = int(x.ne[1])
+    prev = g.carried(key, (n_hist, int(x.ne[0])))
+    if t >= n_hist:
+        g.carry(key, rows(ctx, x, t - n_hist, n_hist))
+    else:  # a chunk shorter than the history: the new history straddles both
+        g.carry(key, rows(ctx, lib.ggml_concat(ctx, prev, x, 1), t, n_hist))
+    return op(ctx, x, packed, conv.bias, dilation, hist=prev)
 
 
 def causal_tconv(g: StageGraph, key: str, x: Tensor, tc: TConv) -> Tensor:

@@ -20,7 +20,10 @@ Neither op is eligible for ggml-alloc's in-place reuse, so dst never aliases an 
 
 Ops: ``snake_beta``; ``conv1d_tm`` (exact F32 direct conv, weights from ``pack_conv_weight``);
 ``conv1d_tm_bf16`` (its fast-mode twin: BF16 weights from ``pack_conv_weight_bf16`` and BF16-rounded
-input, F32 sums; AVX512_BF16 when ``bf16_available()``, else a slow portable path).
+input, F32 sums; AVX512_BF16 when ``bf16_available()``, else a slow portable path). Both convs
+take their left history either in front of the input (``xp``) or as a tensor of its own
+(``hist=``), which spares the graph a concat of the whole activation; the results are the same
+bit for bit.
 """
 
 from __future__ import annotations
@@ -114,6 +117,45 @@ def snake_beta(ctx: Any, x: Tensor, exp_alpha: Tensor, inv_beta: Tensor, *,
     return lib.ggml_map_custom3(ctx, x, exp_alpha, inv_beta, fn, GGML_N_TASKS_MAX, ffi.NULL)
 
 
+def _check_rows(t: Tensor, c_in: int, what: str, name: str) -> None:
+    """A 2-D F32 [C_in, rows] input with contiguous rows (any row stride)."""
+    _check_f32(t, f"{what}: {name}")
+    if int(t.ne[0]) != c_in:
+        raise ValueError(f"{what}: {name} has {int(t.ne[0])} channels, w expects {c_in}")
+    if int(t.ne[2]) != 1 or int(t.ne[3]) != 1:
+        raise ValueError(f"{what}: {name} must be 2-D, ne = [C_in, rows]")
+    if int(t.nb[0]) != 4 or int(t.nb[1]) % 4 != 0 or int(t.nb[1]) < 4 * c_in:
+        raise ValueError(f"{what}: {name} rows must be contiguous F32")
+
+
+def _conv_sources(what: str, xp: Tensor, hist: Tensor | None, c_in: int, k: int,
+                  dilation: int) -> tuple[int, list[Tensor]]:
+    """Checks the input (and the separate history); returns (T, the op's sources after w and
+    bias: [] or [hist])."""
+    _check_rows(xp, c_in, what, "xp" if hist is None else "x")
+    pad = (k - 1) * dilation
+    if hist is None:
+        t = int(xp.ne[1]) - pad
+        if t < 1:
+            raise ValueError(
+                f"{what}: xp has {int(xp.ne[1])} rows, needs more than the {pad} of history"
+            )
+        return t, []
+    t = int(xp.ne[1])
+    if t < 1:
+        raise ValueError(f"{what}: x has no rows")
+    if pad == 0:
+        if int(hist.ne[1]) != 0:
+            raise ValueError(f"{what}: K = 1 has no history; pass hist=None")
+        return t, []
+    _check_rows(hist, c_in, what, "hist")
+    if int(hist.ne[1]) != pad:
+        raise ValueError(
+            f"{what}: hist has {int(hist.ne[1])} rows, must be (K-1)*dilation = {pad}"
+        )
+    return t, [hist]
+
+
 def conv_block(library: Any | None = None) -> int:
     """Output channels per packed weight block of ``conv1d_tm`` (32 for AVX-512, 16 for AVX2,
     64 for the scalar build)."""
@@ -141,7 +183,7 @@ def pack_conv_weight(w: np.ndarray[Any, Any], *, library: Any | None = None
 
 
 def conv1d_tm(ctx: Any, xp: Tensor, w: Tensor, bias: Tensor, dilation: int = 1, *,
-              library: Any | None = None) -> Tensor:
+              hist: Tensor | None = None, library: Any | None = None) -> Tensor:
     """Exact-F32 causal dilated conv1d in the time-major layout (register-blocked C kernel).
 
     ``y[t, o] = bias[o] + sum_k sum_c W[o, c, k] * xp[t + k*dilation, c]`` (W as in PyTorch)
@@ -155,6 +197,11 @@ def conv1d_tm(ctx: Any, xp: Tensor, w: Tensor, bias: Tensor, dilation: int = 1, 
             ne = [B, C_in, K, ceil(C_out / B)], B = ``conv_block()``.
         bias: F32 vector ne = [C_out] (it also gives C_out).
         dilation: d >= 1 (ignored when K = 1).
+        hist: the history apart from the new rows, so that no concat is needed: then ``xp``
+            holds only the T new rows, ne = [C_in, T], and ``hist`` (F32, ne = [C_in,
+            (K-1)*dilation], rows contiguous, any row stride, 2-D) the rows that precede them;
+            the result is bit for bit that of ``xp = concat(hist, x)`` (the op reads across the
+            join itself). With K = 1 there is no history: None, or a tensor of 0 rows (ignored).
         library: for tests only: another build of libqtts_ops to run instead.
 
     Returns:
@@ -177,22 +224,12 @@ def conv1d_tm(ctx: Any, xp: Tensor, w: Tensor, bias: Tensor, dilation: int = 1, 
         )
     if dilation < 1:
         raise ValueError(f"conv1d_tm: dilation must be >= 1, got {dilation}")
-    if int(xp.ne[0]) != c_in:
-        raise ValueError(f"conv1d_tm: xp has {int(xp.ne[0])} channels, w expects {c_in}")
-    if int(xp.ne[2]) != 1 or int(xp.ne[3]) != 1:
-        raise ValueError("conv1d_tm: xp must be 2-D, ne = [C_in, T + P]")
-    if int(xp.nb[0]) != 4 or int(xp.nb[1]) % 4 != 0 or int(xp.nb[1]) < 4 * c_in:
-        raise ValueError("conv1d_tm: xp rows must be contiguous F32")
-    pad = (k - 1) * dilation
-    t = int(xp.ne[1]) - pad
-    if t < 1:
-        raise ValueError(
-            f"conv1d_tm: xp has {int(xp.ne[1])} rows, needs more than the {pad} of history"
-        )
+    t, extra = _conv_sources("conv1d_tm", xp, hist, c_in, k, dilation)
     _check_vector(bias, c_out, "conv1d_tm: bias")
     fn = _fn(library, "qtts_conv1d_tm_op", "ggml_custom_op_t")
-    args = ffi.new("struct ggml_tensor *[3]", [xp, w, bias])
-    return lib.ggml_custom_4d(ctx, lib.GGML_TYPE_F32, c_out, t, 1, 1, args, 3, fn,
+    srcs = [xp, w, bias, *extra]
+    args = ffi.new(f"struct ggml_tensor *[{len(srcs)}]", srcs)
+    return lib.ggml_custom_4d(ctx, lib.GGML_TYPE_F32, c_out, t, 1, 1, args, len(srcs), fn,
                               GGML_N_TASKS_MAX, ffi.cast("void *", dilation if k > 1 else 1))
 
 
@@ -257,7 +294,7 @@ def pack_conv_weight_bf16(w: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
 
 
 def conv1d_tm_bf16(ctx: Any, xp: Tensor, w: Tensor, bias: Tensor, dilation: int = 1, *,
-                   library: Any | None = None) -> Tensor:
+                   hist: Tensor | None = None, library: Any | None = None) -> Tensor:
     """BF16 causal dilated conv1d in the time-major layout (fast mode; F32 in and out).
 
     ``y[t, o] = bias[o] + sum_k sum_c bf16(W[o, c, k]) * bf16(xp[t + k*dilation, c])``, the
@@ -273,6 +310,8 @@ def conv1d_tm_bf16(ctx: Any, xp: Tensor, w: Tensor, bias: Tensor, dilation: int 
             with a zero channel; the shape cannot tell the two apart.)
         bias: F32 vector ne = [C_out] (it also gives C_out).
         dilation: d >= 1 (ignored when K = 1).
+        hist: the history apart from the new rows (no concat needed), as in ``conv1d_tm``:
+            ``xp`` then holds the T new rows only; bit for bit the result on the concatenation.
         library: for tests only: another build of libqtts_ops to run instead.
 
     Returns:
@@ -303,20 +342,13 @@ def conv1d_tm_bf16(ctx: Any, xp: Tensor, w: Tensor, bias: Tensor, dilation: int 
         raise ValueError(f"conv1d_tm_bf16: dilation must be >= 1, got {dilation}")
     if cp != -(-c_in // 2):
         raise ValueError(
-            f"conv1d_tm_bf16: xp has {c_in} channels, w expects {2 * cp - 1} or {2 * cp}"
+            f"conv1d_tm_bf16: {'xp' if hist is None else 'x'} has {c_in} channels, w expects "
+            f"{2 * cp - 1} or {2 * cp}"
         )
-    if int(xp.ne[2]) != 1 or int(xp.ne[3]) != 1:
-        raise ValueError("conv1d_tm_bf16: xp must be 2-D, ne = [C_in, T + P]")
-    if int(xp.nb[0]) != 4 or int(xp.nb[1]) % 4 != 0 or int(xp.nb[1]) < 4 * c_in:
-        raise ValueError("conv1d_tm_bf16: xp rows must be contiguous F32")
-    pad = (k - 1) * dilation
-    t = int(xp.ne[1]) - pad
-    if t < 1:
-        raise ValueError(
-            f"conv1d_tm_bf16: xp has {int(xp.ne[1])} rows, needs more than the {pad} of history"
-        )
+    t, extra = _conv_sources("conv1d_tm_bf16", xp, hist, c_in, k, dilation)
     _check_vector(bias, c_out, "conv1d_tm_bf16: bias")
     fn = _fn(library, "qtts_conv1d_tm_bf16_op", "ggml_custom_op_t")
-    args = ffi.new("struct ggml_tensor *[3]", [xp, w, bias])
-    return lib.ggml_custom_4d(ctx, lib.GGML_TYPE_F32, c_out, t, 1, 1, args, 3, fn,
+    srcs = [xp, w, bias, *extra]
+    args = ffi.new(f"struct ggml_tensor *[{len(srcs)}]", srcs)
+    return lib.ggml_custom_4d(ctx, lib.GGML_TYPE_F32, c_out, t, 1, 1, args, len(srcs), fn,
                               GGML_N_TASKS_MAX, ffi.cast("void *", dilation if k > 1 else 1))

@@ -12,11 +12,15 @@
  * Work is cut into units of (time chunk, output-channel block); thread ith takes a contiguous
  * range of units, time-major, so with many time steps each thread walks its own stretch of
  * time and with few time steps the output channels are shared out instead.
+ *
+ * The history may come in a source of its own (src[3]) rather than in front of x: tiles past
+ * the join read x directly, the few before it (t < (K-1)*d) read a joined copy (see the op).
  */
 #include <stdint.h>
 #include <string.h>
 
 #include "qtts_ops.h"
+#include "qtts_scratch.h"
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -352,22 +356,38 @@ void qtts_conv1d_tm_op(struct ggml_tensor * dst, int ith, int nth, void * userda
     const struct ggml_tensor * x = dst->src[0];
     const struct ggml_tensor * wt = dst->src[1];
     const struct ggml_tensor * bt = dst->src[2];
+    const struct ggml_tensor * ht = dst->src[3]; /* optional: the history rows, apart from x */
     const int64_t d = (int64_t)(intptr_t)userdata;
     GGML_ASSERT(x->type == GGML_TYPE_F32 && wt->type == GGML_TYPE_F32);
     GGML_ASSERT(bt->type == GGML_TYPE_F32 && dst->type == GGML_TYPE_F32);
     const int64_t Ci = x->ne[0], O = dst->ne[0], T = dst->ne[1];
     const int K = (int)wt->ne[2];
     const int64_t n_ob = (O + OB - 1) / OB;
+    const int64_t P = (int64_t)(K - 1) * d; /* history rows */
+    const int64_t ph = ht ? P : 0;          /* rows of xp that come from ht */
     GGML_ASSERT(wt->ne[0] == OB && wt->ne[1] == Ci && wt->ne[3] == n_ob && ggml_is_contiguous(wt));
     GGML_ASSERT(ggml_nelements(bt) == O && ggml_is_contiguous(bt));
-    GGML_ASSERT(d >= 1 && x->ne[1] == T + (K - 1) * d && x->ne[2] == 1 && x->ne[3] == 1);
+    GGML_ASSERT(d >= 1 && x->ne[1] + ph == T + P && x->ne[2] == 1 && x->ne[3] == 1);
     GGML_ASSERT(x->nb[0] == sizeof(float) && ggml_is_contiguous(dst));
+    if (ht) {
+        GGML_ASSERT(ht->type == GGML_TYPE_F32 && ht->ne[0] == Ci && ht->ne[1] == P);
+        GGML_ASSERT(ht->ne[2] == 1 && ht->ne[3] == 1 && ht->nb[0] == sizeof(float));
+    }
 
     const int64_t xs = (int64_t)(x->nb[1] / sizeof(float));
     const float * xp = (const float *)x->data;
     const float * w = (const float *)wt->data;
     const float * bias = (const float *)bt->data;
     float * y = (float *)dst->data;
+
+    /* The logical input is xp = [ht rows 0 .. ph | x rows]. A tile at t >= ph reads rows
+     * t .. t + NT_MAIN - 1 + P of xp, all in x (row r of xp is x row r - ph). The tiles at
+     * t < ph read across the join: for them the thread copies xp rows 0 .. stage_rows once
+     * into a contiguous scratch (row stride Ci) and runs the same tile on it, so every
+     * element is summed exactly as for a concatenated xp. Such a tile starts before row ph
+     * and spans at most NT_MAIN steps, so it reads below row min(T, ph - 1 + NT_MAIN) + P. */
+    const int64_t stage_rows = ph ? (T < ph - 1 + NT_MAIN ? T : ph - 1 + NT_MAIN) + P : 0;
+    const float * stage = NULL;
 
     /* Input channels are summed in chunks of <= KC_MAX (the chunking depends on C_in only,
      * so the summation order is the same for any thread count): per (chunk, block) the
@@ -388,17 +408,27 @@ void qtts_conv1d_tm_op(struct ggml_tensor * dst, int ith, int nth, void * userda
         const int width = (int)(O - o0 < OB ? O - o0 : OB);
         const tile_fn * fns = width == OB ? TILE_FULL : TILE_MASK;
         const int64_t t_end = (tc + 1) * TCHUNK < T ? (tc + 1) * TCHUNK : T;
+        if (tc * TCHUNK < ph && stage == NULL) {
+            float * s = (float *)qtts_scratch_get(QTTS_SCRATCH_F32_STAGE,
+                                                  (size_t)(stage_rows * Ci) * sizeof(float));
+            const float * hp = (const float *)ht->data;
+            const int64_t hs = (int64_t)(ht->nb[1] / sizeof(float));
+            for (int64_t r = 0; r < stage_rows; r++) {
+                const float * src = r < ph ? hp + r * hs : xp + (r - ph) * xs;
+                memcpy(s + r * Ci, src, (size_t)Ci * sizeof(float));
+            }
+            stage = s;
+        }
         for (int64_t c0 = 0; c0 < Ci; c0 += kc) {
-            const conv_args a = {
-                .xp = xp + c0, .xs = xs, .w = w + (ob * K * Ci + c0) * OB, .wks = Ci * OB, .d = d,
-                .nc = Ci - c0 < kc ? Ci - c0 : kc, .K = K,
-            };
+            const int64_t nc = Ci - c0 < kc ? Ci - c0 : kc;
+            const float * wc = w + (ob * K * Ci + c0) * OB;
             for (int64_t t = tc * TCHUNK; t < t_end; t += NT_MAIN) {
                 const int nt = (int)(t_end - t < NT_MAIN ? t_end - t : NT_MAIN);
                 float * out = y + t * O + o0;
+                const int staged = t < ph;
                 const conv_args at = {
-                    .xp = a.xp + t * xs, .xs = xs, .w = a.w, .wks = a.wks, .d = d,
-                    .nc = a.nc, .K = K,
+                    .xp = staged ? stage + t * Ci + c0 : xp + (t - ph) * xs + c0,
+                    .xs = staged ? Ci : xs, .w = wc, .wks = Ci * OB, .d = d, .nc = nc, .K = K,
                 };
                 if (c0 == 0) {
                     fns[nt](out, O, bias + o0, 0, &at, width);

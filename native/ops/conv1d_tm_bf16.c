@@ -15,7 +15,9 @@
  * The F32 input is converted to BF16 pairs inside the op: each thread converts the rows of the
  * time chunk it works on (<= TCHUNK steps plus (K-1)*d of history) into a thread-local scratch
  * buffer (kept between calls, freed at thread exit), then runs every output-channel block of its
- * units over it. Odd C_in: the last pair is (x[C_in - 1], 0), with a zero weight.
+ * units over it. Odd C_in: the last pair is (x[C_in - 1], 0), with a zero weight. With the
+ * history in a source of its own (src[3]) the conversion reads the rows before the join from
+ * it and the rest from x: the scratch, and so the result, is the same as for a concatenated xp.
  *
  * Summation order per output element: bias; then per input-pair chunk (depends on C_in only):
  * k ascending, pair ascending, one VDPBF16PS each. Tiles and threads do not change it, so the
@@ -26,12 +28,11 @@
  * first, then even, as Intel's VDPBF16PS pseudocode, but without its flushing of subnormal
  * products and sums): correct, not fast. qtts_conv1d_tm_bf16_fast() tells which one is built.
  */
-#include <pthread.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "qtts_ops.h"
+#include "qtts_scratch.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define BF16_SIMD 1
@@ -52,30 +53,6 @@
 #endif
 
 int qtts_conv1d_tm_bf16_fast(void) { return BF16_SIMD; }
-
-/* ---- thread-local scratch for the converted input ----------------------------------------- */
-
-static pthread_key_t scratch_key;
-static pthread_once_t scratch_once = PTHREAD_ONCE_INIT;
-static int scratch_key_ok;
-static _Thread_local void * scratch_ptr;
-static _Thread_local size_t scratch_cap;
-
-/* free() itself is the destructor: nothing of this library runs at thread exit. */
-static void scratch_key_init(void) { scratch_key_ok = pthread_key_create(&scratch_key, free) == 0; }
-
-static void * scratch_get(size_t bytes) {
-    if (bytes > scratch_cap) {
-        size_t cap = (bytes + bytes / 4 + 4095) & ~(size_t)4095;
-        free(scratch_ptr);
-        scratch_ptr = aligned_alloc(64, cap);
-        GGML_ASSERT(scratch_ptr != NULL && "conv1d_tm_bf16: out of memory for the scratch");
-        scratch_cap = cap;
-        pthread_once(&scratch_once, scratch_key_init);
-        if (scratch_key_ok) pthread_setspecific(scratch_key, scratch_ptr);
-    }
-    return scratch_ptr;
-}
 
 /* ---- F32 -> BF16 pairs ---------------------------------------------------------------------- */
 
@@ -112,6 +89,20 @@ static void convert_rows(uint32_t * dst, int64_t cp, const float * src, int64_t 
         if (ci & 1) o[ci] = 0;
 #endif
     }
+}
+
+/* Rows r0 .. r1 of the logical input xp = [hist rows 0 .. ph | x rows] -> dst (row stride cp
+ * dwords): rows r < ph come from hist row r, the others from x row r - ph. */
+static void convert_xp_rows(uint32_t * dst, int64_t cp, const float * hist, int64_t hs,
+                            int64_t ph, const float * x, int64_t xs, int64_t r0, int64_t r1,
+                            int64_t ci) {
+    if (r0 < ph) {
+        const int64_t r = r1 < ph ? r1 : ph;
+        convert_rows(dst, cp, hist + r0 * hs, hs, r - r0, ci);
+        dst += (r - r0) * cp;
+        r0 = r;
+    }
+    if (r0 < r1) convert_rows(dst, cp, x + (r0 - ph) * xs, xs, r1 - r0, ci);
 }
 
 /* ---- tiles -------------------------------------------------------------------------------- */
@@ -270,6 +261,7 @@ void qtts_conv1d_tm_bf16_op(struct ggml_tensor * dst, int ith, int nth, void * u
     const struct ggml_tensor * x = dst->src[0];
     const struct ggml_tensor * wt = dst->src[1];
     const struct ggml_tensor * bt = dst->src[2];
+    const struct ggml_tensor * ht = dst->src[3]; /* optional: the history rows, apart from x */
     const int64_t d = (int64_t)(intptr_t)userdata;
     GGML_ASSERT(x->type == GGML_TYPE_F32 && wt->type == GGML_TYPE_BF16);
     GGML_ASSERT(bt->type == GGML_TYPE_F32 && dst->type == GGML_TYPE_F32);
@@ -277,21 +269,28 @@ void qtts_conv1d_tm_bf16_op(struct ggml_tensor * dst, int ith, int nth, void * u
     const int64_t cp = (Ci + 1) / 2;
     const int K = (int)wt->ne[2];
     const int64_t n_ob = (O + OB - 1) / OB;
+    const int64_t hist = (int64_t)(K - 1) * d;
+    const int64_t ph = ht ? hist : 0; /* rows of xp that come from ht */
     GGML_ASSERT(wt->ne[0] == 2 * OB && wt->ne[1] == cp && wt->ne[3] == n_ob &&
                 ggml_is_contiguous(wt));
     GGML_ASSERT(ggml_nelements(bt) == O && ggml_is_contiguous(bt));
-    GGML_ASSERT(d >= 1 && x->ne[1] == T + (K - 1) * d && x->ne[2] == 1 && x->ne[3] == 1);
+    GGML_ASSERT(d >= 1 && x->ne[1] + ph == T + hist && x->ne[2] == 1 && x->ne[3] == 1);
     GGML_ASSERT(x->nb[0] == sizeof(float) && ggml_is_contiguous(dst));
+    if (ht) {
+        GGML_ASSERT(ht->type == GGML_TYPE_F32 && ht->ne[0] == Ci && ht->ne[1] == hist);
+        GGML_ASSERT(ht->ne[2] == 1 && ht->ne[3] == 1 && ht->nb[0] == sizeof(float));
+    }
 
     const int64_t xs = (int64_t)(x->nb[1] / sizeof(float));
     const float * xp = (const float *)x->data;
+    const int64_t hs = ht ? (int64_t)(ht->nb[1] / sizeof(float)) : 0;
+    const float * hp = ht ? (const float *)ht->data : NULL;
     const uint16_t * w = (const uint16_t *)wt->data;
     const float * bias = (const float *)bt->data;
     float * y = (float *)dst->data;
 
     const int64_t n_kc = (cp + KP_MAX - 1) / KP_MAX;
     const int64_t kc = (cp + n_kc - 1) / n_kc;
-    const int64_t hist = (int64_t)(K - 1) * d;
 
     /* Time chunks of equal length (whole tiles), at most TCHUNK steps; when that leaves fewer
      * than 4 units per thread, shorter ones, so that contiguous unit ranges share the work out
@@ -309,14 +308,15 @@ void qtts_conv1d_tm_bf16_op(struct ggml_tensor * dst, int ith, int nth, void * u
     const int64_t u0 = units * ith / nth, u1 = units * (ith + 1) / nth;
     if (u0 >= u1) return;
     const int64_t max_rows = (T < tch ? T : tch) + hist;
-    uint32_t * xb = (uint32_t *)scratch_get((size_t)(max_rows * cp) * sizeof(uint32_t));
+    uint32_t * xb = (uint32_t *)qtts_scratch_get(QTTS_SCRATCH_BF16_INPUT,
+                                                 (size_t)(max_rows * cp) * sizeof(uint32_t));
     int64_t have_tc = -1;
     for (int64_t u = u0; u < u1; u++) {
         const int64_t tc = u / n_ob, ob = u % n_ob;
         const int64_t t0 = tc * tch;
         const int64_t t_end = t0 + tch < T ? t0 + tch : T;
-        if (tc != have_tc) { /* rows t0 .. t_end + hist of xp, as BF16 pairs */
-            convert_rows(xb, cp, xp + t0 * xs, xs, t_end - t0 + hist, Ci);
+        if (tc != have_tc) { /* rows t0 .. t_end + hist of xp (= [ht | x]), as BF16 pairs */
+            convert_xp_rows(xb, cp, hp, hs, ph, xp, xs, t0, t_end + hist, Ci);
             have_tc = tc;
         }
         const int64_t o0 = ob * OB;

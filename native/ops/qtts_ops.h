@@ -29,9 +29,14 @@ void qtts_snake_beta_op(struct ggml_tensor * dst, const struct ggml_tensor * a,
                         int ith, int nth, void * userdata);
 
 /* Causal dilated conv1d, time-major, as a ggml_custom_op_t for
- * ggml_custom_4d(ctx, F32, C_out, T, 1, 1, {xp, w, bias}, 3, qtts_conv1d_tm_op, n, (void*)d):
+ * ggml_custom_4d(ctx, F32, C_out, T, 1, 1, {xp, w, bias}, 3, qtts_conv1d_tm_op, n, (void*)d)
+ * or, with the history in a tensor of its own (no concat),
+ * ggml_custom_4d(ctx, F32, C_out, T, 1, 1, {x, w, bias, hist}, 4, qtts_conv1d_tm_op, n, (void*)d):
  *   dst[t, o] = bias[o] + sum_k sum_c W[k, c, o] * xp[t + k*d, c]
  * xp: F32 ne = [C_in, T + (K-1)*d], rows contiguous (nb[0] = 4, any row stride);
+ *   with 4 sources xp is the join [hist | x]: hist F32 ne = [C_in, (K-1)*d] (K > 1) and
+ *   x F32 ne = [C_in, T], rows contiguous, any row stride each; the result is bit for bit the
+ *   one on the concatenated xp;
  * w: F32 contiguous, W packed in blocks of B = qtts_conv1d_tm_block() output channels:
  *   ne = [B, C_in, K, ceil(C_out / B)] (numpy [n_blocks, K, C_in, B]), w[j, k, c, i] =
  *   W[k, c, j*B + i], zero past C_out;
@@ -46,7 +51,8 @@ int qtts_conv1d_tm_block(void);
 #define QTTS_CONV_BF16_BLOCK 32
 
 /* BF16 causal dilated conv1d, time-major (fast mode), as a ggml_custom_op_t for
- * ggml_custom_4d(ctx, F32, C_out, T, 1, 1, {xp, w, bias}, 3, qtts_conv1d_tm_bf16_op, n, (void*)d):
+ * ggml_custom_4d(ctx, F32, C_out, T, 1, 1, {xp, w, bias}, 3, qtts_conv1d_tm_bf16_op, n, (void*)d)
+ * or with {x, w, bias, hist}, 4 sources: the history apart, as for qtts_conv1d_tm_op:
  *   dst[t, o] = bias[o] + sum_k sum_c bf16(W[k, c, o]) * bf16(xp[t + k*d, c])   (F32 sums)
  * xp: F32 ne = [C_in, T + (K-1)*d], rows contiguous (nb[0] = 4, any row stride), converted to
  *   BF16 inside the op (nearest even, subnormals to zero);

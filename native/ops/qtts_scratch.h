@@ -1,0 +1,14 @@
+/* Internal to libqtts_ops (not part of the cffi binding): thread-local scratch buffers. */
+#pragma once
+
+#include <stddef.h>
+
+/* Scratch slots, one buffer each per thread. */
+#define QTTS_SCRATCH_BF16_INPUT 0 /* conv1d_tm_bf16.c: the time chunk's input as BF16 pairs */
+#define QTTS_SCRATCH_F32_STAGE 1  /* conv1d_tm.c: history + first new rows, joined */
+#define QTTS_SCRATCH_SLOTS 2
+
+/* A 64-byte aligned buffer of at least `bytes` for the calling thread, kept between calls
+ * (grown when too small; its old contents are not kept) and freed when the thread exits.
+ * Aborts (GGML_ASSERT) when out of memory. */
+__attribute__((visibility("hidden"))) void * qtts_scratch_get(int slot, size_t bytes);
