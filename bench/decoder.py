@@ -91,6 +91,7 @@ def bench_streaming(m: DecoderModel, codes: np.ndarray, chunk_sizes: list[int], 
     print("|---|---:|---:|---:|---:|")
     plans = [(str(n), [n] * ((t + n - 1) // n)) for n in chunk_sizes]
     plans.append(("ramp 1,2,4,8,8,...", ramp(t, 1, 8)))
+    plans.append(("ramp 1,2,4,8,16,16,...", ramp(t, 1, 16)))
     for label, sizes in plans:
         runs = []
         for _ in range(reps):

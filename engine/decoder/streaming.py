@@ -21,7 +21,7 @@ from engine.errors import InputError
 from engine.ggml import Tensor
 from engine.timings import StageTimings
 
-DEFAULT_OFFLINE_CHUNK = 25  # frames per push in decode(): 2 s of audio, bounded memory
+DEFAULT_OFFLINE_CHUNK = 50  # frames per push in decode(): 4 s of audio, bounded memory
 
 
 class DecoderModel:

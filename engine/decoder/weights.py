@@ -274,8 +274,8 @@ class DecoderWeights:
         return Snake(self._f32(f"{prefix}.exp_alpha", np.exp(alpha)),
                      self._f32(f"{prefix}.inv_beta", 1.0 / (np.exp(beta) + SNAKE_EPS)))
 
-    def _linear(self, prefix: str, bias: bool = True) -> Linear:
-        w = self._w(f"{prefix}.weight", tensor_f32(self.model, f"{prefix}.weight"))
+    def _linear(self, prefix: str, bias: bool = True, bulk: bool = False) -> Linear:
+        w = self._w(f"{prefix}.weight", tensor_f32(self.model, f"{prefix}.weight"), bulk)
         b = self._f32(f"{prefix}.bias", tensor_f32(self.model, f"{prefix}.bias")) if bias else None
         return Linear(w, b)
 
@@ -304,8 +304,8 @@ class DecoderWeights:
             dw_bias=self._f32(f"{p}.dwconv.bias", tensor_f32(self.model, f"{p}.dwconv.bias")),
             norm_w=self._f32(f"{p}.norm.weight", tensor_f32(self.model, f"{p}.norm.weight")),
             norm_b=self._f32(f"{p}.norm.bias", tensor_f32(self.model, f"{p}.norm.bias")),
-            pw1=self._linear(f"{p}.pwconv1"),
-            pw2=self._linear(f"{p}.pwconv2"),
+            pw1=self._linear(f"{p}.pwconv1", bulk=True),
+            pw2=self._linear(f"{p}.pwconv2", bulk=True),
             gamma=self._f32(f"{p}.gamma", tensor_f32(self.model, f"{p}.gamma")),
         )
 
