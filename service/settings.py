@@ -51,7 +51,7 @@ class Settings(BaseSettings):
     log_level: str = Field(default="info", description="python logging level")
     precision: Literal["fast", "exact"] = Field(default="fast", description="decoder precision")
     chunk_max_frames: int = Field(
-        default=8, ge=1, le=256, description="largest decoder chunk of the 1,2,4,.. ramp"
+        default=16, ge=1, le=256, description="largest decoder chunk of the 1,2,4,.. ramp"
     )
     drain_seconds: float = Field(
         default=30.0, ge=0, description="on SIGTERM: how long in-flight requests may finish"

@@ -37,7 +37,7 @@ def test_models_and_voices_from_model_metadata(server: Server) -> None:
 
 def test_streaming_is_real(server: Server) -> None:
     """The first chunk arrives while later frames are still being decoded."""
-    n = 120
+    n = 400
     arrivals: list[tuple[float, int]] = []
     t0 = time.monotonic()
     with httpx.stream("POST", server.url + "/tts", json={"codes": codes(n), "format": "pcm"},
@@ -52,7 +52,7 @@ def test_streaming_is_real(server: Server) -> None:
     assert total == n * FRAME_SAMPLES * 2
     first_t, first_b = arrivals[0]
     end_t = arrivals[-1][0]
-    # the first frame (1 of 120) is out long before synthesis ends, as its own small chunk
+    # the first frame (1 of 400) is out long before synthesis ends, as its own small chunk
     assert first_b < total / 4
     assert first_t < 0.25 * end_t, arrivals[:5]
     assert len(arrivals) >= 5

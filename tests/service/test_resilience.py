@@ -179,7 +179,7 @@ def test_api_key(make_server: Any) -> None:
 def test_not_ready_before_warm_up_and_request_timeout(service_model: Any, tmp_path: Any) -> None:
     from tests.service.helpers import Server
 
-    server = Server(service_model, tmp_path, warmup_frames=64, request_timeout=1.0)
+    server = Server(service_model, tmp_path, warmup_frames=64, request_timeout=0.3)
     try:
         seen: list[tuple[int, str]] = []
         deadline = time.monotonic() + 60
