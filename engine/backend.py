@@ -41,7 +41,14 @@ from engine.diagnostics import (
 )
 from engine.errors import BackendError
 from engine.ggml import Tensor, ffi, lib, native_info
-from engine.ggml.graph import Graph, name_of, new_tensor, numpy_dtype_of, set_name
+from engine.ggml.graph import (
+    Graph,
+    ggml_type_of,
+    name_of,
+    new_tensor,
+    numpy_dtype_of,
+    set_name,
+)
 
 # Our names for backends and the name their ggml registry reports.
 REGISTRY_NAMES: dict[str, str] = {
@@ -298,12 +305,12 @@ class WeightStore:
         """A weight computed at load time. ``ggml_type`` BF16 or F16 converts float32 data."""
         src = np.ascontiguousarray(array)
         if ggml_type == lib.GGML_TYPE_BF16:
+            if src.dtype != np.float32:  # uint16 bits would be converted as numbers
+                raise TypeError(f"{name}: BF16 weights are given as float32, got {src.dtype}")
             src = _to_bf16(src)
         elif ggml_type == lib.GGML_TYPE_F16 and src.dtype == np.float32:
             src = src.astype(np.float16)
         elif ggml_type is None:
-            from engine.ggml.graph import ggml_type_of
-
             ggml_type = ggml_type_of(src.dtype)
         elif numpy_dtype_of(ggml_type) != src.dtype:
             raise TypeError(f"{name}: array dtype {src.dtype} does not hold ggml type {ggml_type}")
