@@ -110,6 +110,27 @@ def bench_streaming(m: DecoderModel, codes: np.ndarray, chunk_sizes: list[int], 
               f"{total / len(sizes) * 1e3:.0f} |")
 
 
+def bench_row_split(model: Any, threads: int, codes: np.ndarray, reps: int) -> None:
+    """Cost on the CPU of splitting matmuls for row-limited accelerators (QTTS_MAX_MATMUL_ROWS).
+
+    With stock ggml ops only (QTTS_CUSTOM_OPS=0): that is the graph an accelerator runs, where
+    every conv is a set of matmuls.
+    """
+    t = codes.shape[1]
+    print(f"\n## row-split policy on the CPU, stock ggml ops (QTTS_CUSTOM_OPS=0), {t} frames")
+    print("| QTTS_MAX_MATMUL_ROWS | decode s | cost vs unsplit |")
+    print("|---:|---:|---:|")
+    base = None
+    for rows in ("", "1024"):
+        env = {"QTTS_BACKEND": "cpu", "QTTS_THREADS": str(threads), "QTTS_CUSTOM_OPS": "0",
+               "QTTS_MAX_MATMUL_ROWS": rows}
+        m = DecoderModel.load(model, BackendSet.from_env(env), "fast")
+        secs = best([_timed(lambda m=m: decode(m, codes)) for _ in range(reps)])
+        base = base or secs
+        print(f"| {rows or 'unlimited'} | {secs:.3f} | {secs / base:.2f} |")
+        m.close()
+
+
 def _timed(fn: Any) -> float:
     start = time.perf_counter()
     fn()
@@ -148,6 +169,8 @@ def main() -> None:
         codes = ref.random_codes(max(args.frames), seed=1)
         for m in models.values():
             bench_streaming(m, codes, args.stream, max(1, args.reps - 1), chunk)
+        bench_row_split(model, args.threads, ref.random_codes(min(args.frames), seed=1),
+                        args.reps)
 
 
 if __name__ == "__main__":

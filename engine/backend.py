@@ -18,6 +18,8 @@ Environment (read by ``BackendSet.from_env``):
   QTTS_MAX_MATMUL_ROWS   split matmuls whose src1 has more rows (default: per backend, e.g.
                          1024 for hexagon; none elsewhere) so they stay on the accelerator
   QTTS_OP_LOG, QTTS_OP_FILTER, QTTS_CHECK_DETERMINISM   see engine/diagnostics.py
+  QTTS_CUSTOM_OPS=0      do not use qtts's own CPU kernels (native/ops): stock ggml ops only,
+                         e.g. to rule them out when bisecting a wrong result
 """
 
 from __future__ import annotations
@@ -387,9 +389,10 @@ class BackendSet:
 
     def __init__(self, choice: BackendChoice, graph_size: int = DEFAULT_GRAPH_SIZE,
                  debug: bool = False, diagnostics: DiagnosticSettings | None = None,
-                 max_matmul_rows: int | None = None) -> None:
+                 max_matmul_rows: int | None = None, custom_ops: bool = True) -> None:
         self.choice = choice
         self.debug = debug
+        self.custom_ops = custom_ops
         self.diagnostics = diagnostics or DiagnosticSettings()
         self.max_matmul_rows = (max_matmul_rows if max_matmul_rows is not None
                                 else MAX_MATMUL_ROWS.get(choice.device.backend))
@@ -432,6 +435,7 @@ class BackendSet:
         rows = e.get("QTTS_MAX_MATMUL_ROWS")
         if rows not in (None, ""):
             kwargs.setdefault("max_matmul_rows", _parse_int("QTTS_MAX_MATMUL_ROWS", rows, 1))
+        kwargs.setdefault("custom_ops", e.get("QTTS_CUSTOM_OPS", "1") != "0")
         return cls(choice, debug=e.get("QTTS_DEBUG_BACKEND", "") == "1",
                    diagnostics=DiagnosticSettings.from_env(e), **kwargs)
 

@@ -89,11 +89,17 @@ def test_first_difference_reports_the_node() -> None:
 def test_row_limited_matmuls_equal_unsplit(tiny_gguf: Path) -> None:
     model = open_model(tiny_gguf)
     codes = np.random.default_rng(2).integers(0, 2048, (16, 6))
-    full = BackendSet.from_env(_env(backend="cpu", threads="2"))
-    split = BackendSet.from_env(_env(backend="cpu", threads="2", max_matmul_rows="1024"))
+    # stock ggml ops (as on an accelerator): every conv is matmuls, so the split is exercised
+    full = BackendSet.from_env(_env(backend="cpu", threads="2", custom_ops="0"))
+    split = BackendSet.from_env(_env(backend="cpu", threads="2", max_matmul_rows="1024",
+                                     custom_ops="0"))
     assert split.max_matmul_rows == 1024
-    a, _ = decode(DecoderModel.load(model, full, "exact"), codes)
-    b, _ = decode(DecoderModel.load(model, split, "exact"), codes)
+    dec_full, dec_split = (DecoderModel.load(model, bs, "exact") for bs in (full, split))
+    assert not dec_split.use_custom_ops
+    split.placement_log = []
+    a, _ = decode(dec_full, codes)
+    b, _ = decode(dec_split, codes)
+    assert max(sum(p.nodes_per_backend.values()) for p in split.placement_log) > 1000
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
     # and the split graph really has more matmuls than rows allow in one
     bs = BackendSet.from_env(_env(backend="cpu", max_matmul_rows="64"))

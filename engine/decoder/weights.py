@@ -170,7 +170,8 @@ class DecoderWeights:
         # qtts's own direct conv kernels beat ggml's K mul_mats 1.4-2.9x (F32) and 1.8-2.4x
         # (BF16) on this CPU (bench/kernels.py); they run on the CPU backend only, so
         # accelerators keep the mul_mat form.
-        self.use_custom_ops = backends.name in ("cpu", "blas") and custom_ops.available()
+        self.use_custom_ops = (backends.custom_ops and backends.name in ("cpu", "blas")
+                               and custom_ops.available())
         self._bf16_kernel = self.use_custom_ops and custom_ops.bf16_available()
         # Fast mode: BF16 only in the wave generator (decoder.0-6, ~97 % of the FLOPs). The
         # pre-transformer and upsampler are a few % of the time but, in BF16, cost ~3 dB of SNR
