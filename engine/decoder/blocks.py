@@ -9,7 +9,7 @@ and its continuation as an output, so one call per chunk equals one pass over th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -38,15 +38,29 @@ class StageGraph(Graph):
         Each chunk is its own MUL_MAT, small enough to stay on a row-limited accelerator; the
         chunks are joined along time. On the CPU the result equals the unsplit product.
         """
-        rows_max, t = self.max_matmul_rows, int(x.ne[1])
+        return self.by_rows(x, lambda xc: lib.ggml_mul_mat(self.ctx, w, xc))
+
+    def by_rows(self, x: Tensor, fn: Callable[[Tensor], Tensor], n_rows: int | None = None
+                ) -> Tensor:
+        """``fn`` over row chunks of ``x`` (one chunk when the backend has no row limit).
+
+        ``n_rows`` is the number of output rows when ``x`` carries extra history rows in front
+        (chunk ``i`` then sees rows ``start .. start + len + extra``). The chunk results are
+        joined by a balanced tree of concats, so each row is copied log2(chunks) times, not
+        once per chunk.
+        """
+        t = int(x.ne[1]) if n_rows is None else n_rows
+        extra = int(x.ne[1]) - t
+        rows_max = self.max_matmul_rows
         if rows_max is None or t <= rows_max:
-            return lib.ggml_mul_mat(self.ctx, w, x)
-        y = None
-        for start in range(0, t, rows_max):
-            part = lib.ggml_mul_mat(self.ctx, w, rows(self.ctx, x, start, min(rows_max,
-                                                                              t - start)))
-            y = part if y is None else lib.ggml_concat(self.ctx, y, part, 1)
-        return y
+            return fn(x)
+        parts = [fn(rows(self.ctx, x, start, min(rows_max, t - start) + extra))
+                 for start in range(0, t, rows_max)]
+        while len(parts) > 1:
+            paired = [lib.ggml_concat(self.ctx, a, b, 1) for a, b in zip(parts[::2], parts[1::2],
+                                                                         strict=False)]
+            parts = paired + ([parts[-1]] if len(parts) % 2 else [])
+        return parts[0]
 
     def tap(self, t: Tensor, name: str) -> Tensor:
         """Name an intermediate; with ``capture`` on, also read it back (for parity checks)."""
@@ -101,12 +115,15 @@ def causal_conv(g: StageGraph, key: str, x: Tensor, conv: Conv, dilation: int = 
     if conv.taps[0].type != lib.GGML_TYPE_F32 and conv.kernel > 1:
         # Half-precision taps would each convert their (overlapping) input rows; convert once.
         xp = lib.ggml_cast(ctx, xp, conv.taps[0].type)
-    t = int(x.ne[1])
-    y = None
-    for j, tap in enumerate(conv.taps):
-        part = g.mul_mat(tap, rows(ctx, xp, j * dilation, t))
-        y = part if y is None else lib.ggml_add(ctx, y, part)
-    return lib.ggml_add(ctx, y, conv.bias)
+    def taps(xc: Tensor) -> Tensor:  # one row chunk: xc holds its history rows in front
+        n = int(xc.ne[1]) - (conv.kernel - 1) * dilation
+        y = None
+        for j, tap in enumerate(conv.taps):
+            part = lib.ggml_mul_mat(ctx, tap, rows(ctx, xc, j * dilation, n))
+            y = part if y is None else lib.ggml_add(ctx, y, part)
+        return lib.ggml_add(ctx, y, conv.bias)
+
+    return g.by_rows(xp, taps, n_rows=int(x.ne[1]))
 
 
 def _direct_conv(g: StageGraph, key: str, x: Tensor, conv: Conv, dilation: int, n_hist: int
