@@ -115,6 +115,7 @@ def causal_conv(g: StageGraph, key: str, x: Tensor, conv: Conv, dilation: int = 
     if conv.taps[0].type != lib.GGML_TYPE_F32 and conv.kernel > 1:
         # Half-precision taps would each convert their (overlapping) input rows; convert once.
         xp = lib.ggml_cast(ctx, xp, conv.taps[0].type)
+
     def taps(xc: Tensor) -> Tensor:  # one row chunk: xc holds its history rows in front
         n = int(xc.ne[1]) - (conv.kernel - 1) * dilation
         y = None
