@@ -145,6 +145,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=None, help="offline push size (frames)")
     ap.add_argument("--stream", type=int, nargs="*", default=[1, 4])
+    ap.add_argument("--backend", default="cpu", help="QTTS_BACKEND for our decoder (cpu, cuda)")
     args = ap.parse_args()
 
     import torch
@@ -158,7 +159,8 @@ def main() -> None:
         gguf = Path(tmp) / "decoder.gguf"
         convert(folder, gguf, dtype="f32", progress=False)
         model = open_model(gguf)
-        backends = BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": str(args.threads)})
+        backends = BackendSet.from_env({"QTTS_BACKEND": args.backend,
+                                        "QTTS_THREADS": str(args.threads)})
         models = {p: DecoderModel.load(model, backends, p) for p in ("exact", "fast")}  # type: ignore[arg-type]
         from engine.decoder.streaming import DEFAULT_OFFLINE_CHUNK
 

@@ -8,6 +8,7 @@ The reference builds a random-weight ``speech_tokenizer/`` in the released layou
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +64,9 @@ class Case:
         self.stages = ref.reference_stage_outputs(model, self.codes)
         self.wav = self.stages["wav"].reshape(-1)
         self.tmp = tmp
-        self.backends = BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "2"})
+        # QTTS_TEST_BACKEND=cuda runs the same parity on an accelerator (bench/gpu_check.sh)
+        self.backends = BackendSet.from_env({
+            "QTTS_BACKEND": os.environ.get("QTTS_TEST_BACKEND", "cpu"), "QTTS_THREADS": "2"})
         self._gguf: dict[str, Any] = {}
 
     def model(self, dtype: str) -> Any:
