@@ -25,25 +25,28 @@ import numpy as np
 import numpy.typing as npt
 
 from engine.errors import InputError
+from engine.tensor_names import GenerationDefaults
 
 F32 = npt.NDArray[np.float32]
 NEG_INF = np.float32(-np.inf)
+_SPEC = GenerationDefaults()
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """Sampling settings of one request (defaults come from the GGUF's generation config)."""
 
-    do_sample: bool = True
-    temperature: float = 0.9
-    top_k: int = 50
-    top_p: float = 1.0
-    repetition_penalty: float = 1.05
-    min_new_tokens: int = 2
-    subtalker_do_sample: bool = True
-    subtalker_temperature: float = 0.9
-    subtalker_top_k: int = 50
-    subtalker_top_p: float = 1.0
+    # defaults: the spec's generation_config values, kept in one place (GenerationDefaults)
+    do_sample: bool = _SPEC.do_sample
+    temperature: float = _SPEC.temperature
+    top_k: int = _SPEC.top_k
+    top_p: float = _SPEC.top_p
+    repetition_penalty: float = _SPEC.repetition_penalty
+    min_new_tokens: int = _SPEC.min_new_tokens
+    subtalker_do_sample: bool = _SPEC.subtalker_dosample
+    subtalker_temperature: float = _SPEC.subtalker_temperature
+    subtalker_top_k: int = _SPEC.subtalker_top_k
+    subtalker_top_p: float = _SPEC.subtalker_top_p
 
     @classmethod
     def from_defaults(cls, gen: Any) -> SamplingParams:
