@@ -147,6 +147,22 @@ def check_prerequisites(backends: list[str]) -> None:
 CUBLAS_WHEEL = "nvidia-cublas==13.1.1.3"  # matches the local nvcc 13.0; the toolkit lacks cuBLAS
 
 
+def cublas_lib_dir() -> Path:
+    """Where the cuBLAS wheel's shared libraries are unpacked."""
+    return cache_root() / "cublas" / CUBLAS_WHEEL.split("==")[1] / "nvidia" / "cu13" / "lib"
+
+
+def link_cublas(prefix: Path) -> None:
+    """Put the wheel's cuBLAS beside libggml-cuda, which finds its dependencies via $ORIGIN."""
+    src = cublas_lib_dir()
+    if not src.is_dir():
+        return  # the toolkit's own cuBLAS is on the loader's path
+    for lib in src.glob("libcublas*.so.*"):
+        link = lib_dir(prefix) / lib.name
+        if not link.exists():
+            link.symlink_to(lib)
+
+
 def cublas_from_pypi() -> list[str]:
     """CMake options pointing at cuBLAS from its PyPI wheel, when the CUDA toolkit has none."""
     nvcc = shutil.which("nvcc")
@@ -155,7 +171,7 @@ def cublas_from_pypi() -> list[str]:
     if (toolkit / "include" / "cublas_v2.h").exists():
         return []
     root = cache_root() / "cublas" / CUBLAS_WHEEL.split("==")[1]
-    inc, libs = root / "nvidia" / "cu13" / "include", root / "nvidia" / "cu13" / "lib"
+    inc, libs = root / "nvidia" / "cu13" / "include", cublas_lib_dir()
     if not (inc / "cublas_v2.h").exists():
         import zipfile
 
@@ -381,6 +397,8 @@ def _build(force: bool) -> None:
     else:
         build_seconds = json.loads(done.read_text()).get("seconds")
         log(f"ggml {lock['ggml_version']} cached at {prefix}")
+    if "cuda" in backends:
+        link_cublas(prefix)
     ops_lib = build_ops(prefix)
     write_binding(prefix, ops_lib, opts, key, build_seconds, backends)
     log(f"binding written to {GGML_PKG / '_ggml_cffi.py'}")

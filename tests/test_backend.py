@@ -21,18 +21,23 @@ def _env(**kw: str) -> dict[str, str]:
     return {f"QTTS_{k.upper()}": v for k, v in kw.items()}
 
 
+def _unavailable(name: str) -> str:
+    """The refusal for an accelerator this machine lacks: not built, or built without a device."""
+    if name in built_backends():  # e.g. the CUDA build on a machine without a GPU
+        return (f"QTTS_BACKEND={name}: the build has it but this machine has no {name} device "
+                f"(available here: {AVAILABLE})")
+    return (f"QTTS_BACKEND={name}: this ggml build has no {name} backend (built: "
+            f"{', '.join(built_backends())}); rebuild with QTTS_GGML_BACKENDS={name} make native")
+
+
 @pytest.mark.parametrize(
     ("env", "message"),
     [
         (_env(backend="tpu"),
          f"QTTS_BACKEND='tpu' is unknown; choose auto or one of: cpu, blas, rpc, cuda, "
          f"vulkan, metal, hexagon (available here: {AVAILABLE})"),
-        (_env(backend="cuda"),
-         f"QTTS_BACKEND=cuda: this ggml build has no cuda backend (built: "
-         f"{', '.join(built_backends())}); rebuild with QTTS_GGML_BACKENDS=cuda make native"),
-        (_env(backend="vulkan"),
-         f"QTTS_BACKEND=vulkan: this ggml build has no vulkan backend (built: "
-         f"{', '.join(built_backends())}); rebuild with QTTS_GGML_BACKENDS=vulkan make native"),
+        (_env(backend="cuda"), _unavailable("cuda")),
+        (_env(backend="vulkan"), _unavailable("vulkan")),
         (_env(backend="auto", backend_fallback=""),
          f"QTTS_BACKEND_FALLBACK is empty; give a comma list such as cuda,cpu "
          f"(available here: {AVAILABLE})"),
