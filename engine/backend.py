@@ -248,12 +248,14 @@ class Placement:
     nodes_per_backend: dict[str, int]
     cpu_fallback_ops: dict[str, int]
     n_splits: int
+    max_matmul_rows: int = 0  # the most src1 rows of any MUL_MAT (row-limited accelerators)
 
     def line(self) -> str:
         """One human-readable line."""
         per = ", ".join(f"{k}={v}" for k, v in self.nodes_per_backend.items())
         fb = ", ".join(f"{k}x{v}" for k, v in sorted(self.cpu_fallback_ops.items()))
-        return f"nodes: {per}; splits={self.n_splits}" + (f"; on CPU: {fb}" if fb else "")
+        return (f"nodes: {per}; splits={self.n_splits}; max matmul rows={self.max_matmul_rows}"
+                + (f"; on CPU: {fb}" if fb else ""))
 
 
 class WeightStore:
@@ -551,13 +553,17 @@ class BackendSet:
     def _placement(self, graph: Graph) -> Placement:
         per: Counter[str] = Counter()
         fallback: Counter[str] = Counter()
+        rows = 0
         for node in graph.nodes():
+            if node.op == lib.GGML_OP_MUL_MAT:
+                rows = max(rows, int(node.src[1].ne[1]))
             b = lib.ggml_backend_sched_get_tensor_backend(self.sched, node)
             bname = ffi.string(lib.ggml_backend_name(b)).decode() if b != ffi.NULL else "none"
             per[bname] += 1
             if b == self.cpu and self.cpu != self.primary:
                 fallback[ffi.string(lib.ggml_op_desc(node)).decode()] += 1
-        return Placement(dict(per), dict(fallback), lib.ggml_backend_sched_get_n_splits(self.sched))
+        return Placement(dict(per), dict(fallback), lib.ggml_backend_sched_get_n_splits(self.sched),
+                         rows)
 
     def placement(self, graph: Graph) -> Placement:
         """Place ``graph`` (without computing it) and report where each node went."""

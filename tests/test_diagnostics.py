@@ -96,10 +96,12 @@ def test_row_limited_matmuls_equal_unsplit(tiny_gguf: Path) -> None:
     assert split.max_matmul_rows == 1024
     dec_full, dec_split = (DecoderModel.load(model, bs, "exact") for bs in (full, split))
     assert not dec_split.use_custom_ops
-    split.placement_log = []
+    full.placement_log, split.placement_log = [], []
     a, _ = decode(dec_full, codes)
     b, _ = decode(dec_split, codes)
-    assert max(sum(p.nodes_per_backend.values()) for p in split.placement_log) > 1000
+    # every matmul of the split decode fits the limit; the unsplit one does not
+    assert max(p.max_matmul_rows for p in full.placement_log) == 6 * 1920
+    assert max(p.max_matmul_rows for p in split.placement_log) <= 1024
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
     # and the split graph really has more matmuls than rows allow in one
     bs = BackendSet.from_env(_env(backend="cpu", max_matmul_rows="64"))
