@@ -707,13 +707,7 @@ def _read_talker(folder: Path, src: _Source, root: dict[str, Any]) -> None:
         src.tokenizer = read_hf_tokenizer(folder, talker.text_vocab_size)
     except SchemaError as exc:
         raise ConversionError(str(folder), f"text tokenizer: {exc}") from None
-    for name in (
-        "im_start_token_id",
-        "im_end_token_id",
-        "tts_pad_token_id",
-        "tts_bos_token_id",
-        "tts_eos_token_id",
-    ):
+    for name in (spec.field for spec in SPECIAL_KEYS):
         idx = getattr(special, name)
         if src.tokenizer.tokens[idx].startswith("[PAD"):
             raise ConversionError("config.json", f"{name} = {idx} is not a token of the tokenizer")

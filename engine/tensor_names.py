@@ -530,13 +530,7 @@ def check_talker_config(
                 f"talker_config.spk_is_dialect[{spk!r}] = {dialect!r} is not a language in "
                 "codec_language_id"
             )
-    for name in (
-        "im_start_token_id",
-        "im_end_token_id",
-        "tts_pad_token_id",
-        "tts_bos_token_id",
-        "tts_eos_token_id",
-    ):
+    for name in (spec.field for spec in SPECIAL_KEYS):
         v = getattr(special, name)
         if not 0 <= v < t.text_vocab_size:
             raise SchemaError(f"{name} = {v} is out of range [0, {t.text_vocab_size})")
