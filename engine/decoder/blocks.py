@@ -155,7 +155,7 @@ def causal_tconv(g: StageGraph, key: str, x: Tensor, tc: TConv) -> Tensor:
     if tc.conv is not None:
         y = causal_conv(g, key, x, tc.conv)  # phases as taps (prev, cur); bias per phase
         return lib.ggml_reshape_2d(ctx, y, tc.c_out, tc.stride * t)
-    assert tc.cur is not None
+    assert tc.cur is not None and tc.bias is not None
     y = g.mul_mat(tc.cur, x)
     if tc.prev is not None:
         xp = with_history(g, key, x, 1)

@@ -81,7 +81,7 @@ class TConv:
     cur: Tensor | None
     prev: Tensor | None
     conv: Conv | None
-    bias: Tensor
+    bias: Tensor | None  # the mul_mat form's bias; the conv form carries its own
     stride: int
     c_in: int
     c_out: int
@@ -257,17 +257,16 @@ class DecoderWeights:
         cur = phase(slice(0, stride))
         prev = phase(slice(stride, 2 * stride)) if k == 2 * stride else None
         bias_np = tensor_f32(self.model, f"{prefix}.bias")
-        bias = self._f32(f"{prefix}.bias", bias_np)
         if self.use_custom_ops:
             # y[t] (all s phases) = W_prev x[t-1] + W_cur x[t]: a causal conv with k/s taps.
             taps = [cur] if prev is None else [prev, cur]
             conv = self._conv_from(prefix, np.stack(taps, axis=2),
                                    self._f32(f"{prefix}.bias_phases", np.tile(bias_np, stride)),
                                    bulk)
-            return TConv(None, None, conv, bias, stride, i, o)
+            return TConv(None, None, conv, None, stride, i, o)
         return TConv(self._w(f"{prefix}.cur", cur, bulk),
                      self._w(f"{prefix}.prev", prev, bulk) if prev is not None else None,
-                     None, bias, stride, i, o)
+                     None, self._f32(f"{prefix}.bias", bias_np), stride, i, o)
 
     def _snake(self, prefix: str) -> Snake:
         alpha = tensor_f32(self.model, f"{prefix}.alpha").astype(np.float64)
