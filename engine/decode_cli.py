@@ -37,9 +37,9 @@ def run_decode(model_path: str, codes_path: str, out_path: str, stream_chunk: in
     from engine.gguf_model import open_model
 
     model = open_model(model_path)
+    model.require("decoder")
     cfg = model.decoder_config
-    if cfg is None:
-        raise InputError("model", f"{model_path}: this model file has no decoder part")
+    assert cfg is not None
     codes = validate_codes(load_codes(codes_path, cfg.num_quantizers), cfg.num_quantizers,
                            cfg.codebook_size)
     if not Path(out_path).parent.exists():

@@ -38,9 +38,9 @@ def run_doctor(model_path: str, frames: int = 4, threads: str | None = None,
                precision: str = "exact") -> list[DoctorRow]:
     """Decode ``frames`` seeded random frames on every device; the CPU result is the baseline."""
     model = open_model(model_path)
+    model.require("decoder")
     cfg = model.decoder_config
-    if cfg is None:
-        raise QttsError(f"{model_path}: no decoder part to check")
+    assert cfg is not None
     codes = np.random.default_rng(0).integers(0, cfg.codebook_size, (cfg.num_quantizers, frames))
     env = dict(os.environ)
     if threads:

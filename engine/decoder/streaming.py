@@ -40,8 +40,7 @@ class DecoderModel:
     def load(cls, model: Any, backends: BackendSet, precision: Precision = "fast"
              ) -> DecoderModel:
         """Load the decoder of a validated GgufModel onto ``backends``."""
-        if "decoder" not in model.parts:
-            raise InputError("model", f"{model.path}: this model file has no decoder part")
+        model.require("decoder")
         return cls(DecoderWeights(model, backends, precision))
 
     @property
