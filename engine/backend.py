@@ -375,6 +375,11 @@ class WeightStore:
         self.close()
 
 
+def _backend_name(b: Any) -> str:
+    """A backend's name ("none" for a null handle)."""
+    return str(ffi.string(lib.ggml_backend_name(b)).decode()) if b != ffi.NULL else "none"
+
+
 def _to_bf16(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     """float32 -> bfloat16 bits (round to nearest even), as uint16."""
     f = np.ascontiguousarray(a, dtype=np.float32)
@@ -529,15 +534,12 @@ class BackendSet:
         """Compute node by node under the eval callback (op log and/or determinism check)."""
         d = self.diagnostics
 
-        def backend_name(b: Any) -> str:
-            return ffi.string(lib.ggml_backend_name(b)).decode() if b != ffi.NULL else "none"
-
-        hook = EvalHook(self.sched, backend_name, d.op_log, d.check_determinism, echo=d.op_log)
+        hook = EvalHook(self.sched, _backend_name, d.op_log, d.check_determinism, echo=d.op_log)
         hook.install()
         try:
             self._compute(graph)
             if d.check_determinism:
-                again = EvalHook(self.sched, backend_name, False, True, echo=False)
+                again = EvalHook(self.sched, _backend_name, False, True, echo=False)
                 again.install()
                 self._upload(graph, uploads)  # the allocator may have reused input memory
                 self._compute(graph)
@@ -558,8 +560,7 @@ class BackendSet:
             if node.op == lib.GGML_OP_MUL_MAT:
                 rows = max(rows, int(node.src[1].ne[1]))
             b = lib.ggml_backend_sched_get_tensor_backend(self.sched, node)
-            bname = ffi.string(lib.ggml_backend_name(b)).decode() if b != ffi.NULL else "none"
-            per[bname] += 1
+            per[_backend_name(b)] += 1
             if b == self.cpu and self.cpu != self.primary:
                 fallback[ffi.string(lib.ggml_op_desc(node)).decode()] += 1
         return Placement(dict(per), dict(fallback), lib.ggml_backend_sched_get_n_splits(self.sched),
