@@ -29,13 +29,9 @@ from engine.decoder import DecoderModel, StreamingDecoder, decode
 from engine.gguf_model import open_model
 from engine.timings import DECODER_STAGES, StageTimings
 from tests.parity import reference as ref
+from tests.parity.reference import snr_db
 
 FRAME_SECONDS = 0.08
-
-
-def snr_db(reference: np.ndarray, test: np.ndarray) -> float:
-    noise = float(np.sum((reference.astype(np.float64) - test) ** 2))
-    return 10 * np.log10(float(np.sum(reference.astype(np.float64) ** 2)) / max(noise, 1e-30))
 
 
 def best(times: list[float]) -> float:

@@ -642,3 +642,10 @@ def state_dict_shapes(size: str) -> dict[str, tuple[int, ...]]:
     with ref.torch.device("meta"), ref.no_init_weights():
         model = ref.Qwen3TTSTokenizerV2Model(config)
     return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def snr_db(reference: np.ndarray, test: np.ndarray) -> float:
+    """Signal-to-noise ratio of ``test`` against ``reference`` in dB (waveform comparisons)."""
+    noise = float(np.sum((reference.astype(np.float64) - test) ** 2))
+    return 10 * float(np.log10(float(np.sum(reference.astype(np.float64) ** 2))
+                               / max(noise, 1e-30)))

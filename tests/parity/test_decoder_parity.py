@@ -20,6 +20,7 @@ from engine.convert import convert
 from engine.decoder import DecoderModel, StreamingDecoder, decode
 from engine.gguf_model import open_model
 from tests.parity import reference as ref
+from tests.parity.reference import snr_db
 
 _MISSING = [m for m in ("torch", "transformers", "qwen_tts") if importlib.util.find_spec(m) is None]
 pytestmark = [
@@ -42,12 +43,6 @@ STAGES = {
     "blk3": "dec.blk3.out",
     "blk4": "dec.blk4.out",
 }
-
-
-def snr_db(reference: np.ndarray, test: np.ndarray) -> float:
-    """Signal-to-noise ratio of ``test`` against ``reference`` in dB."""
-    noise = float(np.sum((reference.astype(np.float64) - test) ** 2))
-    return 10 * np.log10(float(np.sum(reference.astype(np.float64) ** 2)) / max(noise, 1e-30))
 
 
 class Case:
