@@ -732,3 +732,76 @@ def test_other_isa_paths(cpu1: BackendSet, cpu2: BackendSet, tmp_path: Path,
             cat1, two1, cat2, two2 = run_conv_two_ways([cpu1, cpu2], op, hist, x, w, d, library)
             assert np.array_equal(two1, cat1) and np.array_equal(two2, cat2)
             assert np.array_equal(two1, two2)
+
+
+# ---------------------------------------------------------------------------------------------
+# The BF16 conv with SnakeBeta fused into its input conversion and the residual add into its
+# output: bit for bit snake_beta -> conv1d_tm_bf16 -> ggml_add.
+
+
+def run_conv_fused_and_apart(be: BackendSet, hist: np.ndarray[Any, Any], x: np.ndarray[Any, Any],
+                             w_oik: np.ndarray[Any, Any], d: int, with_res: bool
+                             ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """(fused, separate ops) results of ``res + conv(snake([hist | x]))``."""
+    rng = np.random.default_rng(x.shape[1] + 3 * x.shape[0])
+    c, t, c_out = x.shape[1], x.shape[0], w_oik.shape[0]
+    ea = np.exp(0.5 * rng.standard_normal(c)).astype(np.float32)
+    ib = (1.0 / (np.exp(0.5 * rng.standard_normal(c)) + 1e-9)).astype(np.float32)
+    res = rng.standard_normal((t, c_out)).astype(np.float32)
+    g = Graph()
+    tw, tb, data = _conv_op_inputs(g, "bf16", w_oik)
+    tx, tea, tib = g.input("x", x.shape), g.input("ea", (c,)), g.input("ib", (c,))
+    data.update(x=x, ea=ea, ib=ib)
+    th = None
+    if hist.shape[0]:
+        th = g.input("h", hist.shape)
+        data["h"] = hist
+    tres = None
+    if with_res:
+        tres = g.input("res", res.shape)
+        data["res"] = res
+    fused = co.conv1d_tm_bf16(g.ctx, tx, tw, tb, d, hist=th, snake=(tea, tib), residual=tres)
+    g.output(fused, "fused")
+    sx = co.snake_beta(g.ctx, tx, tea, tib)
+    sh = co.snake_beta(g.ctx, th, tea, tib) if th is not None else None
+    apart = co.conv1d_tm_bf16(g.ctx, sx, tw, tb, d, hist=sh)
+    if tres is not None:
+        apart = lib.ggml_add(g.ctx, tres, apart)
+    g.output(apart, "apart")
+    out = be.execute(g, data)
+    g.close()
+    return out["fused"].reshape(t, c_out), out["apart"].reshape(t, c_out)
+
+
+@needs_ops
+@pytest.mark.parametrize("t", [1, 17, 5000])
+@pytest.mark.parametrize("c_in,c_out", [(96, 96), (95, 100), (384, 192), (1536, 40)])
+@pytest.mark.parametrize("k,d,with_res", [(1, 1, True), (1, 1, False), (7, 9, False),
+                                          (7, 1, True), (2, 1, False)])
+def test_conv_bf16_fused_snake_and_residual(cpu1: BackendSet, cpu2: BackendSet, t: int,
+                                            c_in: int, c_out: int, k: int, d: int,
+                                            with_res: bool) -> None:
+    rng = np.random.default_rng(c_in + t + 10 * k + d)
+    hist = rng.standard_normal(((k - 1) * d, c_in)).astype(np.float32)
+    x = (3 * rng.standard_normal((t, c_in))).astype(np.float32)
+    w = (rng.standard_normal((c_out, c_in, k)) / np.sqrt(c_in * k)).astype(np.float32)
+    f2, a2 = run_conv_fused_and_apart(cpu2, hist, x, w, d, with_res)
+    f1, a1 = run_conv_fused_and_apart(cpu1, hist, x, w, d, with_res)
+    assert np.array_equal(f2, a2)
+    assert np.array_equal(f1, f2) and np.array_equal(a1, a2)
+
+
+@needs_ops
+def test_conv_bf16_fusions_reject_bad_sources() -> None:
+    c, k = 96, 7
+    with Graph() as g:
+        tw, tb, _ = _conv_op_inputs(g, "bf16", np.zeros((c, c, k), np.float32))
+        x = g.input("x", (20, c))
+        ea, ib = g.input("ea", (c,)), g.input("ib", (c,))
+        with pytest.raises(ValueError, match="snake exp_alpha"):
+            co.conv1d_tm_bf16(g.ctx, x, tw, tb, 1, snake=(g.input("ea2", (c - 1,)), ib))
+        with pytest.raises(ValueError, match="residual has"):
+            co.conv1d_tm_bf16(g.ctx, x, tw, tb, 1, snake=(ea, ib),
+                              residual=g.input("r", (13, c)))
+        with pytest.raises(TypeError, match="residual"):
+            co.conv1d_tm_bf16(g.ctx, x, tw, tb, 1, residual=bf16_input(g, "rb", (14, c)))

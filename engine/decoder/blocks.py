@@ -45,22 +45,37 @@ class StageGraph(Graph):
         """``fn`` over row chunks of ``x`` (one chunk when the backend has no row limit).
 
         ``n_rows`` is the number of output rows when ``x`` carries extra history rows in front
-        (chunk ``i`` then sees rows ``start .. start + len + extra``). The chunk results are
-        joined by a balanced tree of concats, so each row is copied log2(chunks) times, not
-        once per chunk.
+        (chunk ``i`` then sees rows ``start .. start + len + extra``). The chunks are written
+        into one full-size tensor by a chain of SET_ROWS (each writes into the result of the
+        previous one), so every row is copied once; the full-size tensor itself comes from a
+        REPEAT of one row (its values are all overwritten), the cheapest stock op that makes
+        one (a PAD of the first chunk costs 3x as much on the CPU). A tree of concats copied
+        each row log2(chunks) times (1.23x the unsplit decode on the CPU). REPEAT and SET_ROWS
+        are ops every backend with a row limit has, unlike SET.
         """
         t = int(x.ne[1]) if n_rows is None else n_rows
         extra = int(x.ne[1]) - t
         rows_max = self.max_matmul_rows
         if rows_max is None or t <= rows_max:
             return fn(x)
-        parts = [fn(rows(self.ctx, x, start, min(rows_max, t - start) + extra))
+        ctx = self.ctx
+        parts = [(start, fn(rows(ctx, x, start, min(rows_max, t - start) + extra)))
                  for start in range(0, t, rows_max)]
-        while len(parts) > 1:
-            paired = [lib.ggml_concat(self.ctx, a, b, 1) for a, b in zip(parts[::2], parts[1::2],
-                                                                         strict=False)]
-            parts = paired + ([parts[-1]] if len(parts) % 2 else [])
-        return parts[0]
+        first = parts[0][1]
+        width = int(first.ne[0])
+        out = lib.ggml_repeat_4d(ctx, lib.ggml_view_1d(ctx, first, width, 0), width, t, 1, 1)
+        index = self._row_index(t)
+        for start, part in parts:
+            at = lib.ggml_view_1d(ctx, index, int(part.ne[1]), start * index.nb[0])
+            out = lib.ggml_set_rows(ctx, out, part, at)
+        return out
+
+    def _row_index(self, n: int) -> Tensor:
+        """The input holding 0 .. n-1 (the row numbers SET_ROWS writes), one per length."""
+        name = f"row_index.{n}"
+        if name not in self.inputs:
+            self.input(name, (n,), np.int32)
+        return self.inputs[name]
 
     def tap(self, t: Tensor, name: str) -> Tensor:
         """Name an intermediate; with ``capture`` on, also read it back (for parity checks)."""
@@ -82,6 +97,9 @@ class StageGraph(Graph):
     def uploads(self, **inputs: np.ndarray[Any, Any]) -> dict[str, np.ndarray[Any, Any]]:
         """Stage inputs plus every carried tensor, keyed by graph input name."""
         up = {f"in.{k}": v for k, v in self.state.items() if f"in.{k}" in self.inputs}
+        for name, t in self.inputs.items():
+            if name.startswith("row_index."):
+                up[name] = np.arange(int(t.ne[0]), dtype=np.int32)
         up.update(inputs)
         return up
 
@@ -105,12 +123,31 @@ def with_history(g: StageGraph, key: str, x: Tensor, n_hist: int) -> Tensor:
     return xp
 
 
-def causal_conv(g: StageGraph, key: str, x: Tensor, conv: Conv, dilation: int = 1) -> Tensor:
-    """Causal conv1d: left history (k-1)*d, no look-ahead."""
+def causal_conv(g: StageGraph, key: str, x: Tensor, conv: Conv, dilation: int = 1,
+                act: Snake | None = None, residual: Tensor | None = None) -> Tensor:
+    """``residual + conv(act(x))``: causal conv1d (left history (k-1)*d, no look-ahead) of the
+    SnakeBeta ``act`` of x, plus ``residual``; both optional.
+
+    The BF16 direct kernel applies the snake while converting its input and adds the residual
+    to its output tiles, so neither is a pass over the activation of its own.
+    """
     ctx = g.ctx
     n_hist = (conv.kernel - 1) * dilation
+    if conv.packed is not None and conv.packed.type == lib.GGML_TYPE_BF16:
+        return _direct_conv(g, key, x, conv, dilation, n_hist, act, residual)
+    if act is not None:
+        x = snake(g, x, act)
     if conv.packed is not None:
-        return _direct_conv(g, key, x, conv, dilation, n_hist)
+        y = _direct_conv(g, key, x, conv, dilation, n_hist)
+    else:
+        y = _matmul_conv(g, key, x, conv, dilation, n_hist)
+    return y if residual is None else lib.ggml_add(ctx, residual, y)
+
+
+def _matmul_conv(g: StageGraph, key: str, x: Tensor, conv: Conv, dilation: int, n_hist: int
+                 ) -> Tensor:
+    """The conv as one MUL_MAT per tap on shifted row views (stock ggml ops only)."""
+    ctx = g.ctx
     xp = with_history(g, key, x, n_hist) if n_hist else x
     if conv.taps[0].type != lib.GGML_TYPE_F32 and conv.kernel > 1:
         # Half-precision taps would each convert their (overlapping) input rows; convert once.
@@ -122,30 +159,41 @@ def causal_conv(g: StageGraph, key: str, x: Tensor, conv: Conv, dilation: int = 
         for j, tap in enumerate(conv.taps):
             part = lib.ggml_mul_mat(ctx, tap, rows(ctx, xc, j * dilation, n))
             y = part if y is None else lib.ggml_add(ctx, y, part)
-        return lib.ggml_add(ctx, y, conv.bias)
+        return y
 
-    return g.by_rows(xp, taps, n_rows=int(x.ne[1]))
+    # the bias once on the joined rows: one node, not one per row chunk
+    return lib.ggml_add(ctx, g.by_rows(xp, taps, n_rows=int(x.ne[1])), conv.bias)
 
 
-def _direct_conv(g: StageGraph, key: str, x: Tensor, conv: Conv, dilation: int, n_hist: int
-                 ) -> Tensor:
-    """qtts's direct conv kernels, reading the carried history as a second source (no concat)."""
+def _direct_conv(g: StageGraph, key: str, x: Tensor, conv: Conv, dilation: int, n_hist: int,
+                 act: Snake | None = None, residual: Tensor | None = None) -> Tensor:
+    """qtts's direct conv kernels, reading the carried history as a second source (no concat).
+
+    ``act`` and ``residual`` (fused) are for the BF16 kernel only; the history it carries is
+    then of the pre-snake input, which the kernel activates like the new rows.
+    """
     ctx, packed = g.ctx, conv.packed
     assert packed is not None
-    op = custom_ops.conv1d_tm_bf16 if packed.type == lib.GGML_TYPE_BF16 else custom_ops.conv1d_tm
-    if not n_hist:
-        return op(ctx, x, packed, conv.bias, dilation)
-    t = int(x.ne[1])
-    prev = g.carried(key, (n_hist, int(x.ne[0])))
-    if t >= n_hist:
-        g.carry(key, rows(ctx, x, t - n_hist, n_hist))
-    else:  # a chunk shorter than the history: the new history straddles both
-        g.carry(key, rows(ctx, lib.ggml_concat(ctx, prev, x, 1), t, n_hist))
-    return op(ctx, x, packed, conv.bias, dilation, hist=prev)
+    prev = None
+    if n_hist:
+        t = int(x.ne[1])
+        prev = g.carried(key, (n_hist, int(x.ne[0])))
+        if t >= n_hist:
+            g.carry(key, rows(ctx, x, t - n_hist, n_hist))
+        else:  # a chunk shorter than the history: the new history straddles both
+            g.carry(key, rows(ctx, lib.ggml_concat(ctx, prev, x, 1), t, n_hist))
+    if packed.type != lib.GGML_TYPE_BF16:
+        assert act is None and residual is None
+        return custom_ops.conv1d_tm(ctx, x, packed, conv.bias, dilation, hist=prev)
+    return custom_ops.conv1d_tm_bf16(
+        ctx, x, packed, conv.bias, dilation, hist=prev,
+        snake=(act.exp_alpha, act.inv_beta) if act is not None else None, residual=residual)
 
 
-def causal_tconv(g: StageGraph, key: str, x: Tensor, tc: TConv) -> Tensor:
-    """Transposed conv (k = s or 2s), right-trimmed: polyphase, so no interleave is needed.
+def causal_tconv(g: StageGraph, key: str, x: Tensor, tc: TConv, act: Snake | None = None
+                 ) -> Tensor:
+    """Transposed conv (k = s or 2s), right-trimmed, of ``act(x)``: polyphase, so no interleave
+    is needed.
 
     ``y[t*s + j] = W[:, :, j]^T x[t] + W[:, :, j+s]^T x[t-1]``: the [s*O, T] product already is
     the upsampled [O, s*T] signal in time-major memory order.
@@ -153,13 +201,21 @@ def causal_tconv(g: StageGraph, key: str, x: Tensor, tc: TConv) -> Tensor:
     ctx = g.ctx
     t = int(x.ne[1])
     if tc.conv is not None:
-        y = causal_conv(g, key, x, tc.conv)  # phases as taps (prev, cur); bias per phase
+        y = causal_conv(g, key, x, tc.conv, act=act)  # phases as taps (prev, cur); bias per phase
         return lib.ggml_reshape_2d(ctx, y, tc.c_out, tc.stride * t)
     assert tc.cur is not None and tc.bias is not None
-    y = g.mul_mat(tc.cur, x)
-    if tc.prev is not None:
-        xp = with_history(g, key, x, 1)
-        y = lib.ggml_add(ctx, y, g.mul_mat(tc.prev, rows(ctx, xp, 0, t)))
+    if act is not None:
+        x = snake(g, x, act)
+    cur, prev = tc.cur, tc.prev
+    if prev is None:
+        y = g.mul_mat(cur, x)
+    else:
+        def phases(xc: Tensor) -> Tensor:  # one row chunk, its previous row in front
+            n = int(xc.ne[1]) - 1
+            return lib.ggml_add(ctx, lib.ggml_mul_mat(ctx, cur, rows(ctx, xc, 1, n)),
+                                lib.ggml_mul_mat(ctx, prev, rows(ctx, xc, 0, n)))
+
+        y = g.by_rows(with_history(g, key, x, 1), phases, n_rows=t)  # one join, not two
     y = lib.ggml_reshape_2d(ctx, y, tc.c_out, tc.stride * t)
     return lib.ggml_add(ctx, y, tc.bias)
 
@@ -175,6 +231,8 @@ def snake(g: StageGraph, x: Tensor, s: Snake) -> Tensor:
 
 def linear(g: StageGraph, x: Tensor, lin: Linear) -> Tensor:
     """``W x + b`` on a time-major [in, T] tensor."""
+    if lin.conv is not None:
+        return causal_conv(g, "", x, lin.conv)  # one tap: no history to carry
     y = g.mul_mat(lin.weight, x)
     return lib.ggml_add(g.ctx, y, lin.bias) if lin.bias is not None else y
 

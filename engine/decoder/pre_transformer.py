@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from engine.decoder.blocks import StageGraph, linear
-from engine.decoder.weights import DecoderWeights, PreTransformerLayer
+from engine.decoder.weights import DecoderWeights, Linear, PreTransformerLayer
 from engine.ggml import NULL, Tensor, lib
 
 
@@ -38,8 +38,8 @@ def self_attention(g: StageGraph, w: DecoderWeights, il: int, x: Tensor, pos: Te
     n_head, d_head, t = cfg.num_attention_heads, cfg.head_dim, int(x.ne[1])
     n_cache = cfg.sliding_window - 1
 
-    def heads(weight: Tensor) -> Tensor:
-        return lib.ggml_reshape_3d(ctx, g.mul_mat(weight, x), d_head, n_head, t)
+    def heads(proj: Linear) -> Tensor:
+        return lib.ggml_reshape_3d(ctx, linear(g, x, proj), d_head, n_head, t)
 
     def rope(h: Tensor) -> Tensor:
         return lib.ggml_rope_ext(ctx, h, pos, NULL, d_head,
@@ -57,7 +57,7 @@ def self_attention(g: StageGraph, w: DecoderWeights, il: int, x: Tensor, pos: Te
     out = lib.ggml_mul_mat(ctx, vt, probs)  # [d, T, H]
     out = lib.ggml_cont(ctx, lib.ggml_permute(ctx, out, 0, 2, 1, 3))  # [d, H, T]
     out = lib.ggml_reshape_2d(ctx, out, d_head * n_head, t)
-    return g.mul_mat(lw.o, out)
+    return linear(g, out, lw.o)
 
 
 def _windowed(g: StageGraph, key: str, h: Tensor, n_cache: int) -> Tensor:
@@ -75,8 +75,8 @@ def _windowed(g: StageGraph, key: str, h: Tensor, n_cache: int) -> Tensor:
 def mlp(g: StageGraph, x: Tensor, lw: PreTransformerLayer) -> Tensor:
     """SwiGLU: ``down(silu(gate x) * up x)``."""
     ctx = g.ctx
-    gate = lib.ggml_silu(ctx, g.mul_mat(lw.gate, x))
-    return g.mul_mat(lw.down, lib.ggml_mul(ctx, gate, g.mul_mat(lw.up, x)))
+    gate = lib.ggml_silu(ctx, linear(g, x, lw.gate))
+    return linear(g, lib.ggml_mul(ctx, gate, linear(g, x, lw.up)), lw.down)
 
 
 def layer(g: StageGraph, w: DecoderWeights, il: int, h: Tensor, pos: Tensor, mask: Tensor

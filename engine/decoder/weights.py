@@ -97,10 +97,12 @@ class Snake:
 
 @dataclass
 class Linear:
-    """y = W x (+ b)."""
+    """y = W x (+ b): a ggml mul_mat of ``weight``, or (``conv``) a 1-tap conv on qtts's direct
+    kernel, ~1.4-2x ggml's matmul at the decoder's few-dozen-row inputs (bench/kernels.py)."""
 
-    weight: Tensor
+    weight: Tensor | None
     bias: Tensor | None
+    conv: Conv | None = None
 
 
 @dataclass
@@ -108,15 +110,15 @@ class PreTransformerLayer:
     """One pre-norm transformer layer of the pre-transformer."""
 
     attn_norm: Tensor
-    q: Tensor
-    k: Tensor
-    v: Tensor
-    o: Tensor
+    q: Linear
+    k: Linear
+    v: Linear
+    o: Linear
     attn_scale: Tensor
     ffn_norm: Tensor
-    gate: Tensor
-    up: Tensor
-    down: Tensor
+    gate: Linear
+    up: Linear
+    down: Linear
     ffn_scale: Tensor
 
 
@@ -275,9 +277,13 @@ class DecoderWeights:
                      self._f32(f"{prefix}.inv_beta", 1.0 / (np.exp(beta) + SNAKE_EPS)))
 
     def _linear(self, prefix: str, bias: bool = True, bulk: bool = False) -> Linear:
-        w = self._w(f"{prefix}.weight", tensor_f32(self.model, f"{prefix}.weight"), bulk)
+        w_np = tensor_f32(self.model, f"{prefix}.weight")
         b = self._f32(f"{prefix}.bias", tensor_f32(self.model, f"{prefix}.bias")) if bias else None
-        return Linear(w, b)
+        if self.use_custom_ops:  # the kernel always adds a bias: zeros when the layer has none
+            b_conv = b if b is not None else self._f32(f"{prefix}.zero_bias",
+                                                       np.zeros(w_np.shape[0], np.float32))
+            return Linear(None, b, self._conv_from(prefix, w_np[:, :, None], b_conv, bulk))
+        return Linear(self._w(f"{prefix}.weight", w_np, bulk), b)
 
     def _pretr_layer(self, i: int) -> PreTransformerLayer:
         p = f"dec.pretr.blk.{i}"
@@ -285,8 +291,8 @@ class DecoderWeights:
         def f(n: str) -> Tensor:
             return self._f32(f"{p}.{n}", tensor_f32(self.model, f"{p}.{n}"))
 
-        def w(n: str) -> Tensor:
-            return self._w(f"{p}.{n}.weight", tensor_f32(self.model, f"{p}.{n}.weight"))
+        def w(n: str) -> Linear:
+            return self._linear(f"{p}.{n}", bias=False)
 
         return PreTransformerLayer(
             attn_norm=f("attn_norm.weight"), q=w("attn_q"), k=w("attn_k"), v=w("attn_v"),

@@ -294,7 +294,8 @@ def pack_conv_weight_bf16(w: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
 
 
 def conv1d_tm_bf16(ctx: Any, xp: Tensor, w: Tensor, bias: Tensor, dilation: int = 1, *,
-                   hist: Tensor | None = None, library: Any | None = None) -> Tensor:
+                   hist: Tensor | None = None, snake: tuple[Tensor, Tensor] | None = None,
+                   residual: Tensor | None = None, library: Any | None = None) -> Tensor:
     """BF16 causal dilated conv1d in the time-major layout (fast mode; F32 in and out).
 
     ``y[t, o] = bias[o] + sum_k sum_c bf16(W[o, c, k]) * bf16(xp[t + k*dilation, c])``, the
@@ -312,6 +313,12 @@ def conv1d_tm_bf16(ctx: Any, xp: Tensor, w: Tensor, bias: Tensor, dilation: int 
         dilation: d >= 1 (ignored when K = 1).
         hist: the history apart from the new rows (no concat needed), as in ``conv1d_tm``:
             ``xp`` then holds the T new rows only; bit for bit the result on the concatenation.
+        snake: ``(exp_alpha, inv_beta)`` F32 vectors of C_in: the conv reads
+            ``snake_beta(xp)`` (and of ``hist``), applied row by row while the input is
+            converted, so the activation is never written out. Bit for bit the result of
+            ``snake_beta`` before the conv; the history to carry is then the *input* rows.
+        residual: F32 [C_out, T] (rows contiguous) added to the result, bit for bit
+            ``ggml_add(residual, conv)``, without a pass of its own.
         library: for tests only: another build of libqtts_ops to run instead.
 
     Returns:
@@ -347,8 +354,29 @@ def conv1d_tm_bf16(ctx: Any, xp: Tensor, w: Tensor, bias: Tensor, dilation: int 
         )
     t, extra = _conv_sources("conv1d_tm_bf16", xp, hist, c_in, k, dilation)
     _check_vector(bias, c_out, "conv1d_tm_bf16: bias")
-    fn = _fn(library, "qtts_conv1d_tm_bf16_op", "ggml_custom_op_t")
+    if dilation > lib.QTTS_CONV_DILATION_MASK:
+        raise ValueError(f"conv1d_tm_bf16: dilation {dilation} > {lib.QTTS_CONV_DILATION_MASK}")
+    flags = dilation if k > 1 else 1
     srcs = [xp, w, bias, *extra]
+    if extra:
+        flags |= lib.QTTS_CONV_HIST
+    if snake is not None:
+        _check_vector(snake[0], c_in, "conv1d_tm_bf16: snake exp_alpha")
+        _check_vector(snake[1], c_in, "conv1d_tm_bf16: snake inv_beta")
+        srcs += list(snake)
+        flags |= lib.QTTS_CONV_SNAKE
+    if residual is not None:
+        _check_f32(residual, "conv1d_tm_bf16: residual")
+        if [int(residual.ne[i]) for i in range(4)] != [c_out, t, 1, 1]:
+            raise ValueError(
+                f"conv1d_tm_bf16: residual has ne={[int(residual.ne[i]) for i in range(4)]}, "
+                f"the result is [{c_out}, {t}, 1, 1]"
+            )
+        if int(residual.nb[0]) != 4:
+            raise ValueError("conv1d_tm_bf16: residual rows must be contiguous F32")
+        srcs.append(residual)
+        flags |= lib.QTTS_CONV_RESIDUAL
+    fn = _fn(library, "qtts_conv1d_tm_bf16_op", "ggml_custom_op_t")
     args = ffi.new(f"struct ggml_tensor *[{len(srcs)}]", srcs)
     return lib.ggml_custom_4d(ctx, lib.GGML_TYPE_F32, c_out, t, 1, 1, args, len(srcs), fn,
-                              GGML_N_TASKS_MAX, ffi.cast("void *", dilation if k > 1 else 1))
+                              GGML_N_TASKS_MAX, ffi.cast("void *", flags))

@@ -19,6 +19,12 @@
  * history in a source of its own (src[3]) the conversion reads the rows before the join from
  * it and the rest from x: the scratch, and so the result, is the same as for a concatenated xp.
  *
+ * Fusions (flags in the userdata, see qtts_ops.h): with SnakeBeta parameters the conversion
+ * applies qtts_snake_row to each input row first (the history rows too: the op then carries
+ * pre-snake rows), so the activation the conv reads is never written out; with a residual
+ * source, each finished tile range adds its rows of it. Both give bit for bit the results of
+ * the separate snake op before, and of the add after, the conv.
+ *
  * Summation order per output element: bias; then per input-pair chunk (depends on C_in only):
  * k ascending, pair ascending, one VDPBF16PS each. Tiles and threads do not change it, so the
  * result does not depend on the thread count. Work split as in conv1d_tm.c, with time chunks
@@ -33,6 +39,7 @@
 
 #include "qtts_ops.h"
 #include "qtts_scratch.h"
+#include "qtts_snake.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define BF16_SIMD 1
@@ -65,11 +72,22 @@ static inline uint16_t f32_to_bf16(float f) {
     return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
+/* SnakeBeta applied on the fly (ea == NULL: none); tmp holds one row of it. */
+typedef struct {
+    const float * ea;
+    const float * ib;
+    float * tmp;
+} snake_args;
+
 /* rows x ci floats (row stride ss) -> rows x cp pairs (row stride cp dwords), zero-padded. */
 static void convert_rows(uint32_t * dst, int64_t cp, const float * src, int64_t ss, int64_t rows,
-                         int64_t ci) {
+                         int64_t ci, const snake_args * sn) {
     for (int64_t r = 0; r < rows; r++) {
         const float * s = src + r * ss;
+        if (sn->ea) {
+            qtts_snake_row(sn->tmp, s, sn->ea, sn->ib, ci);
+            s = sn->tmp;
+        }
         uint16_t * o = (uint16_t *)(dst + r * cp);
         int64_t c = 0;
 #if BF16_SIMD
@@ -95,14 +113,24 @@ static void convert_rows(uint32_t * dst, int64_t cp, const float * src, int64_t 
  * dwords): rows r < ph come from hist row r, the others from x row r - ph. */
 static void convert_xp_rows(uint32_t * dst, int64_t cp, const float * hist, int64_t hs,
                             int64_t ph, const float * x, int64_t xs, int64_t r0, int64_t r1,
-                            int64_t ci) {
+                            int64_t ci, const snake_args * sn) {
     if (r0 < ph) {
         const int64_t r = r1 < ph ? r1 : ph;
-        convert_rows(dst, cp, hist + r0 * hs, hs, r - r0, ci);
+        convert_rows(dst, cp, hist + r0 * hs, hs, r - r0, ci, sn);
         dst += (r - r0) * cp;
         r0 = r;
     }
-    if (r0 < r1) convert_rows(dst, cp, x + (r0 - ph) * xs, xs, r1 - r0, ci);
+    if (r0 < r1) convert_rows(dst, cp, x + (r0 - ph) * xs, xs, r1 - r0, ci, sn);
+}
+
+/* out[t, 0..width) += res[t, 0..width) for rows t0 .. t1 (row strides ys and rs floats). */
+static void add_rows(float * out, int64_t ys, const float * res, int64_t rs, int64_t rows,
+                     int width) {
+    for (int64_t t = 0; t < rows; t++) {
+        float * o = out + t * ys;
+        const float * r = res + t * rs;
+        for (int i = 0; i < width; i++) o[i] += r[i];
+    }
 }
 
 /* ---- tiles -------------------------------------------------------------------------------- */
@@ -261,8 +289,14 @@ void qtts_conv1d_tm_bf16_op(struct ggml_tensor * dst, int ith, int nth, void * u
     const struct ggml_tensor * x = dst->src[0];
     const struct ggml_tensor * wt = dst->src[1];
     const struct ggml_tensor * bt = dst->src[2];
-    const struct ggml_tensor * ht = dst->src[3]; /* optional: the history rows, apart from x */
-    const int64_t d = (int64_t)(intptr_t)userdata;
+    const intptr_t ud = (intptr_t)userdata;
+    const int64_t d = (int64_t)(ud & QTTS_CONV_DILATION_MASK);
+    /* optional sources, in this order after bias: history, snake (exp_alpha, inv_beta), residual */
+    int next = 3;
+    const struct ggml_tensor * ht = (ud & QTTS_CONV_HIST) ? dst->src[next++] : NULL;
+    const struct ggml_tensor * eat = (ud & QTTS_CONV_SNAKE) ? dst->src[next++] : NULL;
+    const struct ggml_tensor * ibt = (ud & QTTS_CONV_SNAKE) ? dst->src[next++] : NULL;
+    const struct ggml_tensor * rt = (ud & QTTS_CONV_RESIDUAL) ? dst->src[next++] : NULL;
     GGML_ASSERT(x->type == GGML_TYPE_F32 && wt->type == GGML_TYPE_BF16);
     GGML_ASSERT(bt->type == GGML_TYPE_F32 && dst->type == GGML_TYPE_F32);
     const int64_t Ci = x->ne[0], O = dst->ne[0], T = dst->ne[1];
@@ -279,6 +313,16 @@ void qtts_conv1d_tm_bf16_op(struct ggml_tensor * dst, int ith, int nth, void * u
     if (ht) {
         GGML_ASSERT(ht->type == GGML_TYPE_F32 && ht->ne[0] == Ci && ht->ne[1] == hist);
         GGML_ASSERT(ht->ne[2] == 1 && ht->ne[3] == 1 && ht->nb[0] == sizeof(float));
+    }
+    if (eat) {
+        GGML_ASSERT(eat->type == GGML_TYPE_F32 && ggml_nelements(eat) == Ci &&
+                    ggml_is_contiguous(eat));
+        GGML_ASSERT(ibt->type == GGML_TYPE_F32 && ggml_nelements(ibt) == Ci &&
+                    ggml_is_contiguous(ibt));
+    }
+    if (rt) {
+        GGML_ASSERT(rt->type == GGML_TYPE_F32 && rt->ne[0] == O && rt->ne[1] == T);
+        GGML_ASSERT(rt->ne[2] == 1 && rt->ne[3] == 1 && rt->nb[0] == sizeof(float));
     }
 
     const int64_t xs = (int64_t)(x->nb[1] / sizeof(float));
@@ -308,15 +352,25 @@ void qtts_conv1d_tm_bf16_op(struct ggml_tensor * dst, int ith, int nth, void * u
     const int64_t u0 = units * ith / nth, u1 = units * (ith + 1) / nth;
     if (u0 >= u1) return;
     const int64_t max_rows = (T < tch ? T : tch) + hist;
-    uint32_t * xb = (uint32_t *)qtts_scratch_get(QTTS_SCRATCH_BF16_INPUT,
-                                                 (size_t)(max_rows * cp) * sizeof(uint32_t));
+    /* one allocation: the BF16 pairs, then (with the snake) one F32 row for it */
+    const size_t xb_bytes = ((size_t)(max_rows * cp) * sizeof(uint32_t) + 63) & ~(size_t)63;
+    uint8_t * scratch = (uint8_t *)qtts_scratch_get(
+        QTTS_SCRATCH_BF16_INPUT, xb_bytes + (eat ? (size_t)Ci * sizeof(float) : 0));
+    uint32_t * xb = (uint32_t *)scratch;
+    const snake_args sn = {
+        .ea = eat ? (const float *)eat->data : NULL,
+        .ib = ibt ? (const float *)ibt->data : NULL,
+        .tmp = eat ? (float *)(scratch + xb_bytes) : NULL,
+    };
+    const float * res = rt ? (const float *)rt->data : NULL;
+    const int64_t rs = rt ? (int64_t)(rt->nb[1] / sizeof(float)) : 0;
     int64_t have_tc = -1;
     for (int64_t u = u0; u < u1; u++) {
         const int64_t tc = u / n_ob, ob = u % n_ob;
         const int64_t t0 = tc * tch;
         const int64_t t_end = t0 + tch < T ? t0 + tch : T;
         if (tc != have_tc) { /* rows t0 .. t_end + hist of xp (= [ht | x]), as BF16 pairs */
-            convert_xp_rows(xb, cp, hp, hs, ph, xp, xs, t0, t_end + hist, Ci);
+            convert_xp_rows(xb, cp, hp, hs, ph, xp, xs, t0, t_end + hist, Ci, &sn);
             have_tc = tc;
         }
         const int64_t o0 = ob * OB;
@@ -341,5 +395,6 @@ void qtts_conv1d_tm_bf16_op(struct ggml_tensor * dst, int ith, int nth, void * u
                 }
             }
         }
+        if (res) add_rows(y + t0 * O + o0, O, res + t0 * rs + o0, rs, t_end - t0, width);
     }
 }

@@ -50,10 +50,21 @@ int qtts_conv1d_tm_block(void);
 /* Output channels per packed weight block of qtts_conv1d_tm_bf16_op (every build). */
 #define QTTS_CONV_BF16_BLOCK 32
 
+/* qtts_conv1d_tm_bf16_op's userdata: the dilation in the low bits, or'ed with flags naming the
+ * optional sources that follow bias, in this order: hist, exp_alpha + inv_beta, residual. */
+#define QTTS_CONV_DILATION_MASK 65535
+#define QTTS_CONV_HIST 65536
+#define QTTS_CONV_SNAKE 131072
+#define QTTS_CONV_RESIDUAL 262144
+
 /* BF16 causal dilated conv1d, time-major (fast mode), as a ggml_custom_op_t for
  * ggml_custom_4d(ctx, F32, C_out, T, 1, 1, {xp, w, bias}, 3, qtts_conv1d_tm_bf16_op, n, (void*)d)
- * or with {x, w, bias, hist}, 4 sources: the history apart, as for qtts_conv1d_tm_op:
+ * or with {x, w, bias, hist}, 4 sources and d | QTTS_CONV_HIST: the history apart, as for
+ * qtts_conv1d_tm_op:
  *   dst[t, o] = bias[o] + sum_k sum_c bf16(W[k, c, o]) * bf16(xp[t + k*d, c])   (F32 sums)
+ * With QTTS_CONV_SNAKE, two more sources exp_alpha, inv_beta (F32 ne = [C_in]) and xp read as
+ * snake(xp) (qtts_snake_beta_op's values; the history too). With QTTS_CONV_RESIDUAL, one more
+ * source res (F32 ne = [C_out, T], rows contiguous) and dst = res + (the conv).
  * xp: F32 ne = [C_in, T + (K-1)*d], rows contiguous (nb[0] = 4, any row stride), converted to
  *   BF16 inside the op (nearest even, subnormals to zero);
  * w: BF16 contiguous, ne = [2*B, ceil(C_in / 2), K, ceil(C_out / B)], B = QTTS_CONV_BF16_BLOCK

@@ -13,6 +13,7 @@
 #include <stdint.h>
 
 #include "qtts_ops.h"
+#include "qtts_snake.h"
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -75,7 +76,7 @@ static void snake_fix(float * y, __m512 xv, const float * ea, const float * ib, 
     }
 }
 
-static void snake_row(float * y, const float * x, const float * ea, const float * ib, int64_t C) {
+void qtts_snake_row(float * y, const float * x, const float * ea, const float * ib, int64_t C) {
     int64_t c = 0;
     for (; c + 16 <= C; c += 16) {
         __mmask16 big;
@@ -128,7 +129,7 @@ static void snake_fix(float * y, __m256 xv, const float * ea, const float * ib, 
     }
 }
 
-static void snake_row(float * y, const float * x, const float * ea, const float * ib, int64_t C) {
+void qtts_snake_row(float * y, const float * x, const float * ea, const float * ib, int64_t C) {
     int64_t c = 0;
     for (; c + 8 <= C; c += 8) {
         int big;
@@ -153,7 +154,7 @@ static void snake_row(float * y, const float * x, const float * ea, const float 
 
 #else
 
-static void snake_row(float * y, const float * x, const float * ea, const float * ib, int64_t C) {
+void qtts_snake_row(float * y, const float * x, const float * ea, const float * ib, int64_t C) {
     for (int64_t c = 0; c < C; c++) y[c] = snake_scalar(x[c], ea[c], ib[c]);
 }
 
@@ -180,5 +181,5 @@ void qtts_snake_beta_op(struct ggml_tensor * dst, const struct ggml_tensor * a,
     const float * ea = (const float *)b->data;
     const float * ib = (const float *)c->data;
     float * y = (float *)dst->data;
-    for (int64_t r = r0; r < r1; r++) snake_row(y + r * C, x + r * C, ea, ib, C);
+    for (int64_t r = r0; r < r1; r++) qtts_snake_row(y + r * C, x + r * C, ea, ib, C);
 }

@@ -113,6 +113,19 @@ def test_fast_mode_snr(case: Case, record_property: Any) -> None:
     assert snr >= 35.0
 
 
+@pytest.mark.parametrize("max_rows", ["", "1024"])
+def test_stock_ops_match(case: Case, max_rows: str) -> None:
+    """The form an accelerator runs: stock ggml ops only (every conv a set of matmuls), also
+    with the matmuls split for a row-limited backend (QTTS_MAX_MATMUL_ROWS)."""
+    backends = BackendSet.from_env({
+        "QTTS_BACKEND": os.environ.get("QTTS_TEST_BACKEND", "cpu"), "QTTS_THREADS": "2",
+        "QTTS_CUSTOM_OPS": "0", "QTTS_MAX_MATMUL_ROWS": max_rows})
+    dec = DecoderModel.load(case.model("f32"), backends, "exact")
+    assert not dec.use_custom_ops
+    wav, _ = decode(dec, case.codes)
+    assert np.abs(wav - case.wav).max() <= 1e-4
+
+
 @pytest.mark.parametrize("chunking", ["1", "2", "3", "5", "8", "random"])
 def test_streaming_equals_offline(case: Case, chunking: str) -> None:
     dec = case.decoder("f32", "exact")
