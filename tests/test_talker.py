@@ -22,6 +22,7 @@ from engine.talker import (
     frame_budget,
     generate_frames,
     make_rng,
+    qwen3,
 )
 from engine.talker import model as talker_model
 from engine.talker.generate import BUDGET_BASE_FRAMES, BUDGET_FRAMES_PER_TOKEN, Result
@@ -222,5 +223,31 @@ def test_prompt_prefix_reuse(model: Any, backends: BackendSet) -> None:
     assert t.last_prefill_positions == other.length
     a, _, _ = run(t, model, "Hello world.", 6)
     b, _, _ = run(TalkerModel(model, backends, kv_type="f32"), model, "Hello world.", 6)
+    assert np.array_equal(a, b)
+    t.close()
+
+
+@pytest.mark.parametrize("kv_type", ["f32", "f16"])
+def test_prefill_shortcuts_match_the_full_prefill(model: Any, backends: BackendSet,
+                                                  kv_type: str) -> None:
+    """The prefill's shortcuts change nothing: a reused prefix (written with the new rows as one
+    block) and the last layer at the last position only. ``capture`` takes neither: it runs
+    every position of the prompt through every layer (its taps need them)."""
+    t = TalkerModel(model, backends, kv_type=kv_type)
+    pb = PromptBuilder(model)
+    t.prefill(pb.build("Something else entirely.", "ryan", "english"))
+    p = pb.build("Hello world, once more.", "ryan", "english")
+    assert qwen3.prefill_n_kv(p.length, 1 << 20) > p.length  # the read is padded past it
+    reused = t.prefill(p)
+    assert t.last_prefill_positions == p.length - p.n_prefix
+    cold = t.prefill(p, reuse_prefix=False)
+    full = t.prefill(p, capture=True)
+    for out in (reused, cold):
+        assert np.abs(out.logits - full.logits).max() <= 1e-5
+        assert np.abs(out.hidden - full.hidden).max() <= 1e-5
+    # the steps read what the prefill wrote: same frames after either prefill
+    a, _, _ = run(t, model, "Hello world, once more.", 4)
+    b, _, _ = run(TalkerModel(model, backends, kv_type=kv_type), model,
+                  "Hello world, once more.", 4)
     assert np.array_equal(a, b)
     t.close()

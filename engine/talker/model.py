@@ -5,7 +5,8 @@ Graphs (all built from the shared block builder in ``engine.talker.qwen3``):
 * **prefill** (one-off, through ``BackendSet.execute``): the text projection of every text id
   of the prompt *and* of the trailing text (plus ``tts_pad``) in one batch; the prompt
   embeddings ``T(text) + mask * C(codec)``; all talker layers over the whole prompt (batched,
-  causal mask), writing the KV cache; final norm and ``codec_head`` at the last position.
+  causal mask), writing the KV cache as one block per tensor; the last layer past its K/V, the
+  final norm and ``codec_head`` at the last position only (nothing reads the others).
   Returns logits, the final-normed hidden state, and the projected trailing text / pad rows.
   The K/V rows of the prompt prefix (instruction, role, codec prefix, speaker) are kept and
   written back for the next request with the same prefix, which then prefills only its text.
@@ -41,6 +42,8 @@ from engine.talker.qwen3 import (
     attn_inputs,
     attn_uploads,
     last_column,
+    prefill_inputs,
+    prefill_n_kv,
     stack,
 )
 from engine.talker.runner import BuildStats, CachedGraph, execute_timed
@@ -149,7 +152,9 @@ class TalkerModel:
         positions) is the same for every request with the same voice/language/instruction, so
         its K/V rows are kept (a small LRU of host arrays) and written back into the cache
         instead of recomputed: a repeat request prefills only its own text (about a quarter of
-        the prefill for a short sentence). ``capture`` (parity taps) always runs the full prompt.
+        the prefill for a short sentence). ``capture`` (parity taps) always runs the full prompt,
+        every position through every layer (otherwise the last layer past its K/V runs only at
+        the last position: the head reads nothing else).
         """
         if self.cache is None or self.cache.n_ctx < prompt.length:
             self.reserve(prompt.length + 1)
@@ -170,6 +175,7 @@ class TalkerModel:
         n_text = int(text_ids.shape[0])
         kv_np = np.float16 if self.kv_type == lib.GGML_TYPE_F16 else np.float32
         n_layers = len(w.layers)
+        n_kv = prefill_n_kv(n_all, cache.n_ctx)
 
         def build(g: Graph) -> None:
             ctx = g.ctx
@@ -186,15 +192,14 @@ class TalkerModel:
             cmask = g.input("codec_mask", (n, 1))
             c = lib.ggml_mul(ctx, lib.ggml_get_rows(ctx, w.codec_embd, cid), cmask)
             x = b.cb(lib.ggml_add(ctx, t_prompt, c), "inp_embd")
-            a = attn_inputs(g, cache, n, n_all, masked=True)
+            a = prefill_inputs(g, n, n_kv)
             a.snapshot = snapshot
             if reuse is not None:
                 kv = w.talker_shape.kv_dim
-                a.prefix_k = g.input("prefix_k", (n_layers, n_pre, kv), kv_np)
-                a.prefix_v = g.input("prefix_v", (n_layers, n_pre, kv), kv_np)
-                a.prefix_k_idx = g.input("prefix_k_idx", (n_pre,), np.int32)
-                a.prefix_v_idx = g.input("prefix_v_idx", (kv * n_pre,), np.int32)
-            x = stack(b, w.layers, x, a, cache)
+                a.prefix_k = _as_f32(ctx, g.input("prefix_k", (n_layers, n_pre, kv), kv_np))
+                a.prefix_v = _as_f32(ctx, g.input("prefix_v", (n_layers, n_pre, kv), kv_np))
+            # Only the last position feeds the head; capture keeps every position (taps).
+            x = stack(b, w.layers, x, a, cache, last_only=not capture)
             x = b.cb(b.rms_norm(last_column(b, x), w.output_norm, w.talker_shape.eps), "out_norm")
             g.output(x, "hidden")
             g.output(lib.ggml_mul_mat(ctx, w.codec_head, x), "logits")
@@ -203,12 +208,10 @@ class TalkerModel:
             "text_ids": text_ids,
             "codec_ids": prompt.codec_ids[start:],
             "codec_mask": prompt.codec_mask[start:].reshape(n, 1),
-            **attn_uploads(cache, start, n, n_all),
+            **attn_uploads(cache, start, n, n_kv, indices=False),
         }
         if reuse is not None:
-            pre_pos = np.arange(n_pre, dtype=np.int32)
-            up.update(prefix_k=reuse[0], prefix_v=reuse[1], prefix_k_idx=pre_pos,
-                      prefix_v_idx=cache.v_index(pre_pos))
+            up.update(prefix_k=reuse[0], prefix_v=reuse[1])
             self._prefix.move_to_end(key)
         out = execute_timed(self.backends, build, up, max_nodes=_graph_nodes(n_layers, n),
                             stats=self.stats)
@@ -352,6 +355,11 @@ class TalkerModel:
             self.cache = None
         self.cp_cache.close()
         self.weights.close()
+
+
+def _as_f32(ctx: Any, t: Tensor) -> Tensor:
+    # the prefill concatenates reused prefix rows with its own F32 rows (one cast per graph)
+    return t if t.type == lib.GGML_TYPE_F32 else lib.ggml_cast(ctx, t, lib.GGML_TYPE_F32)
 
 
 def _graph_nodes(n_layers: int, n_tokens: int) -> int:
