@@ -63,6 +63,10 @@ class Settings(BaseSettings):
         default=600.0, gt=0, description="load + warm-up time allowed to a worker"
     )
     warmup_frames: int = Field(default=4, ge=0, le=64, description="frames decoded at warm-up")
+    pin_prefixes: bool = Field(
+        default=True,
+        description="at warm-up, precompute every voice x language prompt prefix (~1 MB each)",
+    )
     retry_after_seconds: int = Field(default=1, ge=1, description="Retry-After on a 503")
     model_name: str = Field(default="qtts", description="model id shown by /v1/models")
     # server-side caps for per-request sampling overrides (text requests)
@@ -88,6 +92,7 @@ class Settings(BaseSettings):
         env["QTTS_LOG_FORMAT"] = self.log_format
         env["QTTS_LOG_LEVEL"] = self.log_level
         env["QTTS_THREADS"] = str(self.threads_for_workers())
+        env["QTTS_PIN_PREFIXES"] = "1" if self.pin_prefixes else "0"
         return env
 
     def threads_for_workers(self) -> int:

@@ -62,7 +62,7 @@ class Synthesizer:
             sd.push(codes[:, :1])
             if frames > 1:
                 sd.push(codes[:, 1:])
-        self.pipeline.warm_up()
+        self.pipeline.warm_up(pin_prefixes=os.environ.get("QTTS_PIN_PREFIXES", "1") != "0")
         return time.perf_counter() - t0
 
     def stream(self, job: Job, cancelled: Callable[[], bool]) -> Generator[Chunk, None, str]:

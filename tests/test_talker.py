@@ -25,6 +25,7 @@ from engine.talker import (
     qwen3,
 )
 from engine.talker import model as talker_model
+from engine.pipeline import Pipeline, SynthesisRequest, synthesize
 from engine.talker.generate import BUDGET_BASE_FRAMES, BUDGET_FRAMES_PER_TOKEN, Result
 
 
@@ -201,6 +202,56 @@ def test_talker_cache_grows_and_shrinks(model: Any, backends: BackendSet,
     t.reserve(100)
     assert t.cache.n_ctx == 128
     t.close()
+
+
+def test_warm_up_reserves_a_cache_that_is_kept(model: Any, backends: BackendSet,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first request does not allocate the talker cache, and it never shrinks below the
+    warm-up reservation (but does grow past it)."""
+    t = TalkerModel(model, backends, kv_type="f16")
+    t.warm_up(reserve_positions=200)
+    assert t.cache is not None and t.cache.n_ctx == 256
+    monkeypatch.setattr(talker_model, "SHRINK_BYTES", 0)
+    cache = t.cache
+    t.reserve(10)
+    assert t.cache is cache  # 25x oversized, but the reservation
+    t.reserve(1000)
+    assert t.cache.n_ctx == 1024
+    t.reserve(10)
+    assert t.cache.n_ctx == 256  # back to the reservation, not to 64
+    t.close()
+
+
+def test_pinned_prefixes_serve_every_voice_and_language(model: Any, backends: BackendSet
+                                                        ) -> None:
+    """Pipeline warm-up pins the prefix of every voice x language: a first request of any of
+    them prefills only its text, with the results of a full prefill."""
+    pipe = Pipeline(model, backends, precision="exact", kv_type="f32")
+    pipe.warm_up()
+    talker = pipe.talker
+    assert talker is not None and pipe.prompts is not None
+    prefixes = set()
+    for voice in pipe.voices:
+        for language in pipe.languages:
+            p = pipe.prompts.build(".", voice, language)
+            prefixes.add((p.text_ids[:p.n_prefix].tobytes(), p.codec_ids[:p.n_prefix].tobytes()))
+    # dialect voices map "auto" and "chinese" to their dialect: one prefix for both
+    assert talker.pinned_prefixes == len(prefixes) == len(pipe.voices) * len(pipe.languages) - 2
+    for voice, language in (("ryan", "english"), ("eric", "auto"), ("vivian", "korean")):
+        p = pipe.prompts.build("Hello world, once more.", voice, language)
+        pinned = talker.prefill(p)
+        assert talker.last_prefill_positions == p.length - p.n_prefix
+        cold = talker.prefill(p, reuse_prefix=False)
+        assert np.abs(pinned.logits - cold.logits).max() <= 1e-5
+    req = SynthesisRequest("Hello world, once more.", "ryan", "english", greedy=True,
+                           max_frames=4)
+    plain = Pipeline(model, backends, precision="exact", kv_type="f32")
+    (wav_a, info_a, _), (wav_b, info_b, _) = synthesize(pipe, req), synthesize(plain, req)
+    assert np.array_equal(np.concatenate(info_a.codes, axis=1),
+                          np.concatenate(info_b.codes, axis=1))
+    assert np.array_equal(wav_a, wav_b)
+    pipe.close()
+    plain.close()
 
 
 def test_prompt_prefix_reuse(model: Any, backends: BackendSet) -> None:

@@ -56,6 +56,11 @@ KV_TYPES: dict[str, int] = {"f32": lib.GGML_TYPE_F32, "f16": lib.GGML_TYPE_F16}
 STEP_BUCKET = 64  # talker-step graphs are rebuilt when the cache prefix crosses a bucket
 SHRINK_BYTES = 64 << 20  # a talker cache over this size shrinks when 4x bigger than needed
 PREFIX_CACHE_ENTRIES = 32  # prompt prefixes (voice x language x instruction) kept, LRU
+# Talker cache positions reserved at warm-up and never given back: a 55-token sentence with its
+# default frame budget needs ~770, so typical requests never allocate (which cost ~40 ms of the
+# first request's time to first audio); 117 MB at 0.6B with the F16 cache.
+WARM_POSITIONS = 1024
+# (prefixes pinned by ``pin_prefix`` at warm-up are kept apart and never evicted)
 
 
 @dataclass
@@ -90,12 +95,15 @@ class TalkerModel:
         self.n_groups = int(self.cfg.num_code_groups)
         w = self.weights
         self.cache: KVCache | None = None
+        self._min_ctx = 0  # talker cache positions never given back (set by warm_up)
         self._step: tuple[int, CachedGraph] | None = None
         self.cp_cache = KVCache(backends, len(w.cp_layers), w.cp_shape.kv_dim, self.n_groups,
                                 self.kv_type, "cp")
         self._cp_graphs: list[CachedGraph] = []
         self._cp_uploads: list[dict[str, np.ndarray[Any, Any]]] = []
         # prompt-prefix key -> (K rows, V rows) as [n_layers, P, kv_dim] in the cache's dtype
+        self._pinned: dict[tuple[bytes, bytes, bytes],
+                           tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]] = {}
         self._prefix: OrderedDict[tuple[bytes, bytes, bytes],
                                   tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]] = OrderedDict()
         self.last_prefill_positions = 0
@@ -124,12 +132,14 @@ class TalkerModel:
                 f"prompt + frames = {n_positions} positions exceed the talker's "
                 f"{self.cfg.max_position_embeddings}",
             )
+        floor = self._min_ctx
         if self.cache is not None and self.cache.n_ctx >= n_positions:
             # Keep a big cache for the next long request, unless it is far bigger than
             # needed and worth giving back (one 4096-frame request at 0.6B holds ~0.5 GB).
-            if self.cache.n_ctx <= 4 * n_positions or self.cache.nbytes <= SHRINK_BYTES:
+            if (self.cache.n_ctx <= max(4 * n_positions, floor)
+                    or self.cache.nbytes <= SHRINK_BYTES):
                 return
-        n_ctx = -(-n_positions // STEP_BUCKET) * STEP_BUCKET
+        n_ctx = max(-(-n_positions // STEP_BUCKET) * STEP_BUCKET, floor)
         self._drop_step_graph()
         if self.cache is not None:
             self.cache.close()
@@ -163,9 +173,10 @@ class TalkerModel:
         w = self.weights
         n_all = prompt.length
         n_pre = prompt.n_prefix if 0 < prompt.n_prefix < n_all else 0
-        key = (prompt.text_ids[:n_pre].tobytes(), prompt.codec_ids[:n_pre].tobytes(),
-               prompt.codec_mask[:n_pre].tobytes())
-        reuse = self._prefix.get(key) if (n_pre and reuse_prefix and not capture) else None
+        key = _prefix_key(prompt, n_pre)
+        reuse = None
+        if n_pre and reuse_prefix and not capture:
+            reuse = self._pinned.get(key) or self._prefix.get(key)
         start = n_pre if reuse is not None else 0
         snapshot = n_pre if (reuse is None and n_pre and not capture) else 0
         n = n_all - start  # positions computed here
@@ -212,7 +223,8 @@ class TalkerModel:
         }
         if reuse is not None:
             up.update(prefix_k=reuse[0], prefix_v=reuse[1])
-            self._prefix.move_to_end(key)
+            if key in self._prefix:
+                self._prefix.move_to_end(key)
         out = execute_timed(self.backends, build, up, max_nodes=_graph_nodes(n_layers, n),
                             stats=self.stats)
         if snapshot:
@@ -337,11 +349,39 @@ class TalkerModel:
             codes[j] = prev
         return codes
 
-    def warm_up(self) -> float:
-        """Build the cached code-predictor graphs now (load time), return the seconds spent."""
+    def pin_prefix(self, prompt: Prompt) -> bool:
+        """Compute the K/V rows of ``prompt``'s prefix now and keep them for the life of the
+        model (not in the LRU): a later request with that voice/language/instruction prefills
+        only its own text. False when the prompt has no separable prefix."""
+        n_pre = prompt.n_prefix
+        if not 0 < n_pre < prompt.length:
+            return False
+        key = _prefix_key(prompt, n_pre)
+        if key not in self._pinned:
+            self._prefix.pop(key, None)
+            self.prefill(prompt, reuse_prefix=False)
+            self._pinned[key] = self._prefix.pop(key)
+        return True
+
+    def forget_prefixes(self) -> None:
+        """Drop every kept prompt prefix, pinned or not (the next prefill computes it all)."""
+        self._pinned.clear()
+        self._prefix.clear()
+
+    @property
+    def pinned_prefixes(self) -> int:
+        """Number of prompt prefixes kept by ``pin_prefix``."""
+        return len(self._pinned)
+
+    def warm_up(self, reserve_positions: int = WARM_POSITIONS) -> float:
+        """Build the cached code-predictor graphs and reserve ``reserve_positions`` of talker
+        cache for good (load time, not the first request's); return the seconds spent."""
         t0 = time.perf_counter()
         if not self._cp_graphs:
             self._build_cp_graphs()
+        limit = int(self.cfg.max_position_embeddings)
+        self._min_ctx = min(-(-reserve_positions // STEP_BUCKET) * STEP_BUCKET, limit)
+        self.reserve(self._min_ctx)
         return time.perf_counter() - t0
 
     def close(self) -> None:
@@ -355,6 +395,12 @@ class TalkerModel:
             self.cache = None
         self.cp_cache.close()
         self.weights.close()
+
+
+def _prefix_key(prompt: Prompt, n_pre: int) -> tuple[bytes, bytes, bytes]:
+    # what the first n_pre prefill positions are made of: equal keys, equal K/V rows
+    return (prompt.text_ids[:n_pre].tobytes(), prompt.codec_ids[:n_pre].tobytes(),
+            prompt.codec_mask[:n_pre].tobytes())
 
 
 def _as_f32(ctx: Any, t: Tensor) -> Tensor:
