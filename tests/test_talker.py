@@ -14,6 +14,7 @@ from engine.errors import InputError
 from engine.ggml import Graph
 from engine.ggml.graph import name_of
 from engine.gguf_model import open_model
+from engine.pipeline import Pipeline, SynthesisRequest, synthesize
 from engine.talker import (
     PromptBuilder,
     SamplingParams,
@@ -25,7 +26,6 @@ from engine.talker import (
     qwen3,
 )
 from engine.talker import model as talker_model
-from engine.pipeline import Pipeline, SynthesisRequest, synthesize
 from engine.talker.generate import BUDGET_BASE_FRAMES, BUDGET_FRAMES_PER_TOKEN, Result
 
 
