@@ -10,8 +10,11 @@ at load and folds the constants the spec allows:
 * conv ``[O, I, K]`` -> taps ``[K, O, I]``; transposed conv ``[I, O, 2s]`` -> two phase matrices
   ``[s*O, I]``; depthwise ``[C, 1, K]`` -> taps ``[K, C]``.
 
-Precision: ``exact`` keeps every weight F32 (parity mode); ``fast`` stores conv and linear
-weights of the four wave-generator blocks as BF16 (ggml's AVX512-BF16 GEMMs, ~2x the F32
+On the CPU with qtts's native ops, convs, transposed convs (as 1-2 tap convs of their phases)
+and linear layers (as 1-tap convs) are instead packed for the direct conv kernels.
+
+Precision: ``exact`` keeps every weight F32 (parity mode); ``fast`` stores the weights of the
+wave generator (decoder.0-6) and the upsampler's pointwise layers as BF16 (~2x the F32
 throughput here); everything else stays F32.
 """
 
