@@ -123,7 +123,7 @@ static void convert_xp_rows(uint32_t * dst, int64_t cp, const float * hist, int6
     if (r0 < r1) convert_rows(dst, cp, x + (r0 - ph) * xs, xs, r1 - r0, ci, sn);
 }
 
-/* out[t, 0..width) += res[t, 0..width) for rows t0 .. t1 (row strides ys and rs floats). */
+/* out[t, 0..width) += res[t, 0..width) for t < rows (row strides ys and rs floats). */
 static void add_rows(float * out, int64_t ys, const float * res, int64_t rs, int64_t rows,
                      int width) {
     for (int64_t t = 0; t < rows; t++) {
