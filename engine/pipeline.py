@@ -205,7 +205,7 @@ class Pipeline:
 
         ``pin_prefixes``: also compute the prompt prefix (role, codec prefix, speaker) of every
         voice x language without an instruction and keep its K/V rows for good, so no request
-        of a built-in voice pays for it (~1 MB and one short prefill each: 9 x 11 for the
+        of a built-in voice pays for it (~1 MB each, computed in batches: 9 x 11 for the
         released CustomVoice models). Models that ignore instructions (0.6B CustomVoice) have
         no other prefixes. Also sizes the compute buffers for a prompt before the first
         request.
@@ -216,13 +216,14 @@ class Pipeline:
         if pin_prefixes:
             t0 = time.perf_counter()
             voices: list[str | None] = list(self.prompts.voices) or [None]
+            prompts = []
             for voice in voices:
                 for language in self.prompts.languages:
                     try:
-                        prompt = self.prompts.build(".", voice, language)
+                        prompts.append(self.prompts.build(".", voice, language))
                     except InputError:  # e.g. a VoiceDesign model wants an instruction
                         continue
-                    self.talker.pin_prefix(prompt)
+            self.talker.pin_prefixes(prompts)
             seconds += time.perf_counter() - t0
         return seconds
 

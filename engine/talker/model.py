@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +60,7 @@ PREFIX_CACHE_ENTRIES = 32  # prompt prefixes (voice x language x instruction) ke
 # default frame budget needs ~770, so typical requests never allocate (which cost ~40 ms of the
 # first request's time to first audio); 117 MB at 0.6B with the F16 cache.
 WARM_POSITIONS = 1024
+PIN_BATCH_POSITIONS = 512  # prompt-prefix rows computed together by pin_prefixes
 # (prefixes pinned by ``pin_prefix`` at warm-up are kept apart and never evicted)
 
 
@@ -191,18 +192,10 @@ class TalkerModel:
         def build(g: Graph) -> None:
             ctx = g.ctx
             b = Builder(g, w.talker_shape, capture)
-            ids = g.input("text_ids", (n_text,), np.int32)
-            e = lib.ggml_get_rows(ctx, w.text_embd, ids)
-            h = lib.ggml_silu(ctx, b.linear(e, w.text_fc1_w, w.text_fc1_b))
-            txt = b.cb(b.linear(h, w.text_fc2_w, w.text_fc2_b), "text_proj")  # [H, n_text]
+            x, txt = self._prompt_embeddings(b, n, n_text)
             hs = int(txt.ne[0])
-            t_prompt = lib.ggml_view_2d(ctx, txt, hs, n, txt.nb[1], 0)
             tail = lib.ggml_view_2d(ctx, txt, hs, n_text - n, txt.nb[1], n * txt.nb[1])
             g.output(lib.ggml_cont(ctx, tail), "text_tail")
-            cid = g.input("codec_ids", (n,), np.int32)
-            cmask = g.input("codec_mask", (n, 1))
-            c = lib.ggml_mul(ctx, lib.ggml_get_rows(ctx, w.codec_embd, cid), cmask)
-            x = b.cb(lib.ggml_add(ctx, t_prompt, c), "inp_embd")
             a = prefill_inputs(g, n, n_kv)
             a.snapshot = snapshot
             if reuse is not None:
@@ -243,6 +236,101 @@ class TalkerModel:
             pad=tail[n_trail],
             taps=taps,
         )
+
+    def _prompt_embeddings(self, b: Builder, n: int, n_text: int) -> tuple[Tensor, Tensor]:
+        """Declare inputs ``text_ids`` [n_text], ``codec_ids`` [n], ``codec_mask`` [n, 1];
+        return the embeddings of the first n positions ``T(text) + mask * C(codec)`` [H, n]
+        and the projected text of all n_text ids [H, n_text]."""
+        g, ctx, w = b.g, b.ctx, self.weights
+        ids = g.input("text_ids", (n_text,), np.int32)
+        e = lib.ggml_get_rows(ctx, w.text_embd, ids)
+        h = lib.ggml_silu(ctx, b.linear(e, w.text_fc1_w, w.text_fc1_b))
+        txt = b.cb(b.linear(h, w.text_fc2_w, w.text_fc2_b), "text_proj")  # [H, n_text]
+        t_prompt = lib.ggml_view_2d(ctx, txt, int(txt.ne[0]), n, txt.nb[1], 0)
+        cid = g.input("codec_ids", (n,), np.int32)
+        cmask = g.input("codec_mask", (n, 1))
+        c = lib.ggml_mul(ctx, lib.ggml_get_rows(ctx, w.codec_embd, cid), cmask)
+        return b.cb(lib.ggml_add(ctx, t_prompt, c), "inp_embd"), txt
+
+    # -- pinned prompt prefixes --------------------------------------------------------------
+
+    def pin_prefixes(self, prompts: Sequence[Prompt], batch_positions: int = PIN_BATCH_POSITIONS
+                     ) -> int:
+        """Compute the K/V rows of the prefixes of ``prompts`` now and keep them for the life of
+        the model (not in the LRU): a later request with one of those voice/language/instruction
+        prefixes prefills only its own text. Returns how many prefixes are pinned in all.
+
+        Many prefixes run as one batch (up to ``batch_positions`` rows): each attends only to
+        its own rows (block-diagonal causal mask) at its own positions 0..P-1, so its rows are
+        those of a prefill of it alone, at one large GEMM's cost instead of many small ones.
+        """
+        todo: dict[tuple[bytes, bytes, bytes], Prompt] = {}
+        for p in prompts:
+            if 0 < p.n_prefix < p.length:
+                key = _prefix_key(p, p.n_prefix)
+                if key not in self._pinned:
+                    todo.setdefault(key, p)
+        batch: list[tuple[tuple[bytes, bytes, bytes], Prompt]] = []
+        rows = 0
+        for key, p in todo.items():
+            if batch and rows + p.n_prefix > batch_positions:
+                self._pin_batch(batch)
+                batch, rows = [], 0
+            batch.append((key, p))
+            rows += p.n_prefix
+        if batch:
+            self._pin_batch(batch)
+        return len(self._pinned)
+
+    def pin_prefix(self, prompt: Prompt) -> bool:
+        """``pin_prefixes`` for one prompt; False when it has no separable prefix."""
+        if not 0 < prompt.n_prefix < prompt.length:
+            return False
+        self.pin_prefixes([prompt])
+        return True
+
+    def _pin_batch(self, batch: list[tuple[tuple[bytes, bytes, bytes], Prompt]]) -> None:
+        lengths = [p.n_prefix for _, p in batch]
+        n = sum(lengths)
+        if self.cache is None or self.cache.n_ctx < n:
+            self.reserve(n)
+        cache = self.cache
+        assert cache is not None
+        w = self.weights
+        n_layers = len(w.layers)
+        n_kv = prefill_n_kv(n, cache.n_ctx)
+        block = np.repeat(np.arange(len(batch)), lengths)
+        pos = np.concatenate([np.arange(m, dtype=np.int32) for m in lengths])
+        visible = (block[:, None] == block[None, :]) & (pos[None, :] <= pos[:, None])
+        mask = np.full((n, n_kv), -np.inf, dtype=np.float32)
+        mask[:, :n] = np.where(visible, 0.0, -np.inf)
+
+        def build(g: Graph) -> None:
+            b = Builder(g, w.talker_shape)
+            x, _ = self._prompt_embeddings(b, n, n)
+            a = prefill_inputs(g, n, n_kv)
+            a.snapshot = n  # the K/V rows are the outputs; nothing past them is computed
+            stack(b, w.layers, x, a, cache)
+
+        up: dict[str, np.ndarray[Any, Any]] = {
+            "text_ids": np.concatenate([p.text_ids[: p.n_prefix] for _, p in batch]),
+            "codec_ids": np.concatenate([p.codec_ids[: p.n_prefix] for _, p in batch]),
+            "codec_mask": np.concatenate([p.codec_mask[: p.n_prefix] for _, p in batch]
+                                         ).reshape(n, 1),
+            "pos": pos,
+            "mask": mask,
+        }
+        out = execute_timed(self.backends, build, up, max_nodes=_graph_nodes(n_layers, n),
+                            stats=self.stats)
+        kv_np = np.float16 if self.kv_type == lib.GGML_TYPE_F16 else np.float32
+        pk = np.stack([out[f"snap_k.{il}"] for il in range(n_layers)]).astype(kv_np)
+        pv = np.stack([out[f"snap_v.{il}"] for il in range(n_layers)]).astype(kv_np)
+        start = 0
+        for (key, _), m in zip(batch, lengths, strict=True):
+            self._pinned[key] = (np.ascontiguousarray(pk[:, start : start + m]),
+                                 np.ascontiguousarray(pv[:, start : start + m]))
+            self._prefix.pop(key, None)
+            start += m
 
     # -- one talker step ---------------------------------------------------------------------
 
@@ -348,20 +436,6 @@ class TalkerModel:
             prev = choose(logits, j)
             codes[j] = prev
         return codes
-
-    def pin_prefix(self, prompt: Prompt) -> bool:
-        """Compute the K/V rows of ``prompt``'s prefix now and keep them for the life of the
-        model (not in the LRU): a later request with that voice/language/instruction prefills
-        only its own text. False when the prompt has no separable prefix."""
-        n_pre = prompt.n_prefix
-        if not 0 < n_pre < prompt.length:
-            return False
-        key = _prefix_key(prompt, n_pre)
-        if key not in self._pinned:
-            self._prefix.pop(key, None)
-            self.prefill(prompt, reuse_prefix=False)
-            self._pinned[key] = self._prefix.pop(key)
-        return True
 
     def forget_prefixes(self) -> None:
         """Drop every kept prompt prefix, pinned or not (the next prefill computes it all)."""
