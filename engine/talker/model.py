@@ -61,7 +61,7 @@ PREFIX_CACHE_ENTRIES = 32  # prompt prefixes (voice x language x instruction) ke
 # first request's time to first audio); 117 MB at 0.6B with the F16 cache.
 WARM_POSITIONS = 1024
 PIN_BATCH_POSITIONS = 512  # prompt-prefix rows computed together by pin_prefixes
-# (prefixes pinned by ``pin_prefix`` at warm-up are kept apart and never evicted)
+# (prefixes pinned by ``pin_prefixes`` at warm-up are kept apart and never evicted)
 
 
 @dataclass
@@ -281,13 +281,6 @@ class TalkerModel:
         if batch:
             self._pin_batch(batch)
         return len(self._pinned)
-
-    def pin_prefix(self, prompt: Prompt) -> bool:
-        """``pin_prefixes`` for one prompt; False when it has no separable prefix."""
-        if not 0 < prompt.n_prefix < prompt.length:
-            return False
-        self.pin_prefixes([prompt])
-        return True
 
     def _pin_batch(self, batch: list[tuple[tuple[bytes, bytes, bytes], Prompt]]) -> None:
         lengths = [p.n_prefix for _, p in batch]
