@@ -235,20 +235,25 @@ class TalkerConfig:
     codec_bos_id: int
 
 
+# The fields both Qwen3 stacks (talker, code predictor) store, under the same key names.
+_STACK_KEYS: list[tuple[str, str, VType]] = [
+    ("vocab_size", "vocab_size", VType.U32),
+    ("hidden_size", "hidden_size", VType.U32),
+    ("intermediate_size", "intermediate_size", VType.U32),
+    ("num_hidden_layers", "num_layers", VType.U32),
+    ("num_attention_heads", "num_heads", VType.U32),
+    ("num_key_value_heads", "num_kv_heads", VType.U32),
+    ("head_dim", "head_dim", VType.U32),
+    ("rms_norm_eps", "rms_norm_eps", VType.F32),
+    ("rope_theta", "rope_theta", VType.F32),
+    ("max_position_embeddings", "max_position_embeddings", VType.U32),
+    ("num_code_groups", "num_code_groups", VType.U32),
+]
+
 TALKER_KEYS = _ks(
     Keys.TALKER,
     [
-        ("vocab_size", "vocab_size", VType.U32),
-        ("hidden_size", "hidden_size", VType.U32),
-        ("intermediate_size", "intermediate_size", VType.U32),
-        ("num_hidden_layers", "num_layers", VType.U32),
-        ("num_attention_heads", "num_heads", VType.U32),
-        ("num_key_value_heads", "num_kv_heads", VType.U32),
-        ("head_dim", "head_dim", VType.U32),
-        ("rms_norm_eps", "rms_norm_eps", VType.F32),
-        ("rope_theta", "rope_theta", VType.F32),
-        ("max_position_embeddings", "max_position_embeddings", VType.U32),
-        ("num_code_groups", "num_code_groups", VType.U32),
+        *_STACK_KEYS,
         ("text_hidden_size", "text_hidden_size", VType.U32),
         ("text_vocab_size", "text_vocab_size", VType.U32),
         ("mrope_section", "mrope_section", VType.U32_ARRAY),
@@ -289,17 +294,7 @@ class CodePredictorConfig:
 CODE_PREDICTOR_KEYS = _ks(
     Keys.CODE_PREDICTOR,
     [
-        ("vocab_size", "vocab_size", VType.U32),
-        ("hidden_size", "hidden_size", VType.U32),
-        ("intermediate_size", "intermediate_size", VType.U32),
-        ("num_hidden_layers", "num_layers", VType.U32),
-        ("num_attention_heads", "num_heads", VType.U32),
-        ("num_key_value_heads", "num_kv_heads", VType.U32),
-        ("head_dim", "head_dim", VType.U32),
-        ("rms_norm_eps", "rms_norm_eps", VType.F32),
-        ("rope_theta", "rope_theta", VType.F32),
-        ("max_position_embeddings", "max_position_embeddings", VType.U32),
-        ("num_code_groups", "num_code_groups", VType.U32),
+        *_STACK_KEYS,
         ("has_mtp_projection", "has_mtp_projection", VType.BOOL),
     ],
 )
