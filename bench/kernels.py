@@ -131,11 +131,13 @@ class GraphRunner:
         return arr
 
 
-def conv_graph_mulmat(c: int, t: int, d: int, k: int) -> Graph:
-    """Baseline: y = bias + sum_k mul_mat(W_k, xp[k*d : k*d + T])."""
+def conv_graph_mulmat(c: int, t: int, d: int, k: int, bf16: bool = False) -> Graph:
+    """Baseline: y = bias + sum_k mul_mat(W_k, xp[k*d : k*d + T]); ``bf16``: BF16 weights
+    (ggml then converts xp to BF16 per mul_mat)."""
     g = Graph()
     xp = g.input("xp", (t + (k - 1) * d, c))
-    w = g.input("w", (k, c, c))  # [K, C_out, C_in]: W_k is the k-th [C_out, C_in] slice
+    # [K, C_out, C_in]: W_k is the k-th [C_out, C_in] slice
+    w = _bf16_input(g, "w", (k, c, c)) if bf16 else g.input("w", (k, c, c))
     b = g.input("b", (c,))
     y = None
     for i in range(k):
@@ -237,22 +239,6 @@ def _bf16_input(g: Graph, name: str, shape: tuple[int, ...]) -> Any:
     return t
 
 
-def conv_graph_mulmat_bf16(c: int, t: int, d: int, k: int) -> Graph:
-    """K x mul_mat with BF16 weights [K, C_out, C_in] (ggml converts xp to BF16 per mul_mat)."""
-    g = Graph()
-    xp = g.input("xp", (t + (k - 1) * d, c))
-    w = _bf16_input(g, "w", (k, c, c))
-    b = g.input("b", (c,))
-    y = None
-    for i in range(k):
-        wk = lib.ggml_view_2d(g.ctx, w, c, c, w.nb[1], i * w.nb[2])
-        xk = lib.ggml_view_2d(g.ctx, xp, c, t, xp.nb[1], i * d * xp.nb[1])
-        m = lib.ggml_mul_mat(g.ctx, wk, xk)
-        y = m if y is None else lib.ggml_add(g.ctx, y, m)
-    g.output(lib.ggml_add(g.ctx, y, b), "y")
-    return g
-
-
 def conv_graph_custom_bf16(c: int, t: int, d: int, k: int) -> Graph:
     g = Graph()
     xp = g.input("xp", (t + (k - 1) * d, c))
@@ -295,7 +281,7 @@ def bench_conv_bf16(cpu: BackendSet, cases: list[tuple[int, int, int, int]], rep
              {"xp": xp, "w": co.pack_conv_weight(w_t), "b": b}),
             ("bf16", conv_graph_custom_bf16(c, t, d, k),
              {"xp": xp, "w": co.bf16_bits(co.pack_conv_weight_bf16(w_t)), "b": b}),
-            ("mm", conv_graph_mulmat_bf16(c, t, d, k),
+            ("mm", conv_graph_mulmat(c, t, d, k, bf16=True),
              {"xp": xp, "w": co.bf16_bits(np.transpose(w_t, (2, 0, 1))), "b": b}),
         ]:
             r = GraphRunner(cpu, graph, inputs)
