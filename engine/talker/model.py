@@ -185,7 +185,7 @@ class TalkerModel:
         text_ids = np.concatenate([prompt.text_ids[start:], prompt.trailing_ids,
                                    np.asarray([prompt.pad_id], dtype=np.int32)])
         n_text = int(text_ids.shape[0])
-        kv_np = np.float16 if self.kv_type == lib.GGML_TYPE_F16 else np.float32
+        kv_np = self._kv_np
         n_layers = len(w.layers)
         n_kv = prefill_n_kv(n_all, cache.n_ctx)
 
@@ -221,9 +221,7 @@ class TalkerModel:
         out = execute_timed(self.backends, build, up, max_nodes=_graph_nodes(n_layers, n),
                             stats=self.stats)
         if snapshot:
-            pk = np.stack([out[f"snap_k.{il}"] for il in range(n_layers)]).astype(kv_np)
-            pv = np.stack([out[f"snap_v.{il}"] for il in range(n_layers)]).astype(kv_np)
-            self._prefix[key] = (pk, pv)
+            self._prefix[key] = self._snapshot_rows(out)
             while len(self._prefix) > PREFIX_CACHE_ENTRIES:
                 self._prefix.popitem(last=False)
         self.last_prefill_positions = n
@@ -315,15 +313,26 @@ class TalkerModel:
         }
         out = execute_timed(self.backends, build, up, max_nodes=_graph_nodes(n_layers, n),
                             stats=self.stats)
-        kv_np = np.float16 if self.kv_type == lib.GGML_TYPE_F16 else np.float32
-        pk = np.stack([out[f"snap_k.{il}"] for il in range(n_layers)]).astype(kv_np)
-        pv = np.stack([out[f"snap_v.{il}"] for il in range(n_layers)]).astype(kv_np)
+        pk, pv = self._snapshot_rows(out)
         start = 0
         for (key, _), m in zip(batch, lengths, strict=True):
             self._pinned[key] = (np.ascontiguousarray(pk[:, start : start + m]),
                                  np.ascontiguousarray(pv[:, start : start + m]))
             self._prefix.pop(key, None)
             start += m
+
+    @property
+    def _kv_np(self) -> type[np.floating[Any]]:
+        # the numpy type of the cache's K/V rows (kept prefixes are stored as the cache holds them)
+        return np.float16 if self.kv_type == lib.GGML_TYPE_F16 else np.float32
+
+    def _snapshot_rows(self, out: dict[str, np.ndarray[Any, Any]]
+                       ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+        """The ``snap_k.*`` / ``snap_v.*`` outputs of every layer as [n_layers, P, kv_dim]."""
+        n_layers = len(self.weights.layers)
+        pk = np.stack([out[f"snap_k.{il}"] for il in range(n_layers)]).astype(self._kv_np)
+        pv = np.stack([out[f"snap_v.{il}"] for il in range(n_layers)]).astype(self._kv_np)
+        return pk, pv
 
     # -- one talker step ---------------------------------------------------------------------
 
