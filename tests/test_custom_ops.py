@@ -13,9 +13,11 @@ import pytest
 
 from engine.backend import BackendSet
 from engine.errors import NativeBuildError
-from engine.ggml import Graph, ffi, lib, native_info, ops
+from engine.ggml import Graph, ffi, gemm_i8, lib, native_info, ops
 from engine.ggml import custom_ops as co
 from engine.ggml.graph import new_tensor, set_name
+from tests.test_gemm_i8 import data as gemm_data
+from tests.test_gemm_i8 import run_gemm
 
 needs_ops = pytest.mark.skipif(ops is None, reason="libqtts_ops not built (no native/ops/*.c)")
 REPO = Path(__file__).resolve().parents[1]
@@ -723,6 +725,13 @@ def test_other_isa_paths(cpu1: BackendSet, cpu2: BackendSet, tmp_path: Path,
         if co.bf16_available():
             # the same sums as VDPBF16PS (odd product, then even; F32 RNE) without subnormals
             assert np.array_equal(y, run_conv_bf16(cpu2, xp, w, b, d))
+    assert not gemm_i8.fast_available(library)  # the portable int8 GEMM: exact integer sums
+    for n, k, t in [(100, 300, 13), (64, 1024, 20)]:
+        w, x = gemm_data(rng, n, k, t)
+        y = run_gemm(cpu2, w, x, library)
+        assert np.abs(y - gemm_i8.reference(w, x)).max() <= 1e-6 * np.abs(y).max()
+        if gemm_i8.fast_available():  # VPDPBUSD + FMA give the same sums, rounded the same
+            assert np.array_equal(y, run_gemm(cpu2, w, x))
     for op in ("f32", "bf16"):  # the history apart (hist=): bit for bit the concat
         for c, t, k, d in [(96, 2, 7, 3), (95, 50, 7, 9), (40, 300, 3, 1)]:
             p = (k - 1) * d

@@ -20,6 +20,7 @@ _NUMPY_TO_GGML: dict[np.dtype[Any], int] = {
     np.dtype(np.float32): lib.GGML_TYPE_F32,
     np.dtype(np.float16): lib.GGML_TYPE_F16,
     np.dtype(np.int32): lib.GGML_TYPE_I32,
+    np.dtype(np.int8): lib.GGML_TYPE_I8,
 }
 
 

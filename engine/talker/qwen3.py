@@ -33,11 +33,14 @@ import numpy.typing as npt
 from engine.backend import BackendSet
 from engine.errors import BackendError
 from engine.ggml import NULL, Graph, Tensor, ffi, lib
+from engine.ggml.gemm_i8 import gemm_i8
 from engine.ggml.graph import new_tensor, set_name
 from engine.talker.weights import LayerWeights, StackShape
 
 _NAMES: dict[tuple[str, int, str], bytes] = {}
 KV_READ_PAD = 16  # see prefill_n_kv
+# Rows from which a layer with int8 copies multiplies through gemm_i8 (see ``Builder.matmul``)
+I8_MIN_ROWS = 2
 
 
 def _name_bytes(prefix: str, il: int, name: str) -> bytes:
@@ -71,6 +74,17 @@ class Builder:
     def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         """``weight * x / sqrt(mean(x^2) + eps)`` over ``ne0`` (per head for q/k norms)."""
         return lib.ggml_mul(self.ctx, lib.ggml_rms_norm(self.ctx, x, eps), weight)
+
+    def matmul(self, lw: LayerWeights, field: str, x: Tensor) -> Tensor:
+        """``W x`` for the layer matrix ``field`` (``"q"`` ... ``"down"``).
+
+        Several rows (a prefill) with int8 copies present: the W8A8 ``gemm_i8`` (compute-bound
+        work at ~3x ggml's Q4_0 GEMM); one row (a step): ggml's ``mul_mat`` on the stored
+        matrix, which is memory-bound and reads fewer bytes that way.
+        """
+        if lw.i8 is not None and int(x.ne[1]) >= I8_MIN_ROWS:
+            return gemm_i8(self.ctx, x, lw.i8[field])
+        return lib.ggml_mul_mat(self.ctx, getattr(lw, field), x)
 
     def linear(self, x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
         """``W x (+ b)``."""
@@ -217,9 +231,9 @@ def attention(b: Builder, lw: LayerWeights, il: int, x: Tensor, a: AttnInputs,
             mask_q = lib.ggml_view_2d(ctx, a.mask, int(a.mask.ne[0]), 1, a.mask.nb[1],
                                       (t - 1) * a.mask.nb[1])
     tq = int(xq.ne[1])
-    q = lib.ggml_reshape_3d(ctx, lib.ggml_mul_mat(ctx, lw.q, xq), d, n_head, tq)
-    k = lib.ggml_reshape_3d(ctx, lib.ggml_mul_mat(ctx, lw.k, x), d, n_kv_head, t)
-    v = b.cb(lib.ggml_mul_mat(ctx, lw.v, x), "v", il)  # [kv_dim, T]
+    q = lib.ggml_reshape_3d(ctx, b.matmul(lw, "q", xq), d, n_head, tq)
+    k = lib.ggml_reshape_3d(ctx, b.matmul(lw, "k", x), d, n_kv_head, t)
+    v = b.cb(b.matmul(lw, "v", x), "v", il)  # [kv_dim, T]
     q = b.cb(b.rms_norm(q, lw.q_norm, s.eps), "q_norm", il)
     k = b.cb(b.rms_norm(k, lw.k_norm, s.eps), "k_norm", il)
     q = b.cb(_rope(ctx, q, pos_q, d, s.rope_theta), "q_rope", il)
@@ -252,7 +266,7 @@ def attention(b: Builder, lw: LayerWeights, il: int, x: Tensor, a: AttnInputs,
     kqv = lib.ggml_mul_mat(ctx, vv, kq)  # [d, T, H]
     merged = lib.ggml_cont_2d(ctx, lib.ggml_permute(ctx, kqv, 0, 2, 1, 3), s.q_dim, tq)
     b.cb(merged, "kqv_merged", il)
-    return b.cb(lib.ggml_mul_mat(ctx, lw.o, merged), "attn_out", il)
+    return b.cb(b.matmul(lw, "o", merged), "attn_out", il)
 
 
 def _scatter_kv(b: Builder, a: AttnInputs, il: int, k_rows: Tensor, v: Tensor,
@@ -300,12 +314,11 @@ def _rope(ctx: Any, x: Tensor, pos: Tensor, n_dims: int, theta: float) -> Tensor
 
 def ffn(b: Builder, lw: LayerWeights, il: int, x: Tensor) -> Tensor:
     """SwiGLU: ``down(silu(gate x) * up x)``."""
-    ctx = b.ctx
-    gate = b.cb(lib.ggml_mul_mat(ctx, lw.gate, x), "ffn_gate", il)
-    up = b.cb(lib.ggml_mul_mat(ctx, lw.up, x), "ffn_up", il)
+    gate = b.cb(b.matmul(lw, "gate", x), "ffn_gate", il)
+    up = b.cb(b.matmul(lw, "up", x), "ffn_up", il)
     # one fused GLU op instead of silu + mul: one node (and one thread barrier) less per layer
-    par = b.cb(lib.ggml_swiglu_split(ctx, gate, up), "ffn_swiglu", il)
-    return b.cb(lib.ggml_mul_mat(ctx, lw.down, par), "ffn_out", il)
+    par = b.cb(lib.ggml_swiglu_split(b.ctx, gate, up), "ffn_swiglu", il)
+    return b.cb(b.matmul(lw, "down", par), "ffn_out", il)
 
 
 def layer(b: Builder, lw: LayerWeights, il: int, x: Tensor, a: AttnInputs,

@@ -76,3 +76,25 @@ void qtts_conv1d_tm_bf16_op(struct ggml_tensor * dst, int ith, int nth, void * u
 
 /* 1 when qtts_conv1d_tm_bf16_op has its AVX512_BF16 kernel, 0 for the slow portable path. */
 int qtts_conv1d_tm_bf16_fast(void);
+
+/* INT8 GEMM (W8A8) for prefills of quantised models, as a ggml_custom_op_t for
+ * ggml_custom_4d(ctx, F32, N, T, 1, 1, {x, wq, ws, wc}, 4, qtts_gemm_i8_op, n, NULL):
+ *   dst[t, o] = sum_b ws[o, b] * xs[t, b] * sum_{k in block b} Wq[o, k] * xq[t, k]
+ * over blocks b of QTTS_GEMM_I8_KBLOCK input channels, with x rounded to int8 per (row, block)
+ * inside the op (s = max|x| / 127, nearest even, clamped to +-127).
+ * x: F32 ne = [K, T], rows contiguous (nb[0] = 4, any row stride);
+ * wq, ws, wc from qtts_gemm_i8_pack, B = QTTS_GEMM_I8_BLOCK, Kp = K rounded up to 4:
+ *   wq: I8 contiguous ne = [4*B, Kp/4, ceil(N/B)] (wq[j, g, i, e] = Wq[j*B + i, 4g + e]);
+ *   ws: F32 and wc: I32 contiguous ne = [B, ceil(K/KBLOCK), ceil(N/B)] (scale, -128 * sum Wq);
+ * dst: F32 ne = [N, T]. The result does not depend on the thread count. */
+#define QTTS_GEMM_I8_BLOCK 32
+#define QTTS_GEMM_I8_KBLOCK 256
+void qtts_gemm_i8_op(struct ggml_tensor * dst, int ith, int nth, void * userdata);
+
+/* W (F32, row-major [N][K]: ggml's ne = [K, N]) -> wq, ws, wc for qtts_gemm_i8_op; the
+ * buffers hold ceil(N/B)*B*Kp bytes and ceil(N/B)*ceil(K/KBLOCK)*B values each. */
+void qtts_gemm_i8_pack(const float * W, int64_t N, int64_t K, int8_t * wq, float * ws,
+                       int32_t * wc);
+
+/* 1 when qtts_gemm_i8_op has its AVX512_VNNI kernel, 0 for the slow portable path. */
+int qtts_gemm_i8_fast(void);
