@@ -543,8 +543,9 @@ def _conv_op_inputs(g: Graph, op: str, w_oik: np.ndarray[Any, Any], library: Any
                     ) -> tuple[Any, Any, dict[str, np.ndarray[Any, Any]]]:
     """The packed weight (as the op wants it) and the bias as graph inputs, with their data."""
     b = np.random.default_rng(w_oik.shape[0]).standard_normal(w_oik.shape[0]).astype(np.float32)
-    if op == "bf16":
-        wp = co.bf16_bits(co.pack_conv_weight_bf16(w_oik))
+    if op in ("bf16", "wino"):
+        pack = co.pack_conv_weight_wino_bf16 if op == "wino" else co.pack_conv_weight_bf16
+        wp = co.bf16_bits(pack(w_oik))
         tw = bf16_input(g, "w", wp.shape)
     else:
         wp = co.pack_conv_weight(w_oik, library=library)
@@ -553,7 +554,7 @@ def _conv_op_inputs(g: Graph, op: str, w_oik: np.ndarray[Any, Any], library: Any
 
 
 def _conv_op(op: str) -> Any:
-    return co.conv1d_tm_bf16 if op == "bf16" else co.conv1d_tm
+    return {"bf16": co.conv1d_tm_bf16, "wino": co.conv1d_wino_bf16, "f32": co.conv1d_tm}[op]
 
 
 def run_conv_two_ways(bes: list[BackendSet], op: str, hist: np.ndarray[Any, Any],
@@ -610,7 +611,22 @@ def test_conv_hist_apart_equals_concat(cpu1: BackendSet, cpu2: BackendSet, op: s
 
 
 @needs_ops
-@pytest.mark.parametrize("op", ["f32", "bf16"])
+@pytest.mark.parametrize("t", [1, 2, 17, 5000])
+@pytest.mark.parametrize("c", [96, 95, 384])
+@pytest.mark.parametrize("d", [1, 3, 9])
+def test_conv_wino_hist_apart_equals_concat(cpu1: BackendSet, cpu2: BackendSet, t: int, c: int,
+                                            d: int) -> None:
+    rng = np.random.default_rng(300 * d + c + t)
+    hist = rng.standard_normal((6 * d, c)).astype(np.float32)
+    x = rng.standard_normal((t, c)).astype(np.float32)
+    w = (rng.standard_normal((c, c, 7)) / np.sqrt(c * 7)).astype(np.float32)
+    cat1, two1, cat2, two2 = run_conv_two_ways([cpu1, cpu2], "wino", hist, x, w, d)
+    assert np.array_equal(two2, cat2) and np.array_equal(two1, cat1)
+    assert np.array_equal(two1, two2)
+
+
+@needs_ops
+@pytest.mark.parametrize("op", ["f32", "bf16", "wino"])
 @pytest.mark.parametrize("t", [3, 300])
 def test_conv_hist_apart_on_strided_views(cpu1: BackendSet, cpu2: BackendSet, op: str,
                                           t: int) -> None:
@@ -725,6 +741,13 @@ def test_other_isa_paths(cpu1: BackendSet, cpu2: BackendSet, tmp_path: Path,
         if co.bf16_available():
             # the same sums as VDPBF16PS (odd product, then even; F32 RNE) without subnormals
             assert np.array_equal(y, run_conv_bf16(cpu2, xp, w, b, d))
+    for c_in, c_out, t, d in [(96, 96, 301, 3), (95, 40, 17, 2), (96, 1, 50, 1)]:
+        xp, w, b = conv_data(rng, c_in, c_out, t, 7, d)
+        y = run_conv_wino(cpu2, xp, w, b, d, library)
+        assert snr_db(y, conv_ref(xp, w, b, d)) >= 50.0
+        assert np.array_equal(y, run_conv_wino(cpu1, xp, w, b, d, library))
+        if co.bf16_available():  # the same sums as the VDPBF16PS kernel
+            assert np.array_equal(y, run_conv_wino(cpu2, xp, w, b, d))
     assert not gemm_i8.fast_available(library)  # the portable int8 GEMM: exact integer sums
     for n, k, t in [(100, 300, 13), (64, 1024, 20)]:
         w, x = gemm_data(rng, n, k, t)
@@ -749,7 +772,8 @@ def test_other_isa_paths(cpu1: BackendSet, cpu2: BackendSet, tmp_path: Path,
 
 
 def run_conv_fused_and_apart(be: BackendSet, hist: np.ndarray[Any, Any], x: np.ndarray[Any, Any],
-                             w_oik: np.ndarray[Any, Any], d: int, with_res: bool
+                             w_oik: np.ndarray[Any, Any], d: int, with_res: bool,
+                             op: str = "bf16"
                              ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
     """(fused, separate ops) results of ``res + conv(snake([hist | x]))``."""
     rng = np.random.default_rng(x.shape[1] + 3 * x.shape[0])
@@ -758,7 +782,8 @@ def run_conv_fused_and_apart(be: BackendSet, hist: np.ndarray[Any, Any], x: np.n
     ib = (1.0 / (np.exp(0.5 * rng.standard_normal(c)) + 1e-9)).astype(np.float32)
     res = rng.standard_normal((t, c_out)).astype(np.float32)
     g = Graph()
-    tw, tb, data = _conv_op_inputs(g, "bf16", w_oik)
+    tw, tb, data = _conv_op_inputs(g, op, w_oik)
+    fn = _conv_op(op)
     tx, tea, tib = g.input("x", x.shape), g.input("ea", (c,)), g.input("ib", (c,))
     data.update(x=x, ea=ea, ib=ib)
     th = None
@@ -769,11 +794,11 @@ def run_conv_fused_and_apart(be: BackendSet, hist: np.ndarray[Any, Any], x: np.n
     if with_res:
         tres = g.input("res", res.shape)
         data["res"] = res
-    fused = co.conv1d_tm_bf16(g.ctx, tx, tw, tb, d, hist=th, snake=(tea, tib), residual=tres)
+    fused = fn(g.ctx, tx, tw, tb, d, hist=th, snake=(tea, tib), residual=tres)
     g.output(fused, "fused")
     sx = co.snake_beta(g.ctx, tx, tea, tib)
     sh = co.snake_beta(g.ctx, th, tea, tib) if th is not None else None
-    apart = co.conv1d_tm_bf16(g.ctx, sx, tw, tb, d, hist=sh)
+    apart = fn(g.ctx, sx, tw, tb, d, hist=sh)
     if tres is not None:
         apart = lib.ggml_add(g.ctx, tres, apart)
     g.output(apart, "apart")
@@ -798,6 +823,97 @@ def test_conv_bf16_fused_snake_and_residual(cpu1: BackendSet, cpu2: BackendSet, 
     f1, a1 = run_conv_fused_and_apart(cpu1, hist, x, w, d, with_res)
     assert np.array_equal(f2, a2)
     assert np.array_equal(f1, f2) and np.array_equal(a1, a2)
+
+
+@needs_ops
+@pytest.mark.parametrize("t", [1, 17, 5000])
+@pytest.mark.parametrize("c_in,c_out", [(96, 96), (95, 100), (384, 192), (768, 40)])
+@pytest.mark.parametrize("d,with_res", [(1, True), (3, False), (9, True)])
+def test_conv_wino_fused_snake_and_residual(cpu1: BackendSet, cpu2: BackendSet, t: int,
+                                            c_in: int, c_out: int, d: int,
+                                            with_res: bool) -> None:
+    rng = np.random.default_rng(c_in + t + d)
+    hist = rng.standard_normal((6 * d, c_in)).astype(np.float32)
+    x = (3 * rng.standard_normal((t, c_in))).astype(np.float32)
+    w = (rng.standard_normal((c_out, c_in, 7)) / np.sqrt(c_in * 7)).astype(np.float32)
+    f2, a2 = run_conv_fused_and_apart(cpu2, hist, x, w, d, with_res, "wino")
+    f1, a1 = run_conv_fused_and_apart(cpu1, hist, x, w, d, with_res, "wino")
+    assert np.array_equal(f2, a2)
+    assert np.array_equal(f1, f2) and np.array_equal(a1, a2)
+
+
+def run_conv_wino(be: BackendSet, xp: np.ndarray[Any, Any], w_oik: np.ndarray[Any, Any],
+                  b: np.ndarray[Any, Any], d: int, library: Any = None) -> np.ndarray[Any, Any]:
+    wp = co.bf16_bits(co.pack_conv_weight_wino_bf16(w_oik))
+    g = Graph()
+    tx, tb = g.input("x", xp.shape), g.input("b", b.shape)
+    tw = bf16_input(g, "w", wp.shape)
+    g.output(co.conv1d_wino_bf16(g.ctx, tx, tw, tb, d, library=library), "y")
+    return be.execute(g, {"x": xp, "w": wp, "b": b})["y"].reshape(xp.shape[0] - 6 * d,
+                                                                     w_oik.shape[0])
+
+
+def snr_db(y: np.ndarray[Any, Any], ref: np.ndarray[Any, Any]) -> float:
+    return float(10 * np.log10(np.sum(ref ** 2) / np.sum((y - ref) ** 2)))
+
+
+WINO_CASES = [  # (C_in, C_out, T, d): T odd, below/above 2d, several chunks; C odd, C_out partial
+    (96, 96, 1, 1), (96, 96, 2, 3), (96, 96, 7, 3), (96, 96, 5000, 1), (96, 96, 5000, 9),
+    (192, 192, 777, 9), (384, 384, 700, 1), (95, 100, 333, 3), (95, 40, 1, 9), (96, 1, 500, 1),
+    (768, 768, 40, 3), (768, 768, 1100, 9), (1024, 1536, 124, 1), (40, 33, 37, 2),
+]
+
+
+@needs_ops
+@pytest.mark.parametrize("c_in,c_out,t,d", WINO_CASES)
+def test_conv_wino_matches_float64(cpu1: BackendSet, cpu2: BackendSet, c_in: int, c_out: int,
+                                   t: int, d: int) -> None:
+    """The F(2,3) conv is the K = 7 conv up to BF16 rounding of its transformed operands:
+    within ~2.5 dB of the direct BF16 kernel's SNR against float64, the same for any thread
+    count."""
+    rng = np.random.default_rng(c_in + 7 * c_out + 13 * t + d)
+    xp, w, b = conv_data(rng, c_in, c_out, t, 7, d)
+    ref = conv_ref(xp, w, b, d)
+    y = run_conv_wino(cpu2, xp, w, b, d)
+    assert y.shape == ref.shape and np.isfinite(y).all()
+    direct = snr_db(run_conv_bf16(cpu2, xp, w, b, d), ref)
+    assert snr_db(y, ref) >= min(50.0, direct - 2.5)
+    assert np.abs(y - ref).max() <= 0.02 * np.abs(ref).max()
+    assert np.array_equal(y, run_conv_wino(cpu1, xp, w, b, d))
+
+
+@needs_ops
+def test_pack_conv_weight_wino_bf16() -> None:
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((40, 5, 7)).astype(np.float32)
+    p = co.pack_conv_weight_wino_bf16(w)
+    assert p.shape == (2, 3, 10, 64) and p.dtype == np.float32
+    assert np.array_equal(p, co.round_bf16(p))
+    g = w.astype(np.float64)
+    o, c = 33, 3  # block 1, lane 1; input pair 1, element 1
+    want = [g[o, c, 0], (g[o, c, 0] + g[o, c, 1] + g[o, c, 2]) / 2,
+            (g[o, c, 0] - g[o, c, 1] + g[o, c, 2]) / 2, g[o, c, 2],
+            g[o, c, 3], (g[o, c, 3] + g[o, c, 4] + g[o, c, 5]) / 2,
+            (g[o, c, 3] - g[o, c, 4] + g[o, c, 5]) / 2, g[o, c, 5], g[o, c, 6], -g[o, c, 6]]
+    got = p[1, 1, :, 2 * 1 + 1]
+    assert np.array_equal(got, co.round_bf16(np.array(want, np.float32)))
+    assert not p[1, :, :, 2 * 8:].any()  # outputs past 40: zero
+    assert not p[:, 2, :, 1::2].any()  # input 5 (odd C_in's pad): zero
+    with pytest.raises(ValueError, match="must be \\[C_out, C_in, 7\\]"):
+        co.pack_conv_weight_wino_bf16(np.zeros((4, 4, 3), np.float32))
+
+
+@needs_ops
+def test_conv_wino_rejects_a_direct_layout() -> None:
+    c = 96
+    with Graph() as g:
+        tw, tb, _ = _conv_op_inputs(g, "bf16", np.zeros((c, c, 7), np.float32))
+        with pytest.raises(ValueError, match="pack_conv_weight_wino_bf16"):
+            co.conv1d_wino_bf16(g.ctx, g.input("x", (20 + 18, c)), tw, tb, 3)
+        tw2, tb2, _ = _conv_op_inputs(g, "wino", np.zeros((c, c, 7), np.float32))
+        co.conv1d_wino_bf16(g.ctx, g.input("x1", (19, c)), tw2, tb2, 3)  # fine: T = 1
+        with pytest.raises(ValueError, match="xp"):
+            co.conv1d_wino_bf16(g.ctx, g.input("x2", (18, c)), tw2, tb2, 3)
 
 
 @needs_ops

@@ -185,7 +185,8 @@ def _direct_conv(g: StageGraph, key: str, x: Tensor, conv: Conv, dilation: int, 
     if packed.type != lib.GGML_TYPE_BF16:
         assert act is None and residual is None
         return custom_ops.conv1d_tm(ctx, x, packed, conv.bias, dilation, hist=prev)
-    return custom_ops.conv1d_tm_bf16(
+    conv_bf16 = custom_ops.conv1d_wino_bf16 if conv.winograd else custom_ops.conv1d_tm_bf16
+    return conv_bf16(
         ctx, x, packed, conv.bias, dilation, hist=prev,
         snake=(act.exp_alpha, act.inv_beta) if act is not None else None, residual=residual)
 

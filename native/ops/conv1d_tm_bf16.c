@@ -22,7 +22,7 @@
  * Fusions (flags in the userdata, see qtts_ops.h): with SnakeBeta parameters the conversion
  * applies qtts_snake_row to each input row first (the history rows too: the op then carries
  * pre-snake rows), so the activation the conv reads is never written out; with a residual
- * source, each finished tile range adds its rows of it. Both give bit for bit the results of
+ * source, each tile adds its rows of it as it stores its finished sums. Both give bit for bit the results of
  * the separate snake op before, and of the add after, the conv.
  *
  * Summation order per output element: bias; then per input-pair chunk (depends on C_in only):
@@ -123,16 +123,6 @@ static void convert_xp_rows(uint32_t * dst, int64_t cp, const float * hist, int6
     if (r0 < r1) convert_rows(dst, cp, x + (r0 - ph) * xs, xs, r1 - r0, ci, sn);
 }
 
-/* out[t, 0..width) += res[t, 0..width) for t < rows (row strides ys and rs floats). */
-static void add_rows(float * out, int64_t ys, const float * res, int64_t rs, int64_t rows,
-                     int width) {
-    for (int64_t t = 0; t < rows; t++) {
-        float * o = out + t * ys;
-        const float * r = res + t * rs;
-        for (int i = 0; i < width; i++) o[i] += r[i];
-    }
-}
-
 /* ---- tiles -------------------------------------------------------------------------------- */
 
 /* What the tiles of one (input-pair chunk of a) conv share. x and w point at the chunk's first
@@ -147,14 +137,17 @@ typedef struct {
     int K;
 } bconv_args;
 
+/* res (row stride rs): added to the finished sums as they are stored (the last input chunk), or
+ * NULL */
 typedef void (*btile_fn)(float * out, int64_t ys, const float * init, int64_t is,
-                         const bconv_args * a, int width);
+                         const bconv_args * a, int width, const float * res, int64_t rs);
 
 #if BF16_SIMD
 
 /* NV vectors (1 or 2) x NT steps; MASKED: the last, partial block (weights are zero there). */
 INLINE void tile_bf16(const int NV, const int NT, const int MASKED, float * out, int64_t ys,
-                      const float * init, int64_t is, const bconv_args * a, int width) {
+                      const float * init, int64_t is, const bconv_args * a, int width,
+                      const float * res, int64_t rs) {
     const uint32_t * x = a->x;
     const uint16_t * w = a->w;
     const int64_t xs = a->xs, wks = a->wks, d = a->d, np = a->np;
@@ -193,10 +186,15 @@ INLINE void tile_bf16(const int NV, const int NT, const int MASKED, float * out,
     for (int j = 0; j < NT; j++) {
 #pragma GCC unroll 2
         for (int v = 0; v < NV; v++) {
+            __m512 r = acc[v][j];
+            if (res) {
+                r = _mm512_add_ps(r, MASKED ? _mm512_maskz_loadu_ps(m[v], res + j * rs + v * VW)
+                                            : _mm512_loadu_ps(res + j * rs + v * VW));
+            }
             if (MASKED) {
-                _mm512_mask_storeu_ps(out + j * ys + v * VW, m[v], acc[v][j]);
+                _mm512_mask_storeu_ps(out + j * ys + v * VW, m[v], r);
             } else {
-                _mm512_storeu_ps(out + j * ys + v * VW, acc[v][j]);
+                _mm512_storeu_ps(out + j * ys + v * VW, r);
             }
         }
     }
@@ -217,7 +215,7 @@ static inline float bf16_to_f32(uint16_t h) {
 }
 
 static void tile_generic(int NT, float * out, int64_t ys, const float * init, int64_t is,
-                         const bconv_args * a, int width) {
+                         const bconv_args * a, int width, const float * res, int64_t rs) {
     const uint32_t * x = a->x;
     const uint16_t * w = a->w;
     const int64_t xs = a->xs, wks = a->wks, d = a->d, np = a->np;
@@ -247,7 +245,12 @@ static void tile_generic(int NT, float * out, int64_t ys, const float * init, in
             }
         }
     }
-    for (int j = 0; j < NT; j++) memcpy(out + j * ys, acc[j], (size_t)width * sizeof(float));
+    for (int j = 0; j < NT; j++) {
+        if (res) {
+            for (int o = 0; o < width; o++) acc[j][o] += res[j * rs + o];
+        }
+        memcpy(out + j * ys, acc[j], (size_t)width * sizeof(float));
+    }
 }
 
 #define DEF_TILE(nt)                                                                            \
@@ -258,8 +261,9 @@ static void tile_generic(int NT, float * out, int64_t ys, const float * init, in
 #endif
 
 #define TILE_ARGS                                                                               \
-    float * out, int64_t ys, const float * init, int64_t is, const bconv_args * a, int width
-#define TILE_PASS out, ys, init, is, a, width
+    float * out, int64_t ys, const float * init, int64_t is, const bconv_args * a, int width,   \
+        const float * res, int64_t rs
+#define TILE_PASS out, ys, init, is, a, width, res, rs
 
 DEF_TILE(1)
 DEF_TILE(2)
@@ -388,13 +392,14 @@ void qtts_conv1d_tm_bf16_op(struct ggml_tensor * dst, int ith, int nth, void * u
                     .x = a.x + (t - t0) * cp, .xs = cp, .w = a.w, .wks = a.wks, .d = d,
                     .np = a.np, .K = K,
                 };
+                /* the residual joins the sums as the last input chunk stores them */
+                const float * rt_ = res && p0 + kc >= cp ? res + t * rs + o0 : NULL;
                 if (p0 == 0) {
-                    fns[nt](out, O, bias + o0, 0, &at, width);
+                    fns[nt](out, O, bias + o0, 0, &at, width, rt_, rs);
                 } else {
-                    fns[nt](out, O, out, O, &at, width);
+                    fns[nt](out, O, out, O, &at, width, rt_, rs);
                 }
             }
         }
-        if (res) add_rows(y + t0 * O + o0, O, res + t0 * rs + o0, rs, t_end - t0, width);
     }
 }

@@ -98,3 +98,11 @@ void qtts_gemm_i8_pack(const float * W, int64_t N, int64_t K, int8_t * wq, float
 
 /* 1 when qtts_gemm_i8_op has its AVX512_VNNI kernel, 0 for the slow portable path. */
 int qtts_gemm_i8_fast(void);
+
+/* The K = 7 BF16 conv of qtts_conv1d_tm_bf16_op (same sources, flags, userdata and result
+ * contract, BF16 rounding aside) by Winograd F(2,3) over output pairs (t, t+d): 10
+ * channel-contractions per pair instead of 14. w: BF16 contiguous,
+ * ne = [2*B, 10, ceil(C_in / 2), ceil(C_out / B)], B = QTTS_CONV_BF16_BLOCK (numpy
+ * [n_blocks, cp, 10, B, 2]): w[j, p, k, i, e] = G_k[2p + e, j*B + i] for the slots k =
+ * (g0, (g0+g1+g2)/2, (g0-g1+g2)/2, g2) of taps 0-2, the same of taps 3-5, g6, -g6. */
+void qtts_conv1d_wino_bf16_op(struct ggml_tensor * dst, int ith, int nth, void * userdata);

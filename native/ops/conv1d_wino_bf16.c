@@ -1,0 +1,480 @@
+/* The K = 7 BF16 causal dilated conv of conv1d_tm_bf16.c (same sources, flags and contract) with
+ * ~30 % fewer multiplies: Winograd F(2,3) over pairs of output steps (t, t + d).
+ *
+ * Taps {0,1,2} (group A, rows t .. t+3d) and {3,4,5} (group B, rows t+3d .. t+6d) each give the
+ * pair's two outputs from four products instead of six:
+ *   D1 = x0 - x2, D2 = x1 + x2, D3 = x2 - x1, D4 = x1 - x3        (x_i = row s + i*d, s = t or t+3d)
+ *   G1 = g0, G2 = (g0 + g1 + g2) / 2, G3 = (g0 - g1 + g2) / 2, G4 = g2
+ *   M_i = sum_c G_i D_i,  y(t) = M1 + M2 + M3,  y(t + d) = M2 - M3 - M4;
+ * tap 6 adds g6 * x(t + 6d) to M1 and -g6 * x(t + 7d) to M4. Both groups and tap 6 share the four
+ * sums M1..M4 (the output transform is linear), so a pair costs 10 channel-contractions, not 14.
+ * D_i are formed in F32 from the (snaked) input and rounded to BF16 like the direct kernel's
+ * input; the transformed weights are rounded to BF16 at packing. Measured on random data: SNR
+ * 50.8 dB against the exact conv, vs 52.3 dB for the direct BF16 kernel (F(3,3): 46 dB, F(2,7):
+ * 40 dB, hence this form).
+ *
+ * Layout: w BF16 contiguous, ne = [2*B, 10, ceil(C_in/2), ceil(C_out/B)] (numpy [n_blocks, cp,
+ * 10, B, 2]): slot k of input pair p holds, per output lane i, the pair (G[2p], G[2p+1]) of slot
+ * k: A.G1..A.G4, B.G1..B.G4, g6, -g6 (qtts_ops.h, pack_conv_weight_wino_bf16).
+ *
+ * Work: units (time chunk, block of 32 output channels) as the direct kernel; chunks start at
+ * multiples of 2d, so a chunk holds whole pairs (the last one may end mid-pair: y(t + d) past T
+ * is not written). Per chunk each thread stages the snaked input rows in F32, then builds, per
+ * row s and input pair p, the record (D1..D4)(s) as BF16 pairs (16 bytes) and the plain row x(s)
+ * as BF16 pairs. A tile is 32 output channels x 3 pairs: 4 x 3 x 2 accumulators in registers; per
+ * input pair it loads the 10 slots' weight vectors and broadcasts each pair's record entries.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "qtts_ops.h"
+#include "qtts_scratch.h"
+#include "qtts_snake.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define BF16_SIMD 1
+#include <immintrin.h>
+#else
+#define BF16_SIMD 0
+#endif
+
+#define INLINE static inline __attribute__((always_inline))
+#define OB QTTS_CONV_BF16_BLOCK /* 32 output channels per packed block */
+#define VW 16
+#define NPAIR 3                 /* output pairs per tile */
+#define NSLOT 10
+#define TCH_MAX 384             /* most time steps per chunk */
+#define SCRATCH_BUDGET (640 * 1024) /* staged rows + records of one chunk, per thread (L2) */
+/* Wide inputs: a chunk that fits L2 is so short that every chunk streams the whole weight
+ * (C_out x C_in x 10 BF16) again; from this many input pairs, chunks of up to WIDE_BUDGET (L3)
+ * instead, each tile reading its records from L3 at ~1 byte per cycle. */
+#define WIDE_PAIRS 256
+#define WIDE_BUDGET (16 * 1024 * 1024)
+#define WIDE_TCH_MAX 4096
+
+/* Rounding as VCVTNEPS2BF16 (see conv1d_tm_bf16.c). */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u);
+    if ((u & 0x7F800000u) == 0) return (uint16_t)((u >> 16) & 0x8000u);
+    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline uint32_t bf16_pair(float lo, float hi) {
+    return (uint32_t)f32_to_bf16(lo) | ((uint32_t)f32_to_bf16(hi) << 16);
+}
+
+/* ---- staging and records --------------------------------------------------------------------- */
+
+typedef struct {
+    const float * hist; /* rows 0 .. ph of xp (NULL: none) */
+    int64_t hs, ph;
+    const float * x;    /* rows ph .. of xp */
+    int64_t xs, n_xp;   /* row stride; rows of xp in all (T + 6d) */
+    const float * ea;   /* SnakeBeta (NULL: none) */
+    const float * ib;
+    int64_t ci;
+} xp_src;
+
+/* rows r0 .. r0+n of xp (zero past its end), snaked, into st (row stride ci floats) */
+static void stage_rows(float * st, const xp_src * s, int64_t r0, int64_t n) {
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t R = r0 + r;
+        float * o = st + r * s->ci;
+        if (R >= s->n_xp) {
+            memset(o, 0, (size_t)s->ci * sizeof(float));
+            continue;
+        }
+        const float * src = R < s->ph ? s->hist + R * s->hs : s->x + (R - s->ph) * s->xs;
+        if (s->ea) {
+            qtts_snake_row(o, src, s->ea, s->ib, s->ci);
+        } else {
+            memcpy(o, src, (size_t)s->ci * sizeof(float));
+        }
+    }
+}
+
+/* From n staged rows: xb[s][p] = row s as BF16 pairs (all s), rec[s][p][0..3] = D1..D4 of row s
+ * (s + 3d < n). Odd C_in: the last pair is (x, 0). */
+static void build_records(uint32_t * rec, uint32_t * xb, const float * st, int64_t n, int64_t ci,
+                          int64_t cp, int64_t d) {
+    const int64_t nd = n - 3 * d;
+    for (int64_t s = 0; s < n; s++) {
+        const float * x0 = st + s * ci;
+        uint32_t * xo = xb + s * cp;
+        uint32_t * ro = rec + s * cp * 4;
+        int64_t c = 0;
+#if BF16_SIMD
+        for (; c + 32 <= ci; c += 32) {
+            const __m512 lo = _mm512_loadu_ps(x0 + c), hi = _mm512_loadu_ps(x0 + c + 16);
+            /* dword q = channels (c + 2q, c + 2q + 1): 16 pairs in order */
+            _mm512_storeu_si512((void *)(xo + c / 2), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+            if (s < nd) {
+                const float * x1 = x0 + d * ci;
+                const float * x2 = x0 + 2 * d * ci;
+                const float * x3 = x0 + 3 * d * ci;
+                const __m512 a0 = lo, b0 = hi;
+                const __m512 a1 = _mm512_loadu_ps(x1 + c), b1 = _mm512_loadu_ps(x1 + c + 16);
+                const __m512 a2 = _mm512_loadu_ps(x2 + c), b2 = _mm512_loadu_ps(x2 + c + 16);
+                const __m512 a3 = _mm512_loadu_ps(x3 + c), b3 = _mm512_loadu_ps(x3 + c + 16);
+                __m512i D[4];
+                D[0] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(b0, b2), _mm512_sub_ps(a0, a2));
+                D[1] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_add_ps(b1, b2), _mm512_add_ps(a1, a2));
+                D[2] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(b2, b1), _mm512_sub_ps(a2, a1));
+                D[3] = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(b1, b3), _mm512_sub_ps(a1, a3));
+                /* 16 pairs x (D1..D4) -> records of 4 dwords: 4x4 transposes in 128-bit lanes,
+                 * then of the lanes */
+                const __m512i t0 = _mm512_unpacklo_epi32(D[0], D[1]);
+                const __m512i t1 = _mm512_unpacklo_epi32(D[2], D[3]);
+                const __m512i t2 = _mm512_unpackhi_epi32(D[0], D[1]);
+                const __m512i t3 = _mm512_unpackhi_epi32(D[2], D[3]);
+                const __m512i u0 = _mm512_unpacklo_epi64(t0, t1); /* lane L: pair 4L */
+                const __m512i u1 = _mm512_unpackhi_epi64(t0, t1); /* pair 4L + 1 */
+                const __m512i u2 = _mm512_unpacklo_epi64(t2, t3); /* pair 4L + 2 */
+                const __m512i u3 = _mm512_unpackhi_epi64(t2, t3); /* pair 4L + 3 */
+                const __m512i v0 = _mm512_shuffle_i32x4(u0, u1, 0x44); /* u0.L0 u0.L1 u1.L0 u1.L1 */
+                const __m512i v1 = _mm512_shuffle_i32x4(u2, u3, 0x44);
+                const __m512i v2 = _mm512_shuffle_i32x4(u0, u1, 0xEE); /* L2, L3 */
+                const __m512i v3 = _mm512_shuffle_i32x4(u2, u3, 0xEE);
+                uint32_t * r = ro + (c / 2) * 4;
+                /* pairs 0..3 = u0.L0 u1.L0 u2.L0 u3.L0, etc. */
+                _mm512_storeu_si512((void *)(r + 0), _mm512_shuffle_i32x4(v0, v1, 0x88));
+                _mm512_storeu_si512((void *)(r + 16), _mm512_shuffle_i32x4(v0, v1, 0xDD));
+                _mm512_storeu_si512((void *)(r + 32), _mm512_shuffle_i32x4(v2, v3, 0x88));
+                _mm512_storeu_si512((void *)(r + 48), _mm512_shuffle_i32x4(v2, v3, 0xDD));
+            }
+        }
+#endif
+        for (; c < ci; c += 2) {
+            const int two = c + 1 < ci;
+            const int64_t p = c / 2;
+            xo[p] = bf16_pair(x0[c], two ? x0[c + 1] : 0.0f);
+            if (s < nd) {
+                const float * x1 = x0 + d * ci;
+                const float * x2 = x0 + 2 * d * ci;
+                const float * x3 = x0 + 3 * d * ci;
+                float v[4][2];
+                for (int e = 0; e < 2; e++) {
+                    const int64_t k = c + e;
+                    const int ok = e == 0 || two;
+                    const float a0 = ok ? x0[k] : 0.0f, a1 = ok ? x1[k] : 0.0f;
+                    const float a2 = ok ? x2[k] : 0.0f, a3 = ok ? x3[k] : 0.0f;
+                    v[0][e] = a0 - a2;
+                    v[1][e] = a1 + a2;
+                    v[2][e] = a2 - a1;
+                    v[3][e] = a1 - a3;
+                }
+                for (int i = 0; i < 4; i++) ro[p * 4 + i] = bf16_pair(v[i][0], v[i][1]);
+            }
+        }
+    }
+}
+
+/* ---- tiles ----------------------------------------------------------------------------------- */
+
+typedef struct {
+    const uint32_t * rec; /* records of the chunk: row s, pair p at rec + (s*cp + p)*4 */
+    const uint32_t * xb;  /* plain rows: xb + s*cp + p */
+    const uint16_t * w;   /* the output block's weights: pair p, slot k at w + (p*10 + k)*64 */
+    int64_t cp, d;
+} wino_args;
+
+/* Where a tile's pairs go: pair j's outputs y(t) at y0[j], y(t + d) at y1[j] (NULL: past the
+ * end), residual rows r0[j], r1[j] (NULL: none); bias and the valid lanes of the block. */
+typedef struct {
+    float * y0[NPAIR];
+    float * y1[NPAIR];
+    const float * r0[NPAIR];
+    const float * r1[NPAIR];
+    const float * bias;
+    int width;
+} wino_out;
+
+/* The sums M[i][j] (i: M1..M4, j: pair) for the pairs starting at rows s[j] of the chunk, over
+ * all input pairs, then the output transform y(t) = M1 + M2 + M3 (+ bias, + residual),
+ * y(t + d) = M2 - M3 - M4 (+ bias, + residual). */
+typedef void (*wtile_fn)(const wino_args * a, const int64_t * s, const wino_out * out);
+
+#if BF16_SIMD
+
+INLINE __m512 dpbf16(__m512 acc, __m512bh w, __m512bh x) {
+    /* inline asm: GCC 12 spills the tile's 24 accumulators around the intrinsic */
+    __asm__("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(w), "v"(x));
+    return acc;
+}
+
+INLINE void wtile(const int NP, const wino_args * a, const int64_t * s, const wino_out * out) {
+    const int64_t cp = a->cp, d = a->d;
+    __m512 acc[4][NPAIR][2];
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; i++) {
+#pragma GCC unroll 3
+        for (int j = 0; j < NP; j++) acc[i][j][0] = acc[i][j][1] = _mm512_setzero_ps();
+    }
+    const uint32_t * pa[NPAIR];
+    const uint32_t * pb[NPAIR];
+    const uint32_t * p6[NPAIR];
+    const uint32_t * p7[NPAIR];
+#pragma GCC unroll 3
+    for (int j = 0; j < NP; j++) {
+        pa[j] = a->rec + s[j] * cp * 4;
+        pb[j] = a->rec + (s[j] + 3 * d) * cp * 4;
+        p6[j] = a->xb + (s[j] + 6 * d) * cp;
+        p7[j] = a->xb + (s[j] + 7 * d) * cp;
+    }
+    const uint16_t * w = a->w;
+    for (int64_t p = 0; p < cp; p++, w += NSLOT * 2 * OB) {
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) {
+            const __m512bh ga0 = (__m512bh)_mm512_loadu_si512((const void *)(w + i * 64));
+            const __m512bh ga1 = (__m512bh)_mm512_loadu_si512((const void *)(w + i * 64 + 32));
+#pragma GCC unroll 3
+            for (int j = 0; j < NP; j++) {
+                const __m512bh b = (__m512bh)_mm512_set1_epi32((int)pa[j][p * 4 + i]);
+                acc[i][j][0] = dpbf16(acc[i][j][0], ga0, b);
+                acc[i][j][1] = dpbf16(acc[i][j][1], ga1, b);
+            }
+            const __m512bh gb0 = (__m512bh)_mm512_loadu_si512((const void *)(w + (4 + i) * 64));
+            const __m512bh gb1 = (__m512bh)_mm512_loadu_si512((const void *)(w + (4 + i) * 64 + 32));
+#pragma GCC unroll 3
+            for (int j = 0; j < NP; j++) {
+                const __m512bh b = (__m512bh)_mm512_set1_epi32((int)pb[j][p * 4 + i]);
+                acc[i][j][0] = dpbf16(acc[i][j][0], gb0, b);
+                acc[i][j][1] = dpbf16(acc[i][j][1], gb1, b);
+            }
+        }
+        const __m512bh g60 = (__m512bh)_mm512_loadu_si512((const void *)(w + 8 * 64));
+        const __m512bh g61 = (__m512bh)_mm512_loadu_si512((const void *)(w + 8 * 64 + 32));
+#pragma GCC unroll 3
+        for (int j = 0; j < NP; j++) {
+            const __m512bh b = (__m512bh)_mm512_set1_epi32((int)p6[j][p]);
+            acc[0][j][0] = dpbf16(acc[0][j][0], g60, b);
+            acc[0][j][1] = dpbf16(acc[0][j][1], g61, b);
+        }
+        const __m512bh g70 = (__m512bh)_mm512_loadu_si512((const void *)(w + 9 * 64));
+        const __m512bh g71 = (__m512bh)_mm512_loadu_si512((const void *)(w + 9 * 64 + 32));
+#pragma GCC unroll 3
+        for (int j = 0; j < NP; j++) {
+            const __m512bh b = (__m512bh)_mm512_set1_epi32((int)p7[j][p]);
+            acc[3][j][0] = dpbf16(acc[3][j][0], g70, b);
+            acc[3][j][1] = dpbf16(acc[3][j][1], g71, b);
+        }
+    }
+    __mmask16 mk[2];
+#pragma GCC unroll 2
+    for (int v = 0; v < 2; v++) {
+        int rem = out->width - v * VW;
+        rem = rem < 0 ? 0 : (rem > VW ? VW : rem);
+        mk[v] = (__mmask16)((1u << rem) - 1u);
+    }
+#pragma GCC unroll 3
+    for (int j = 0; j < NP; j++) {
+#pragma GCC unroll 2
+        for (int v = 0; v < 2; v++) {
+            const __m512 b = _mm512_maskz_loadu_ps(mk[v], out->bias + v * VW);
+            __m512 y = _mm512_add_ps(b, _mm512_add_ps(_mm512_add_ps(acc[0][j][v], acc[1][j][v]),
+                                                      acc[2][j][v]));
+            if (out->r0[j]) y = _mm512_add_ps(_mm512_maskz_loadu_ps(mk[v], out->r0[j] + v * VW), y);
+            _mm512_mask_storeu_ps(out->y0[j] + v * VW, mk[v], y);
+            if (out->y1[j]) {
+                __m512 z = _mm512_add_ps(b, _mm512_sub_ps(_mm512_sub_ps(acc[1][j][v], acc[2][j][v]),
+                                                          acc[3][j][v]));
+                if (out->r1[j]) z = _mm512_add_ps(_mm512_maskz_loadu_ps(mk[v], out->r1[j] + v * VW), z);
+                _mm512_mask_storeu_ps(out->y1[j] + v * VW, mk[v], z);
+            }
+        }
+    }
+}
+
+#define WTILE_ARGS const wino_args * a, const int64_t * s, const wino_out * out
+static void wtile_1(WTILE_ARGS) { wtile(1, a, s, out); }
+static void wtile_2(WTILE_ARGS) { wtile(2, a, s, out); }
+static void wtile_3(WTILE_ARGS) { wtile(3, a, s, out); }
+
+#else
+
+static inline float bf16_to_f32(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* acc += the two products of a weight pair and an input pair, odd product first (VDPBF16PS) */
+static inline float dp_pair(float acc, const uint16_t * w2, uint32_t x) {
+    const float s = acc + bf16_to_f32(w2[1]) * bf16_to_f32((uint16_t)(x >> 16));
+    return s + bf16_to_f32(w2[0]) * bf16_to_f32((uint16_t)(x & 0xFFFFu));
+}
+
+static void wtile_generic(int NP, const wino_args * a, const int64_t * s, const wino_out * out) {
+    const int64_t cp = a->cp, d = a->d;
+    float acc[4][NPAIR][2 * VW];
+    memset(acc, 0, sizeof(acc));
+    for (int64_t p = 0; p < cp; p++) {
+        const uint16_t * w = a->w + p * NSLOT * 2 * OB;
+        for (int j = 0; j < NP; j++) {
+            const uint32_t * ra = a->rec + (s[j] * cp + p) * 4;
+            const uint32_t * rb = a->rec + ((s[j] + 3 * d) * cp + p) * 4;
+            const uint32_t x6 = a->xb[(s[j] + 6 * d) * cp + p];
+            const uint32_t x7 = a->xb[(s[j] + 7 * d) * cp + p];
+            for (int o = 0; o < OB; o++) {
+                for (int i = 0; i < 4; i++) {
+                    float v = dp_pair(acc[i][j][o], w + i * 64 + 2 * o, ra[i]);
+                    acc[i][j][o] = dp_pair(v, w + (4 + i) * 64 + 2 * o, rb[i]);
+                }
+                acc[0][j][o] = dp_pair(acc[0][j][o], w + 8 * 64 + 2 * o, x6);
+                acc[3][j][o] = dp_pair(acc[3][j][o], w + 9 * 64 + 2 * o, x7);
+            }
+        }
+    }
+    for (int j = 0; j < NP; j++) {
+        for (int i = 0; i < out->width; i++) {
+            const float y = out->bias[i] + ((acc[0][j][i] + acc[1][j][i]) + acc[2][j][i]);
+            out->y0[j][i] = out->r0[j] ? out->r0[j][i] + y : y;
+            if (out->y1[j]) {
+                const float z = out->bias[i] + ((acc[1][j][i] - acc[2][j][i]) - acc[3][j][i]);
+                out->y1[j][i] = out->r1[j] ? out->r1[j][i] + z : z;
+            }
+        }
+    }
+}
+
+#define WTILE_ARGS const wino_args * a, const int64_t * s, const wino_out * out
+static void wtile_1(WTILE_ARGS) { wtile_generic(1, a, s, out); }
+static void wtile_2(WTILE_ARGS) { wtile_generic(2, a, s, out); }
+static void wtile_3(WTILE_ARGS) { wtile_generic(3, a, s, out); }
+
+#endif
+
+static const wtile_fn WTILE[NPAIR + 1] = {0, wtile_1, wtile_2, wtile_3};
+
+/* ---- the op ---------------------------------------------------------------------------------- */
+
+/* Time steps per chunk: a multiple of 2d, at most TCH_MAX (or 2d), with the chunk's staged rows
+ * and records within SCRATCH_BUDGET where that leaves at least one pair block. */
+static int64_t chunk_steps(int64_t ci, int64_t cp, int64_t d) {
+    const int64_t per_row = ci * (int64_t)sizeof(float) + cp * 5 * (int64_t)sizeof(uint32_t);
+    const int wide = cp >= WIDE_PAIRS;
+    int64_t rows = (wide ? WIDE_BUDGET : SCRATCH_BUDGET) / per_row - 7 * d;
+    if (rows > (wide ? WIDE_TCH_MAX : TCH_MAX)) rows = wide ? WIDE_TCH_MAX : TCH_MAX;
+    int64_t steps = rows / (2 * d) * (2 * d);
+    return steps < 2 * d ? 2 * d : steps;
+}
+
+void qtts_conv1d_wino_bf16_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const struct ggml_tensor * x = dst->src[0];
+    const struct ggml_tensor * wt = dst->src[1];
+    const struct ggml_tensor * bt = dst->src[2];
+    const intptr_t ud = (intptr_t)userdata;
+    const int64_t d = (int64_t)(ud & QTTS_CONV_DILATION_MASK);
+    int next = 3;
+    const struct ggml_tensor * ht = (ud & QTTS_CONV_HIST) ? dst->src[next++] : NULL;
+    const struct ggml_tensor * eat = (ud & QTTS_CONV_SNAKE) ? dst->src[next++] : NULL;
+    const struct ggml_tensor * ibt = (ud & QTTS_CONV_SNAKE) ? dst->src[next++] : NULL;
+    const struct ggml_tensor * rt = (ud & QTTS_CONV_RESIDUAL) ? dst->src[next++] : NULL;
+    GGML_ASSERT(x->type == GGML_TYPE_F32 && wt->type == GGML_TYPE_BF16);
+    GGML_ASSERT(bt->type == GGML_TYPE_F32 && dst->type == GGML_TYPE_F32);
+    const int64_t Ci = x->ne[0], O = dst->ne[0], T = dst->ne[1];
+    const int64_t cp = (Ci + 1) / 2;
+    const int64_t n_ob = (O + OB - 1) / OB;
+    const int64_t hist = 6 * d;
+    const int64_t ph = ht ? hist : 0;
+    GGML_ASSERT(wt->ne[0] == 2 * OB && wt->ne[1] == NSLOT && wt->ne[2] == cp &&
+                wt->ne[3] == n_ob && ggml_is_contiguous(wt));
+    GGML_ASSERT(ggml_nelements(bt) == O && ggml_is_contiguous(bt));
+    GGML_ASSERT(d >= 1 && x->ne[1] + ph == T + hist && x->ne[2] == 1 && x->ne[3] == 1);
+    GGML_ASSERT(x->nb[0] == sizeof(float) && ggml_is_contiguous(dst));
+    if (ht) {
+        GGML_ASSERT(ht->type == GGML_TYPE_F32 && ht->ne[0] == Ci && ht->ne[1] == hist);
+        GGML_ASSERT(ht->ne[2] == 1 && ht->ne[3] == 1 && ht->nb[0] == sizeof(float));
+    }
+    if (eat) {
+        GGML_ASSERT(eat->type == GGML_TYPE_F32 && ggml_nelements(eat) == Ci &&
+                    ggml_is_contiguous(eat));
+        GGML_ASSERT(ibt->type == GGML_TYPE_F32 && ggml_nelements(ibt) == Ci &&
+                    ggml_is_contiguous(ibt));
+    }
+    if (rt) {
+        GGML_ASSERT(rt->type == GGML_TYPE_F32 && rt->ne[0] == O && rt->ne[1] == T);
+        GGML_ASSERT(rt->ne[2] == 1 && rt->ne[3] == 1 && rt->nb[0] == sizeof(float));
+    }
+    const xp_src src = {
+        .hist = ht ? (const float *)ht->data : NULL,
+        .hs = ht ? (int64_t)(ht->nb[1] / sizeof(float)) : 0,
+        .ph = ph,
+        .x = (const float *)x->data,
+        .xs = (int64_t)(x->nb[1] / sizeof(float)),
+        .n_xp = T + hist,
+        .ea = eat ? (const float *)eat->data : NULL,
+        .ib = ibt ? (const float *)ibt->data : NULL,
+        .ci = Ci,
+    };
+    const uint16_t * w = (const uint16_t *)wt->data;
+    const float * bias = (const float *)bt->data;
+    const float * res = rt ? (const float *)rt->data : NULL;
+    const int64_t rs = rt ? (int64_t)(rt->nb[1] / sizeof(float)) : 0;
+    float * y = (float *)dst->data;
+
+    /* chunks of tch steps (a multiple of 2d); shorter when that leaves < 4 units per thread */
+    int64_t tch = chunk_steps(Ci, cp, d);
+    int64_t n_tc = (T + tch - 1) / tch;
+    if (n_tc * n_ob < 4 * (int64_t)nth) {
+        const int64_t n_blk = (T + 2 * d - 1) / (2 * d); /* 2d-step blocks */
+        int64_t want = (4 * (int64_t)nth + n_ob - 1) / n_ob;
+        if (want > n_blk) want = n_blk;
+        tch = (n_blk + want - 1) / want * (2 * d);
+        n_tc = (T + tch - 1) / tch;
+    }
+    const int64_t units = n_ob * n_tc;
+    const int64_t u0 = units * ith / nth, u1 = units * (ith + 1) / nth;
+    if (u0 >= u1) return;
+
+    const int64_t max_rows = (T < tch ? T : tch) + 7 * d;
+    const size_t st_bytes = ((size_t)(max_rows * Ci) * sizeof(float) + 63) & ~(size_t)63;
+    const size_t rec_bytes = ((size_t)(max_rows * cp * 4) * sizeof(uint32_t) + 63) & ~(size_t)63;
+    const size_t xb_bytes = (size_t)(max_rows * cp) * sizeof(uint32_t);
+    uint8_t * scratch = (uint8_t *)qtts_scratch_get(QTTS_SCRATCH_WINO,
+                                                    st_bytes + rec_bytes + xb_bytes);
+    float * st = (float *)scratch;
+    uint32_t * rec = (uint32_t *)(scratch + st_bytes);
+    uint32_t * xb = (uint32_t *)(scratch + st_bytes + rec_bytes);
+    int64_t have_tc = -1, n_pairs = 0;
+    for (int64_t u = u0; u < u1; u++) {
+        const int64_t tc = u / n_ob, ob = u % n_ob;
+        const int64_t t0 = tc * tch;
+        const int64_t t_end = t0 + tch < T ? t0 + tch : T;
+        if (tc != have_tc) {
+            /* pair q starts at t0 + 2d*(q / d) + q % d; the pairs starting before t_end */
+            const int64_t len = t_end - t0, full = len / (2 * d), rem = len % (2 * d);
+            n_pairs = full * d + (rem < d ? rem : d);
+            const int64_t last = 2 * d * ((n_pairs - 1) / d) + (n_pairs - 1) % d;
+            const int64_t rows = last + 7 * d + 1;
+            stage_rows(st, &src, t0, rows);
+            build_records(rec, xb, st, rows, Ci, cp, d);
+            have_tc = tc;
+        }
+        const int64_t o0 = ob * OB;
+        const int width = (int)(O - o0 < OB ? O - o0 : OB);
+        const wino_args a = {
+            .rec = rec, .xb = xb, .w = w + ob * cp * NSLOT * 2 * OB, .cp = cp, .d = d,
+        };
+        for (int64_t q0 = 0; q0 < n_pairs; q0 += NPAIR) {
+            const int np = (int)(n_pairs - q0 < NPAIR ? n_pairs - q0 : NPAIR);
+            int64_t s[NPAIR];
+            for (int j = 0; j < np; j++) {
+                const int64_t q = q0 + j;
+                s[j] = 2 * d * (q / d) + q % d;
+            }
+            wino_out out = {.bias = bias + o0, .width = width};
+            for (int j = 0; j < np; j++) {
+                const int64_t t = t0 + s[j];
+                out.y0[j] = y + t * O + o0;
+                out.r0[j] = res ? res + t * rs + o0 : NULL;
+                out.y1[j] = t + d < t_end ? y + (t + d) * O + o0 : NULL;
+                out.r1[j] = res && t + d < t_end ? res + (t + d) * rs + o0 : NULL;
+            }
+            WTILE[np](&a, s, &out);
+        }
+    }
+}
