@@ -613,13 +613,13 @@ def test_conv_hist_apart_equals_concat(cpu1: BackendSet, cpu2: BackendSet, op: s
 @needs_ops
 @pytest.mark.parametrize("t", [1, 2, 17, 5000])
 @pytest.mark.parametrize("c", [96, 95, 384])
-@pytest.mark.parametrize("d", [1, 3, 9])
+@pytest.mark.parametrize("k,d", [(7, 1), (7, 3), (7, 9), (2, 1), (2, 3)])
 def test_conv_wino_hist_apart_equals_concat(cpu1: BackendSet, cpu2: BackendSet, t: int, c: int,
-                                            d: int) -> None:
-    rng = np.random.default_rng(300 * d + c + t)
-    hist = rng.standard_normal((6 * d, c)).astype(np.float32)
+                                            k: int, d: int) -> None:
+    rng = np.random.default_rng(300 * d + c + t + k)
+    hist = rng.standard_normal(((k - 1) * d, c)).astype(np.float32)
     x = rng.standard_normal((t, c)).astype(np.float32)
-    w = (rng.standard_normal((c, c, 7)) / np.sqrt(c * 7)).astype(np.float32)
+    w = (rng.standard_normal((c, c, k)) / np.sqrt(c * k)).astype(np.float32)
     cat1, two1, cat2, two2 = run_conv_two_ways([cpu1, cpu2], "wino", hist, x, w, d)
     assert np.array_equal(two2, cat2) and np.array_equal(two1, cat1)
     assert np.array_equal(two1, two2)
@@ -741,8 +741,9 @@ def test_other_isa_paths(cpu1: BackendSet, cpu2: BackendSet, tmp_path: Path,
         if co.bf16_available():
             # the same sums as VDPBF16PS (odd product, then even; F32 RNE) without subnormals
             assert np.array_equal(y, run_conv_bf16(cpu2, xp, w, b, d))
-    for c_in, c_out, t, d in [(96, 96, 301, 3), (95, 40, 17, 2), (96, 1, 50, 1)]:
-        xp, w, b = conv_data(rng, c_in, c_out, t, 7, d)
+    for c_in, c_out, t, k, d in [(96, 96, 301, 7, 3), (95, 40, 17, 7, 2), (96, 1, 50, 7, 1),
+                                 (95, 100, 33, 2, 1)]:
+        xp, w, b = conv_data(rng, c_in, c_out, t, k, d)
         y = run_conv_wino(cpu2, xp, w, b, d, library)
         assert snr_db(y, conv_ref(xp, w, b, d)) >= 50.0
         assert np.array_equal(y, run_conv_wino(cpu1, xp, w, b, d, library))
@@ -828,14 +829,15 @@ def test_conv_bf16_fused_snake_and_residual(cpu1: BackendSet, cpu2: BackendSet, 
 @needs_ops
 @pytest.mark.parametrize("t", [1, 17, 5000])
 @pytest.mark.parametrize("c_in,c_out", [(96, 96), (95, 100), (384, 192), (768, 40)])
-@pytest.mark.parametrize("d,with_res", [(1, True), (3, False), (9, True)])
+@pytest.mark.parametrize("k,d,with_res", [(7, 1, True), (7, 3, False), (7, 9, True),
+                                          (2, 1, False), (2, 2, True)])
 def test_conv_wino_fused_snake_and_residual(cpu1: BackendSet, cpu2: BackendSet, t: int,
-                                            c_in: int, c_out: int, d: int,
+                                            c_in: int, c_out: int, k: int, d: int,
                                             with_res: bool) -> None:
-    rng = np.random.default_rng(c_in + t + d)
-    hist = rng.standard_normal((6 * d, c_in)).astype(np.float32)
+    rng = np.random.default_rng(c_in + t + d + k)
+    hist = rng.standard_normal(((k - 1) * d, c_in)).astype(np.float32)
     x = (3 * rng.standard_normal((t, c_in))).astype(np.float32)
-    w = (rng.standard_normal((c_out, c_in, 7)) / np.sqrt(c_in * 7)).astype(np.float32)
+    w = (rng.standard_normal((c_out, c_in, k)) / np.sqrt(c_in * k)).astype(np.float32)
     f2, a2 = run_conv_fused_and_apart(cpu2, hist, x, w, d, with_res, "wino")
     f1, a1 = run_conv_fused_and_apart(cpu1, hist, x, w, d, with_res, "wino")
     assert np.array_equal(f2, a2)
@@ -849,30 +851,34 @@ def run_conv_wino(be: BackendSet, xp: np.ndarray[Any, Any], w_oik: np.ndarray[An
     tx, tb = g.input("x", xp.shape), g.input("b", b.shape)
     tw = bf16_input(g, "w", wp.shape)
     g.output(co.conv1d_wino_bf16(g.ctx, tx, tw, tb, d, library=library), "y")
-    return be.execute(g, {"x": xp, "w": wp, "b": b})["y"].reshape(xp.shape[0] - 6 * d,
-                                                                     w_oik.shape[0])
+    t = xp.shape[0] - (w_oik.shape[2] - 1) * d
+    return be.execute(g, {"x": xp, "w": wp, "b": b})["y"].reshape(t, w_oik.shape[0])
 
 
 def snr_db(y: np.ndarray[Any, Any], ref: np.ndarray[Any, Any]) -> float:
     return float(10 * np.log10(np.sum(ref ** 2) / np.sum((y - ref) ** 2)))
 
 
-WINO_CASES = [  # (C_in, C_out, T, d): T odd, below/above 2d, several chunks; C odd, C_out partial
-    (96, 96, 1, 1), (96, 96, 2, 3), (96, 96, 7, 3), (96, 96, 5000, 1), (96, 96, 5000, 9),
-    (192, 192, 777, 9), (384, 384, 700, 1), (95, 100, 333, 3), (95, 40, 1, 9), (96, 1, 500, 1),
-    (768, 768, 40, 3), (768, 768, 1100, 9), (1024, 1536, 124, 1), (40, 33, 37, 2),
+WINO_CASES = [  # (C_in, C_out, T, K, d): T odd, below/above 2d, several chunks, wide inputs;
+    # odd C_in, partial C_out blocks; K = 2 as the transposed convs use it
+    (96, 96, 1, 7, 1), (96, 96, 2, 7, 3), (96, 96, 7, 7, 3), (96, 96, 5000, 7, 1),
+    (96, 96, 5000, 7, 9), (192, 192, 777, 7, 9), (384, 384, 700, 7, 1), (95, 100, 333, 7, 3),
+    (95, 40, 1, 7, 9), (96, 1, 500, 7, 1), (768, 768, 40, 7, 3), (768, 768, 1100, 7, 9),
+    (1024, 1536, 124, 7, 1), (40, 33, 37, 7, 2),
+    (96, 96, 1, 2, 1), (96, 96, 2, 2, 1), (95, 100, 333, 2, 3), (40, 33, 37, 2, 2),
+    (192, 288, 5000, 2, 1), (1536, 6144, 20, 2, 1), (768, 1920, 300, 2, 1),
 ]
 
 
 @needs_ops
-@pytest.mark.parametrize("c_in,c_out,t,d", WINO_CASES)
+@pytest.mark.parametrize("c_in,c_out,t,k,d", WINO_CASES)
 def test_conv_wino_matches_float64(cpu1: BackendSet, cpu2: BackendSet, c_in: int, c_out: int,
-                                   t: int, d: int) -> None:
-    """The F(2,3) conv is the K = 7 conv up to BF16 rounding of its transformed operands:
-    within ~2.5 dB of the direct BF16 kernel's SNR against float64, the same for any thread
-    count."""
-    rng = np.random.default_rng(c_in + 7 * c_out + 13 * t + d)
-    xp, w, b = conv_data(rng, c_in, c_out, t, 7, d)
+                                   t: int, k: int, d: int) -> None:
+    """The F(2,3) / F(2,2) conv is the K = 7 / K = 2 conv up to BF16 rounding of its
+    transformed operands: within ~2.5 dB of the direct BF16 kernel's SNR against float64, the
+    same for any thread count."""
+    rng = np.random.default_rng(c_in + 7 * c_out + 13 * t + d + k)
+    xp, w, b = conv_data(rng, c_in, c_out, t, k, d)
     ref = conv_ref(xp, w, b, d)
     y = run_conv_wino(cpu2, xp, w, b, d)
     assert y.shape == ref.shape and np.isfinite(y).all()
@@ -899,7 +905,11 @@ def test_pack_conv_weight_wino_bf16() -> None:
     assert np.array_equal(got, co.round_bf16(np.array(want, np.float32)))
     assert not p[1, :, :, 2 * 8:].any()  # outputs past 40: zero
     assert not p[:, 2, :, 1::2].any()  # input 5 (odd C_in's pad): zero
-    with pytest.raises(ValueError, match="must be \\[C_out, C_in, 7\\]"):
+    p2 = co.pack_conv_weight_wino_bf16(w[:, :, :2])
+    assert p2.shape == (2, 3, 3, 64)
+    want2 = [g[o, c, 0] + g[o, c, 1] / 2, g[o, c, 1] / 2 - g[o, c, 0], g[o, c, 1]]
+    assert np.array_equal(p2[1, 1, :, 3], co.round_bf16(np.array(want2, np.float32)))
+    with pytest.raises(ValueError, match="must be \\[C_out, C_in, 7 or 2\\]"):
         co.pack_conv_weight_wino_bf16(np.zeros((4, 4, 3), np.float32))
 
 

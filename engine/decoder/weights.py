@@ -185,8 +185,9 @@ class DecoderWeights:
         # against the F32 reference (34.1 vs 37.0 dB measured on the full random model; 38.1 dB
         # as configured here).
         self._bulk_type = lib.GGML_TYPE_BF16 if precision == "fast" else lib.GGML_TYPE_F32
-        # Fast mode's K = 7 convs by Winograd F(2,3): 1.15-1.35x the direct BF16 kernel on the
-        # decoder's shapes, ~2 dB less SNR per conv (native/ops/conv1d_wino_bf16.c).
+        # Fast mode's K = 7 convs by Winograd F(2,3) (1.15-1.35x the direct BF16 kernel on the
+        # decoder's shapes) and K = 2 ones (the transposed convs' polyphase form) by F(2,2);
+        # ~2 dB less SNR per conv (native/ops/conv1d_wino_bf16.c).
         self._winograd = self._bf16_kernel and os.environ.get("QTTS_WINOGRAD", "1") != "0"
         cfg = self.cfg
         eps = cfg.codebook_eps
@@ -246,7 +247,7 @@ class DecoderWeights:
         if self.use_custom_ops:
             winograd = False
             if bulk and self._bulk_type == lib.GGML_TYPE_BF16 and self._bf16_kernel:
-                winograd = self._winograd and k == 7
+                winograd = self._winograd and k in (7, 2)
                 pack = (custom_ops.pack_conv_weight_wino_bf16 if winograd
                         else custom_ops.pack_conv_weight_bf16)
                 packed = self.store.add_array(f"{prefix}.packed_bf16", pack(w),

@@ -331,41 +331,49 @@ def conv1d_tm_bf16(ctx: Any, xp: Tensor, w: Tensor, bias: Tensor, dilation: int 
 
 
 def pack_conv_weight_wino_bf16(w: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-    """PyTorch Conv1d weight ``[C_out, C_in, 7]`` -> the packed weight ``conv1d_wino_bf16`` takes.
+    """PyTorch Conv1d weight ``[C_out, C_in, K]``, K = 7 or 2 -> the packed weight
+    ``conv1d_wino_bf16`` takes.
 
     Returns float32 values that are exactly BF16, numpy shape ``[ceil(C_out / 32),
-    ceil(C_in / 2), 10, 64]``: element ``[j, p, k, 2*i + e]`` is slot k's ``G[o = j*32 + i,
-    c = 2p + e]`` with the slots ``g0, (g0+g1+g2)/2, (g0-g1+g2)/2, g2`` of taps 0-2, the same of
-    taps 3-5, then ``g6, -g6`` (``g_k = W[:, :, k]``), formed in float64 and rounded once. Upload
-    as a BF16 tensor (ggml ne = [64, 10, ceil(C_in / 2), ceil(C_out / 32)]).
+    ceil(C_in / 2), S, 64]``: element ``[j, p, k, 2*i + e]`` is slot k's ``G[o = j*32 + i,
+    c = 2p + e]``, formed in float64 from the taps ``g_k = W[:, :, k]`` and rounded once. K = 7
+    (S = 10): ``g0, (g0+g1+g2)/2, (g0-g1+g2)/2, g2`` of taps 0-2, the same of taps 3-5, then
+    ``g6, -g6``. K = 2 (S = 3): ``g0 + g1/2, g1/2 - g0, g1``. Upload as a BF16 tensor (ggml ne =
+    [64, S, ceil(C_in / 2), ceil(C_out / 32)]).
     """
-    if w.ndim != 3 or w.shape[2] != 7:
-        raise ValueError(f"winograd conv weight must be [C_out, C_in, 7], got shape {w.shape}")
+    if w.ndim != 3 or w.shape[2] not in (7, 2):
+        raise ValueError(f"winograd conv weight must be [C_out, C_in, 7 or 2], got {w.shape}")
     b = CONV_BF16_BLOCK
-    c_out, c_in, _ = w.shape
+    c_out, c_in, k = w.shape
     n, cp = -(-c_out // b), -(-c_in // 2)
-    g = np.zeros((n * b, 2 * cp, 7), np.float64)
+    g = np.zeros((n * b, 2 * cp, k), np.float64)
     g[:c_out, :c_in] = w
     slots = []
-    for base in (0, 3):
-        g0, g1, g2 = g[..., base], g[..., base + 1], g[..., base + 2]
-        slots += [g0, (g0 + g1 + g2) / 2, (g0 - g1 + g2) / 2, g2]
-    slots += [g[..., 6], -g[..., 6]]
-    st = np.stack(slots)  # [10, n*B, 2*cp]
-    # [10, n*B, 2cp] -> [10, n, B, cp, 2] -> [n, cp, 10, B, 2]
-    packed = st.reshape(10, n, b, cp, 2).transpose(1, 3, 0, 2, 4).reshape(n, cp, 10, 2 * b)
+    if k == 7:
+        for base in (0, 3):
+            g0, g1, g2 = g[..., base], g[..., base + 1], g[..., base + 2]
+            slots += [g0, (g0 + g1 + g2) / 2, (g0 - g1 + g2) / 2, g2]
+        slots += [g[..., 6], -g[..., 6]]
+    else:
+        slots = [g[..., 0] + g[..., 1] / 2, g[..., 1] / 2 - g[..., 0], g[..., 1]]
+    st = np.stack(slots)  # [S, n*B, 2*cp]
+    ns = len(slots)
+    # [S, n*B, 2cp] -> [S, n, B, cp, 2] -> [n, cp, S, B, 2]
+    packed = st.reshape(ns, n, b, cp, 2).transpose(1, 3, 0, 2, 4).reshape(n, cp, ns, 2 * b)
     return round_bf16(np.ascontiguousarray(packed, dtype=np.float32))
 
 
 def conv1d_wino_bf16(ctx: Any, xp: Tensor, w: Tensor, bias: Tensor, dilation: int = 1, *,
                      hist: Tensor | None = None, snake: tuple[Tensor, Tensor] | None = None,
                      residual: Tensor | None = None, library: Any | None = None) -> Tensor:
-    """``conv1d_tm_bf16`` for K = 7 by Winograd F(2,3) over output pairs (t, t + dilation):
-    10 BF16 channel-contractions per pair instead of 14 (native/ops/conv1d_wino_bf16.c).
+    """``conv1d_tm_bf16`` for K = 7 / K = 2 by Winograd F(2,3) / F(2,2) over output pairs
+    (t, t + dilation): 10 BF16 channel-contractions per pair instead of 14, or 3 instead of 4
+    (native/ops/conv1d_wino_bf16.c).
 
     Same arguments and result as ``conv1d_tm_bf16`` except ``w``, from
-    ``pack_conv_weight_wino_bf16``; the value differs from it by rounding only (the transformed
-    inputs and weights are rounded to BF16: ~1.5 dB less SNR per conv on random data).
+    ``pack_conv_weight_wino_bf16`` (its slot count gives K); the value differs from it by
+    rounding only (the transformed inputs and weights are rounded to BF16: ~2 dB less SNR per
+    conv on random data).
     """
     return _bf16_conv("conv1d_wino_bf16", "qtts_conv1d_wino_bf16_op", ctx, xp, w, bias,
                       dilation, hist, snake, residual, library)
@@ -390,11 +398,12 @@ def _bf16_conv(what: str, op: str, ctx: Any, xp: Tensor, w: Tensor, bias: Tensor
     c_out = int(bias.ne[0])
     c_in = int(xp.ne[0])
     n_blocks = int(w.ne[3])
-    # direct: [2B, cp, K, n]; winograd (K = 7): [2B, 10, cp, n]
-    cp, k = (int(w.ne[2]), 7) if wino else (int(w.ne[1]), int(w.ne[2]))
-    layout = f"[{2 * b}, 10, ceil(C_in/2)" if wino else f"[{2 * b}, ceil(C_in/2), K"
+    # direct: [2B, cp, K, n]; winograd: [2B, S, cp, n] with S = 10 (K = 7) or 3 (K = 2)
+    cp, k = (int(w.ne[2]), 7 if int(w.ne[1]) == 10 else 2) if wino else (int(w.ne[1]),
+                                                                         int(w.ne[2]))
+    layout = f"[{2 * b}, 10 or 3, ceil(C_in/2)" if wino else f"[{2 * b}, ceil(C_in/2), K"
     if (int(w.ne[0]) != 2 * b or n_blocks != -(-c_out // b)
-            or (wino and int(w.ne[1]) != 10)):
+            or (wino and int(w.ne[1]) not in (10, 3))):
         raise ValueError(
             f"{what}: w has ne={[int(w.ne[i]) for i in range(4)]}; for {c_out} output "
             f"channels (the bias) it must be packed as {layout}, {-(-c_out // b)}] ({packer})"
