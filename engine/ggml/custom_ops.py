@@ -346,21 +346,27 @@ def pack_conv_weight_wino_bf16(w: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     b = CONV_BF16_BLOCK
     c_out, c_in, k = w.shape
     n, cp = -(-c_out // b), -(-c_in // 2)
-    g = np.zeros((n * b, 2 * cp, k), np.float64)
-    g[:c_out, :c_in] = w
-    slots = []
-    if k == 7:
-        for base in (0, 3):
-            g0, g1, g2 = g[..., base], g[..., base + 1], g[..., base + 2]
-            slots += [g0, (g0 + g1 + g2) / 2, (g0 - g1 + g2) / 2, g2]
-        slots += [g[..., 6], -g[..., 6]]
-    else:
-        slots = [g[..., 0] + g[..., 1] / 2, g[..., 1] / 2 - g[..., 0], g[..., 1]]
-    st = np.stack(slots)  # [S, n*B, 2*cp]
-    ns = len(slots)
-    # [S, n*B, 2cp] -> [S, n, B, cp, 2] -> [n, cp, S, B, 2]
-    packed = st.reshape(ns, n, b, cp, 2).transpose(1, 3, 0, 2, 4).reshape(n, cp, ns, 2 * b)
-    return round_bf16(np.ascontiguousarray(packed, dtype=np.float32))
+    n_slots = 10 if k == 7 else 3
+    out = np.empty((n, cp, n_slots, 2 * b), np.float32)
+    # one block of 32 outputs at a time: a model's widest convs would otherwise hold several
+    # float64 copies of the whole weight (~0.8 GB of peak RSS at load)
+    for j in range(n):
+        g = np.zeros((b, 2 * cp, k), np.float64)
+        part = w[j * b:(j + 1) * b]
+        g[:part.shape[0], :c_in] = part
+        t = [g[..., i] for i in range(k)]
+        if k == 7:
+            slots = []
+            for g0, g1, g2 in (t[0:3], t[3:6]):
+                slots += [g0, (g0 + g1 + g2) / 2, (g0 - g1 + g2) / 2, g2]
+            slots += [t[6], -t[6]]
+        else:
+            slots = [t[0] + t[1] / 2, t[1] / 2 - t[0], t[1]]
+        # [S, B, 2cp] -> [S, B, cp, 2] -> [cp, S, B, 2]
+        st = np.stack(slots).reshape(n_slots, b, cp, 2).transpose(2, 0, 1, 3)
+        out[j] = round_bf16(np.ascontiguousarray(st.reshape(cp, n_slots, 2 * b),
+                                                 dtype=np.float32))
+    return out
 
 
 def conv1d_wino_bf16(ctx: Any, xp: Tensor, w: Tensor, bias: Tensor, dilation: int = 1, *,
