@@ -1,4 +1,4 @@
-"""Shared fixtures: a session-wide tiny synthetic model and the qtts cache folder."""
+"""Shared fixtures: a session-wide tiny synthetic model, the qtts cache folder, CPU backends."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from engine.backend import BackendSet
 from engine.make_model import make_model
 
 
@@ -30,3 +31,15 @@ def qtts_cache_dir() -> Path:
     folder = Path(os.environ.get("QTTS_CACHE_DIR") or "~/.cache/qtts").expanduser()
     folder.mkdir(parents=True, exist_ok=True)
     return folder
+
+
+@pytest.fixture(scope="session")
+def cpu2() -> BackendSet:
+    """The CPU backend with 2 threads (the kernels' thread-split cases)."""
+    return BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "2"})
+
+
+@pytest.fixture(scope="session")
+def cpu1() -> BackendSet:
+    """The CPU backend with 1 thread."""
+    return BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "1"})

@@ -23,16 +23,6 @@ needs_ops = pytest.mark.skipif(ops is None, reason="libqtts_ops not built (no na
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def cpu2() -> BackendSet:
-    return BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "2"})
-
-
-@pytest.fixture(scope="module")
-def cpu1() -> BackendSet:
-    return BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "1"})
-
-
 # ---------------------------------------------------------------------------------------------
 # SnakeBeta
 
@@ -349,12 +339,16 @@ def bf16_input(g: Graph, name: str, shape: tuple[int, ...]) -> Any:
 
 
 def run_conv_bf16(be: BackendSet, xp: np.ndarray[Any, Any], w_oik: np.ndarray[Any, Any],
-                  b: np.ndarray[Any, Any], d: int, library: Any = None) -> np.ndarray[Any, Any]:
-    wp = co.bf16_bits(co.pack_conv_weight_bf16(w_oik))
+                  b: np.ndarray[Any, Any], d: int, library: Any = None, wino: bool = False
+                  ) -> np.ndarray[Any, Any]:
+    """The direct BF16 conv, or with ``wino`` its Winograd twin, of xp (history in front)."""
+    pack = co.pack_conv_weight_wino_bf16 if wino else co.pack_conv_weight_bf16
+    conv = co.conv1d_wino_bf16 if wino else co.conv1d_tm_bf16
+    wp = co.bf16_bits(pack(w_oik))
     g = Graph()
     tx, tb = g.input("x", xp.shape), g.input("b", b.shape)
     tw = bf16_input(g, "w", wp.shape)
-    g.output(co.conv1d_tm_bf16(g.ctx, tx, tw, tb, d, library=library), "y")
+    g.output(conv(g.ctx, tx, tw, tb, d, library=library), "y")
     t = xp.shape[0] - (w_oik.shape[2] - 1) * d
     return be.execute(g, {"x": xp, "w": wp, "b": b})["y"].reshape(t, w_oik.shape[0])
 
@@ -846,13 +840,7 @@ def test_conv_wino_fused_snake_and_residual(cpu1: BackendSet, cpu2: BackendSet, 
 
 def run_conv_wino(be: BackendSet, xp: np.ndarray[Any, Any], w_oik: np.ndarray[Any, Any],
                   b: np.ndarray[Any, Any], d: int, library: Any = None) -> np.ndarray[Any, Any]:
-    wp = co.bf16_bits(co.pack_conv_weight_wino_bf16(w_oik))
-    g = Graph()
-    tx, tb = g.input("x", xp.shape), g.input("b", b.shape)
-    tw = bf16_input(g, "w", wp.shape)
-    g.output(co.conv1d_wino_bf16(g.ctx, tx, tw, tb, d, library=library), "y")
-    t = xp.shape[0] - (w_oik.shape[2] - 1) * d
-    return be.execute(g, {"x": xp, "w": wp, "b": b})["y"].reshape(t, w_oik.shape[0])
+    return run_conv_bf16(be, xp, w_oik, b, d, library, wino=True)
 
 
 def snr_db(y: np.ndarray[Any, Any], ref: np.ndarray[Any, Any]) -> float:

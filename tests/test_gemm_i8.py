@@ -17,16 +17,6 @@ from engine.ggml.graph import new_tensor
 needs_ops = pytest.mark.skipif(ops is None, reason="libqtts_ops not built (no native/ops/*.c)")
 
 
-@pytest.fixture(scope="module")
-def cpu2() -> BackendSet:
-    return BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "2"})
-
-
-@pytest.fixture(scope="module")
-def cpu1() -> BackendSet:
-    return BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "1"})
-
-
 def _typed_input(g: Graph, name: str, arr: np.ndarray[Any, Any], ggml_type: int) -> Any:
     t = new_tensor(g.ctx, ggml_type, arr.shape)
     lib.ggml_set_input(t)

@@ -244,11 +244,17 @@ def bf16_available(library: Any | None = None) -> bool:
     throughput). False when libqtts_ops is missing, predates the op, or was compiled without
     AVX512_BF16: the op then still runs, on a portable C path that is correct but slow, so keep
     the F32 ``conv1d_tm`` there."""
+    return has_fast_path(library, "qtts_conv1d_tm_bf16_fast")
+
+
+def has_fast_path(library: Any | None, probe: str) -> bool:
+    """Whether libqtts_ops is loaded, has the probe function ``probe`` and it returns 1 (the
+    op's SIMD kernel was compiled in)."""
     try:
         lib_ops = _library(library)
     except NativeBuildError:
         return False
-    fast = getattr(lib_ops, "qtts_conv1d_tm_bf16_fast", None)
+    fast = getattr(lib_ops, probe, None)
     return fast is not None and bool(fast())
 
 

@@ -18,8 +18,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from engine.errors import NativeBuildError
-from engine.ggml.custom_ops import GGML_N_TASKS_MAX, _check_f32, _fn, _library
+from engine.ggml.custom_ops import GGML_N_TASKS_MAX, _check_f32, _fn, _library, has_fast_path
 from engine.ggml.graph import Tensor
 from engine.ggml.native import ffi, lib
 
@@ -29,12 +28,7 @@ KBLOCK = 256  # QTTS_GEMM_I8_KBLOCK: input channels per scale
 
 def fast_available(library: Any | None = None) -> bool:
     """Whether ``gemm_i8`` runs on its AVX512-VNNI kernel (else a portable path: exact, slow)."""
-    try:
-        lib_ops = _library(library)
-    except NativeBuildError:
-        return False
-    fast = getattr(lib_ops, "qtts_gemm_i8_fast", None)
-    return fast is not None and bool(fast())
+    return has_fast_path(library, "qtts_gemm_i8_fast")
 
 
 @dataclass

@@ -37,16 +37,11 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "qtts_conv_srcs.h"
+#include "qtts_bf16.h"
 #include "qtts_ops.h"
 #include "qtts_scratch.h"
 #include "qtts_snake.h"
-
-#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define BF16_SIMD 1
-#include <immintrin.h>
-#else
-#define BF16_SIMD 0
-#endif
 
 #define INLINE static inline __attribute__((always_inline))
 #define OB QTTS_CONV_BF16_BLOCK /* 32 output channels per packed block */
@@ -62,15 +57,6 @@
 int qtts_conv1d_tm_bf16_fast(void) { return BF16_SIMD; }
 
 /* ---- F32 -> BF16 pairs ---------------------------------------------------------------------- */
-
-/* Rounding as VCVTNEPS2BF16: NaN quieted, zero/subnormal to signed zero, else nearest even. */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u);
-    if ((u & 0x7F800000u) == 0) return (uint16_t)((u >> 16) & 0x8000u);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
 
 /* SnakeBeta applied on the fly (ea == NULL: none); tmp holds one row of it. */
 typedef struct {
@@ -207,13 +193,6 @@ INLINE void tile_bf16(const int NV, const int NT, const int MASKED, float * out,
 
 #else
 
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 static void tile_generic(int NT, float * out, int64_t ys, const float * init, int64_t is,
                          const bconv_args * a, int width, const float * res, int64_t rs) {
     const uint32_t * x = a->x;
@@ -290,51 +269,28 @@ static const btile_fn BTILE_HALF[NT_MAIN + 1] = TILE_TABLE(half);
 /* ---- the op ------------------------------------------------------------------------------- */
 
 void qtts_conv1d_tm_bf16_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
-    const struct ggml_tensor * x = dst->src[0];
     const struct ggml_tensor * wt = dst->src[1];
-    const struct ggml_tensor * bt = dst->src[2];
-    const intptr_t ud = (intptr_t)userdata;
-    const int64_t d = (int64_t)(ud & QTTS_CONV_DILATION_MASK);
-    /* optional sources, in this order after bias: history, snake (exp_alpha, inv_beta), residual */
-    int next = 3;
-    const struct ggml_tensor * ht = (ud & QTTS_CONV_HIST) ? dst->src[next++] : NULL;
-    const struct ggml_tensor * eat = (ud & QTTS_CONV_SNAKE) ? dst->src[next++] : NULL;
-    const struct ggml_tensor * ibt = (ud & QTTS_CONV_SNAKE) ? dst->src[next++] : NULL;
-    const struct ggml_tensor * rt = (ud & QTTS_CONV_RESIDUAL) ? dst->src[next++] : NULL;
-    GGML_ASSERT(x->type == GGML_TYPE_F32 && wt->type == GGML_TYPE_BF16);
-    GGML_ASSERT(bt->type == GGML_TYPE_F32 && dst->type == GGML_TYPE_F32);
-    const int64_t Ci = x->ne[0], O = dst->ne[0], T = dst->ne[1];
-    const int64_t cp = (Ci + 1) / 2;
+    GGML_ASSERT(wt->type == GGML_TYPE_BF16);
     const int K = (int)wt->ne[2];
+    qtts_conv_srcs sr;
+    qtts_conv_srcs_get(&sr, dst, (intptr_t)userdata, K);
+    const struct ggml_tensor * x = sr.x;
+    const struct ggml_tensor * ht = sr.hist;
+    const struct ggml_tensor * eat = sr.ea;
+    const struct ggml_tensor * ibt = sr.ib;
+    const struct ggml_tensor * rt = sr.res;
+    const int64_t d = sr.d, Ci = sr.ci, O = sr.co, T = sr.t, hist = sr.n_hist, ph = sr.ph;
+    const int64_t cp = (Ci + 1) / 2;
     const int64_t n_ob = (O + OB - 1) / OB;
-    const int64_t hist = (int64_t)(K - 1) * d;
-    const int64_t ph = ht ? hist : 0; /* rows of xp that come from ht */
     GGML_ASSERT(wt->ne[0] == 2 * OB && wt->ne[1] == cp && wt->ne[3] == n_ob &&
                 ggml_is_contiguous(wt));
-    GGML_ASSERT(ggml_nelements(bt) == O && ggml_is_contiguous(bt));
-    GGML_ASSERT(d >= 1 && x->ne[1] + ph == T + hist && x->ne[2] == 1 && x->ne[3] == 1);
-    GGML_ASSERT(x->nb[0] == sizeof(float) && ggml_is_contiguous(dst));
-    if (ht) {
-        GGML_ASSERT(ht->type == GGML_TYPE_F32 && ht->ne[0] == Ci && ht->ne[1] == hist);
-        GGML_ASSERT(ht->ne[2] == 1 && ht->ne[3] == 1 && ht->nb[0] == sizeof(float));
-    }
-    if (eat) {
-        GGML_ASSERT(eat->type == GGML_TYPE_F32 && ggml_nelements(eat) == Ci &&
-                    ggml_is_contiguous(eat));
-        GGML_ASSERT(ibt->type == GGML_TYPE_F32 && ggml_nelements(ibt) == Ci &&
-                    ggml_is_contiguous(ibt));
-    }
-    if (rt) {
-        GGML_ASSERT(rt->type == GGML_TYPE_F32 && rt->ne[0] == O && rt->ne[1] == T);
-        GGML_ASSERT(rt->ne[2] == 1 && rt->ne[3] == 1 && rt->nb[0] == sizeof(float));
-    }
 
     const int64_t xs = (int64_t)(x->nb[1] / sizeof(float));
     const float * xp = (const float *)x->data;
     const int64_t hs = ht ? (int64_t)(ht->nb[1] / sizeof(float)) : 0;
     const float * hp = ht ? (const float *)ht->data : NULL;
     const uint16_t * w = (const uint16_t *)wt->data;
-    const float * bias = (const float *)bt->data;
+    const float * bias = (const float *)sr.bias->data;
     float * y = (float *)dst->data;
 
     const int64_t n_kc = (cp + KP_MAX - 1) / KP_MAX;

@@ -33,16 +33,11 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "qtts_conv_srcs.h"
+#include "qtts_bf16.h"
 #include "qtts_ops.h"
 #include "qtts_scratch.h"
 #include "qtts_snake.h"
-
-#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define BF16_SIMD 1
-#include <immintrin.h>
-#else
-#define BF16_SIMD 0
-#endif
 
 #define INLINE static inline __attribute__((always_inline))
 #define OB QTTS_CONV_BF16_BLOCK /* 32 output channels per packed block */
@@ -59,15 +54,6 @@
 #define WIDE_PAIRS 256
 #define WIDE_BUDGET (16 * 1024 * 1024)
 #define WIDE_TCH_MAX 4096
-
-/* Rounding as VCVTNEPS2BF16 (see conv1d_tm_bf16.c). */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u);
-    if ((u & 0x7F800000u) == 0) return (uint16_t)((u >> 16) & 0x8000u);
-    return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
 
 static inline uint32_t bf16_pair(float lo, float hi) {
     return (uint32_t)f32_to_bf16(lo) | ((uint32_t)f32_to_bf16(hi) << 16);
@@ -212,6 +198,35 @@ INLINE __m512 dpbf16(__m512 acc, __m512bh w, __m512bh x) {
     return acc;
 }
 
+/* acc[j] (2 x 16 lanes) += slot weights w (32 output lanes x an input pair) * the input pair at
+ * px[j][off], for NP pairs. */
+INLINE void slot_dp(const int NP, __m512 (*acc)[2], const uint16_t * w,
+                    const uint32_t * const * px, int64_t off) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512((const void *)w);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512((const void *)(w + 32));
+#pragma GCC unroll 4
+    for (int j = 0; j < NP; j++) {
+        const __m512bh b = (__m512bh)_mm512_set1_epi32((int)px[j][off]);
+        acc[j][0] = dpbf16(acc[j][0], w0, b);
+        acc[j][1] = dpbf16(acc[j][1], w1, b);
+    }
+}
+
+/* The 16-lane masks of an output block's `width` valid channels. */
+INLINE void block_masks(int width, __mmask16 * mk) {
+    for (int v = 0; v < 2; v++) {
+        int rem = width - v * VW;
+        rem = rem < 0 ? 0 : (rem > VW ? VW : rem);
+        mk[v] = (__mmask16)((1u << rem) - 1u);
+    }
+}
+
+/* Stores y (+ the residual row r, when there is one) to the valid lanes of row o. */
+INLINE void store_row(float * o, const float * r, __m512 y, int v, const __mmask16 * mk) {
+    if (r) y = _mm512_add_ps(_mm512_maskz_loadu_ps(mk[v], r + v * VW), y);
+    _mm512_mask_storeu_ps(o + v * VW, mk[v], y);
+}
+
 INLINE void wtile(const int NP, const wino_args * a, const int64_t * s, const wino_out * out) {
     const int64_t cp = a->cp, d = a->d;
     __m512 acc[4][NPAIR][2];
@@ -235,61 +250,27 @@ INLINE void wtile(const int NP, const wino_args * a, const int64_t * s, const wi
     for (int64_t p = 0; p < cp; p++, w += NSLOT * 2 * OB) {
 #pragma GCC unroll 4
         for (int i = 0; i < 4; i++) {
-            const __m512bh ga0 = (__m512bh)_mm512_loadu_si512((const void *)(w + i * 64));
-            const __m512bh ga1 = (__m512bh)_mm512_loadu_si512((const void *)(w + i * 64 + 32));
-#pragma GCC unroll 3
-            for (int j = 0; j < NP; j++) {
-                const __m512bh b = (__m512bh)_mm512_set1_epi32((int)pa[j][p * 4 + i]);
-                acc[i][j][0] = dpbf16(acc[i][j][0], ga0, b);
-                acc[i][j][1] = dpbf16(acc[i][j][1], ga1, b);
-            }
-            const __m512bh gb0 = (__m512bh)_mm512_loadu_si512((const void *)(w + (4 + i) * 64));
-            const __m512bh gb1 = (__m512bh)_mm512_loadu_si512((const void *)(w + (4 + i) * 64 + 32));
-#pragma GCC unroll 3
-            for (int j = 0; j < NP; j++) {
-                const __m512bh b = (__m512bh)_mm512_set1_epi32((int)pb[j][p * 4 + i]);
-                acc[i][j][0] = dpbf16(acc[i][j][0], gb0, b);
-                acc[i][j][1] = dpbf16(acc[i][j][1], gb1, b);
-            }
+            slot_dp(NP, acc[i], w + i * 64, pa, p * 4 + i);
+            slot_dp(NP, acc[i], w + (4 + i) * 64, pb, p * 4 + i);
         }
-        const __m512bh g60 = (__m512bh)_mm512_loadu_si512((const void *)(w + 8 * 64));
-        const __m512bh g61 = (__m512bh)_mm512_loadu_si512((const void *)(w + 8 * 64 + 32));
-#pragma GCC unroll 3
-        for (int j = 0; j < NP; j++) {
-            const __m512bh b = (__m512bh)_mm512_set1_epi32((int)p6[j][p]);
-            acc[0][j][0] = dpbf16(acc[0][j][0], g60, b);
-            acc[0][j][1] = dpbf16(acc[0][j][1], g61, b);
-        }
-        const __m512bh g70 = (__m512bh)_mm512_loadu_si512((const void *)(w + 9 * 64));
-        const __m512bh g71 = (__m512bh)_mm512_loadu_si512((const void *)(w + 9 * 64 + 32));
-#pragma GCC unroll 3
-        for (int j = 0; j < NP; j++) {
-            const __m512bh b = (__m512bh)_mm512_set1_epi32((int)p7[j][p]);
-            acc[3][j][0] = dpbf16(acc[3][j][0], g70, b);
-            acc[3][j][1] = dpbf16(acc[3][j][1], g71, b);
-        }
+        slot_dp(NP, acc[0], w + 8 * 64, p6, p);
+        slot_dp(NP, acc[3], w + 9 * 64, p7, p);
     }
     __mmask16 mk[2];
-#pragma GCC unroll 2
-    for (int v = 0; v < 2; v++) {
-        int rem = out->width - v * VW;
-        rem = rem < 0 ? 0 : (rem > VW ? VW : rem);
-        mk[v] = (__mmask16)((1u << rem) - 1u);
-    }
+    block_masks(out->width, mk);
 #pragma GCC unroll 3
     for (int j = 0; j < NP; j++) {
 #pragma GCC unroll 2
         for (int v = 0; v < 2; v++) {
             const __m512 b = _mm512_maskz_loadu_ps(mk[v], out->bias + v * VW);
-            __m512 y = _mm512_add_ps(b, _mm512_add_ps(_mm512_add_ps(acc[0][j][v], acc[1][j][v]),
-                                                      acc[2][j][v]));
-            if (out->r0[j]) y = _mm512_add_ps(_mm512_maskz_loadu_ps(mk[v], out->r0[j] + v * VW), y);
-            _mm512_mask_storeu_ps(out->y0[j] + v * VW, mk[v], y);
+            store_row(out->y0[j], out->r0[j],
+                      _mm512_add_ps(b, _mm512_add_ps(_mm512_add_ps(acc[0][j][v], acc[1][j][v]),
+                                                     acc[2][j][v])), v, mk);
             if (out->y1[j]) {
-                __m512 z = _mm512_add_ps(b, _mm512_sub_ps(_mm512_sub_ps(acc[1][j][v], acc[2][j][v]),
-                                                          acc[3][j][v]));
-                if (out->r1[j]) z = _mm512_add_ps(_mm512_maskz_loadu_ps(mk[v], out->r1[j] + v * VW), z);
-                _mm512_mask_storeu_ps(out->y1[j] + v * VW, mk[v], z);
+                store_row(out->y1[j], out->r1[j],
+                          _mm512_add_ps(b, _mm512_sub_ps(_mm512_sub_ps(acc[1][j][v],
+                                                                       acc[2][j][v]),
+                                                         acc[3][j][v])), v, mk);
             }
         }
     }
@@ -301,13 +282,6 @@ static void wtile_2(WTILE_ARGS) { wtile(2, a, s, out); }
 static void wtile_3(WTILE_ARGS) { wtile(3, a, s, out); }
 
 #else
-
-static inline float bf16_to_f32(uint16_t h) {
-    const uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 /* acc += the two products of a weight pair and an input pair, odd product first (VDPBF16PS) */
 static inline float dp_pair(float acc, const uint16_t * w2, uint32_t x) {
@@ -425,63 +399,32 @@ INLINE void wtile2(const int NP, const wino2_args * a, int64_t q0, const wino_ou
 #pragma GCC unroll 4
         for (int j = 0; j < NP; j++) acc[i][j][0] = acc[i][j][1] = _mm512_setzero_ps();
     }
-    const uint32_t * p1[NPAIR2];
-    const uint32_t * p2[NPAIR2];
-    const uint32_t * p3[NPAIR2];
+    const uint32_t * pe[3][NPAIR2]; /* D1..D3 of each pair */
 #pragma GCC unroll 4
     for (int j = 0; j < NP; j++) {
-        p1[j] = a->e + (q0 + j) * cp;
-        p2[j] = p1[j] + a->stride;
-        p3[j] = p2[j] + a->stride;
+        pe[0][j] = a->e + (q0 + j) * cp;
+        pe[1][j] = pe[0][j] + a->stride;
+        pe[2][j] = pe[1][j] + a->stride;
     }
     const uint16_t * w = a->w;
     for (int64_t p = 0; p < cp; p++, w += NSLOT2 * 2 * OB) {
-        const __m512bh g00 = (__m512bh)_mm512_loadu_si512((const void *)(w));
-        const __m512bh g01 = (__m512bh)_mm512_loadu_si512((const void *)(w + 32));
-#pragma GCC unroll 4
-        for (int j = 0; j < NP; j++) {
-            const __m512bh b = (__m512bh)_mm512_set1_epi32((int)p1[j][p]);
-            acc[0][j][0] = dpbf16(acc[0][j][0], g00, b);
-            acc[0][j][1] = dpbf16(acc[0][j][1], g01, b);
-        }
-        const __m512bh g10 = (__m512bh)_mm512_loadu_si512((const void *)(w + 64));
-        const __m512bh g11 = (__m512bh)_mm512_loadu_si512((const void *)(w + 96));
-#pragma GCC unroll 4
-        for (int j = 0; j < NP; j++) {
-            const __m512bh b = (__m512bh)_mm512_set1_epi32((int)p2[j][p]);
-            acc[1][j][0] = dpbf16(acc[1][j][0], g10, b);
-            acc[1][j][1] = dpbf16(acc[1][j][1], g11, b);
-        }
-        const __m512bh g20 = (__m512bh)_mm512_loadu_si512((const void *)(w + 128));
-        const __m512bh g21 = (__m512bh)_mm512_loadu_si512((const void *)(w + 160));
-#pragma GCC unroll 4
-        for (int j = 0; j < NP; j++) {
-            const __m512bh b = (__m512bh)_mm512_set1_epi32((int)p3[j][p]);
-            acc[2][j][0] = dpbf16(acc[2][j][0], g20, b);
-            acc[2][j][1] = dpbf16(acc[2][j][1], g21, b);
-        }
+#pragma GCC unroll 3
+        for (int i = 0; i < 3; i++) slot_dp(NP, acc[i], w + i * 64, pe[i], p);
     }
     __mmask16 mk[2];
-#pragma GCC unroll 2
-    for (int v = 0; v < 2; v++) {
-        int rem = out->width - v * VW;
-        rem = rem < 0 ? 0 : (rem > VW ? VW : rem);
-        mk[v] = (__mmask16)((1u << rem) - 1u);
-    }
+    block_masks(out->width, mk);
+    const __m512 half = _mm512_set1_ps(0.5f);
 #pragma GCC unroll 4
     for (int j = 0; j < NP; j++) {
 #pragma GCC unroll 2
         for (int v = 0; v < 2; v++) {
             const __m512 b = _mm512_maskz_loadu_ps(mk[v], out->bias + v * VW);
-            __m512 y = _mm512_add_ps(b, _mm512_add_ps(acc[0][j][v], acc[1][j][v]));
-            if (out->r0[j]) y = _mm512_add_ps(_mm512_maskz_loadu_ps(mk[v], out->r0[j] + v * VW), y);
-            _mm512_mask_storeu_ps(out->y0[j] + v * VW, mk[v], y);
+            store_row(out->y0[j], out->r0[j],
+                      _mm512_add_ps(b, _mm512_add_ps(acc[0][j][v], acc[1][j][v])), v, mk);
             if (out->y1[j]) {
-                const __m512 h = _mm512_mul_ps(_mm512_set1_ps(0.5f),
-                                               _mm512_sub_ps(acc[0][j][v], acc[1][j][v]));
-                __m512 z = _mm512_add_ps(b, _mm512_add_ps(h, acc[2][j][v]));
-                if (out->r1[j]) z = _mm512_add_ps(_mm512_maskz_loadu_ps(mk[v], out->r1[j] + v * VW), z);
-                _mm512_mask_storeu_ps(out->y1[j] + v * VW, mk[v], z);
+                const __m512 h = _mm512_mul_ps(half, _mm512_sub_ps(acc[0][j][v], acc[1][j][v]));
+                store_row(out->y1[j], out->r1[j],
+                          _mm512_add_ps(b, _mm512_add_ps(h, acc[2][j][v])), v, mk);
             }
         }
     }
@@ -547,44 +490,19 @@ static int64_t chunk_steps(int64_t per_row, int64_t cp, int64_t d, int64_t reach
 }
 
 void qtts_conv1d_wino_bf16_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
-    const struct ggml_tensor * x = dst->src[0];
     const struct ggml_tensor * wt = dst->src[1];
-    const struct ggml_tensor * bt = dst->src[2];
-    const intptr_t ud = (intptr_t)userdata;
-    const int64_t d = (int64_t)(ud & QTTS_CONV_DILATION_MASK);
-    int next = 3;
-    const struct ggml_tensor * ht = (ud & QTTS_CONV_HIST) ? dst->src[next++] : NULL;
-    const struct ggml_tensor * eat = (ud & QTTS_CONV_SNAKE) ? dst->src[next++] : NULL;
-    const struct ggml_tensor * ibt = (ud & QTTS_CONV_SNAKE) ? dst->src[next++] : NULL;
-    const struct ggml_tensor * rt = (ud & QTTS_CONV_RESIDUAL) ? dst->src[next++] : NULL;
-    GGML_ASSERT(x->type == GGML_TYPE_F32 && wt->type == GGML_TYPE_BF16);
-    GGML_ASSERT(bt->type == GGML_TYPE_F32 && dst->type == GGML_TYPE_F32);
-    const int64_t Ci = x->ne[0], O = dst->ne[0], T = dst->ne[1];
+    GGML_ASSERT(wt->type == GGML_TYPE_BF16);
+    const int k7 = wt->ne[1] == NSLOT; /* else K = 2: NSLOT2 slots */
+    qtts_conv_srcs sr;
+    qtts_conv_srcs_get(&sr, dst, (intptr_t)userdata, k7 ? 7 : 2);
+    const struct ggml_tensor * x = sr.x;
+    const struct ggml_tensor * ht = sr.hist;
+    const int64_t d = sr.d, Ci = sr.ci, O = sr.co, T = sr.t, hist = sr.n_hist, ph = sr.ph;
     const int64_t cp = (Ci + 1) / 2;
     const int64_t n_ob = (O + OB - 1) / OB;
-    const int k7 = wt->ne[1] == NSLOT; /* else K = 2: NSLOT2 slots */
-    const int64_t hist = (k7 ? 6 : 1) * d;
     const int64_t reach = (k7 ? 7 : 2) * d;
-    const int64_t ph = ht ? hist : 0;
     GGML_ASSERT(wt->ne[0] == 2 * OB && (k7 || wt->ne[1] == NSLOT2) && wt->ne[2] == cp &&
                 wt->ne[3] == n_ob && ggml_is_contiguous(wt));
-    GGML_ASSERT(ggml_nelements(bt) == O && ggml_is_contiguous(bt));
-    GGML_ASSERT(d >= 1 && x->ne[1] + ph == T + hist && x->ne[2] == 1 && x->ne[3] == 1);
-    GGML_ASSERT(x->nb[0] == sizeof(float) && ggml_is_contiguous(dst));
-    if (ht) {
-        GGML_ASSERT(ht->type == GGML_TYPE_F32 && ht->ne[0] == Ci && ht->ne[1] == hist);
-        GGML_ASSERT(ht->ne[2] == 1 && ht->ne[3] == 1 && ht->nb[0] == sizeof(float));
-    }
-    if (eat) {
-        GGML_ASSERT(eat->type == GGML_TYPE_F32 && ggml_nelements(eat) == Ci &&
-                    ggml_is_contiguous(eat));
-        GGML_ASSERT(ibt->type == GGML_TYPE_F32 && ggml_nelements(ibt) == Ci &&
-                    ggml_is_contiguous(ibt));
-    }
-    if (rt) {
-        GGML_ASSERT(rt->type == GGML_TYPE_F32 && rt->ne[0] == O && rt->ne[1] == T);
-        GGML_ASSERT(rt->ne[2] == 1 && rt->ne[3] == 1 && rt->nb[0] == sizeof(float));
-    }
     const xp_src src = {
         .hist = ht ? (const float *)ht->data : NULL,
         .hs = ht ? (int64_t)(ht->nb[1] / sizeof(float)) : 0,
@@ -592,15 +510,15 @@ void qtts_conv1d_wino_bf16_op(struct ggml_tensor * dst, int ith, int nth, void *
         .x = (const float *)x->data,
         .xs = (int64_t)(x->nb[1] / sizeof(float)),
         .n_xp = T + hist,
-        .ea = eat ? (const float *)eat->data : NULL,
-        .ib = ibt ? (const float *)ibt->data : NULL,
+        .ea = sr.ea ? (const float *)sr.ea->data : NULL,
+        .ib = sr.ib ? (const float *)sr.ib->data : NULL,
         .ci = Ci,
     };
     const uint16_t * w = (const uint16_t *)wt->data;
     const int64_t w_block = cp * (k7 ? NSLOT : NSLOT2) * 2 * OB; /* BF16 per output block */
-    const float * bias = (const float *)bt->data;
-    const float * res = rt ? (const float *)rt->data : NULL;
-    const int64_t rs = rt ? (int64_t)(rt->nb[1] / sizeof(float)) : 0;
+    const float * bias = (const float *)sr.bias->data;
+    const float * res = sr.res ? (const float *)sr.res->data : NULL;
+    const int64_t rs = sr.res ? (int64_t)(sr.res->nb[1] / sizeof(float)) : 0;
     float * y = (float *)dst->data;
 
     /* per staged row: F32 row + records (K = 7: a BF16 row + 4 per row; K = 2: 3 per pair) */
