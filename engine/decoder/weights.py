@@ -71,7 +71,7 @@ class Conv:
     kernel: int
     c_in: int
     c_out: int
-    winograd: bool = False  # packed for conv1d_wino_bf16 (K = 7, fast mode)
+    winograd: bool = False  # packed for conv1d_wino_bf16 (K = 7 or 2, fast mode)
 
 
 @dataclass
@@ -187,7 +187,7 @@ class DecoderWeights:
         self._bulk_type = lib.GGML_TYPE_BF16 if precision == "fast" else lib.GGML_TYPE_F32
         # Fast mode's K = 7 convs by Winograd F(2,3) (1.15-1.35x the direct BF16 kernel on the
         # decoder's shapes) and K = 2 ones (the transposed convs' polyphase form) by F(2,2);
-        # ~2 dB less SNR per conv (native/ops/conv1d_wino_bf16.c).
+        # 1-2 dB less SNR per conv (native/ops/conv1d_wino_bf16.c).
         self._winograd = self._bf16_kernel and os.environ.get("QTTS_WINOGRAD", "1") != "0"
         cfg = self.cfg
         eps = cfg.codebook_eps

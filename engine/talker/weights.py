@@ -241,9 +241,11 @@ def cpu_repack_buffer_type(backends: BackendSet) -> Any | None:
 
 def int8_prefill_possible(model: Any, backends: BackendSet) -> bool:
     """Whether the talker's prefill can take int8 copies: its matrices are Q8_0/Q4_0 (already
-    rounded by choice), the primary backend is the CPU (a custom op) and libqtts_ops has the
-    VNNI kernel (the portable one is exact but slower than ggml's GEMM)."""
-    if backends.primary != backends.cpu or not gemm_i8.fast_available():
+    rounded by choice), the primary backend is the CPU and qtts's custom ops are on
+    (``QTTS_CUSTOM_OPS``), as for the decoder's kernels, and libqtts_ops has the VNNI kernel
+    (the portable one is exact but slower than ggml's GEMM)."""
+    if (backends.primary != backends.cpu or not backends.custom_ops
+            or not gemm_i8.fast_available()):
         return False
     name = "talk.blk.0.attn_q.weight"
     return name in model.tensor_names() and model.tensor_info(name).ggml_type in I8_TYPES
