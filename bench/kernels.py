@@ -10,6 +10,12 @@
   bf16: fast mode's BF16 conv (K=7, d=1; --extra adds d=9 and the K=1 conv) as
         qtts_conv1d_tm_bf16 (native/ops/conv1d_tm_bf16.c) side by side with the exact-F32
         qtts_conv1d_tm, K x ggml_mul_mat with BF16 weights, and torch conv1d F32 / BF16.
+  wino: the decoder's 7-tap and transposed (2-tap polyphase) convs as qtts_conv1d_wino_bf16
+        (Winograd F(2,3) / F(2,2)) against the direct qtts_conv1d_tm_bf16, with the SNR of each
+        against a float64 conv of the same data.
+  gemm_i8: the talker prefill's projections (57 and 512 rows) as qtts_gemm_i8 (W8A8, VNNI)
+        against ggml's mul_mat with the Q4_0 weight in the CPU_REPACK buffer (what the talker
+        used before), with the cosine of each against the F32 product.
 
 ggml timings are ``ggml_backend_sched_graph_compute`` alone (graph allocated and inputs set
 beforehand; inputs re-set before each repetition, untimed). Each repetition also records how
@@ -19,7 +25,8 @@ dropped when enough clean ones exist. Prints min and median wall ms and ratios (
 qtts_ms, > 1 means the qtts kernel is faster), then the same runs as min CPU time per thread,
 which time-slicing by other processes does not inflate.
 
-  .venv/bin/python bench/kernels.py [--threads 2] [--reps 7] [--only conv|snake|bf16|hist]
+  .venv/bin/python bench/kernels.py [--threads 2] [--reps 7]
+                                    [--only conv|snake|bf16|hist|wino|gemm_i8]
                                     [--extra]
 """
 
@@ -423,13 +430,119 @@ def bench_snake(cpu: BackendSet, reps: int, max_busy: float) -> None:
         gf.close()
 
 
+WINO_CASES = [  # (C_in, C_out, T, K, d): ~2.5 s of audio; residual-unit convs, transposed convs
+    (96, 96, 59520, 7, 1), (96, 96, 59520, 7, 9), (192, 192, 19840, 7, 3), (384, 384, 4960, 7, 1),
+    (768, 768, 992, 7, 9), (1024, 1536, 124, 7, 1),
+    (1536, 6144, 124, 2, 1), (768, 1920, 992, 2, 1), (384, 768, 4960, 2, 1),
+    (192, 288, 19840, 2, 1),
+]
+
+
+def _snr_db(y: np.ndarray[Any, Any], ref: np.ndarray[Any, Any]) -> float:
+    return float(10 * np.log10(np.sum(ref ** 2) / np.sum((y - ref) ** 2)))
+
+
+def bench_wino(cpu: BackendSet, reps: int, max_busy: float, threads: int) -> None:
+    print(f"\n## Winograd BF16 conv vs the direct BF16 conv, {threads} threads: min ms "
+          f"(GFLOP/s of the direct form's multiplies)")
+    print("| case | direct ms | winograd ms | speed-up | SNR direct dB | SNR winograd dB | "
+          "others' load |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    rng = np.random.default_rng(0)
+    for ci, c_out, t, k, d in WINO_CASES:
+        xp = rng.standard_normal((t + (k - 1) * d, ci)).astype(np.float32)
+        w = (rng.standard_normal((c_out, ci, k)) / np.sqrt(ci * k)).astype(np.float32)
+        b = np.zeros(c_out, np.float32)
+        ref = np.zeros((t, c_out))  # float64 conv, on a prefix to keep it quick
+        n_ref = min(t, 2048)
+        for j in range(k):
+            ref[:n_ref] += xp[j * d:j * d + n_ref].astype(np.float64) @ w[:, :, j].T
+        flop = 2.0 * ci * c_out * k * t
+        stats: dict[str, dict[str, float]] = {}
+        snr: dict[str, float] = {}
+        for name, pack, conv in [("direct", co.pack_conv_weight_bf16, co.conv1d_tm_bf16),
+                                 ("wino", co.pack_conv_weight_wino_bf16, co.conv1d_wino_bf16)]:
+            wp = co.bf16_bits(pack(w))
+            g = Graph()
+            tx, tb, tw = g.input("xp", xp.shape), g.input("b", b.shape), _bf16_input(g, "w",
+                                                                                    wp.shape)
+            g.output(conv(g.ctx, tx, tw, tb, d), "y")
+            r = GraphRunner(cpu, g, {"xp": xp, "w": wp, "b": b})
+            stats[name] = timed(r.run, reps, max_busy, r.set_inputs, threads)
+            snr[name] = _snr_db(r.output("y")[:n_ref], ref[:n_ref])
+            g.close()
+        busy = max(v["busy"] for v in stats.values())
+        dm, wm = stats["direct"]["min"], stats["wino"]["min"]
+        print(f"| C_in={ci} C_out={c_out} T={t} K={k} d={d} | {dm:.2f} ({flop / dm / 1e6:.0f}) | "
+              f"{wm:.2f} ({flop / wm / 1e6:.0f}) | {dm / wm:.2f}x | {snr['direct']:.1f} | "
+              f"{snr['wino']:.1f} | {busy:.0%} |", flush=True)
+
+
+GEMM_I8_CASES = [(3072, 1024, 57), (1024, 3072, 57), (2048, 1024, 57), (1024, 2048, 57),
+                 (3072, 1024, 512)]  # (N, K, rows): gate/up, down, q, o; a warm-up batch
+
+
+def bench_gemm_i8(cpu: BackendSet, reps: int, max_busy: float, threads: int) -> None:
+    import gguf
+
+    from engine.ggml import gemm_i8 as gi
+    from engine.talker.weights import _Repacked
+
+    print(f"\n## int8 GEMM (W8A8, {'VNNI' if gi.fast_available() else 'portable C'}) vs ggml "
+          f"Q4_0 mul_mat (CPU_REPACK), {threads} threads: min ms (GFLOP/s)")
+    print("| N x K, rows | ggml Q4_0 | qtts int8 | speed-up | cos vs F32: Q4_0 | cos: int8 | "
+          "others' load |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    rng = np.random.default_rng(0)
+    for n, k, t in GEMM_I8_CASES:
+        w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+        x = rng.standard_normal((t, k)).astype(np.float32)
+        f32 = x @ w.T
+        stats: dict[str, dict[str, float]] = {}
+        cos: dict[str, float] = {}
+        rp = _Repacked(cpu, 4)
+        wt = rp.add("w", lib.GGML_TYPE_Q4_0, (n, k),
+                    gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_0))
+        rp.allocate()
+        p = gi.pack(w)
+        for name in ("q4_0", "int8"):
+            g = Graph()
+            tx = g.input("x", (t, k))
+            inputs: dict[str, np.ndarray[Any, Any]] = {"x": x}
+            if name == "q4_0":
+                y = lib.ggml_mul_mat(g.ctx, wt, tx)
+            else:
+                wq = set_name(new_tensor(g.ctx, lib.GGML_TYPE_I8, p.wq.shape), "wq")
+                wc = set_name(new_tensor(g.ctx, lib.GGML_TYPE_I32, p.wc.shape), "wc")
+                for tt, nm in ((wq, "wq"), (wc, "wc")):
+                    lib.ggml_set_input(tt)
+                    g.inputs[nm] = tt
+                m = gi.I8Matrix(n, k, wq, g.input("ws", p.ws.shape), wc)
+                y = gi.gemm_i8(g.ctx, tx, m)
+                inputs.update(wq=p.wq, ws=p.ws, wc=p.wc)
+            g.output(y, "y")
+            r = GraphRunner(cpu, g, inputs)
+            stats[name] = timed(r.run, reps, max_busy, r.set_inputs, threads)
+            out = r.output("y")
+            cos[name] = float(np.sum(out * f32) / np.linalg.norm(out) / np.linalg.norm(f32))
+            g.close()
+        rp.close()
+        flop = 2.0 * n * k * t
+        qm, im = stats["q4_0"]["min"], stats["int8"]["min"]
+        busy = max(v["busy"] for v in stats.values())
+        print(f"| {n} x {k}, {t} | {qm:.2f} ({flop / qm / 1e6:.0f}) | {im:.2f} "
+              f"({flop / im / 1e6:.0f}) | {qm / im:.2f}x | {cos['q4_0']:.5f} | {cos['int8']:.5f} "
+              f"| {busy:.0%} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--max-busy", type=float, default=0.05,
                     help="drop repetitions where other processes used more of the machine")
-    ap.add_argument("--only", choices=["conv", "snake", "bf16", "hist"], default=None)
+    ap.add_argument("--only", choices=["conv", "snake", "bf16", "hist", "wino", "gemm_i8"],
+                    default=None)
     ap.add_argument("--extra", action="store_true",
                     help=f"also {EXTRA_CONV_CASES} (conv), {EXTRA_BF16_CASES} (bf16) and "
                     f"{EXTRA_HIST_CASES} (hist)")
@@ -448,6 +561,10 @@ def main() -> None:
     if args.only in (None, "hist"):
         cases = HIST_CASES + (EXTRA_HIST_CASES if args.extra else [])
         bench_hist(cpu, cases, args.reps, args.max_busy, args.threads)
+    if args.only in (None, "wino"):
+        bench_wino(cpu, args.reps, args.max_busy, args.threads)
+    if args.only in (None, "gemm_i8"):
+        bench_gemm_i8(cpu, args.reps, args.max_busy, args.threads)
 
 
 if __name__ == "__main__":
