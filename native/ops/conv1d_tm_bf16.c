@@ -41,6 +41,7 @@
 #include "qtts_bf16.h"
 #include "qtts_ops.h"
 #include "qtts_scratch.h"
+#include "qtts_tiles.h"
 #include "qtts_snake.h"
 
 #define INLINE static inline __attribute__((always_inline))
@@ -244,27 +245,11 @@ static void tile_generic(int NT, float * out, int64_t ys, const float * init, in
         const float * res, int64_t rs
 #define TILE_PASS out, ys, init, is, a, width, res, rs
 
-DEF_TILE(1)
-DEF_TILE(2)
-DEF_TILE(3)
-DEF_TILE(4)
-DEF_TILE(5)
-DEF_TILE(6)
-DEF_TILE(7)
-DEF_TILE(8)
-DEF_TILE(9)
-DEF_TILE(10)
-DEF_TILE(11)
-DEF_TILE(12)
+QTTS_DEF_TILES
 
-#define TILE_TABLE(kind)                                                                        \
-    {0, btile_##kind##_1, btile_##kind##_2, btile_##kind##_3, btile_##kind##_4,               \
-     btile_##kind##_5, btile_##kind##_6, btile_##kind##_7, btile_##kind##_8,                  \
-     btile_##kind##_9, btile_##kind##_10, btile_##kind##_11, btile_##kind##_12}
-
-static const btile_fn BTILE_FULL[NT_MAIN + 1] = TILE_TABLE(full);
-static const btile_fn BTILE_MASK[NT_MAIN + 1] = TILE_TABLE(mask);
-static const btile_fn BTILE_HALF[NT_MAIN + 1] = TILE_TABLE(half);
+static const btile_fn BTILE_FULL[NT_MAIN + 1] = QTTS_TILE_TABLE(btile_, full);
+static const btile_fn BTILE_MASK[NT_MAIN + 1] = QTTS_TILE_TABLE(btile_, mask);
+static const btile_fn BTILE_HALF[NT_MAIN + 1] = QTTS_TILE_TABLE(btile_, half);
 
 /* ---- the op ------------------------------------------------------------------------------- */
 

@@ -28,6 +28,7 @@
 
 #include "qtts_ops.h"
 #include "qtts_scratch.h"
+#include "qtts_tiles.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #define I8_SIMD 1
@@ -248,27 +249,11 @@ static void tile_generic(int NT, float * out, int64_t ys, const i8_args * a, int
 #define TILE_ARGS float * out, int64_t ys, const i8_args * a, int width, int64_t b
 #define TILE_PASS out, ys, a, width, b
 
-DEF_TILE(1)
-DEF_TILE(2)
-DEF_TILE(3)
-DEF_TILE(4)
-DEF_TILE(5)
-DEF_TILE(6)
-DEF_TILE(7)
-DEF_TILE(8)
-DEF_TILE(9)
-DEF_TILE(10)
-DEF_TILE(11)
-DEF_TILE(12)
+QTTS_DEF_TILES
 
-#define TILE_TABLE(kind)                                                                        \
-    {0, i8tile_##kind##_1, i8tile_##kind##_2, i8tile_##kind##_3, i8tile_##kind##_4,           \
-     i8tile_##kind##_5, i8tile_##kind##_6, i8tile_##kind##_7, i8tile_##kind##_8,              \
-     i8tile_##kind##_9, i8tile_##kind##_10, i8tile_##kind##_11, i8tile_##kind##_12}
-
-static const i8tile_fn I8TILE_FULL[NT_MAIN + 1] = TILE_TABLE(full);
-static const i8tile_fn I8TILE_MASK[NT_MAIN + 1] = TILE_TABLE(mask);
-static const i8tile_fn I8TILE_HALF[NT_MAIN + 1] = TILE_TABLE(half);
+static const i8tile_fn I8TILE_FULL[NT_MAIN + 1] = QTTS_TILE_TABLE(i8tile_, full);
+static const i8tile_fn I8TILE_MASK[NT_MAIN + 1] = QTTS_TILE_TABLE(i8tile_, mask);
+static const i8tile_fn I8TILE_HALF[NT_MAIN + 1] = QTTS_TILE_TABLE(i8tile_, half);
 
 /* ---- the op ---------------------------------------------------------------------------------- */
 
