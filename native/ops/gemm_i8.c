@@ -18,9 +18,15 @@
  * registers; per group of 4 input channels it loads the 2 packed weight vectors (lane o holds
  * Wq[o, 4g .. 4g+3]) and for each row broadcasts that row's 4 input bytes into VPDPBUSD (u8 x s8:
  * the input is stored as q + 128, and the accumulators start at -128 * sum_k Wq[o, k] of the
- * block, from the pack). After each block the tile adds acc * (ws * xs) to the F32 output (one
+ * block, from the pack). After each block the tile adds acc * (ws * xs) to its F32 sums (one
  * FMA per element and block). Integer sums are exact, so the portable C path (same block order,
  * fmaf) gives the same result bit for bit, and neither depends on the thread count.
+ *
+ * Work: units (row chunk, output block) as conv1d_tm_bf16.c; each thread rounds the rows of its
+ * chunk once, block-major (a tile's block is one contiguous run); a unit walks the input blocks
+ * outermost (the block's weights stay in L1 across the chunk's tiles) and keeps its sums in a
+ * contiguous scratch, copied to dst at the end (dst's rows are N floats apart: with N a multiple
+ * of 1024 they would all fall in one L1 set).
  */
 #include <math.h>
 #include <stdint.h>
