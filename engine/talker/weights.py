@@ -102,7 +102,6 @@ class TalkerWeights:
         specs = talker_tensor_specs(t, cp)
         n_i8 = 3 * len(I8_MATRICES) * int(t.num_hidden_layers)
         self.store: WeightStore = backends.weight_store(max_tensors=len(specs) + n_i8 + 16)
-        self.i8_nbytes = 0
         self.types: dict[str, int] = {}
         self.repacked = _Repacked(backends, len(specs)) if repack else None
         if self.repacked is not None and self.repacked.buft is None:
@@ -159,7 +158,6 @@ class TalkerWeights:
             wq = self.store.add_array(f"{name}.i8q", p.wq)
             ws = self.store.add_array(f"{name}.i8s", p.ws)
             wc = self.store.add_array(f"{name}.i8c", p.wc)
-            self.i8_nbytes += p.wq.nbytes + p.ws.nbytes + p.wc.nbytes
             out[field_name] = gemm_i8.I8Matrix(p.n, p.k, wq, ws, wc)
         return out
 
@@ -167,6 +165,12 @@ class TalkerWeights:
     def int8_prefill(self) -> bool:
         """Whether the talker's layers have int8 copies for multi-row graphs."""
         return bool(self.layers) and self.layers[0].i8 is not None
+
+    @property
+    def i8_nbytes(self) -> int:
+        """Bytes of the int8 copies (0 without them); part of ``nbytes``."""
+        return sum(int(lib.ggml_nbytes(t)) for lw in self.layers if lw.i8 is not None
+                   for m in lw.i8.values() for t in (m.wq, m.ws, m.wc))
 
     @property
     def nbytes(self) -> int:
