@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ from engine.pipeline import (
     synthesize,
 )
 from engine.timings import DECODER_STAGES
+from service.schemas import Job  # the object a worker hands the pipeline
 
 FRAME = 1920
 # Streamed vs one-pass decode differ by float rounding only; the synthetic tiny decoder runs
@@ -140,22 +140,6 @@ def test_request_errors(pipe: Pipeline) -> None:
         with pytest.raises(InputError) as err:
             collect(pipe, req)
         assert err.value.field == field_name, req
-
-
-@dataclass
-class Job:
-    """The shape of the service's job object (duck-typed)."""
-
-    id: int
-    kind: str
-    codes: Any = None
-    text: str | None = None
-    voice: str | None = None
-    language: str | None = None
-    instruct: str | None = None
-    sampling: dict[str, Any] = field(default_factory=dict)
-    max_frames: int = 0
-    chunk_max_frames: int = 8
 
 
 def test_duck_typed_jobs(pipe: Pipeline) -> None:
