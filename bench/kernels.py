@@ -166,19 +166,21 @@ def conv_graph_custom(c: int, t: int, d: int, k: int) -> Graph:
     return g
 
 
-def bench_conv(cpu: BackendSet, cases: list[tuple[int, int, int, int]], reps: int,
-               max_busy: float, threads: int) -> None:
+def _torch(threads: int) -> Any | None:
+    """torch set to ``threads`` threads, or None when it is not installed (no torch columns)."""
     try:
         import torch
-        import torch.nn.functional as F
-
-        torch.set_num_threads(threads)
-        torch_name: str | None = f"torch {torch.__version__}"
     except ImportError:
-        torch = None  # type: ignore[assignment]
-        torch_name = None
+        return None
+    torch.set_num_threads(threads)
+    return torch
+
+
+def bench_conv(cpu: BackendSet, cases: list[tuple[int, int, int, int]], reps: int,
+               max_busy: float, threads: int) -> None:
+    torch = _torch(threads)
     print(f"\n## causal conv1d time-major, F32, {threads} threads"
-          + ("" if torch_name else "  (torch not installed: no torch column)"))
+          + ("" if torch is not None else "  (torch not installed: no torch column)"))
     hdr = ("| case | GFLOP | ggml K x mul_mat ms (min/med) | qtts_conv1d_tm ms (min/med) | "
            "torch F32 ms (min/med) | custom vs mul_mat | custom vs torch | max|Δ|/max|y| | "
            "others' load |")
@@ -211,7 +213,7 @@ def bench_conv(cpu: BackendSet, cases: list[tuple[int, int, int, int]], reps: in
                 tw, tb = torch.from_numpy(w_t), torch.from_numpy(b)
 
                 def run_torch(tx: Any = tx, tw: Any = tw, tb: Any = tb, d: int = d) -> None:
-                    F.conv1d(tx, tw, tb, dilation=d)
+                    torch.nn.functional.conv1d(tx, tw, tb, dilation=d)
 
                 s3 = timed(run_torch, reps, max_busy, None, threads)
             tcol = f"{s3['min']:.1f} / {s3['median']:.1f}"
@@ -258,13 +260,7 @@ def conv_graph_custom_bf16(c: int, t: int, d: int, k: int) -> Graph:
 
 def bench_conv_bf16(cpu: BackendSet, cases: list[tuple[int, int, int, int]], reps: int,
                     max_busy: float, threads: int) -> None:
-    try:
-        import torch
-        import torch.nn.functional as F
-
-        torch.set_num_threads(threads)
-    except ImportError:
-        torch = None  # type: ignore[assignment]
+    torch = _torch(threads)
     print(f"\n## BF16 causal conv1d time-major, {threads} threads: min ms (GF/s); "
           f"qtts BF16 kernel: {'AVX512_BF16' if co.bf16_available() else 'portable C (slow)'}"
           + ("" if torch is not None else "  (torch not installed: no torch columns)"))
@@ -303,7 +299,7 @@ def bench_conv_bf16(cpu: BackendSet, cases: list[tuple[int, int, int, int]], rep
                     tw, tb = torch.from_numpy(w_t).to(dt), torch.from_numpy(b).to(dt)
 
                     def run_torch(tx: Any = tx, tw: Any = tw, tb: Any = tb, d: int = d) -> None:
-                        F.conv1d(tx, tw, tb, dilation=d)
+                        torch.nn.functional.conv1d(tx, tw, tb, dilation=d)
 
                     stats[name] = timed(run_torch, reps, max_busy, None, threads)
 
