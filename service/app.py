@@ -33,6 +33,7 @@ from service.logs import REQUEST_LOGGER, round_or_none
 from service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from service.metrics import Metrics
 from service.pool import PoolDraining, PoolFull, PoolNotReady, Ticket, WorkerPool
+from service.routes import playground
 from service.schemas import Job, Sampling, SpeechRequest, TTSRequest
 from service.settings import FRAME_RATE, SAMPLE_RATE, Settings
 
@@ -130,6 +131,7 @@ class Synthesis:
     outcome: str = "ok"
     status: int = 200
     gaps: int = 0
+    stages: dict[str, float] = field(default_factory=dict)  # seconds per stage, summed
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -310,6 +312,9 @@ class SynthesisResponse(Response):
         _, audio, timings, frames = ev
         self.st.metrics.observe_stages(timings, int(frames))
         self.syn.frames += int(frames)
+        for stage, seconds in timings.items():
+            if seconds >= 0:
+                self.syn.stages[stage] = self.syn.stages.get(stage, 0.0) + float(seconds)
         return np.asarray(audio, dtype=np.float32)
 
     async def _run(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -386,11 +391,9 @@ class SynthesisResponse(Response):
                         body = (_sse({"type": "speech.audio.delta",
                                       "audio": base64.b64encode(payload).decode()})
                                 if syn.sse else payload)
-                    if syn.sse:
-                        body += _sse({"type": "speech.audio.done", "usage": {
-                            "input_tokens": syn.chars, "output_tokens": syn.frames,
-                            "total_tokens": syn.chars + syn.frames}})
                     self._finished(info)
+                    if syn.sse:
+                        body += _done_event(syn)
                     if info.get("finish") == "cancelled":
                         raise _Abort
                     if syn.ttfa is None:
@@ -451,10 +454,9 @@ class SynthesisResponse(Response):
         st.metrics.stage_seconds.labels(stage="encode").observe(time.perf_counter() - t0)
         ctype = CONTENT_TYPES[syn.fmt]
         if syn.sse:
+            syn.audio_seconds_out = len(audio) / SAMPLE_RATE
             data = (_sse({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode()})
-                    + _sse({"type": "speech.audio.done", "usage": {
-                        "input_tokens": syn.chars, "output_tokens": syn.frames,
-                        "total_tokens": syn.chars + syn.frames}}))
+                    + _done_event(syn))
             ctype = "text/event-stream"
         await send({"type": "http.response.start", "status": 200,
                     "headers": self._head(ctype, len(data))})
@@ -468,6 +470,27 @@ class SynthesisResponse(Response):
 
 def _sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def _done_event(syn: Synthesis) -> bytes:
+    """The SSE stream's last event: OpenAI's usage, and under ``qtts`` this request's own
+    numbers (queue, first audio, synthesis time, real-time factor, seconds per engine stage)."""
+    gen_seconds = syn.frames / FRAME_RATE
+    rtf = syn.synth_seconds / gen_seconds if syn.synth_seconds and gen_seconds > 0 else None
+    return _sse({
+        "type": "speech.audio.done",
+        "usage": {"input_tokens": syn.chars, "output_tokens": syn.frames,
+                  "total_tokens": syn.chars + syn.frames},
+        "qtts": {
+            "request_id": syn.request_id, "frames": syn.frames,
+            "audio_seconds": round(syn.audio_seconds_out, 4),
+            "queue_seconds": round_or_none(syn.queue_seconds),
+            "ttfa_seconds": round_or_none(syn.ttfa),
+            "synth_seconds": round_or_none(syn.synth_seconds),
+            "rtf": round_or_none(rtf),
+            "stages": {k: round(v, 6) for k, v in sorted(syn.stages.items())},
+        },
+    })
 
 
 def _finish_log(st: State, syn: Synthesis, admitted: bool) -> None:
@@ -755,7 +778,9 @@ def create_app(settings: Settings | None = None, model: ModelInfo | None = None)
 
     @app.get("/", include_in_schema=False)
     async def root() -> PlainTextResponse:
-        return PlainTextResponse("qtts: POST /tts, POST /v1/audio/speech; docs at /docs\n")
+        return PlainTextResponse("qtts: POST /tts, POST /v1/audio/speech; docs at /docs; "
+                                 "try it in a browser at /playground\n")
 
+    app.include_router(playground.router)
     return app
 
