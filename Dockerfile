@@ -8,8 +8,11 @@
 # and `native` recipes, without the dev extra); stage 2 is a slim runtime with only the shared
 # libraries the build links against. docs/deploy.md has the details (model volume, settings).
 #
-# Note: native/build.py builds ggml and qtts's kernels for the build host's CPU (-march=native);
-# build the image on (or for) the oldest CPU generation it will run on.
+# The image is portable (QTTS_PORTABLE=1): ggml's CPU backend is built once per x86-64 ISA level
+# (GGML_BACKEND_DL + GGML_CPU_ALL_VARIANTS, the best one loaded at start) and qtts's kernels per
+# ISA level behind one runtime dispatch, so it runs on any x86-64 CPU whatever the build host.
+# --build-arg QTTS_PORTABLE=0 builds for the build host's CPU only (-march=native), and
+# --build-arg QTTS_CPU_VARIANTS=haswell,sapphirerapids builds fewer ggml CPU variants (faster).
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
@@ -31,8 +34,10 @@ ENV QTTS_CACHE_DIR=/opt/qtts/cache \
 WORKDIR /opt/qtts/app
 COPY . .
 
-# `make venv` (without the dev extra) and `make native`
+# `make venv` (without the dev extra) and `make native`, portable
 ARG QTTS_GGML_BACKENDS=blas
+ARG QTTS_PORTABLE=1
+ARG QTTS_CPU_VARIANTS=all
 # hadolint ignore=DL3013
 RUN python3 -m venv .venv \
  && .venv/bin/python -m pip install -q --upgrade pip \

@@ -30,6 +30,7 @@ import threading
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -80,11 +81,25 @@ class DeviceInfo:
     handle: Any = field(repr=False, compare=False)
 
 
+@lru_cache(maxsize=1)
 def _registry_loaded() -> None:
-    # Backends built as loadable modules (GGML_BACKEND_DL) live beside libggml; statically
-    # registered ones are already there, and loading twice is harmless.
+    # Backends built as loadable modules (GGML_BACKEND_DL, the portable build) live beside
+    # libggml; ggml loads the best-scoring CPU variant there. Once per process: each call would
+    # open every variant again to score it. Statically registered backends are already there.
     lib_dir = native_info()["lib_dir"].encode()
     lib.ggml_backend_load_all_from_path(lib_dir)
+
+
+def rpc_function(name: str, ctype: str) -> Any:
+    """A function of ggml's RPC backend, through its registry: found whether the backend is
+    linked into libggml (native build) or a module loaded at run time (portable build)."""
+    _registry_loaded()
+    reg = lib.ggml_backend_reg_by_name(b"RPC")
+    fn = ffi.NULL if reg == ffi.NULL else lib.ggml_backend_reg_get_proc_address(reg, name.encode())
+    if fn == ffi.NULL:
+        raise BackendError(f"this ggml build has no rpc backend ({name} not found); rebuild "
+                           "with QTTS_GGML_BACKENDS=blas,rpc make native")
+    return ffi.cast(ctype, fn)
 
 
 _RPC_REGISTERED: set[str] = set()
@@ -101,7 +116,9 @@ def register_rpc_servers(endpoints: str | None) -> None:
         host, _, port = ep.rpartition(":")
         if not host or not port.isdigit():
             raise BackendError(f"QTTS_RPC_SERVERS: {ep!r} is not host:port")
-        reg = lib.ggml_backend_rpc_add_server(ep.encode())
+        add_server = rpc_function("ggml_backend_rpc_add_server",
+                                  "ggml_backend_reg_t (*)(const char *)")
+        reg = add_server(ep.encode())
         if reg == ffi.NULL or lib.ggml_backend_reg_dev_count(reg) == 0:
             raise BackendError(f"QTTS_RPC_SERVERS: no ggml rpc server answers at {ep}")
         lib.ggml_backend_register(reg)

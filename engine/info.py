@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 from engine.backend import BackendSet, built_backends, list_devices
 from engine.errors import BackendError
-from engine.ggml import ffi, lib, native_info
+from engine.ggml import custom_ops, ffi, lib, native_info
+from engine.ggml.native import loaded_from
 
 
 def backend_features(reg_name: str) -> list[tuple[str, str]]:
@@ -27,6 +29,35 @@ def backend_features(reg_name: str) -> list[tuple[str, str]]:
     return out
 
 
+def flavour(info: dict[str, Any]) -> str:
+    """Which of native/build.py's two builds this is, in words."""
+    if info.get("portable"):
+        return ("portable (QTTS_PORTABLE=1: every ISA variant built, the best one this CPU runs "
+                "chosen at load)")
+    return "native (-march=native: only for CPUs with the build machine's instruction sets)"
+
+
+def cpu_backend_file() -> str | None:
+    """The file ggml's CPU backend was loaded from: in the portable build, the variant ggml
+    chose for this CPU (libggml-cpu-haswell.so, ...)."""
+    reg = lib.ggml_backend_reg_by_name(b"CPU")
+    if reg == ffi.NULL:
+        return None
+    path = loaded_from(reg)
+    return None if path is None else Path(path).name
+
+
+def kernel_lines() -> list[str]:
+    """The qtts kernels' variant and what each op runs in it."""
+    if not custom_ops.available():
+        return ["qtts kernels: not built (stock ggml ops only)"]
+    lines = [f"qtts kernels: {custom_ops.variant()} "
+             f"(built: {', '.join(custom_ops.variants())})"]
+    for op, path in custom_ops.kernel_paths().items():
+        lines.append(f"  {op}: {path}")
+    return lines
+
+
 def info_lines(env: dict[str, str] | None = None) -> list[str]:
     """Human-readable lines: ggml version and options, devices, the chosen backend, threads."""
     info: dict[str, Any] = native_info()
@@ -36,13 +67,15 @@ def info_lines(env: dict[str, str] | None = None) -> list[str]:
         f"  build: {info['prefix']}",
         f"  options: {' '.join(o for o in info['cmake_options'] if not o.startswith('-DCMAKE_'))}",
         f"  backends built: {', '.join(built_backends())}",
-        f"  fused qtts kernels: {'yes' if info.get('ops_lib') else 'no'}",
+        f"  flavour: {flavour(info)}",
         "devices:",
     ]
     for d in list_devices():
         lines.append(f"  {d.backend}:{d.index}  {d.name}  ({d.description})")
+    lines.append(f"CPU backend: {cpu_backend_file() or 'unknown'}")
     cpu = [name for name, value in backend_features("CPU") if value == "1"]
     lines.append(f"CPU features: {' '.join(cpu)}")
+    lines += kernel_lines()
     e = dict(os.environ) if env is None else env
     try:
         bs = BackendSet.from_env(e)

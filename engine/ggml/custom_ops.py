@@ -72,8 +72,32 @@ def available() -> bool:
 
 
 def simd_isa(library: Any | None = None) -> str:
-    """The SIMD path libqtts_ops was compiled with: ``"avx512"``, ``"avx2"`` or ``"scalar"``."""
+    """The SIMD path of the variant in use: ``"avx512"``, ``"avx2"`` or ``"scalar"``."""
     return ISA_NAMES.get(int(_library(library).qtts_ops_isa()), "unknown")
+
+
+def variant(library: Any | None = None) -> str:
+    """The ISA variant of the kernels this process runs, chosen when libqtts_ops was loaded:
+    the best of ``variants()`` the CPU supports (``"native"`` in a -march=native build)."""
+    return str(ffi.string(_library(library).qtts_ops_variant()).decode())
+
+
+def variants(library: Any | None = None) -> list[str]:
+    """The ISA variants built into libqtts_ops, best first."""
+    return str(ffi.string(_library(library).qtts_ops_variants()).decode()).split(",")
+
+
+def kernel_paths(library: Any | None = None) -> dict[str, str]:
+    """What each op runs in the variant in use: the SIMD path, or "portable C"."""
+    isa = simd_isa(library)
+    bf16 = has_fast_path(library, "qtts_conv1d_tm_bf16_fast")
+    i8 = has_fast_path(library, "qtts_gemm_i8_fast")
+    return {
+        "snake": isa,
+        "conv1d_tm": f"{isa} (block {conv_block(library)})",
+        "conv1d_tm_bf16, conv1d_wino_bf16": "avx512_bf16" if bf16 else "portable C",
+        "gemm_i8": "avx512_vnni" if i8 else "portable C",
+    }
 
 
 def _check_f32(t: Tensor, what: str) -> None:
