@@ -44,7 +44,7 @@ def portable_copy(dest: Path, variants: str) -> Path:
 def run(tree: Path, label: str, bench: list[str]) -> None:
     print(f"\n# ===== {label} build ({tree}) =====", flush=True)
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    subprocess.run([sys.executable, *_entry(tree), "info"], env=env, check=True)
+    subprocess.run([sys.executable, *_entry(tree), "info"], env=env, check=True, cwd=tree)
     subprocess.run([sys.executable, str(tree / bench[0]), *bench[1:]], env=env, check=True,
                    cwd=tree)
 

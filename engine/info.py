@@ -32,8 +32,10 @@ def backend_features(reg_name: str) -> list[tuple[str, str]]:
 def flavour(info: dict[str, Any]) -> str:
     """Which of native/build.py's two builds this is, in words."""
     if info.get("portable"):
-        return ("portable (QTTS_PORTABLE=1: every ISA variant built, the best one this CPU runs "
-                "chosen at load)")
+        cpu = info.get("cpu_variants", "all")
+        names = cpu if isinstance(cpu, str) else ", ".join(cpu)
+        return (f"portable (QTTS_PORTABLE=1; ggml CPU variants: {names}; the best variant this "
+                "CPU runs is chosen at load)")
     return "native (-march=native: only for CPUs with the build machine's instruction sets)"
 
 
