@@ -45,7 +45,7 @@ native: sysdeps venv
 
 # Warms the cache with the portable build for the emulated-CPU test (binding left as it is):
 # ggml's CPU backend as the x64 baseline, haswell (what the test's emulated CPU loads) and one
-# AVX-512 variant, not all 14 (the Docker image builds all). tests/test_portable_build.py uses
+# AVX-512 variant, not all 14 (the Docker image builds all). tests/engine/test_portable_build.py uses
 # the same QTTS_CPU_VARIANTS, so keep the two in step.
 PORTABLE_CPU_VARIANTS ?= haswell,sapphirerapids
 native-portable: sysdeps venv

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 import soundfile as sf
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 QEMU = shutil.which("qemu-x86_64")
 CPU_MODEL = "Haswell"  # AVX2 + FMA + F16C + BMI2, no AVX-512: x86-64-v3
 VARIANTS = os.environ.get("QTTS_CPU_VARIANTS") or "haswell,sapphirerapids"
@@ -150,7 +150,7 @@ def test_decode_under_emulation_matches_the_reference(portable_tree: Path, tmp_p
                     "test_decode_under_emulation_matches_the_native_build still runs")
     import torch
 
-    from engine.convert import convert
+    from engine.tools.convert import convert
     from tests.parity import reference as ref
 
     torch.set_num_threads(2)
