@@ -83,15 +83,20 @@ def _text_ready(server: Server) -> bool:
 
 
 def _page(browser: Any, **context: Any) -> Any:
+    """A page whose console errors are kept in ``page.qtts_console``. The page's own
+    Content-Security-Policy applies to the test too: wait_for_function takes arrow functions
+    (a bare expression would be eval'ed, which the policy forbids)."""
     ctx = browser.new_context(accept_downloads=True, **context)
     page = ctx.new_page()
     page.set_default_timeout(60_000)
+    page.qtts_console = []
+    page.on("console", lambda m: page.qtts_console.append(m.text) if m.type == "error" else None)
     return page
 
 
 def _open(page: Any, server: Server) -> None:
     page.goto(server.url + "/playground")
-    page.wait_for_function("document.getElementById('status').textContent.includes('ready')")
+    page.wait_for_function("() => document.getElementById('status').textContent.includes('ready')")
 
 
 def _synthesize_and_wait(page: Any) -> dict[str, Any]:
@@ -139,7 +144,7 @@ def test_a_synthesis_streams_into_the_audio_graph(browser: Any, open_server: Ser
     assert s["t0"] < s["firstAudioAt"] <= s["ttfaShownAt"] < s["responseEndAt"]
     assert page.text_content("#stat-ttfa").strip().endswith(")")  # "N ms (server M ms)"
     # the samples reached the audio graph: the worklet behind the sources heard them
-    page.wait_for_function("window.qttsPlayground.meter.nonzero > 0")
+    page.wait_for_function("() => window.qttsPlayground.meter.nonzero > 0")
     meter = page.evaluate("window.qttsPlayground.meter")
     assert meter["peak"] > 0 and meter["frames"] >= meter["nonzero"] > 0
     # the request's own numbers: RTF and per-stage timings from the server
@@ -150,8 +155,9 @@ def test_a_synthesis_streams_into_the_audio_graph(browser: Any, open_server: Ser
                                            "tds => tds.map(t => t.textContent)")
     assert "talker_step" in stage_rows
     assert "(wall" in page.text_content("#stat-rtf")
-    # nothing but this server was asked for anything
+    # nothing but this server was asked for anything, and nothing broke the page's policy
     assert all(u.startswith(open_server.url) for u in requests), requests
+    assert not [m for m in page.qtts_console if "Content Security Policy" in m], page.qtts_console
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "playground.png"), full_page=True)
 
@@ -178,7 +184,7 @@ def test_bad_input_shows_the_api_error_in_words(browser: Any, open_server: Serve
     page.fill("#max-seconds", "100000")
     page.click("#go")
     page.wait_for_function(
-        "document.getElementById('error').textContent.includes('max_seconds')")
+        "() => document.getElementById('error').textContent.includes('max_seconds')")
     assert "above the server limit" in page.text_content("#error")
     page.context.close()
 
@@ -192,11 +198,11 @@ def test_the_key_prompt_keeps_the_key_in_the_session(browser: Any, keyed_server:
     assert "invalid API key" in page.text_content("#key-why")
     page.fill("#key-input", "wrong")
     page.keyboard.press("Enter")
-    page.wait_for_function("document.getElementById('key-dialog').open && "
+    page.wait_for_function("() => document.getElementById('key-dialog').open && "
                            "document.getElementById('key-input').value === 'wrong'")
     page.fill("#key-input", KEY)
     page.click("#key-save")
-    page.wait_for_function("document.getElementById('status').textContent.includes('ready')")
+    page.wait_for_function("() => document.getElementById('status').textContent.includes('ready')")
     assert page.evaluate("sessionStorage.getItem('qtts.apiKey')") == KEY
     assert page.evaluate("localStorage.length") == 0
     # readable on a phone: nothing wider than the screen
