@@ -1,7 +1,7 @@
 """The playground page (GET /playground) in a real browser: Debian's ``chromium`` driven by
 Playwright's Python package against a real ``qtts serve`` on loopback, tiny model.
 
-The browser comes from the system (``make test`` installs it, deploy/ci/install-tools.sh);
+The browser comes from the system (``make test`` installs it: the Makefile's test-sysdeps);
 Playwright's own browser download is never used. Screenshots go to
 ``$QTTS_TEST_ARTIFACTS`` (default ``build/test-artifacts``).
 """
