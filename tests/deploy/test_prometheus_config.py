@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from tests.deploy.conftest import ALERTS, DEPLOY, K8S, PROM_CONFIG, load_yaml
+from tests.deploy.conftest import ALERTS, DEPLOY, K8S_BASE, PROM_CONFIG, load_yaml
 
 
 def run(cmd: list[str], cwd: Path | None = None) -> str:
@@ -68,9 +68,9 @@ def test_alert_names_are_documented(alert_rules: list[dict[str, Any]]) -> None:
 def test_prometheusrule_equals_alerts_file(promtool: str, tmp_path: Path) -> None:
     """The operator's PrometheusRule carries exactly the groups of alerts.yml, and they pass
     promtool as they are written there."""
-    pr = load_yaml(K8S / "prometheusrule.yaml")
+    pr = load_yaml(K8S_BASE / "prometheusrule.yaml")
     assert pr["kind"] == "PrometheusRule"
-    assert pr["spec"] == load_yaml(ALERTS), "deploy/k8s/prometheusrule.yaml != alerts.yml"
+    assert pr["spec"] == load_yaml(ALERTS), "deploy/k8s/base/prometheusrule.yaml != alerts.yml"
     out = tmp_path / "rules.yml"
     out.write_text(yaml.safe_dump(pr["spec"]))
     run([promtool, "check", "rules", str(out)])
