@@ -153,7 +153,7 @@ def test_builder_layers_locked_deps_then_native_then_the_wheel() -> None:
         order = [(i, a) for i, a in builder if i in ("COPY", "RUN")]
         steps = [f"{i} {a}" for i, a in order]
 
-        def first(pattern: str) -> int:
+        def first(pattern: str, steps: list[str] = steps) -> int:
             return next(n for n, st in enumerate(steps) if re.search(pattern, st))
 
         assert first(rf"COPY {re.escape(str(lock))} ") < first(r"--require-hashes")

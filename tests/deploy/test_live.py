@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 from service.metrics import STAGES
-from tests.deploy.conftest import ALERTS, DEPLOY, K8S, PROM_CONFIG, ROOT, load_yaml
+from tests.deploy.conftest import ADAPTER_RULE, ALERTS, DEPLOY, PROM_CONFIG, ROOT, load_yaml
 from tests.deploy.helpers import (
     PromError,
     Prometheus,
@@ -299,18 +299,22 @@ def test_alert_expressions_parse_and_rules_evaluate(stack: Stack,
     assert stack.prom.api("alerts")["alerts"] == []
 
 
-def test_adapter_rule_serves_queue_depth_per_pod(stack: Stack) -> None:
-    (rule,) = load_yaml(K8S / "prometheus-adapter" / "values.yaml")["rules"]["custom"]
+def test_adapter_rule_serves_utilisation_per_pod(stack: Stack) -> None:
+    """The HPA's metric, as the Prometheus adapter asks for it, from the live server."""
+    (rule,) = load_yaml(ADAPTER_RULE)["rules"]["custom"]
     series = stack.prom.api("series", **{"match[]": [rule["seriesQuery"]]})
     assert {(s["namespace"], s["pod"]) for s in series} == {(NAMESPACE, POD)}
-    # what the adapter sends for GET .../namespaces/qtts/pods/*/qtts_requests_waiting
+    # what the adapter sends for GET .../namespaces/qtts/pods/*/qtts_utilisation
     query = (rule["metricsQuery"]
-             .replace("<<.Series>>", "qtts_requests_waiting")
+             .replace("<<.Series>>", "qtts_capacity")
              .replace("<<.LabelMatchers>>", f'namespace="{NAMESPACE}",pod=~"{POD}"')
              .replace("<<.GroupBy>>", "pod"))
     result = stack.prom.query(query)
     assert [r["metric"] for r in result] == [{"pod": POD}]
-    assert float(result[0]["value"][1]) >= 0
+    # the traffic ran on one worker (capacity 1): busy part of the last minute, idle now
+    value = float(result[0]["value"][1])
+    assert 0 <= value <= 1 + 8, value  # at most capacity + the queue of 8
+    assert stack.prom.query(f'qtts_capacity{{pod="{POD}"}} == 1'), "capacity of 1 worker"
 
 
 def test_probe_paths_and_container_healthcheck(stack: Stack) -> None:
