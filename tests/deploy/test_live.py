@@ -295,8 +295,13 @@ def test_alert_expressions_parse_and_rules_evaluate(stack: Stack,
     assert set(loaded) == {r["alert"] for r in alert_rules}
     for name, r in loaded.items():
         assert r["health"] == "ok", f"{name}: {r.get('lastError')}"
-    # a healthy server raises no alert
-    assert stack.prom.api("alerts")["alerts"] == []
+    # a healthy server raises no alert. Speed-based ones (first audio, stream gaps, RTF) may go
+    # pending on a loaded test machine -- their `for` keeps them from firing -- and are left out:
+    # speed is the machine's, not the server's health
+    speed = {"QttsTimeToFirstAudioHigh", "QttsStreamGaps", "QttsRealTimeFactorHigh"}
+    alerts = stack.prom.api("alerts")["alerts"]
+    assert not [a for a in alerts if a["state"] == "firing"], alerts
+    assert not [a for a in alerts if a["labels"]["alertname"] not in speed], alerts
 
 
 def test_adapter_rule_serves_utilisation_per_pod(stack: Stack) -> None:
