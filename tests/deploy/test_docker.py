@@ -168,6 +168,19 @@ def test_builder_layers_locked_deps_then_native_then_the_wheel() -> None:
         assert any("native/build.py" in c for c in recipes["native"])
 
 
+def test_every_package_reaches_the_image() -> None:
+    """Each top-level package the wheel is built from is copied into both builders and let
+    through .dockerignore (a new package, e.g. a `cli/`, must be added to all three)."""
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = [p.rstrip("*") for p in find["packages"]["find"]["include"]]
+    ignore = (ROOT / ".dockerignore").read_text().split()
+    for pkg in packages:
+        assert f"!{pkg}/" in ignore, f".dockerignore leaves out {pkg}/"
+        for dockerfile in (DOCKERFILE, DOCKERFILE_CUDA):
+            copies = [a for i, a in stages(dockerfile.read_text())["builder"] if i == "COPY"]
+            assert f"{pkg}/ {pkg}/" in copies, f"{dockerfile.name} does not copy {pkg}/"
+
+
 def test_base_images_and_apt_are_pinned() -> None:
     for dockerfile in (DOCKERFILE, DOCKERFILE_CUDA, MODEL_DOCKERFILE):
         text = dockerfile.read_text()

@@ -354,9 +354,10 @@ def test_selectors_and_ports_connect(rendered: Rendered, overlay: str) -> None:
 
 
 def _engine_env_names() -> set[str]:
-    """QTTS_* variables the engine reads (its sources name them)."""
+    """QTTS_* variables the engine reads (its sources, or the command line's that reads them
+    at the edge, name them)."""
     names: set[str] = set()
-    for path in (ROOT / "engine").rglob("*.py"):
+    for path in [*(ROOT / "engine").rglob("*.py"), *(ROOT / "cli").rglob("*.py")]:
         names |= set(re.findall(r"\bQTTS_[A-Z0-9_]+\b", path.read_text(errors="replace")))
     return names
 
