@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,6 +29,11 @@ def shell_env(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[list[str]
     """(command prefix, PATH) for one of the two userlands."""
     if request.param == "system":
         return ["sh"], {"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+    return _busybox(tmp_path)
+
+
+def _busybox(tmp_path: Path) -> tuple[list[str], dict[str, str]]:
+    """busybox's sh, with only busybox applets on PATH (the model image's userland)."""
     busybox = shutil.which("busybox")
     if busybox is None:
         _missing("busybox (Debian package busybox)", _apt_root())
@@ -133,3 +139,27 @@ def test_the_model_image_runs_this_script() -> None:
     assert "/model/model.gguf" in dockerfile and "QTTS_MODEL_SRC:-/model/model.gguf" in (
         SCRIPT.read_text())
     assert os.access(SCRIPT, os.X_OK)
+
+
+def test_the_pod_configuration_stops_a_wrong_model(rendered: dict[str, list[dict[str, Any]]],
+                                                   tmp_path: Path) -> None:
+    """The init container as the cpu overlay renders it -- its command, the model ConfigMap
+    (envFrom) and its env, paths moved under tmp -- refuses a model that is not the one the
+    overlay names, under busybox."""
+    docs = rendered["cpu"]
+    (dep,) = [d for d in docs if d["kind"] == "Deployment"]
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    (init,) = dep["spec"]["template"]["spec"]["initContainers"]
+    assert init["command"] == ["/usr/local/bin/qtts-model-init"]
+    env = dict(cm["data"])
+    env.update({e["name"]: e["value"] for e in init["env"]})
+    src, digest = _model(tmp_path)
+    assert env["QTTS_MODEL_SHA256"] != digest
+    env["QTTS_MODEL_SRC"] = str(src)
+    env["QTTS_MODEL_DEST"] = str(tmp_path / env["QTTS_MODEL_DEST"].lstrip("/"))
+    p = _run(_busybox(tmp_path), env)
+    assert p.returncode == 1
+    (line,) = p.stderr.strip().splitlines()
+    assert line.startswith("qtts-model-init: FATAL: sha256 mismatch")
+    assert f"version {env['QTTS_MODEL_VERSION']}" in line
+    assert f"expected {env['QTTS_MODEL_SHA256']}, got {digest}" in line
