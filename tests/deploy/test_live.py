@@ -66,6 +66,7 @@ class Stack:
     instance: str
     text_ready: bool
     log_dir: Path
+    traffic_end: float  # unix time when traffic.py returned
 
 
 class QttsServer:
@@ -170,6 +171,7 @@ def stack(tiny_gguf: Path, prometheus_bin: str, promtool: str,
             capture_output=True, text=True, timeout=120,
         )
         assert p.returncode == 0, f"traffic.py failed:\n{p.stdout}{p.stderr}\n{server.log()}"
+        traffic_end = time.time()
         bad = urllib.request.Request(server.url + "/tts", data=b'{"codes": [[1]]}',
                                      headers={"content-type": "application/json"})
         try:
@@ -186,7 +188,8 @@ def stack(tiny_gguf: Path, prometheus_bin: str, promtool: str,
             r["health"] != "unknown" for g in prom.api("rules")["groups"] for r in g["rules"]),
             10, "rules never evaluated", prom)
         models = json.loads(_get(server.url + "/v1/models")[1])
-        yield Stack(prom, server.url, instance, bool(models["data"][0].get("text")), tmp)
+        yield Stack(prom, server.url, instance, bool(models["data"][0].get("text")), tmp,
+                    traffic_end)
     finally:
         if prom is not None:
             prom.stop()
@@ -316,10 +319,20 @@ def test_adapter_rule_serves_utilisation_per_pod(stack: Stack) -> None:
              .replace("<<.GroupBy>>", "pod"))
     result = stack.prom.query(query)
     assert [r["metric"] for r in result] == [{"pod": POD}]
-    # the traffic ran on one worker (capacity 1): busy part of the last minute, idle now
-    value = float(result[0]["value"][1])
-    assert 0 <= value <= 1 + 8, value  # at most capacity + the queue of 8
+    assert 0 <= float(result[0]["value"][1]) <= 1 + 8  # capacity 1 + the queue of 8
     assert stack.prom.query(f'qtts_capacity{{pod="{POD}"}} == 1'), "capacity of 1 worker"
+    # as it was when the traffic ended, against the raw samples of that minute averaged here
+    at = f"{stack.traffic_end:.3f}"
+    at_end = stack.prom.api("query", query=query, time=at)["result"]
+    assert [r["metric"] for r in at_end] == [{"pod": POD}]
+
+    def mean_of(metric: str) -> float:
+        (series,) = stack.prom.api("query", query=f'{metric}{{pod="{POD}"}}[1m]',
+                                   time=at)["result"]
+        return sum(float(v) for _, v in series["values"]) / len(series["values"])
+
+    expected = mean_of("qtts_requests_running") + mean_of("qtts_requests_waiting")
+    assert math.isclose(float(at_end[0]["value"][1]), expected, rel_tol=1e-9, abs_tol=1e-12)
 
 
 def test_probe_paths_and_container_healthcheck(stack: Stack) -> None:
