@@ -46,6 +46,7 @@ RUN mkdir -p engine/ggml \
 COPY pyproject.toml README.md ./
 COPY engine/ engine/
 COPY service/ service/
+COPY cli/ cli/
 RUN /opt/qtts/venv/bin/python -m pip wheel -q --no-deps --no-build-isolation -w /tmp/wheels . \
  && /opt/qtts/venv/bin/python -m pip install -q --no-deps --no-index /tmp/wheels/qtts-*.whl \
  && /opt/qtts/venv/bin/python -m compileall -q /opt/qtts/venv/lib \

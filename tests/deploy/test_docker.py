@@ -256,8 +256,9 @@ def test_the_app_installs_and_runs_from_its_wheel(tmp_path: Path) -> None:
                         "--target", str(site), str(wheel)], capture_output=True, text=True,
                        timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
-    code = ("import sys, engine, service; assert engine.__file__.startswith(sys.argv[1]), "
-            "engine.__file__; from engine.cli import main; sys.exit(main(['info']))")
+    code = ("import sys, cli, engine, service; assert engine.__file__.startswith(sys.argv[1]) "
+            "and cli.__file__.startswith(sys.argv[1]), "
+            "engine.__file__; from cli.main import main; sys.exit(main(['info']))")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     p = subprocess.run([sys.executable, "-P", "-c", code, str(site)], cwd=tmp_path,
                        capture_output=True, text=True, timeout=300,
@@ -312,7 +313,7 @@ def test_dockerignore_context() -> None:
                 if ln.strip() and not ln.startswith("#")]
     tracked = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
                              cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
-    needed = [f for f in tracked if f.startswith(("engine/", "service/", "native/"))
+    needed = [f for f in tracked if f.startswith(("engine/", "service/", "cli/", "native/"))
               and not f.endswith(("_ggml_cffi.py", "_native.json"))]
     needed += ["pyproject.toml", "README.md", "deploy/docker/entrypoint.sh",
                "deploy/docker/healthcheck.py", "deploy/docker/requirements-py311.lock",
