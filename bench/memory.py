@@ -1,6 +1,6 @@
 """Memory of a qtts pod, per weight type: what its Kubernetes requests/limits must hold.
 
-For each model it starts ``python -m service serve`` (bench/load.py's server) with
+For each model it starts `qtts serve` (bench/load.py's start_server) with
 ``--workers`` workers on 127.0.0.1, waits for /readyz, and reads /proc/<pid>/smaps_rollup of
 the front end and of every worker (pids from /healthz):
 
