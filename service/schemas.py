@@ -1,13 +1,12 @@
-"""Request bodies of the HTTP API and the job a worker receives.
+"""Request bodies of the HTTP API.
 
 Static checks live on the pydantic models (types, ranges, codes shape); checks that need the
-server settings or the loaded model (caps, voices, languages, talker) live in ``app.py``.
+server settings or the loaded model (caps, voices, languages, talker) live in ``validation.py``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 import numpy as np
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt
@@ -94,19 +93,3 @@ class SpeechRequest(Sampling):
     @property
     def voice_name(self) -> str:
         return self.voice.id if isinstance(self.voice, VoiceRef) else self.voice
-
-
-@dataclass
-class Job:
-    """What a worker receives: one synthesis, already validated."""
-
-    id: int
-    kind: Literal["codes", "text"]
-    codes: np.ndarray[Any, Any] | None = None  # int32 [16, T]
-    text: str | None = None
-    voice: str | None = None
-    language: str | None = None
-    instruct: str | None = None
-    sampling: dict[str, Any] = field(default_factory=dict)
-    max_frames: int = 0
-    chunk_max_frames: int = 8

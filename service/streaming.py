@@ -23,6 +23,17 @@ from starlette.types import Receive, Scope, Send
 from service.audio import CONTENT_TYPES, Encoder, TimeStretch, encode_whole, make_encoder
 from service.errors import ApiError
 from service.pool import PoolDraining, PoolFull, PoolNotReady, Ticket
+from service.protocol import (
+    Chunk,
+    ClientGone,
+    Done,
+    Failed,
+    Finish,
+    TicketEvent,
+    TicketState,
+    TimedOut,
+    WorkerDied,
+)
 from service.request_log import finish_log
 from service.settings import SAMPLE_RATE
 from service.state import State
@@ -83,7 +94,7 @@ class SynthesisResponse(Response):
             raise
         finally:
             watcher.cancel()
-            if self.ticket is not None and self.ticket.state != "finished":
+            if self.ticket is not None and self.ticket.state is not TicketState.FINISHED:
                 st.pool.cancel(self.ticket)
             finish_log(st, syn, admitted=True)
 
@@ -107,19 +118,19 @@ class SynthesisResponse(Response):
             if msg["type"] == "http.disconnect":
                 self.client_gone = True
                 if self.ticket is not None:
-                    self.ticket.push(("client_gone",))
+                    self.ticket.push(ClientGone())
                     self.st.pool.cancel(self.ticket)
                 return
 
-    async def _next(self) -> tuple[Any, ...]:
+    async def _next(self) -> TicketEvent:
         assert self.ticket is not None
         remaining = self.syn.arrival + self.st.settings.request_timeout - time.monotonic()
         if remaining <= 0:
-            return ("timeout",)
+            return TimedOut()
         try:
             return await asyncio.wait_for(self.ticket.events.get(), remaining)
         except TimeoutError:
-            return ("timeout",)
+            return TimedOut()
 
     def _head(self, content_type: str, length: int | None = None) -> list[tuple[bytes, bytes]]:
         syn = self.syn
@@ -137,41 +148,37 @@ class SynthesisResponse(Response):
         return h
 
     async def _error_before_start(
-        self, scope: Scope, receive: Receive, send: Send, ev: tuple[Any, ...]
+        self, scope: Scope, receive: Receive, send: Send, ev: TicketEvent
     ) -> None:
         """An event that ends the request before any byte of the response went out."""
         syn = self.syn
-        kind = ev[0]
-        if kind == "client_gone":
-            syn.outcome = "client_gone"
-            return
-        if kind == "timeout":
-            syn.outcome, syn.status = "timeout", 504
-            err = ApiError(504, f"request took longer than {self.st.settings.request_timeout:g} s",
-                           code="timeout")
-        elif kind == "worker_died":
-            syn.outcome, syn.status = "worker_died", 503
-            err = ApiError(503, "the worker synthesizing this request died; retry",
-                           code="worker_died",
-                           headers={"Retry-After": str(self.st.settings.retry_after_seconds)})
-        else:  # ("error", info)
-            info = ev[1]
-            status = int(info.get("status", 500))
-            syn.status = status
-            syn.outcome = "rejected" if status < 500 else "error"
-            if status < 500:
-                self.st.metrics.rejections.labels(reason="invalid").inc()
-            err = ApiError(status, str(info.get("message", "synthesis failed")),
-                           field=info.get("field"),
-                           code="invalid_value" if status < 500 else "synthesis_failed")
+        match ev:
+            case TimedOut():
+                syn.outcome, syn.status = "timeout", 504
+                err = ApiError(504, f"request took longer than "
+                               f"{self.st.settings.request_timeout:g} s", code="timeout")
+            case WorkerDied():
+                syn.outcome, syn.status = "worker_died", 503
+                err = ApiError(503, "the worker synthesizing this request died; retry",
+                               code="worker_died",
+                               headers={"Retry-After": str(self.st.settings.retry_after_seconds)})
+            case Failed():
+                syn.status = ev.status
+                syn.outcome = "rejected" if ev.status < 500 else "error"
+                if ev.status < 500:
+                    self.st.metrics.rejections.labels(reason="invalid").inc()
+                code = ev.code or ("invalid_value" if ev.status < 500 else "synthesis_failed")
+                err = ApiError(ev.status, ev.message, field=ev.field, code=code)
+            case _:  # the client left: nobody to answer
+                syn.outcome = "client_gone"
+                return
         await err.response(syn.request_id)(scope, receive, send)
 
-    def _account(self, ev: tuple[Any, ...]) -> np.ndarray[Any, Any]:
-        """Observe a chunk event's stage timings; return its audio."""
-        _, audio, timings, frames = ev
-        self.st.metrics.observe_stages(timings, int(frames))
-        self.syn.frames += int(frames)
-        return np.asarray(audio, dtype=np.float32)
+    def _account(self, ev: Chunk) -> np.ndarray[Any, Any]:
+        """Observe a chunk's stage timings; return its audio."""
+        self.st.metrics.observe_stages(ev.timings, ev.frames)
+        self.syn.frames += ev.frames
+        return np.asarray(ev.audio, dtype=np.float32)
 
     def _encode(self, encoder: Encoder, audio: np.ndarray[Any, Any], final: bool) -> bytes:
         """Encode (and count as sent) one piece of audio; ``final`` flushes the encoder."""
@@ -198,7 +205,7 @@ class SynthesisResponse(Response):
         syn.queue_seconds = self.ticket.queue_seconds
         if syn.queue_seconds is not None:
             st.metrics.queue_seconds.observe(syn.queue_seconds)
-        if ev[0] not in ("chunk", "done"):
+        if not isinstance(ev, Chunk | Done):
             await self._error_before_start(scope, receive, send, ev)
             return
         stretch = TimeStretch(syn.speed) if syn.speed != 1.0 else None
@@ -207,7 +214,7 @@ class SynthesisResponse(Response):
         else:
             await self._whole(scope, receive, send, ev, stretch)
 
-    async def _stream(self, send: Send, ev: tuple[Any, ...], stretch: TimeStretch | None) -> None:
+    async def _stream(self, send: Send, ev: TicketEvent, stretch: TimeStretch | None) -> None:
         st, syn = self.st, self.syn
         encoder: Encoder = make_encoder(syn.fmt)
         content_type = SSE_CONTENT_TYPE if syn.sse else encoder.content_type
@@ -216,7 +223,7 @@ class SynthesisResponse(Response):
         # playback model for stream gaps: audio starts playing when its first byte is sent
         play_start: float | None = None
         try:
-            while ev[0] == "chunk":
+            while isinstance(ev, Chunk):
                 if play_start is not None and time.monotonic() > play_start + syn.audio_seconds_out:
                     syn.gaps += 1
                     st.metrics.stream_gaps.inc()
@@ -231,7 +238,7 @@ class SynthesisResponse(Response):
                         self._first_audio()
                         play_start = time.monotonic()
                 ev = await self._next()
-            if ev[0] != "done":
+            if not isinstance(ev, Done):
                 self._ended_mid_stream(ev)
                 raise _Abort
             tail = stretch.flush() if stretch is not None else np.zeros(0, np.float32)
@@ -239,8 +246,8 @@ class SynthesisResponse(Response):
             body = sse_delta(payload) if syn.sse and payload else payload
             if syn.sse:
                 body += sse_done(syn)
-            self._finished(ev[1])
-            if ev[1].get("finish") == "cancelled":
+            self._finished(ev)
+            if ev.finish is Finish.CANCELLED:
                 raise _Abort
             self._first_audio()
             await send({"type": "http.response.body", "body": body, "more_body": False})
@@ -248,20 +255,20 @@ class SynthesisResponse(Response):
             if hasattr(encoder, "close"):
                 encoder.close()
 
-    async def _whole(self, scope: Scope, receive: Receive, send: Send, ev: tuple[Any, ...],
+    async def _whole(self, scope: Scope, receive: Receive, send: Send, ev: TicketEvent,
                      stretch: TimeStretch | None) -> None:
         st, syn = self.st, self.syn
         parts: list[np.ndarray[Any, Any]] = []
-        while ev[0] == "chunk":
+        while isinstance(ev, Chunk):
             parts.append(self._account(ev))
             ev = await self._next()
-        if ev[0] != "done":
+        if not isinstance(ev, Done):
             await self._error_before_start(scope, receive, send, ev)
             return
-        self._finished(ev[1])
+        self._finished(ev)
         if syn.outcome in ("client_gone", "timeout"):
             if syn.outcome == "timeout":
-                await self._error_before_start(scope, receive, send, ("timeout",))
+                await self._error_before_start(scope, receive, send, TimedOut())
             return
         audio = np.concatenate(parts) if parts else np.zeros(0, np.float32)
         if stretch is not None:
@@ -281,20 +288,23 @@ class SynthesisResponse(Response):
         syn.audio_seconds_out = dur
         st.metrics.audio_seconds.inc(dur)
 
-    def _finished(self, info: dict[str, Any]) -> None:
+    def _finished(self, done: Done) -> None:
         syn = self.syn
-        syn.synth_seconds = float(info.get("seconds", 0.0)) or None
-        finish = info.get("finish")
-        if finish == "truncated_no_eos":
+        syn.synth_seconds = done.seconds or None
+        if done.finish is Finish.TRUNCATED_NO_EOS:
             syn.outcome = "truncated_no_eos"
-        elif finish == "cancelled":
+        elif done.finish is Finish.CANCELLED:
             syn.outcome = "client_gone" if self.client_gone else "timeout"
 
-    def _ended_mid_stream(self, ev: tuple[Any, ...]) -> None:
+    def _ended_mid_stream(self, ev: TicketEvent) -> None:
         syn = self.syn
-        kind = ev[0]
-        if kind in ("client_gone", "timeout", "worker_died"):
-            syn.outcome = kind
-        else:
-            syn.outcome = "error"
+        match ev:
+            case ClientGone():
+                syn.outcome = "client_gone"
+            case TimedOut():
+                syn.outcome = "timeout"
+            case WorkerDied():
+                syn.outcome = "worker_died"
+            case _:
+                syn.outcome = "error"
         log.warning("request %s ended mid-stream: %s", syn.request_id, syn.outcome)

@@ -14,7 +14,8 @@ from typing import Any
 import numpy as np
 
 from service.errors import ApiError
-from service.schemas import Job, Sampling
+from service.protocol import Job
+from service.schemas import Sampling
 from service.settings import FRAME_RATE, Settings
 from service.state import State
 
