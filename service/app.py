@@ -17,10 +17,11 @@ from fastapi import FastAPI
 from service import handlers
 from service.gate import GateMiddleware
 from service.metrics import Metrics
+from service.model_info import ModelInfo
 from service.pool import WorkerPool
 from service.routes import ROUTERS
 from service.settings import Settings
-from service.state import VERSION, ModelInfo, State
+from service.state import VERSION, State
 
 __all__ = ["VERSION", "ModelInfo", "create_app"]
 
@@ -36,7 +37,7 @@ def create_app(settings: Settings | None = None, model: ModelInfo | None = None)
             else await asyncio.to_thread(ModelInfo.load, str(settings.model))
         )
         metrics = Metrics()
-        pool = WorkerPool(settings, metrics)
+        pool = WorkerPool(settings, metrics, max_frames_cap=info.frames(settings.max_audio_seconds))
         app.state.qtts = State(settings=settings, metrics=metrics, pool=pool, model=info)
         await pool.start()
         try:

@@ -98,10 +98,12 @@ class WorkerHandle:
 
 
 class WorkerPool:
-    """``settings.workers`` processes behind a queue of ``settings.queue_size``."""
+    """``settings.workers`` processes behind a queue of ``settings.queue_size``;
+    ``max_frames_cap`` is the server's longest audio in the model's frames."""
 
-    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics, max_frames_cap: int) -> None:
         self.settings = settings
+        self.max_frames_cap = max_frames_cap
         self.metrics = metrics
         self._ctx = mp.get_context("spawn")
         self._ids = itertools.count(1)
@@ -130,7 +132,7 @@ class WorkerPool:
         s = self.settings
         opts = WorkerOptions(
             index=index, model_path=str(s.model), precision=s.precision, env=s.worker_env(),
-            warmup_frames=s.warmup_frames, max_frames_cap=s.max_frames,
+            warmup_frames=s.warmup_frames, max_frames_cap=self.max_frames_cap,
             chunk_max_frames=s.chunk_max_frames, pin_prefixes=s.pin_prefixes,
         )
         proc = self._ctx.Process(

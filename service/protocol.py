@@ -54,8 +54,9 @@ class Job:
     language: str | None = None
     instruct: str | None = None
     sampling: dict[str, Any] = field(default_factory=dict)
-    max_frames: int = 0
-    chunk_max_frames: int = 8
+    max_frames: int = 0  # codes: decode at most this many frames (0: all)
+    frame_limit: int | None = None  # text: lowers the engine's text-length budget
+    chunk_max_frames: int | None = None  # None: the engine's default
 
 
 @dataclass(frozen=True)
@@ -67,8 +68,8 @@ class WorkerOptions:
     precision: Literal["fast", "exact"]
     env: dict[str, str]  # the engine's variables for this worker (threads, backends, logs)
     warmup_frames: int
-    max_frames_cap: int
-    chunk_max_frames: int
+    max_frames_cap: int  # the server's longest audio, in frames
+    chunk_max_frames: int | None  # None: the engine's default
     pin_prefixes: bool
 
 

@@ -7,7 +7,6 @@ import time
 
 from service.errors import ApiError
 from service.logs import REQUEST_LOGGER, round_or_none
-from service.settings import FRAME_RATE
 from service.state import State
 from service.validation import Synthesis
 
@@ -19,7 +18,7 @@ def finish_log(st: State, syn: Synthesis, admitted: bool) -> None:
     m = st.metrics
     m.requests.labels(route=syn.route, outcome=syn.outcome).inc()
     now = time.monotonic()
-    gen_seconds = syn.frames / FRAME_RATE
+    gen_seconds = syn.frames / st.model.frame_rate
     rtf = None
     if syn.synth_seconds and gen_seconds > 0 and syn.outcome in ("ok", "truncated_no_eos"):
         rtf = syn.synth_seconds / gen_seconds

@@ -35,7 +35,6 @@ from service.protocol import (
     WorkerDied,
 )
 from service.request_log import finish_log
-from service.settings import SAMPLE_RATE
 from service.state import State
 from service.validation import Synthesis
 
@@ -137,7 +136,7 @@ class SynthesisResponse(Response):
         h = [
             (b"content-type", content_type.encode()),
             (b"x-request-id", syn.request_id.encode()),
-            (b"x-sample-rate", str(SAMPLE_RATE).encode()),
+            (b"x-sample-rate", str(self.st.model.sample_rate).encode()),
             (b"x-audio-format", syn.fmt.encode()),
             (b"cache-control", b"no-cache"),
         ]
@@ -187,7 +186,7 @@ class SynthesisResponse(Response):
         if final:
             payload += encoder.finish()
         self.st.metrics.stage_seconds.labels(stage="encode").observe(time.perf_counter() - t0)
-        dur = len(audio) / SAMPLE_RATE  # handed to the encoder: it plays once sent
+        dur = len(audio) / self.st.model.sample_rate  # handed to the encoder: plays once sent
         self.syn.audio_seconds_out += dur
         self.st.metrics.audio_seconds.inc(dur)
         return payload
@@ -208,7 +207,8 @@ class SynthesisResponse(Response):
         if not isinstance(ev, Chunk | Done):
             await self._error_before_start(scope, receive, send, ev)
             return
-        stretch = TimeStretch(syn.speed) if syn.speed != 1.0 else None
+        rate = st.model.sample_rate
+        stretch = TimeStretch(syn.speed, rate) if syn.speed != 1.0 else None
         if syn.stream:
             await self._stream(send, ev, stretch)
         else:
@@ -216,7 +216,7 @@ class SynthesisResponse(Response):
 
     async def _stream(self, send: Send, ev: TicketEvent, stretch: TimeStretch | None) -> None:
         st, syn = self.st, self.syn
-        encoder: Encoder = make_encoder(syn.fmt)
+        encoder: Encoder = make_encoder(syn.fmt, st.model.sample_rate)
         content_type = SSE_CONTENT_TYPE if syn.sse else encoder.content_type
         await send({"type": "http.response.start", "status": 200,
                     "headers": self._head(content_type)})
@@ -274,7 +274,7 @@ class SynthesisResponse(Response):
         if stretch is not None:
             audio = np.concatenate([stretch.push(audio), stretch.flush()])
         t0 = time.perf_counter()
-        data = await asyncio.to_thread(encode_whole, syn.fmt, audio)
+        data = await asyncio.to_thread(encode_whole, syn.fmt, audio, st.model.sample_rate)
         st.metrics.stage_seconds.labels(stage="encode").observe(time.perf_counter() - t0)
         ctype = CONTENT_TYPES[syn.fmt]
         if syn.sse:
@@ -284,7 +284,7 @@ class SynthesisResponse(Response):
                     "headers": self._head(ctype, len(data))})
         await send({"type": "http.response.body", "body": data, "more_body": False})
         self._first_audio()
-        dur = len(audio) / SAMPLE_RATE
+        dur = len(audio) / st.model.sample_rate
         syn.audio_seconds_out = dur
         st.metrics.audio_seconds.inc(dur)
 

@@ -8,16 +8,21 @@ an ``ApiError`` naming the field.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
+from engine.errors import InputError
 from service.errors import ApiError
+from service.model_info import ModelInfo
 from service.protocol import Job
 from service.schemas import Sampling
-from service.settings import FRAME_RATE, Settings
+from service.settings import Settings
 from service.state import State
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -88,56 +93,99 @@ def check_sampling(s: Settings, req: Sampling) -> dict[str, Any]:
 
 
 def validate(st: State, inp: SynthesisInput) -> Synthesis:
-    """The request as a ``Synthesis`` ready to queue, or an ``ApiError`` naming the field."""
-    s, m = st.settings, st.model
+    """The request as a ``Synthesis`` ready to queue, or an ``ApiError`` naming the field.
+
+    Everything the model's metadata decides is checked here, so such a request never waits
+    in the queue for a worker to refuse it."""
+    s = st.settings
     sampling = check_sampling(s, inp.sampling)
-    max_seconds = inp.max_seconds
-    if max_seconds is not None and max_seconds > s.max_audio_seconds:
-        raise bad("max_seconds", f"{max_seconds} is above the server limit "
+    if inp.max_seconds is not None and inp.max_seconds > s.max_audio_seconds:
+        raise bad("max_seconds", f"{inp.max_seconds} is above the server limit "
                   f"{s.max_audio_seconds} s", code="out_of_range")
-    limit_s = min(max_seconds or s.max_audio_seconds, s.max_audio_seconds)
-    max_frames = max(1, int(limit_s * FRAME_RATE))
-    voice, language = inp.voice, inp.language
-    if voice is not None and m.speakers:
-        canonical = {v.lower(): v for v in m.speakers}.get(voice.lower())
-        if canonical is None:
-            raise bad("voice", f"unknown voice {voice!r}; valid voices: "
-                      f"{', '.join(m.speakers)}", code="unknown_voice")
-        voice = canonical
-    if language is not None and m.languages:
-        if language.lower() not in [*m.languages, "auto"]:
-            raise bad("language", f"unknown language {language!r}; valid languages: auto, "
-                      f"{', '.join(m.languages)}", code="unknown_language")
-        language = language.lower()
-    text, text_field = inp.text, inp.text_field
     if inp.codes is not None:
-        if text:
-            raise bad(text_field, f"send either {text_field} or codes, not both")
-        arr = np.asarray(inp.codes, dtype=np.int32)
-        if arr.shape[1] > s.max_frames:
-            raise bad("codes", f"{arr.shape[1]} frames ({arr.shape[1] / FRAME_RATE:g} s) exceed "
-                      f"the server limit of {s.max_audio_seconds:g} s", code="too_long")
-        job = Job(id=st.pool.new_job_id(), kind="codes", codes=arr, max_frames=max_frames,
-                  chunk_max_frames=s.chunk_max_frames)
-        chars = 0
+        job, chars = _codes_job(st, inp), 0
     else:
-        if text is None or not text.strip():
-            raise bad(text_field, "is empty: give text to speak (or codes [16][T])",
-                      code="empty")
-        if len(text) > s.max_text_chars:
-            raise bad(text_field, f"{len(text)} characters; the limit is {s.max_text_chars}",
-                      code="too_long")
-        if "talker" not in m.parts:
-            raise bad(text_field, "this model has no talker (decoder-only GGUF); send codes",
-                      status=422, code="no_talker")
-        if not m.text_ready:
-            raise bad(text_field, "text synthesis is not available in this build yet (the "
-                      "engine has no text pipeline); send codes", status=422,
-                      code="text_unavailable")
-        job = Job(id=st.pool.new_job_id(), kind="text", text=text, voice=voice,
-                  language=language, instruct=inp.instruct, sampling=sampling,
-                  max_frames=max_frames, chunk_max_frames=s.chunk_max_frames)
-        chars = len(text)
+        job, chars = _text_job(st, inp, sampling), len(inp.text or "")
     return Synthesis(route=inp.route, request_id=inp.request_id, job=job, fmt=inp.fmt,
-                     stream=inp.stream, sse=inp.sse, speed=inp.speed, voice=voice, chars=chars,
-                     arrival=inp.arrival)
+                     stream=inp.stream, sse=inp.sse, speed=inp.speed, voice=job.voice,
+                     chars=chars, arrival=inp.arrival)
+
+
+def check_codes(codes: list[list[int]], n_codebooks: int, codebook_size: int) -> None:
+    """``codes`` must be [n_codebooks][T >= 1] with ids in 0 .. codebook_size - 1."""
+    if len(codes) != n_codebooks:
+        raise bad("codes", f"expected {n_codebooks} rows (one per codebook), got {len(codes)}")
+    n = len(codes[0])
+    if n == 0:
+        raise bad("codes", "no frames: each row must hold at least one code")
+    for i, row in enumerate(codes):
+        if len(row) != n:
+            raise bad("codes", f"row {i} has {len(row)} codes, row 0 has {n}: rows must be equal")
+    a = np.asarray(codes, dtype=np.int64)
+    wrong = np.argwhere((a < 0) | (a >= codebook_size))
+    if len(wrong):
+        i, j = (int(x) for x in wrong[0])
+        raise bad("codes", f"code {a[i, j]} at [{i}][{j}] is outside 0..{codebook_size - 1}")
+
+
+def _codes_job(st: State, inp: SynthesisInput) -> Job:
+    s, m = st.settings, st.model
+    assert inp.codes is not None
+    if inp.text:
+        raise bad(inp.text_field, f"send either {inp.text_field} or codes, not both")
+    check_codes(inp.codes, m.n_codebooks, m.codebook_size)
+    voice = _known_voice(m, inp.voice)
+    if inp.language is not None and m.has_talker:
+        _resolve(m.catalog.resolve_language, inp.language)
+    arr = np.asarray(inp.codes, dtype=np.int32)
+    if arr.shape[1] > m.frames(s.max_audio_seconds):
+        raise bad("codes", f"{arr.shape[1]} frames ({arr.shape[1] / m.frame_rate:g} s) exceed "
+                  f"the server limit of {s.max_audio_seconds:g} s", code="too_long")
+    limit_s = min(inp.max_seconds or s.max_audio_seconds, s.max_audio_seconds)
+    return Job(id=st.pool.new_job_id(), kind="codes", codes=arr, voice=voice,
+               max_frames=max(1, m.frames(limit_s)), chunk_max_frames=s.chunk_max_frames)
+
+
+def _text_job(st: State, inp: SynthesisInput, sampling: dict[str, Any]) -> Job:
+    s, m = st.settings, st.model
+    text, text_field = inp.text, inp.text_field
+    if text is None or not text.strip():
+        raise bad(text_field, f"is empty: give text to speak (or codes [{m.n_codebooks}][T])",
+                  code="empty")
+    if len(text) > s.max_text_chars:
+        raise bad(text_field, f"{len(text)} characters; the limit is {s.max_text_chars}",
+                  code="too_long")
+    if not m.has_talker:
+        raise bad(text_field, "this model has no talker (decoder-only GGUF); send codes",
+                  status=422, code="no_talker")
+    if not m.text_ready:
+        raise bad(text_field, "text synthesis is not available in this build yet (the "
+                  "engine has no text pipeline); send codes", status=422,
+                  code="text_unavailable")
+    cat = m.catalog
+    # a named voice first, then the language and instruction, and a missing voice last: the
+    # error names the field the client got wrong rather than the one it left out
+    voice = _known_voice(m, inp.voice)
+    language = _resolve(cat.resolve_language, inp.language)
+    instruct = _resolve(cat.resolve_instruct, inp.instruct)
+    voice = _resolve(cat.resolve_voice, voice)
+    # the engine's text-length budget applies; a client's max_seconds can only lower it
+    limit = max(1, m.frames(inp.max_seconds)) if inp.max_seconds is not None else None
+    return Job(id=st.pool.new_job_id(), kind="text", text=text, voice=voice,
+               language=None if inp.language is None else language, instruct=instruct,
+               sampling=sampling, frame_limit=limit, chunk_max_frames=s.chunk_max_frames)
+
+
+def _known_voice(m: ModelInfo, voice: str | None) -> str | None:
+    """A named voice the model has (lower case), checked when the model names voices."""
+    if voice is None or not m.voices:
+        return voice
+    return _resolve(m.catalog.resolve_voice, voice)
+
+
+def _resolve(rule: Callable[[str | None], T], value: str | None) -> T:
+    """Apply one of the engine's request rules; its ``InputError`` becomes a 400."""
+    try:
+        return rule(value)
+    except InputError as e:
+        raise bad(e.field, e.problem, code=e.code) from None

@@ -17,7 +17,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Generator, Mapping
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
@@ -40,18 +40,18 @@ Piece = tuple[np.ndarray[Any, Any], dict[str, float], int]
 class Synthesizer:
     """The model, its backends, its decoder and the engine's Pipeline (text and codes)."""
 
-    def __init__(self, model_path: str, precision: Literal["fast", "exact"],
-                 env: Mapping[str, str], max_frames_cap: int, chunk_max_frames: int) -> None:
+    def __init__(self, opts: WorkerOptions, env: Mapping[str, str]) -> None:
         from engine.backend import BackendSet
         from engine.decoder import DecoderModel
         from engine.gguf_model import open_model
-        from engine.pipeline import Pipeline
+        from engine.pipeline import DEFAULT_CHUNK_MAX_FRAMES, Pipeline
 
-        self.model = open_model(model_path)
+        self.model = open_model(opts.model_path)
         self.backends = BackendSet.from_env(env)
-        self.decoder = DecoderModel.load(self.model, self.backends, precision=precision)
-        self.pipeline = Pipeline(self.model, self.backends, self.decoder,
-                                 max_frames_cap=max_frames_cap, chunk_max_frames=chunk_max_frames)
+        self.decoder = DecoderModel.load(self.model, self.backends, precision=opts.precision)
+        self.pipeline = Pipeline(
+            self.model, self.backends, self.decoder, max_frames_cap=opts.max_frames_cap,
+            chunk_max_frames=opts.chunk_max_frames or DEFAULT_CHUNK_MAX_FRAMES)
 
     @property
     def backend_name(self) -> str:
@@ -65,7 +65,9 @@ class Synthesizer:
         t0 = time.perf_counter()
         if frames > 0:
             sd = StreamingDecoder(self.decoder)
-            codes = np.zeros((16, frames), dtype=np.int32)
+            assert self.model.decoder_config is not None
+            rows = self.model.decoder_config.num_quantizers
+            codes = np.zeros((rows, frames), dtype=np.int32)
             sd.push(codes[:, :1])
             if frames > 1:
                 sd.push(codes[:, 1:])
@@ -112,8 +114,7 @@ def worker_main(conn: Any, cancel: Any, opts: WorkerOptions) -> None:
     setup_logging(opts.env.get("QTTS_LOG_FORMAT", "text"), opts.env.get("QTTS_LOG_LEVEL", "info"))
     try:
         t0 = time.perf_counter()
-        synth = Synthesizer(opts.model_path, opts.precision, os.environ, opts.max_frames_cap,
-                            opts.chunk_max_frames)
+        synth = Synthesizer(opts, os.environ)
         load = time.perf_counter() - t0
         warm = synth.warm_up(opts.warmup_frames, opts.pin_prefixes)
         conn.send(Ready(pid=os.getpid(), index=opts.index, backend=synth.backend_name,
@@ -171,7 +172,7 @@ def _run_job(conn: Any, cancel: Any, synth: Synthesizer, job: Job) -> None:
             conn.send(Chunk(job.id, audio, timings, n))
         conn.send(Done(job.id, finish, frames, time.perf_counter() - t0))
     except InputError as e:
-        conn.send(Failed(job.id, 400, e.field, str(e)))
+        conn.send(Failed(job.id, 400, e.field, str(e), e.code))
     except QttsError as e:
         conn.send(Failed(job.id, 500, None, str(e)))
     except (BrokenPipeError, EOFError, ConnectionResetError):

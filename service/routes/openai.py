@@ -27,13 +27,17 @@ async def models(st: StateDep) -> dict[str, Any]:
     }]}
 
 
-@router.get("/v1/audio/voices", summary="Voices and languages of the model")
+@router.get("/v1/audio/voices", summary="Voices, languages and dialects of the model")
 async def voices(st: StateDep) -> dict[str, Any]:
+    """The lists validation uses: a voice or language not listed here is a 400. A dialect is
+    spoken by its voice when the language is chinese or auto; it is not a language itself."""
+    m = st.model
     return {
         "object": "list",
-        "data": [{"id": v, "name": v, "object": "voice"} for v in st.model.speakers],
-        "voices": st.model.speakers,
-        "languages": st.model.languages,
+        "data": [{"id": v, "name": v, "object": "voice"} for v in m.voices],
+        "voices": m.voices,
+        "languages": m.languages,
+        "dialects": m.dialects,
     }
 
 
