@@ -51,6 +51,8 @@ def create_app(settings: Settings | None = None, model: ModelInfo | None = None)
         version=VERSION,
         description="Streaming Qwen3-TTS on ggml. See docs/service.md.",
         lifespan=lifespan,
+        docs_url=None,  # served offline by service/routes/docs.py
+        redoc_url=None,
     )
     app.add_middleware(GateMiddleware)
     handlers.install(app)

@@ -44,6 +44,7 @@ class SynthesisInput:
     speed: float
     max_seconds: float | None
     sampling: Sampling
+    instruct_field: str = "instruct"  # the body's name of the instruction
 
 
 @dataclass
@@ -167,7 +168,7 @@ def _text_job(st: State, inp: SynthesisInput, sampling: dict[str, Any]) -> Job:
     # error names the field the client got wrong rather than the one it left out
     voice = _known_voice(m, inp.voice)
     language = _resolve(cat.resolve_language, inp.language)
-    instruct = _resolve(cat.resolve_instruct, inp.instruct)
+    instruct = _resolve(cat.resolve_instruct, inp.instruct, inp.instruct_field)
     voice = _resolve(cat.resolve_voice, voice)
     # the engine's text-length budget applies; a client's max_seconds can only lower it
     limit = max(1, m.frames(inp.max_seconds)) if inp.max_seconds is not None else None
@@ -183,9 +184,10 @@ def _known_voice(m: ModelInfo, voice: str | None) -> str | None:
     return _resolve(m.catalog.resolve_voice, voice)
 
 
-def _resolve(rule: Callable[[str | None], T], value: str | None) -> T:
-    """Apply one of the engine's request rules; its ``InputError`` becomes a 400."""
+def _resolve(rule: Callable[[str | None], T], value: str | None, field: str | None = None) -> T:
+    """Apply one of the engine's request rules; its ``InputError`` becomes a 400 naming
+    ``field`` (the body's name for it) or the engine's name."""
     try:
         return rule(value)
     except InputError as e:
-        raise bad(e.field, e.problem, code=e.code) from None
+        raise bad(field or e.field, e.problem, code=e.code) from None

@@ -8,6 +8,6 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from service.routes import health, openai, tts
+from service.routes import docs, health, openai, tts
 
-ROUTERS: tuple[APIRouter, ...] = (health.router, tts.router, openai.router)
+ROUTERS: tuple[APIRouter, ...] = (health.router, docs.router, tts.router, openai.router)

@@ -54,6 +54,6 @@ async def speech(body: SpeechRequest, request: Request, st: StateDep) -> Respons
         text_field="input", codes=body.codes, voice=body.voice_name, language=body.language,
         instruct=body.instructions, fmt=body.response_format, stream=body.stream,
         sse=body.stream_format == "sse", speed=body.speed, max_seconds=body.max_seconds,
-        sampling=body,
+        sampling=body, instruct_field="instructions",
     )
     return SynthesisResponse(st, validate(st, inp))
