@@ -6,8 +6,8 @@ thread that forwards its messages (service/protocol.py) to the loop. A request i
 runs on one worker, and receives its job's ``Chunk`` / ``Done`` / ``Failed`` messages as events
 on its own asyncio queue. The HTTP side adds ``ClientGone`` and ``TimedOut`` itself. A worker
 that dies (even SIGKILL) closes its pipe: the reader sees EOF, the ticket gets ``WorkerDied``,
-and a replacement starts. A worker that
-neither finishes nor dies within ``cancel_grace_seconds`` of a cancel is killed.
+and a replacement starts. A worker that neither finishes nor dies within
+``cancel_grace_seconds`` of a cancel is killed. Tickets and worker handles: service/handles.py.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import multiprocessing as mp
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
+from service.handles import Ticket, WorkerHandle
 from service.metrics import Metrics
 from service.protocol import (
     Chunk,
@@ -34,7 +34,6 @@ from service.protocol import (
     Ready,
     RunJob,
     StopWorker,
-    TicketEvent,
     TicketState,
     WorkerDied,
     WorkerOptions,
@@ -57,44 +56,6 @@ class PoolDraining(Exception):
 
 class PoolNotReady(Exception):
     """No worker is alive and the last start failed: waiting would not help."""
-
-
-@dataclass(eq=False)
-class Ticket:
-    """One request's life in the pool."""
-
-    job: Job
-    enqueued_at: float = field(default_factory=time.monotonic)
-    started_at: float | None = None
-    finished_at: float | None = None
-    worker: WorkerHandle | None = None
-    state: TicketState = TicketState.WAITING
-    cancel_requested_at: float | None = None
-    events: asyncio.Queue[TicketEvent] = field(default_factory=asyncio.Queue)
-
-    @property
-    def queue_seconds(self) -> float | None:
-        return None if self.started_at is None else self.started_at - self.enqueued_at
-
-    def push(self, event: TicketEvent) -> None:
-        self.events.put_nowait(event)
-
-
-@dataclass(eq=False)
-class WorkerHandle:
-    index: int
-    process: Any
-    conn: Any
-    cancel: Any  # multiprocessing.Value('q'): id of the job to cancel
-    state: WorkerState = WorkerState.STARTING
-    ticket: Ticket | None = None
-    info: Ready | None = None
-    started_at: float = field(default_factory=time.monotonic)
-    jobs_done: int = 0
-
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid  # type: ignore[no-any-return]
 
 
 class WorkerPool:

@@ -22,7 +22,8 @@ from starlette.types import Receive, Scope, Send
 
 from service.audio import CONTENT_TYPES, Encoder, TimeStretch, encode_whole, make_encoder
 from service.errors import ApiError
-from service.pool import PoolDraining, PoolFull, PoolNotReady, Ticket
+from service.handles import Ticket
+from service.pool import PoolDraining, PoolFull, PoolNotReady
 from service.protocol import (
     Chunk,
     ClientGone,
