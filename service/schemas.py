@@ -27,7 +27,7 @@ class Sampling(BaseModel):
 
 
 class TTSRequest(Sampling):
-    """``POST /tts``: synthesize ``text``, or decode ``codes`` [16, T] (decoder-only use)."""
+    """``POST /tts``: synthesize ``text``, or decode ``codes`` [codebooks, T] (decoder-only use)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -63,7 +63,7 @@ class SpeechRequest(Sampling):
     speed: float = Field(default=1.0, ge=0.25, le=4.0, description="0.25..4.0 (time-stretch)")
     stream_format: Literal["audio", "sse"] = Field(default="audio", description="audio | sse")
     # qtts extensions (send with the openai client's extra_body)
-    codes: Codes = Field(default=None, description="qtts: frames [16][T]")
+    codes: Codes = Field(default=None, description="qtts: frames [codebooks][T]")
     language: str | None = Field(default=None, description="qtts: language name")
     stream: bool = Field(default=True, description="qtts: false = one file with Content-Length")
     max_seconds: float | None = Field(default=None, gt=0, description="qtts: cap on audio")

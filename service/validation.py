@@ -181,7 +181,10 @@ def _known_voice(m: ModelInfo, voice: str | None) -> str | None:
     """A named voice the model has (lower case), checked when the model names voices."""
     if voice is None or not m.voices:
         return voice
-    return _resolve(m.catalog.resolve_voice, voice)
+    try:
+        return m.catalog.named_voice(voice)
+    except InputError as e:
+        raise bad(e.field, e.problem, code=e.code) from None
 
 
 def _resolve(rule: Callable[[str | None], T], value: str | None, field: str | None = None) -> T:

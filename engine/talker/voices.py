@@ -97,6 +97,11 @@ class VoiceCatalog:
         if not voice:
             raise InputError("voice", f"is required; choose one of: {', '.join(self.voices)}",
                              code="voice_required")
+        return self.named_voice(voice)
+
+    def named_voice(self, voice: str) -> str:
+        """``voice`` as one of the model's speakers (lower case), or an ``InputError``; the
+        model-type rules of :meth:`resolve_voice` are not applied."""
         name = voice.strip().lower()
         if name not in self.speakers:
             raise InputError(

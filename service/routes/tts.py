@@ -1,4 +1,5 @@
-"""``POST /tts``: qtts's own synthesis route (text, or codes [16][T] for decoder-only use)."""
+"""``POST /tts``: qtts's own synthesis route (text, or codes [codebooks][T] for decoder-only
+use)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ router = APIRouter()
 
 @router.post(
     "/tts", tags=["synthesis"], response_class=Response,
-    summary="Synthesize text, or decode codes [16][T]; streamed by default",
+    summary="Synthesize text, or decode codes [codebooks][T]; streamed by default",
     responses={200: {"content": {t: {} for t in CONTENT_TYPES.values()},
                      "description": "audio (chunked when stream=true)"}},
 )
