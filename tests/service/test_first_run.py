@@ -210,7 +210,7 @@ def test_a_taken_port_fails_before_any_worker_loads(service_model: Path) -> None
         taken.listen()
         port = taken.getsockname()[1]
         p = subprocess.run(
-            [sys.executable, "-m", "service", "serve", "--model", str(service_model),
+            [sys.executable, "-m", "cli", "serve", "--model", str(service_model),
              "--port", str(port)], cwd=ROOT, capture_output=True, text=True, timeout=60,
             env={**_env(), "QTTS_LOG_FORMAT": "text"})
     assert p.returncode == 2, p.stderr
@@ -245,7 +245,7 @@ def test_progress_bars_stay_out_of_log_files(tmp_path: Path) -> None:
     log = tmp_path / "log.txt"
     with open(log, "wb") as f:
         p = subprocess.run(
-            [sys.executable, "-c", "import sys; from engine.make_model import make_model; "
+            [sys.executable, "-c", "import sys; from engine.tools.make_model import make_model; "
              "make_model(sys.argv[1], size='tiny', seed=1, progress=True)", str(tmp_path / "m")],
             cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=300, env=_env())
     assert p.returncode == 0, log.read_text()
