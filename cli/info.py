@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from engine.backend import BackendSet, built_backends, list_devices
 from engine.errors import BackendError
 from engine.ggml import ffi, lib, native_info
+from engine.options import EngineOptions
 
 
 def backend_features(reg_name: str) -> list[tuple[str, str]]:
@@ -27,7 +27,7 @@ def backend_features(reg_name: str) -> list[tuple[str, str]]:
     return out
 
 
-def info_lines(env: dict[str, str] | None = None) -> list[str]:
+def info_lines(options: EngineOptions) -> list[str]:
     """Human-readable lines: ggml version and options, devices, the chosen backend, threads."""
     info: dict[str, Any] = native_info()
     lines = [
@@ -43,11 +43,10 @@ def info_lines(env: dict[str, str] | None = None) -> list[str]:
         lines.append(f"  {d.backend}:{d.index}  {d.name}  ({d.description})")
     cpu = [name for name, value in backend_features("CPU") if value == "1"]
     lines.append(f"CPU features: {' '.join(cpu)}")
-    e = dict(os.environ) if env is None else env
     try:
-        bs = BackendSet.from_env(e)
+        bs = BackendSet.from_options(options)
         chosen = f"{bs.name}:{bs.choice.device.index} ({bs.choice.device.description})"
-        lines.append(f"chosen backend: {chosen}  [QTTS_BACKEND={e.get('QTTS_BACKEND', 'auto')}]")
+        lines.append(f"chosen backend: {chosen}  [QTTS_BACKEND={options.backend}]")
         lines.append(f"threads: {bs.threads}")
         bs.close()
     except BackendError as exc:

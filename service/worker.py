@@ -20,12 +20,15 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable, Generator, Mapping
-from typing import Any, Literal
+from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
 from service.schemas import Job
+
+if TYPE_CHECKING:
+    from engine.options import EngineOptions
 
 Chunk = tuple[np.ndarray[Any, Any], dict[str, float], int]
 
@@ -34,14 +37,15 @@ class Synthesizer:
     """The model, its backends, its decoder and the engine's Pipeline (text and codes)."""
 
     def __init__(self, model_path: str, precision: Literal["fast", "exact"],
-                 env: Mapping[str, str], max_frames_cap: int, chunk_max_frames: int) -> None:
+                 options: EngineOptions, max_frames_cap: int, chunk_max_frames: int) -> None:
         from engine.backend import BackendSet
         from engine.decoder import DecoderModel
         from engine.gguf_model import open_model
         from engine.pipeline import Pipeline
 
         self.model = open_model(model_path)
-        self.backends = BackendSet.from_env(env)
+        self.options = options
+        self.backends = BackendSet.from_options(options)
         self.decoder = DecoderModel.load(self.model, self.backends, precision=precision)
         self.pipeline = Pipeline(self.model, self.backends, self.decoder,
                                  max_frames_cap=max_frames_cap, chunk_max_frames=chunk_max_frames)
@@ -62,7 +66,7 @@ class Synthesizer:
             sd.push(codes[:, :1])
             if frames > 1:
                 sd.push(codes[:, 1:])
-        self.pipeline.warm_up(pin_prefixes=os.environ.get("QTTS_PIN_PREFIXES", "1") != "0")
+        self.pipeline.warm_up(pin_prefixes=self.options.pin_prefixes)
         return time.perf_counter() - t0
 
     def stream(self, job: Job, cancelled: Callable[[], bool]) -> Generator[Chunk, None, str]:
@@ -108,13 +112,16 @@ def worker_main(
     # SIGTERM (e.g. systemd signalling the whole group while the front end drains): an idle
     # worker exits at once, a busy one finishes its request first.
     signal.signal(signal.SIGTERM, _on_sigterm)
-    os.environ.update(env)
+    from engine.options import EngineOptions
     from service.logs import setup_logging
 
     setup_logging(env.get("QTTS_LOG_FORMAT", "text"), env.get("QTTS_LOG_LEVEL", "info"))
     try:
         t0 = time.perf_counter()
-        synth = Synthesizer(model_path, precision, os.environ, max_frames_cap, chunk_max_frames)
+        # the engine's options: its own QTTS_* variables with what the settings decided (threads,
+        # prefix pinning) on top; read here, once, and passed down
+        options = EngineOptions.from_env({**os.environ, **env})
+        synth = Synthesizer(model_path, precision, options, max_frames_cap, chunk_max_frames)
         warm = synth.warm_up(warmup_frames)
         conn.send(
             (

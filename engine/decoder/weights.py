@@ -20,7 +20,6 @@ throughput here); everything else stays F32.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -188,7 +187,7 @@ class DecoderWeights:
         # Fast mode's K = 7 convs by Winograd F(2,3) (1.15-1.35x the direct BF16 kernel on the
         # decoder's shapes) and K = 2 ones (the transposed convs' polyphase form) by F(2,2);
         # 1-2 dB less SNR per conv (native/ops/conv1d_wino_bf16.c).
-        self._winograd = self._bf16_kernel and os.environ.get("QTTS_WINOGRAD", "1") != "0"
+        self._winograd = self._bf16_kernel and backends.options.winograd
         cfg = self.cfg
         eps = cfg.codebook_eps
         self.codebooks = []

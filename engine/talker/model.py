@@ -23,7 +23,6 @@ Sampling is the caller's (``engine.talker.generate``): every graph returns float
 
 from __future__ import annotations
 
-import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -83,7 +82,7 @@ class TalkerModel:
     the cache memory and bandwidth) or "f32" (parity with the F32 reference to ~1e-5).
     ``repack``: Q4_0 matrices in ggml's CPU_REPACK layout (see ``engine.talker.weights``).
     ``int8_prefill``: int8 copies of a Q8_0/Q4_0 talker's matrices for prefills (ibid.); None:
-    on unless the environment says ``QTTS_INT8_PREFILL=0``.
+    as the BackendSet's options say (``EngineOptions.int8_prefill``).
     """
 
     def __init__(self, model: Any, backends: BackendSet, kv_type: str = "f16",
@@ -91,7 +90,7 @@ class TalkerModel:
         if kv_type not in KV_TYPES:
             raise ValueError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {kv_type!r}")
         if int8_prefill is None:
-            int8_prefill = os.environ.get("QTTS_INT8_PREFILL", "1") != "0"
+            int8_prefill = backends.options.int8_prefill
         self.backends = backends
         self.weights = TalkerWeights(model, backends, repack, int8_prefill)
         self.cfg = model.talker_config
