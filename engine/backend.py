@@ -27,6 +27,7 @@ from engine.diagnostics import (
     OpLog,
     first_difference,
 )
+from engine.dtypes import f32_to_bf16
 from engine.errors import BackendError
 from engine.ggml import Tensor, ffi, lib, native_info
 from engine.ggml.graph import (
@@ -34,6 +35,7 @@ from engine.ggml.graph import (
     ggml_type_of,
     name_of,
     new_tensor,
+    no_alloc_context,
     numpy_dtype_of,
     set_name,
 )
@@ -255,11 +257,7 @@ class WeightStore:
 
     def __init__(self, backends: BackendSet, max_tensors: int = 4096) -> None:
         self._backends = backends
-        params = ffi.new("struct ggml_init_params *")
-        params.mem_size = lib.ggml_tensor_overhead() * max_tensors
-        params.mem_buffer = ffi.NULL
-        params.no_alloc = True
-        self.ctx = lib.ggml_init(params[0])
+        self.ctx = no_alloc_context(max_tensors, what="a weight store")
         self._tensors: dict[str, Tensor] = {}
         self._mapped: list[tuple[Tensor, int]] = []  # (tensor, offset in the map)
         self._arrays: list[tuple[Tensor, np.ndarray[Any, Any]]] = []
@@ -298,7 +296,7 @@ class WeightStore:
         if ggml_type == lib.GGML_TYPE_BF16:
             if src.dtype != np.float32:  # uint16 bits would be converted as numbers
                 raise TypeError(f"{name}: BF16 weights are given as float32, got {src.dtype}")
-            src = _to_bf16(src)
+            src = f32_to_bf16(src)
         elif ggml_type == lib.GGML_TYPE_F16 and src.dtype == np.float32:
             src = src.astype(np.float16)
         elif ggml_type is None:
@@ -365,17 +363,6 @@ class WeightStore:
 def _backend_name(b: Any) -> str:
     """A backend's name ("none" for a null handle)."""
     return str(ffi.string(lib.ggml_backend_name(b)).decode()) if b != ffi.NULL else "none"
-
-
-def _to_bf16(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-    """float32 -> bfloat16 bits (round to nearest even), as uint16."""
-    f = np.ascontiguousarray(a, dtype=np.float32)
-    out = np.empty(f.shape, dtype=np.uint16)
-    lib.ggml_fp32_to_bf16_row(
-        ffi.cast("float *", ffi.from_buffer(f)), ffi.cast("ggml_bf16_t *", ffi.from_buffer(out)),
-        f.size,
-    )
-    return out
 
 
 class BackendSet:

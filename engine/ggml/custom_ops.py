@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.dtypes import bf16_to_f32, f32_to_bf16
 from engine.errors import NativeBuildError
 from engine.ggml.graph import Tensor
 from engine.ggml.native import ffi, lib, ops
@@ -261,19 +262,13 @@ def has_fast_path(library: Any | None, probe: str) -> bool:
 def round_bf16(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     """float32 -> float32 holding the nearest BF16 value, as the kernel rounds its input
     (VCVTNEPS2BF16): round to nearest even, zero and subnormals to signed zero, NaN quieted."""
-    f = np.asarray(a, dtype=np.float32)
-    u = np.ascontiguousarray(f).view(np.uint32).reshape(f.shape)
-    r = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
-    r = np.where((u & np.uint32(0x7F800000)) == 0, u & np.uint32(0x80000000), r)
-    nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
-    r = np.where(nan, (u | np.uint32(0x00400000)) & np.uint32(0xFFFF0000), r)
-    return np.asarray(r, dtype=np.uint32).view(np.float32)
+    return bf16_to_f32(bf16_bits(a))
 
 
 def bf16_bits(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     """The BF16 bit patterns (uint16) of ``round_bf16(a)``: what a GGML_TYPE_BF16 tensor holds
     (for uploading a packed weight as a graph input rather than through ``add_array``)."""
-    return (round_bf16(a).view(np.uint32) >> np.uint32(16)).astype(np.uint16)
+    return f32_to_bf16(np.asarray(a, dtype=np.float32), flush_subnormals=True)
 
 
 def pack_conv_weight_bf16(w: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:

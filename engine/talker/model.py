@@ -48,6 +48,7 @@ from engine.talker.qwen3 import (
 )
 from engine.talker.runner import BuildStats, CachedGraph, execute_timed
 from engine.talker.weights import TalkerWeights
+from engine.transformer import rms_norm
 
 F32 = npt.NDArray[np.float32]
 I32 = npt.NDArray[np.int32]
@@ -208,7 +209,8 @@ class TalkerModel:
                 a.prefix_v = _as_f32(ctx, g.input("prefix_v", (n_layers, n_pre, kv), kv_np))
             # Only the last position feeds the head; capture keeps every position (taps).
             x = stack(b, w.layers, x, a, cache, last_only=not capture)
-            x = b.cb(b.rms_norm(last_column(b, x), w.output_norm, w.talker_shape.eps), "out_norm")
+            x = b.cb(rms_norm(ctx, last_column(b, x), w.output_norm, w.talker_shape.eps),
+                     "out_norm")
             g.output(x, "hidden")
             g.output(lib.ggml_mul_mat(ctx, w.codec_head, x), "logits")
 
@@ -376,7 +378,7 @@ class TalkerModel:
             x = b.cb(lib.ggml_add(ctx, x, text_add), "inp_embd")
             a = attn_inputs(g, cache, 1, n_kv, masked=True)
             x = stack(b, w.layers, x, a, cache)
-            x = b.cb(b.rms_norm(x, w.output_norm, w.talker_shape.eps), "out_norm")
+            x = b.cb(rms_norm(b.ctx, x, w.output_norm, w.talker_shape.eps), "out_norm")
             g.output(x, "hidden")
             g.output(lib.ggml_mul_mat(ctx, w.codec_head, x), "logits")
 
@@ -396,7 +398,7 @@ class TalkerModel:
             return b.cb(b.linear(x, w.cp_mtp_w, w.cp_mtp_b), "mtp_proj")
 
         def head(b: Builder, g: Graph, x: Tensor, j: int) -> None:
-            x = b.cb(b.rms_norm(last_column(b, x), w.cp_output_norm, shape.eps), "out_norm")
+            x = b.cb(rms_norm(b.ctx, last_column(b, x), w.cp_output_norm, shape.eps), "out_norm")
             g.output(lib.ggml_mul_mat(b.ctx, w.cp_heads[j], x), "logits")
 
         def first(g: Graph) -> None:

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from engine.dtypes import f32_to_bf16
 from engine.errors import ConversionError
 from engine.gguf_schema import (
     DECODER_SKIPPED_HF,
@@ -50,7 +51,6 @@ from engine.tools.convert import (
     ConversionReport,
     SafetensorsWriter,
     convert,
-    f32_to_bf16_bits,
     parse_decoder_config,
     parse_talker_config,
 )
@@ -477,7 +477,7 @@ def _write_safetensors(
     try:
         for name, shape in ordered:
             for chunk in generate_tensor(seed, name, shape):
-                data = f32_to_bf16_bits(chunk) if dtype == "BF16" else chunk
+                data = f32_to_bf16(chunk) if dtype == "BF16" else chunk
                 w.write(data)
                 bar.update(data.nbytes)
     finally:
