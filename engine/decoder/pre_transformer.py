@@ -1,4 +1,6 @@
-"""Stage 3, pre-transformer: 8 pre-norm layers with sliding-window causal attention (spec §2.3.3).
+"""Stage 3, pre-transformer: 8 pre-norm layers with sliding-window causal attention.
+
+Math: docs/architecture.md, Pre-transformer.
 
 Streaming: every layer carries the RoPE'd keys and the values of its last ``window-1``
 positions, so a chunk's queries see exactly the keys a single pass would show them. Positions

@@ -3,7 +3,7 @@
 Activations in the decoder graphs are time-major: a ggml tensor ne = [C, T] (numpy [T, C]), so
 every conv tap, transposed-conv phase and linear layer is one ``mul_mat(W, x)`` with W = [out, in]
 and its rows contiguous. This module turns the GGUF's PyTorch-layout tensors into that form once
-at load and folds the constants the spec allows:
+at load and folds the constants:
 
 * codebooks: ``E_q = embed_sum_q / max(usage_q, eps)``;
 * SnakeBeta: ``exp(alpha)`` and ``1 / (exp(beta) + 1e-9)``;

@@ -1,9 +1,11 @@
-"""The one Qwen3 decoder block builder shared by the talker and the code predictor (spec §3.3).
+"""The one Qwen3 decoder block builder shared by the talker and the code predictor.
+
+Math: docs/architecture.md, Qwen3 block.
 
 llama.cpp style: ``layer`` reads top to bottom like the paper, from small shared pieces
 (``rms_norm``, ``attention``, ``ffn``), and every intermediate is named through ``Builder.cb``:
 ``talk.blk3.attn_out``, ``cp.blk0.ffn_out``, ... so op logs and placement reports read like the
-spec. Shapes below are ggml ``ne`` order (fastest first): activations are ``[hidden, T]``.
+math. Shapes below are ggml ``ne`` order (fastest first): activations are ``[hidden, T]``.
 
 Attention with a KV cache in a persistent backend buffer (``KVCache``):
 

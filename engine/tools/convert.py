@@ -1,6 +1,6 @@
 """``qtts convert``: a released Qwen3-TTS checkpoint folder -> one qtts GGUF file.
 
-Input layouts (spec §4):
+Input layouts (docs/architecture.md, The model file):
 
 * a full model folder (``config.json`` with ``model_type = "qwen3_tts"``): the talker and code
   predictor come from ``model.safetensors``, the decoder from ``speech_tokenizer/``, the text
