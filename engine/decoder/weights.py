@@ -14,8 +14,8 @@ On the CPU with qtts's native ops, convs, transposed convs (as 1-2 tap convs of 
 and linear layers (as 1-tap convs) are instead packed for the direct conv kernels.
 
 Precision: ``exact`` keeps every weight F32 (parity mode); ``fast`` stores the weights of the
-wave generator (decoder.0-6) and the upsampler's pointwise layers as BF16 (~2x the F32
-throughput here); everything else stays F32.
+wave generator (decoder.0-6) and the upsampler's pointwise layers as BF16 (the BF16 kernel's
+throughput is in docs/performance.md); everything else stays F32.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class Snake:
 @dataclass
 class Linear:
     """y = W x (+ b): a ggml mul_mat of ``weight``, or (``conv``) a 1-tap conv on qtts's direct
-    kernel, ~1.4-2x ggml's matmul at the decoder's few-dozen-row inputs (bench/kernels.py)."""
+    kernel, faster than ggml's matmul at the decoder's few-dozen-row inputs (bench/kernels.py)."""
 
     weight: Tensor | None
     bias: Tensor | None
@@ -154,20 +154,18 @@ class DecoderWeights:
         self.precision = precision
         self.backends = backends
         self.store: WeightStore = backends.weight_store()
-        # qtts's own direct conv kernels beat ggml's K mul_mats 1.4-2.9x (F32) and 1.8-2.4x
-        # (BF16) on this CPU (bench/kernels.py); they run on the CPU backend only, so
-        # accelerators keep the mul_mat form.
+        # qtts's own direct conv kernels beat ggml's K mul_mats on the CPU (bench/kernels.py);
+        # they run on the CPU backend only, so accelerators keep the mul_mat form.
         self.use_custom_ops = (backends.custom_ops and backends.name in ("cpu", "blas")
                                and custom_ops.available())
         self._bf16_kernel = self.use_custom_ops and custom_ops.bf16_available()
-        # Fast mode: BF16 only in the wave generator (decoder.0-6, ~97 % of the FLOPs). The
-        # pre-transformer and upsampler are a few % of the time but, in BF16, cost ~3 dB of SNR
-        # against the F32 reference (34.1 vs 37.0 dB measured on the full random model; 38.1 dB
-        # as configured here).
+        # Fast mode: BF16 only in the wave generator (decoder.0-6, nearly all of the FLOPs). The
+        # pre-transformer and upsampler are a few % of the time but, in BF16, cost SNR against
+        # the F32 reference out of proportion (docs/performance.md, Figures behind the code).
         self._bulk_type = lib.GGML_TYPE_BF16 if precision == "fast" else lib.GGML_TYPE_F32
-        # Fast mode's K = 7 convs by Winograd F(2,3) (1.15-1.35x the direct BF16 kernel on the
-        # decoder's shapes) and K = 2 ones (the transposed convs' polyphase form) by F(2,2);
-        # 1-2 dB less SNR per conv (native/ops/conv1d_wino_bf16.c).
+        # Fast mode's K = 7 convs by Winograd F(2,3) and K = 2 ones (the transposed convs'
+        # polyphase form) by F(2,2): faster than the direct BF16 kernel for a little SNR per conv
+        # (native/ops/conv1d_wino_bf16.c; docs/performance.md, Figures behind the code).
         self._winograd = self._bf16_kernel and backends.options.winograd
         cfg = self.cfg
         eps = cfg.codebook_eps

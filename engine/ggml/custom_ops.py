@@ -241,10 +241,10 @@ CONV_BF16_BLOCK = 32  # QTTS_CONV_BF16_BLOCK: output channels per packed block, 
 
 
 def bf16_available(library: Any | None = None) -> bool:
-    """Whether ``conv1d_tm_bf16`` has its AVX512_BF16 kernel (VDPBF16PS, ~2x the F32 kernel's
-    throughput). False when libqtts_ops is missing, predates the op, or was compiled without
-    AVX512_BF16: the op then still runs, on a portable C path that is correct but slow, so keep
-    the F32 ``conv1d_tm`` there."""
+    """Whether ``conv1d_tm_bf16`` has its AVX512_BF16 kernel (VDPBF16PS: two BF16 products per
+    lane and instruction; docs/performance.md, Figures behind the code). False when libqtts_ops
+    is missing, predates the op, or was compiled without AVX512_BF16: the op then still runs, on
+    a portable C path that is correct but slow, so keep the F32 ``conv1d_tm`` there."""
     return has_fast_path(library, "qtts_conv1d_tm_bf16_fast")
 
 
@@ -379,8 +379,8 @@ def conv1d_wino_bf16(ctx: Any, xp: Tensor, w: Tensor, bias: Tensor, dilation: in
 
     Same arguments and result as ``conv1d_tm_bf16`` except ``w``, from
     ``pack_conv_weight_wino_bf16`` (its slot count gives K); the value differs from it by
-    rounding only (the transformed inputs and weights are rounded to BF16: ~2 dB less SNR per
-    conv on random data).
+    rounding only (the transformed inputs and weights are rounded to BF16, which costs a little
+    SNR per conv; docs/performance.md, Figures behind the code).
     """
     return _bf16_conv("conv1d_wino_bf16", "qtts_conv1d_wino_bf16_op", ctx, xp, w, bias,
                       dilation, hist, snake, residual, library)

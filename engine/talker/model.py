@@ -58,8 +58,8 @@ STEP_BUCKET = 64  # talker-step graphs are rebuilt when the cache prefix crosses
 SHRINK_BYTES = 64 << 20  # a talker cache over this size shrinks when 4x bigger than needed
 PREFIX_CACHE_ENTRIES = 32  # prompt prefixes (voice x language x instruction) kept, LRU
 # Talker cache positions reserved at warm-up and never given back: a 55-token sentence with its
-# default frame budget needs ~770, so typical requests never allocate (which cost ~40 ms of the
-# first request's time to first audio); 117 MB at 0.6B with the F16 cache.
+# default frame budget needs ~770, so typical requests never allocate (an allocation is paid in
+# the first request's time to first audio; docs/performance.md, Figures behind the code).
 WARM_POSITIONS = 1024
 PIN_BATCH_POSITIONS = 512  # prompt-prefix rows computed together by pin_prefixes
 # (prefixes pinned by ``pin_prefixes`` at warm-up are kept apart and never evicted)

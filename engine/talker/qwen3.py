@@ -77,7 +77,7 @@ class Builder:
         """``W x`` for the layer matrix ``field`` (``"q"`` ... ``"down"``).
 
         Several rows (a prefill) with int8 copies present: the W8A8 ``gemm_i8`` (compute-bound
-        work at ~3x ggml's Q4_0 GEMM); one row (a step): ggml's ``mul_mat`` on the stored
+        work, where it beats ggml's Q4_0 GEMM); one row (a step): ggml's ``mul_mat`` on the stored
         matrix, which is memory-bound and reads fewer bytes that way.
         """
         if lw.i8 is not None and int(x.ne[1]) >= I8_MIN_ROWS:
@@ -200,8 +200,8 @@ def prefill_n_kv(n_positions: int, n_ctx: int) -> int:
     The padding is masked out (those rows hold zeros or older rows: finite, weighted 0); it
     lets both attention matmuls take ggml's tiled llamafile GEMM, which needs ``n_kv`` (the
     rows of ``K``, the inner size of ``softmax(QK) V``) a multiple of 16 for F16/F32 on
-    AVX-512, instead of one dot product per output: measured 1.7x faster attention for a
-    66-position prompt. ``n_ctx`` is a multiple of 64, so the read never leaves the cache.
+    AVX-512, instead of one dot product per output (docs/performance.md, Figures behind the
+    code). ``n_ctx`` is a multiple of 64, so the read never leaves the cache.
     """
     return min(-(-n_positions // KV_READ_PAD) * KV_READ_PAD, n_ctx)
 

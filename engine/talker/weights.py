@@ -7,13 +7,13 @@ accelerator backend gets one upload). Names are the GGUF names (``engine.gguf_sc
 
 One exception, on the CPU backend only: Q4_0 matrix weights go to ggml's ``CPU_REPACK`` buffer
 type, which re-lays them out at load into interleaved 8-row blocks (``q4_0_8x8``) for its AVX2 /
-AVX-512 GEMV kernels: measured 1.6x the plain Q4_0 matrix-vector rate here. That costs a private
+AVX-512 GEMV kernels (faster than plain Q4_0 GEMV; docs/performance.md). That costs a private
 copy (the Q4_0 matrices of the talker and code predictor, ~0.3 GB for 0.6B) instead of shared
 file pages; ``repack=False`` keeps everything zero-copy.
 
 And for the prefill of a quantised (Q8_0/Q4_0) talker on the CPU, an int8 copy of its layers'
-seven matrices for ``engine.ggml.gemm_i8`` (W8A8 with AVX512-VNNI, measured ~3x ggml's Q4_0
-GEMM at a prompt's 57 rows): 1 byte per weight (0.44 GB at 0.6B), made at load from the
+seven matrices for ``engine.ggml.gemm_i8`` (W8A8 with AVX512-VNNI, several times ggml's Q4_0
+GEMM at a prompt's rows; docs/performance.md): 1 byte per weight, made at load from the
 dequantised weights. Steps (one row) keep the Q4_0/Q8_0 matrices, which read fewer bytes.
 """
 
