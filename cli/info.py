@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +9,7 @@ from engine.backend import BackendSet, built_backends, list_devices
 from engine.errors import BackendError
 from engine.ggml import custom_ops, ffi, lib, native_info
 from engine.ggml.native import loaded_from
+from engine.options import EngineOptions
 
 
 def backend_features(reg_name: str) -> list[tuple[str, str]]:
@@ -60,7 +60,7 @@ def kernel_lines() -> list[str]:
     return lines
 
 
-def info_lines(env: dict[str, str] | None = None) -> list[str]:
+def info_lines(options: EngineOptions) -> list[str]:
     """Human-readable lines: ggml version and options, devices, the chosen backend, threads."""
     info: dict[str, Any] = native_info()
     lines = [
@@ -78,11 +78,10 @@ def info_lines(env: dict[str, str] | None = None) -> list[str]:
     cpu = [name for name, value in backend_features("CPU") if value == "1"]
     lines.append(f"CPU features: {' '.join(cpu)}")
     lines += kernel_lines()
-    e = dict(os.environ) if env is None else env
     try:
-        bs = BackendSet.from_env(e)
+        bs = BackendSet.from_options(options)
         chosen = f"{bs.name}:{bs.choice.device.index} ({bs.choice.device.description})"
-        lines.append(f"chosen backend: {chosen}  [QTTS_BACKEND={e.get('QTTS_BACKEND', 'auto')}]")
+        lines.append(f"chosen backend: {chosen}  [QTTS_BACKEND={options.backend}]")
         lines.append(f"threads: {bs.threads}")
         bs.close()
     except BackendError as exc:

@@ -104,7 +104,7 @@ def fetch_sdist(lock: dict[str, str]) -> Path:
     if not archive.exists():
         log(f"fetching {lock['name']}=={lock['version']} (sdist) from the package registry")
         # With the build tools present and isolation off, pip saves the sdist in ~2 s instead of
-        # building a throwaway isolated environment first (measured in the research note).
+        # building a throwaway isolated environment first (measured when this was written).
         subprocess.run(
             [sys.executable, "-m", "pip", "install", "-q",
              "scikit-build-core~=1.0.0", "setuptools-scm~=10.2"],
@@ -243,7 +243,7 @@ def cmake_options(backends: list[str], portable: bool) -> list[str]:
         "-DBUILD_SHARED_LIBS=ON",
         "-DGGML_BUILD_TESTS=OFF",
         "-DGGML_BUILD_EXAMPLES=OFF",
-        "-DGGML_LLAMAFILE=ON",  # 1.4-3.8x faster matmul convs here (research note §4)
+        "-DGGML_LLAMAFILE=ON",  # tiled GEMM: faster matmul convs (docs/performance.md)
         "-DGGML_CCACHE=OFF",
         "-DCMAKE_INSTALL_RPATH=$ORIGIN",  # libggml.so must find libggml-cpu.so.0 beside it
     ]
@@ -427,7 +427,7 @@ def build_ops(prefix: Path, portable: bool) -> Path | None:
 
 
 # ---------------------------------------------------------------------------------------------
-# cffi binding from the real headers (research note §2.1)
+# cffi binding from the real headers
 
 FAKE_LIBC = ["stdbool.h", "stddef.h", "stdint.h", "stdio.h", "stdarg.h", "stdlib.h", "string.h"]
 
@@ -456,7 +456,8 @@ def preprocess(include_dir: Path, extra_headers: list[Path], backends: list[str]
 
 
 def clean_declarations(decls: str, macros: str) -> str:
-    """Make the preprocessed headers digestible for cffi (the five fixes of the research note)."""
+    """Make the preprocessed headers digestible for cffi: no ``extern``, no ``sizeof`` in constant
+    expressions, no typedef declared twice, and the integer macros as ``#define`` lines."""
     decls = re.sub(r"\bextern\s+", "", decls)
     decls = decls.replace("sizeof(int32_t)", "4")
     decls = re.sub(r"static const size_t GGML_TENSOR_SIZE = sizeof\(struct ggml_tensor\);", "",
