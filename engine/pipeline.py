@@ -28,7 +28,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -44,6 +44,7 @@ from engine.talker.generate import (
     generate_frames,
     is_cancelled,
 )
+from engine.talker.live import LiveText, TextFeed, TextUpdate, generate_live_frames
 from engine.talker.model import TalkerModel
 from engine.talker.prompt import PromptBuilder
 from engine.talker.sampling import SamplingParams, make_rng
@@ -305,6 +306,99 @@ class Pipeline:
                 except StopIteration as stop:
                     result: Result = stop.value
                     break
+                pending.append(frame.codes)
+                acc = acc + frame.timings
+                if len(pending) >= target:
+                    if is_cancelled(cancel):
+                        return "cancelled"
+                    yield self._push(sd, pending, acc, info)
+                    pending, acc = [], StageTimings()
+                    target = next(sizes)
+        finally:
+            frames.close()
+        if result.outcome == "cancelled":
+            return "cancelled"
+        if pending:
+            if is_cancelled(cancel):
+                return "cancelled"
+            yield self._push(sd, pending, acc + result.leftover, info)
+        return result.outcome
+
+    def stream_live(self, request: Any, feed: TextFeed, cancel: Cancel = None,
+                    info: StreamInfo | None = None, min_tokens: int = 1
+                    ) -> Generator[AudioChunk, None, str]:
+        """Speak text that is still being written: ``request.text`` is what is known at the
+        start, ``feed`` delivers the rest (engine/talker/live.py). Generation starts once
+        ``min_tokens`` stable tokens, a flush or the end of the text are there. When the whole
+        text (and its end) is known at the start this is exactly ``stream`` with
+        ``text_mode="stream"``. After a pause for text the chunk ramp restarts at one frame."""
+        req = as_request(request)
+        if not isinstance(req, SynthesisRequest):
+            raise InputError("text", "live text needs a text request")
+        if self.talker is None or self.prompts is None or self.defaults is None:
+            raise InputError("text", "this model file has no talker: it cannot speak text")
+        check = _cancel_fn(cancel)
+        info = info if info is not None else StreamInfo()
+        live = LiveText(self.prompts)
+        # validate voice/language/instruction before waiting for text
+        self.prompts.build(".", req.voice, req.language, req.instruct, "stream")
+        live.add(TextUpdate(req.text, end=False))
+        while not live.ended and not live.text_ready(min_tokens):
+            if is_cancelled(check):
+                info.outcome = "cancelled"
+                return "cancelled"
+            update = feed.take(0.02)
+            if update is not None:
+                live.add(update)
+        if not live.ids:
+            raise InputError("text", "is empty")
+        if live.ended:
+            whole = replace(req, text=live.text, text_mode="stream")
+            outcome = yield from self._stream_text(whole, check, info)
+            info.outcome = outcome
+            return outcome
+        params = self.defaults.with_overrides(
+            greedy=req.greedy, **{k: getattr(req, k) for k in _SAMPLING_FIELDS})
+        cap = self.max_frames_cap
+
+        def budget(n_tokens: int) -> int:
+            return frame_budget(min(n_tokens, 1 << 20), req.max_frames, cap,
+                                self._max_new_tokens, req.frame_limit)
+
+        rng, seed = make_rng(req.seed)
+        info.seed, info.budget = seed, budget(1 << 20)
+        frames = generate_live_frames(self.talker, self.prompts, live, feed, req.voice,
+                                      req.language, req.instruct, params, budget, rng, check)
+        outcome = yield from self._decode(frames, self._chunk_max(req), check, info)
+        info.outcome = outcome
+        return outcome
+
+    def _decode(self, frames: Generator[Any, None, Result], chunk_max: int,
+                cancel: Callable[[], bool] | None, info: StreamInfo
+                ) -> Generator[AudioChunk, None, str]:
+        """Decode frames with the chunk ramp; a ``None`` item (the text ran dry) decodes what
+        is pending and restarts the ramp."""
+        sd = StreamingDecoder(self.decoder)
+        sizes = chunk_sizes(chunk_max)
+        target = next(sizes)
+        pending: list[npt.NDArray[np.int32]] = []
+        acc = StageTimings()
+        try:
+            while True:
+                try:
+                    frame = next(frames)
+                except StopIteration as stop:
+                    result: Result = stop.value
+                    break
+                if frame is None:
+                    if pending:
+                        if is_cancelled(cancel):
+                            return "cancelled"
+                        yield self._push(sd, pending, acc, info)
+                        pending, acc = [], StageTimings()
+                    sizes = chunk_sizes(chunk_max)
+                    target = next(sizes)
+                    continue
                 pending.append(frame.codes)
                 acc = acc + frame.timings
                 if len(pending) >= target:

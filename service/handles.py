@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.protocol import Job, Ready, TicketEvent, TicketState, WorkerState
+from service.protocol import Job, Ready, TextIn, TicketEvent, TicketState, WorkerState
 
 
 @dataclass(eq=False)
@@ -23,6 +23,7 @@ class Ticket:
     state: TicketState = TicketState.WAITING
     cancel_requested_at: float | None = None
     events: asyncio.Queue[TicketEvent] = field(default_factory=asyncio.Queue)
+    outbox: list[TextIn] = field(default_factory=list)  # live text sent while it waited
 
     @property
     def queue_seconds(self) -> float | None:

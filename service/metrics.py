@@ -98,6 +98,18 @@ class Metrics:
             "Streamed chunks that arrived after the audio already sent had played out.",
             registry=r,
         )
+        self.realtime_sessions = Gauge(
+            "qtts_realtime_sessions", "Realtime WebSocket sessions open.", registry=r)
+        self.realtime_ttfa = Histogram(
+            "qtts_realtime_text_to_first_audio_seconds",
+            "Realtime: from an utterance's first text delta to its first audio frame sent.",
+            buckets=TTFA_BUCKETS, registry=r,
+        )
+        self.realtime_behind = Histogram(
+            "qtts_realtime_audio_behind_text_seconds",
+            "Realtime: from the end of an utterance's text to its last audio frame sent.",
+            buckets=DURATION_BUCKETS, registry=r,
+        )
         self.running = Gauge(
             "qtts_requests_running", "Requests a worker is synthesizing now.", registry=r
         )

@@ -35,6 +35,7 @@ from service.protocol import (
     Ready,
     RunJob,
     StopWorker,
+    TextIn,
     TicketState,
     WorkerDied,
     WorkerOptions,
@@ -194,6 +195,16 @@ class WorkerPool:
                 t.cancel_requested_at = time.monotonic()
                 t.worker.cancel.value = t.job.id
 
+    def send_text(self, t: Ticket, msg: TextIn) -> None:
+        """More text for a live job: to its worker now, or when it leaves the queue."""
+        if t.state is TicketState.WAITING:
+            t.outbox.append(msg)
+        elif t.state is TicketState.RUNNING and t.worker is not None:
+            try:
+                t.worker.conn.send(msg)
+            except (OSError, ValueError):
+                pass  # it died: the reader reports the exit to the ticket
+
     def _idle_worker(self) -> WorkerHandle | None:
         for w in self._workers:
             if w is not None and w.state is WorkerState.IDLE:
@@ -213,6 +224,9 @@ class WorkerPool:
             w.ticket = t
             try:
                 w.conn.send(RunJob(t.job))
+                for msg in t.outbox:
+                    w.conn.send(msg)
+                t.outbox.clear()
             except (OSError, ValueError):
                 # it died between its last message and now: the reader will report the exit
                 pass

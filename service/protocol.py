@@ -2,7 +2,7 @@
 
 Messages are small frozen dataclasses sent pickled over one duplex pipe per worker:
 
-  front end -> worker   ``RunJob`` | ``StopWorker``
+  front end -> worker   ``RunJob`` | ``StopWorker``, and ``TextIn`` for a live-text job
   worker -> front end   ``Ready`` | ``Fatal`` (start-up), then per job: ``Chunk``* and one of
                         ``Done`` | ``Failed``
 
@@ -57,6 +57,9 @@ class Job:
     max_frames: int = 0  # codes: decode at most this many frames (0: all)
     frame_limit: int | None = None  # text: lowers the engine's text-length budget
     chunk_max_frames: int | None = None  # None: the engine's default
+    text_mode: str | None = None  # "stream": streaming-text prompt (None: the engine's "full")
+    live: bool = False  # text: more arrives as TextIn messages while the job runs
+    min_tokens: int = 1  # live: stable tokens before generation starts (start policy)
 
 
 @dataclass(frozen=True)
@@ -86,7 +89,17 @@ class StopWorker:
     """Exit after the current job (the front end is shutting down)."""
 
 
-ToWorker = RunJob | StopWorker
+@dataclass(frozen=True)
+class TextIn:
+    """More text for a running live job (a realtime session's delta, flush or end)."""
+
+    job_id: int
+    text: str = ""
+    flush: bool = False
+    end: bool = False
+
+
+ToWorker = RunJob | StopWorker | TextIn
 
 # ---- worker -> front end -------------------------------------------------------------------
 

@@ -42,6 +42,9 @@ class TTSRequest(Sampling):
     format: AudioFormat = Field(default="wav", description="wav | pcm | flac | mp3 | opus | aac")
     stream: bool = Field(default=True, description="chunked streaming (true) or one file")
     speed: float = Field(default=1.0, ge=0.25, le=4.0, description="playback speed 0.25..4")
+    text_mode: Literal["full", "stream"] = Field(
+        default="full", description="full: whole text in the prompt; stream: one text token "
+        "per frame (what WS /v1/tts/realtime uses)")
     max_seconds: float | None = Field(default=None, gt=0, description="cap on audio length")
 
 

@@ -67,6 +67,20 @@ class Settings(BaseSettings):
     )
     retry_after_seconds: int = Field(default=1, ge=1, description="Retry-After on a 503")
     model_name: str = Field(default="qtts", description="model id shown by /v1/models")
+    # WS /v1/tts/realtime (docs/service.md, Realtime)
+    realtime_idle_seconds: float = Field(
+        default=60.0, gt=0, description="realtime: close a session idle this long")
+    realtime_max_seconds: float = Field(
+        default=1800.0, gt=0, description="realtime: longest session")
+    realtime_max_chars: int = Field(
+        default=20000, ge=1, description="realtime: most text characters per session")
+    realtime_min_tokens: int = Field(
+        default=5, ge=1, le=64,
+        description="realtime default start policy: speak once this many text tokens (or a "
+        "punctuation mark) are buffered")
+    realtime_max_buffered_seconds: float = Field(
+        default=30.0, gt=0,
+        description="realtime: audio not yet taken by a slow client before the session closes")
     # server-side caps for per-request sampling overrides (text requests)
     max_temperature: float = Field(default=2.0, gt=0)
     max_top_k: int = Field(default=2048, ge=1)

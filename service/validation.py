@@ -45,6 +45,7 @@ class SynthesisInput:
     max_seconds: float | None
     sampling: Sampling
     instruct_field: str = "instruct"  # the body's name of the instruction
+    text_mode: str = "full"  # "stream": the streaming-text prompt (as a realtime session uses)
 
 
 @dataclass
@@ -175,7 +176,8 @@ def _text_job(st: State, inp: SynthesisInput, sampling: dict[str, Any]) -> Job:
     limit = max(1, m.frames(inp.max_seconds)) if inp.max_seconds is not None else None
     return Job(id=st.pool.new_job_id(), kind="text", text=text, voice=voice,
                language=None if inp.language is None else language, instruct=instruct,
-               sampling=sampling, frame_limit=limit, chunk_max_frames=s.chunk_max_frames)
+               sampling=sampling, frame_limit=limit, chunk_max_frames=s.chunk_max_frames,
+               text_mode=inp.text_mode)
 
 
 def _known_voice(m: ModelInfo, voice: str | None) -> str | None:

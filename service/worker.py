@@ -32,6 +32,7 @@ from service.protocol import (
     Ready,
     RunJob,
     StopWorker,
+    TextIn,
     WorkerOptions,
 )
 
@@ -51,12 +52,17 @@ class Synthesizer:
         from engine.pipeline import DEFAULT_CHUNK_MAX_FRAMES, Pipeline
 
         self.model = open_model(opts.model_path)
+        self.conn: Any = None  # the pipe, for live text (set by worker_main)
         self.options = options
         self.backends = BackendSet.from_options(options)
         self.decoder = DecoderModel.load(self.model, self.backends, precision=opts.precision)
         self.pipeline = Pipeline(
             self.model, self.backends, self.decoder, max_frames_cap=opts.max_frames_cap,
             chunk_max_frames=opts.chunk_max_frames or DEFAULT_CHUNK_MAX_FRAMES)
+
+    def feed(self, job_id: int) -> PipeFeed:
+        assert self.conn is not None
+        return PipeFeed(self.conn, job_id)
 
     @property
     def backend_name(self) -> str:
@@ -83,13 +89,42 @@ class Synthesizer:
         """Audio chunks of ``job`` as they are decoded; returns the pipeline's outcome:
         "ok", "truncated_no_eos" (frame budget spent without end of speech) or "cancelled".
         The pipeline checks ``cancelled`` before every talker step and decoder push."""
-        gen = self.pipeline.stream(job, cancel=cancelled)
+        if job.live:
+            gen = self.pipeline.stream_live(job, self.feed(job.id), cancel=cancelled,
+                                            min_tokens=job.min_tokens)
+        else:
+            gen = self.pipeline.stream(job, cancel=cancelled)
         while True:
             try:
                 audio, timings, n = next(gen)
             except StopIteration as stop:
                 return Finish(stop.value or "ok")
             yield np.asarray(audio, dtype=np.float32), _timings(timings), int(n)
+
+
+class PipeFeed:
+    """The engine's ``TextFeed`` of a live job: ``TextIn`` messages read off the worker's pipe
+    between frames. A ``StopWorker`` met here ends the worker after this job; messages of other
+    (finished) jobs are dropped."""
+
+    def __init__(self, conn: Any, job_id: int) -> None:
+        self.conn, self.job_id = conn, job_id
+
+    def take(self, timeout: float) -> Any:
+        from engine.talker.live import TextUpdate
+
+        text, flush, end, got = "", False, False, False
+        wait = timeout
+        while self.conn.poll(wait):
+            wait = 0
+            msg = self.conn.recv()
+            match msg:
+                case TextIn(job_id=jid) if jid == self.job_id:
+                    text += msg.text
+                    flush, end, got = flush or msg.flush, end or msg.end, True
+                case StopWorker():
+                    _STATE["term"] = True
+        return TextUpdate(text, flush, end) if got else None
 
 
 def _timings(t: Any) -> dict[str, float]:
@@ -124,6 +159,7 @@ def worker_main(conn: Any, cancel: Any, opts: WorkerOptions) -> None:
         options = replace(EngineOptions.from_env({**os.environ, **opts.env}),
                           pin_prefixes=opts.pin_prefixes)
         synth = Synthesizer(opts, options)
+        synth.conn = conn
         load = time.perf_counter() - t0
         warm = synth.warm_up(opts.warmup_frames)
         conn.send(Ready(pid=os.getpid(), index=opts.index, backend=synth.backend_name,
@@ -142,6 +178,8 @@ def worker_main(conn: Any, cancel: Any, opts: WorkerOptions) -> None:
         match msg:
             case StopWorker():
                 return
+            case TextIn():
+                pass  # text for a live job that already ended (cancelled, failed)
             case RunJob(job=job):
                 _STATE["busy"] = True
                 try:

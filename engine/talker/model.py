@@ -241,6 +241,25 @@ class TalkerModel:
             taps=taps,
         )
 
+    def project_text(self, ids: Sequence[int]) -> F32:
+        """The projected text rows ``T(id)`` [n, hidden] of ``ids``: what a streaming-text
+        frame adds to its talker input (prefill computes the same rows for the text it knows;
+        live text arriving later is projected here)."""
+        w = self.weights
+        arr = np.asarray(list(ids), dtype=np.int32)
+        n = int(arr.shape[0])
+
+        def build(g: Graph) -> None:
+            b = Builder(g, w.talker_shape, False)
+            t = g.input("text_ids", (n,), np.int32)
+            e = lib.ggml_get_rows(g.ctx, w.text_embd, t)
+            h = lib.ggml_silu(g.ctx, b.linear(e, w.text_fc1_w, w.text_fc1_b))
+            g.output(b.linear(h, w.text_fc2_w, w.text_fc2_b), "text")
+
+        out = execute_timed(self.backends, build, {"text_ids": arr}, max_nodes=64,
+                            stats=self.stats)
+        return out["text"].reshape(n, -1)
+
     def _prompt_embeddings(self, b: Builder, n: int, n_text: int) -> tuple[Tensor, Tensor]:
         """Declare inputs ``text_ids`` [n_text], ``codec_ids`` [n], ``codec_mask`` [n, 1];
         return the embeddings of the first n positions ``T(text) + mask * C(codec)`` [H, n]

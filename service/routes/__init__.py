@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from service.routes import docs, health, openai, playground, tts
+from service.routes import docs, health, openai, playground, realtime, tts
 
 ROUTERS: tuple[APIRouter, ...] = (health.router, docs.router, tts.router, openai.router,
-                                  playground.router)
+                                  playground.router, realtime.router)

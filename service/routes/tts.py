@@ -31,6 +31,6 @@ async def tts(body: TTSRequest, request: Request,
         route="/tts", request_id=rid, arrival=arrival, text=body.text, text_field="text",
         codes=body.codes, voice=body.voice, language=body.language, instruct=body.instruct,
         fmt=body.format, stream=body.stream, sse=False, speed=body.speed,
-        max_seconds=body.max_seconds, sampling=body,
+        max_seconds=body.max_seconds, sampling=body, text_mode=body.text_mode,
     )
     return SynthesisResponse(st, validate(st, inp))

@@ -1,0 +1,222 @@
+"""Live text: speak a text while it is still being written (an LLM's answer, token by token).
+
+The streaming-text prompt (``text_mode="stream"``) feeds one text token per generated frame.
+Here those tokens arrive while generation runs: a ``TextFeed`` hands over text deltas, and
+``LiveText`` turns the growing string into *stable* token ids, ids no later text can change.
+BPE merges across a word boundary never happen with the Qwen2 pre-tokeniser (a word takes its
+leading space), so the text up to the last whitespace run is stable; the word being written is
+held back until a space, a flush or the end of the text follows it.
+
+When the frame loop needs the next text token and none is stable yet, it *pauses*: it yields
+``None`` (so the caller decodes the frames it holds) and blocks on the feed. It never feeds
+``tts_pad`` before the end of the text, because PAD tells the model the text is over. After the
+end, the trailing text gets ``tts_eos`` and then PAD, exactly as a whole-text streaming prompt.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, replace
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from engine.errors import InputError
+from engine.talker.generate import Frame, Result, is_cancelled
+from engine.talker.model import TalkerModel
+from engine.talker.prompt import ROLE_TOKENS, TAIL_TOKENS, PromptBuilder, assistant_text
+from engine.talker.sampling import SamplingParams, choose, suppress_mask, talker_scores
+from engine.timings import StageTimings
+
+_LAST_SPACE = re.compile(r"\s+\S*$")
+# a mark that ends a phrase: with the default start policy, speech may start there
+PUNCTUATION = frozenset(".,!?;:\u3002\uff0c\uff01\uff1f\u3001\uff1b\uff1a")
+
+
+@dataclass(frozen=True)
+class TextUpdate:
+    """What a feed delivered since it was last asked: new text, a flush, the end."""
+
+    text: str = ""
+    flush: bool = False
+    end: bool = False
+
+
+class TextFeed(Protocol):
+    def take(self, timeout: float) -> TextUpdate | None:
+        """New text (waiting at most ``timeout`` seconds for some; 0: do not wait), or None."""
+
+
+class LiveText:
+    """The text written so far and its stable token ids (module docstring)."""
+
+    def __init__(self, prompts: PromptBuilder) -> None:
+        self.prompts = prompts
+        self.text = ""
+        self.ended = False
+        self._flushed_upto = 0  # a flush makes the text up to here stable
+        self.ids: list[int] = []  # stable ids of the target text
+        self.stable = ""  # the text those ids spell
+
+    def text_ready(self, min_tokens: int) -> bool:
+        """Whether generation may start: ``min_tokens`` stable ids, a punctuation mark in the
+        stable text, a flush, or the end."""
+        flushed = self._flushed_upto == len(self.text) and bool(self.ids)
+        if self.ended or flushed or len(self.ids) >= max(1, min_tokens):
+            return True
+        return bool(self.ids) and any(ch in PUNCTUATION for ch in self.stable)
+
+    def add(self, update: TextUpdate) -> int:
+        """Take an update; return how many new stable ids it made."""
+        self.text += update.text
+        self.ended = self.ended or update.end
+        if update.flush:
+            self._flushed_upto = len(self.text)
+        if self.ended or self._flushed_upto == len(self.text):
+            stable = self.text
+        else:
+            m = _LAST_SPACE.search(self.text)
+            cut = m.start() if m else 0
+            stable = self.text[: max(cut, self._flushed_upto)]
+        if not stable.strip():
+            return 0
+        self.stable = stable
+        ids = self.prompts.encode(assistant_text(stable))[ROLE_TOKENS:-TAIL_TOKENS]
+        # a flush mid-word can split a word the finished text merges: keep what was fed
+        if ids[: len(self.ids)] != self.ids:
+            k = 0
+            while k < min(len(ids), len(self.ids)) and ids[k] == self.ids[k]:
+                k += 1
+            ids = self.ids + ids[max(k, len(self.ids)) :] if len(ids) > len(self.ids) else self.ids
+        new = len(ids) - len(self.ids)
+        self.ids = list(ids)
+        return max(0, new)
+
+
+def generate_live_frames(
+    talker: TalkerModel,
+    prompts: PromptBuilder,
+    live: LiveText,
+    feed: TextFeed,
+    voice: str | None,
+    language: str | None,
+    instruct: str | None,
+    params: SamplingParams,
+    budget_fn: Callable[[int], int],
+    rng: np.random.Generator,
+    cancel: Callable[[], bool] | None = None,
+    poll_seconds: float = 0.02,
+) -> Generator[Frame | None, None, Result]:
+    """Like ``generate_frames`` with the trailing text growing as ``feed`` delivers it.
+
+    Yields ``Frame`` items, and ``None`` right before it blocks for text. ``live`` already holds
+    at least one stable id. ``budget_fn(n_text_tokens)`` is the frame budget for the text known
+    so far: before the end of the text, reaching it pauses for more text instead of ending.
+    """
+    result = Result()
+    if not live.ids:
+        raise InputError("text", "is empty")
+    if is_cancelled(cancel):
+        result.outcome = "cancelled"
+        return result
+    cfg = talker.cfg
+    eos, sp = talker.eos_id, prompts.special
+    suppressed = suppress_mask(int(cfg.vocab_size), eos)
+    text = prompts.tokenizer.decode(live.ids[:1])
+    prompt = prompts.build(text or ".", voice, language, instruct, "stream")
+    # the prompt holds the first id; what follows is the live text, not the tokenised remnant
+    prompt = replace(prompt, text_ids=np.concatenate(
+        [prompt.text_ids[:-1], np.asarray(live.ids[:1], dtype=np.int32)]),
+        trailing_ids=np.asarray(live.ids[1:], dtype=np.int32))
+    cap = budget_fn(1 << 30)
+    talker.reserve(prompt.length + cap + 1)
+    t0 = time.perf_counter()
+    pre = talker.prefill(prompt)
+    pending = StageTimings(prefill=time.perf_counter() - t0)
+    logits, hidden = pre.logits, pre.hidden
+    rows: list[npt.NDArray[np.float32]] = list(pre.trailing)
+    pad = pre.pad
+    eos_row: npt.NDArray[np.float32] | None = None
+    generated: list[int] = []
+
+    def sub_choose(lg: npt.NDArray[np.float32], j: int) -> int:
+        return choose(lg, params.subtalker_do_sample, params.subtalker_temperature,
+                      params.subtalker_top_k, params.subtalker_top_p, rng)
+
+    def absorb(update: TextUpdate | None) -> None:
+        nonlocal eos_row
+        if update is None:
+            return
+        before = len(live.ids)
+        live.add(update)
+        new = live.ids[before:]
+        if new:
+            rows.extend(talker.project_text(new))
+        if live.ended and eos_row is None:
+            eos_row = talker.project_text([sp.tts_eos_token_id])[0]
+
+    k = 0
+    while True:
+        absorb(feed.take(0))
+        # pause while the model has spoken every known token (or its budget) and more will come
+        waited = False
+        while not live.ended and k >= budget_fn(len(live.ids)):
+            if is_cancelled(cancel):
+                result.outcome = "cancelled"
+                result.leftover = pending
+                return result
+            if not waited:
+                waited = True
+                yield None
+            absorb(feed.take(poll_seconds))
+        scores = talker_scores(logits, generated, params.repetition_penalty,
+                               params.min_new_tokens, eos, suppressed)
+        c0 = choose(scores, params.do_sample, params.temperature, params.top_k, params.top_p,
+                    rng)
+        generated.append(c0)
+        if c0 == eos:
+            result.outcome = "ok"
+            break
+        if k >= budget_fn(len(live.ids)):
+            result.outcome = "truncated_no_eos"
+            break
+        if is_cancelled(cancel):
+            result.outcome = "cancelled"
+            break
+        t1 = time.perf_counter()
+        rest = talker.predict(hidden, c0, sub_choose)
+        pending.code_predictor += time.perf_counter() - t1
+        codes = np.concatenate([np.asarray([c0], dtype=np.int32), rest])
+        yield Frame(k, codes, pending)
+        k += 1
+        result.frames = k
+        pending = StageTimings()
+        if is_cancelled(cancel):
+            result.outcome = "cancelled"
+            break
+        absorb(feed.take(0))
+        waited = False
+        while not live.ended and k - 1 >= len(rows):
+            # the text ran dry: wait for the next token rather than feed PAD
+            if is_cancelled(cancel):
+                result.outcome = "cancelled"
+                result.leftover = pending
+                return result
+            if not waited:
+                waited = True
+                yield None
+            absorb(feed.take(poll_seconds))
+        if k - 1 < len(rows):
+            text_add = rows[k - 1]
+        elif k - 1 == len(rows) and eos_row is not None:
+            text_add = eos_row
+        else:
+            text_add = pad
+        t2 = time.perf_counter()
+        logits, hidden = talker.step(codes, text_add, prompt.length + k - 1)
+        pending.talker_step += time.perf_counter() - t2
+    result.leftover = pending
+    return result

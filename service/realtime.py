@@ -1,0 +1,128 @@
+"""The realtime session protocol: client messages, their validation, the session settings and
+the utterance's bookkeeping (what ``WS /v1/tts/realtime`` in service/routes/realtime.py speaks).
+
+Client -> server, one JSON object per text message (docs/service.md, Realtime)::
+
+    {"type": "session", "voice": ..., "language": ..., "instruct": ..., "format": "pcm",
+     "seed": ..., "temperature": ..., "top_k": ..., "top_p": ..., "repetition_penalty": ...,
+     "start": "immediate" | "auto" | N}
+    {"type": "text", "text": "..."}      a delta of any size
+    {"type": "flush"}                    speak what is buffered now
+    {"type": "end"}                      end of this utterance's text
+    {"type": "cancel"}                   stop this utterance now
+
+A message that is not one of these is a ``ProtocolError``: the route answers an ``error`` event
+naming the field and closes with 1008 (or 1003 for a binary message).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from service.schemas import Sampling
+
+CLOSE_UNSUPPORTED = 1003  # a binary message: the protocol is JSON text
+CLOSE_POLICY = 1008  # a malformed or unknown message, a bad key, a limit
+CLOSE_TRY_AGAIN = 1013  # every worker busy and the queue full
+ENCODING = {"encoding": "pcm_s16le", "sample_rate": 24000, "channels": 1}
+
+
+class ProtocolError(Exception):
+    """A client message the session cannot take: the error event's code, field, message."""
+
+    def __init__(self, code: str, field: str | None, message: str,
+                 close: int = CLOSE_POLICY) -> None:
+        super().__init__(message)
+        self.code, self.field, self.message, self.close = code, field, message, close
+
+    def event(self) -> dict[str, Any]:
+        return {"type": "error", "code": self.code, "field": self.field, "message": self.message}
+
+
+class SessionSettings(Sampling):
+    """A ``session`` message: the settings of the utterances that follow it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["session"]
+    voice: str | None = None
+    language: str | None = None
+    instruct: str | None = None
+    format: Literal["pcm"] = Field(default="pcm", description="pcm: s16le 24 kHz mono")
+    start: Literal["immediate", "auto"] | int = Field(
+        default="auto", description="immediate: speak from the first stable token; auto: the "
+        "server's default (N tokens or a punctuation mark); N: after N tokens")
+
+
+class TextDelta(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class Control(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["flush", "end", "cancel"]
+
+
+Message = SessionSettings | TextDelta | Control
+_KINDS: dict[str, type[BaseModel]] = {
+    "session": SessionSettings, "text": TextDelta, "flush": Control, "end": Control,
+    "cancel": Control,
+}
+
+
+def parse(raw: str) -> Message:
+    """One client text message, or a ``ProtocolError`` naming what is wrong."""
+    try:
+        obj = json.loads(raw)
+    except ValueError as e:
+        raise ProtocolError("invalid_json", None, f"not JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("invalid_message", None, "a message must be a JSON object")
+    kind = obj.get("type")
+    model = _KINDS.get(kind) if isinstance(kind, str) else None
+    if model is None:
+        raise ProtocolError("unknown_type", "type",
+                            f"unknown message type {kind!r}; one of {', '.join(_KINDS)}")
+    try:
+        return model.model_validate(obj)  # type: ignore[return-value]
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(x) for x in err["loc"] if not isinstance(x, int)) or None
+        raise ProtocolError("invalid_value", where, f"{where}: {err['msg']}") from None
+
+
+def min_tokens(start: Literal["immediate", "auto"] | int, default: int) -> int:
+    """The start policy as the engine's ``min_tokens``."""
+    if start == "immediate":
+        return 1
+    if start == "auto":
+        return default
+    return max(1, int(start))
+
+
+@dataclass
+class Utterance:
+    """One utterance of a session, from its first text delta to its ``done``."""
+
+    job_id: int
+    first_text_at: float = field(default_factory=time.monotonic)
+    end_at: float | None = None  # when the client's end (or cancel) arrived
+    chars: int = 0
+    frames: int = 0
+    samples: int = 0
+    chunks: int = 0
+    first_audio_at: float | None = None
+    last_audio_at: float | None = None
+    ended: bool = False  # the client sent end: later text is the next utterance's
+    cancelled: bool = False
+
+    def usage(self, sample_rate: int, outcome: str) -> dict[str, Any]:
+        return {"characters": self.chars, "frames": self.frames,
+                "audio_seconds": round(self.samples / sample_rate, 4), "outcome": outcome}

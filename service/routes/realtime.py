@@ -1,0 +1,326 @@
+"""``WS /v1/tts/realtime``: speak text while it is still being written (an LLM's answer).
+
+One WebSocket is a session of utterances. Text deltas go to a worker as they arrive (a live
+job: service/protocol.py ``TextIn``); the engine feeds them to the talker one token per frame
+and pauses when the text runs dry (engine/talker/live.py). Audio goes back as binary frames of
+s16le 24 kHz mono PCM, each announced by an ``audio`` event with its timings. Messages and
+events: service/realtime.py and docs/service.md (Realtime).
+
+The gate middleware lets WebSocket connections through, so the key is checked here: a bearer
+``Authorization`` header, or a ``bearer.KEY`` entry of ``Sec-WebSocket-Protocol`` (what a
+browser can set); never the URL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, WebSocket
+from starlette.websockets import WebSocketDisconnect, WebSocketState
+
+from service.audio import to_s16
+from service.errors import ApiError
+from service.handles import Ticket
+from service.pool import PoolDraining, PoolFull, PoolNotReady
+from service.protocol import Chunk, Done, Failed, TextIn, TimedOut, WorkerDied
+from service.realtime import (
+    CLOSE_POLICY,
+    CLOSE_TRY_AGAIN,
+    CLOSE_UNSUPPORTED,
+    ENCODING,
+    Control,
+    ProtocolError,
+    SessionSettings,
+    TextDelta,
+    Utterance,
+    min_tokens,
+    parse,
+)
+from service.state import State
+from service.validation import SynthesisInput, validate
+
+router = APIRouter()
+log = logging.getLogger("qtts.realtime")
+SUBPROTOCOL = "qtts.v1"
+_BEARER = "bearer."
+
+
+def _key_ok(st: State, ws: WebSocket) -> bool:
+    key = st.settings.api_key
+    if not key:
+        return True
+    given = ws.headers.get("authorization", "")
+    token = given[7:].strip() if given[:7].lower() == "bearer " else ""
+    for entry in ws.headers.get("sec-websocket-protocol", "").split(","):
+        entry = entry.strip()
+        if not token and entry.startswith(_BEARER):
+            token = entry[len(_BEARER):]
+    return hmac.compare_digest(token.encode(), key.encode())
+
+
+@router.websocket("/v1/tts/realtime")
+async def realtime(ws: WebSocket) -> None:
+    st: State = ws.app.state.qtts
+    if not _key_ok(st, ws):
+        st.metrics.rejections.labels(reason="unauthorized").inc()
+        await ws.close(code=CLOSE_POLICY, reason="missing or invalid API key")
+        return
+    offered = [p.strip() for p in ws.headers.get("sec-websocket-protocol", "").split(",")]
+    await ws.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in offered else None)
+    st.metrics.realtime_sessions.inc()
+    session = Session(st, ws)
+    try:
+        await session.run()
+    finally:
+        st.metrics.realtime_sessions.dec()
+
+
+class Session:
+    """One connection: its settings, its current utterance, the sender of its output."""
+
+    def __init__(self, st: State, ws: WebSocket) -> None:
+        self.st, self.ws = st, ws
+        self.settings = SessionSettings(type="session")
+        self.opened = time.monotonic()
+        self.chars = 0
+        self.utt: Utterance | None = None
+        self.ticket: Ticket | None = None
+        self.backlog: list[TextDelta | Control] = []  # text for the next utterance
+        self.out: asyncio.Queue[str | bytes | None] = asyncio.Queue()
+        self.out_bytes = 0
+        self.sample_rate = st.model.sample_rate
+
+    # ---- output ------------------------------------------------------------------------------
+    def emit(self, event: dict[str, Any]) -> None:
+        self.out.put_nowait(json.dumps(event))
+
+    def emit_audio(self, pcm: bytes) -> None:
+        self.out_bytes += len(pcm)
+        self.out.put_nowait(pcm)
+
+    async def _sender(self) -> None:
+        while True:
+            item = await self.out.get()
+            if item is None:
+                return
+            if isinstance(item, bytes):
+                await self.ws.send_bytes(item)
+                self.out_bytes -= len(item)
+            else:
+                await self.ws.send_text(item)
+
+    # ---- the session -------------------------------------------------------------------------
+    async def run(self) -> None:
+        s = self.st.settings
+        self.emit({"type": "session.started", "audio": ENCODING,
+                   "start_default_tokens": s.realtime_min_tokens})
+        sender = asyncio.create_task(self._sender())
+        recv: asyncio.Task[Any] | None = None
+        event: asyncio.Task[Any] | None = None
+        close: tuple[int, str] = (1000, "")
+        try:
+            while True:
+                if sender.done():
+                    close = (1000, "")  # the client went away while we were sending
+                    break
+                if recv is None:
+                    recv = asyncio.ensure_future(self.ws.receive())
+                if event is None and self.ticket is not None:
+                    event = asyncio.ensure_future(self.ticket.events.get())
+                waits: set[asyncio.Future[Any]] = {recv, sender}
+                if event is not None:
+                    waits.add(event)
+                idle = s.realtime_idle_seconds if self.ticket is None else None
+                left = s.realtime_max_seconds - (time.monotonic() - self.opened)
+                timeout = min(x for x in (idle, left) if x is not None)
+                done, _ = await asyncio.wait(waits, timeout=max(0.0, timeout),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    code = "idle_timeout" if idle is not None and idle <= left else "session_limit"
+                    self.emit({"type": "error", "code": code, "field": None,
+                               "message": "session idle too long" if code == "idle_timeout"
+                               else "session reached its time limit"})
+                    self._cancel()
+                    close = (1000, code)
+                    break
+                if event in done:
+                    assert event is not None
+                    self._on_event(event.result())
+                    event = None
+                if recv in done:
+                    msg = recv.result()
+                    recv = None
+                    if msg["type"] == "websocket.disconnect":
+                        self._cancel()
+                        close = (0, "")
+                        break
+                    self._on_client(msg)
+                if self.out_bytes > s.realtime_max_buffered_seconds * self.sample_rate * 2:
+                    self._cancel()
+                    self.out = asyncio.Queue()  # what the client did not read is dropped
+                    close = (CLOSE_POLICY, "client reads too slowly")
+                    break
+        except ProtocolError as e:
+            self.emit(e.event())
+            self._cancel()
+            close = (e.close, e.code)
+        except WebSocketDisconnect:
+            self._cancel()
+            close = (0, "")
+        finally:
+            for task in (recv, event):
+                if task is not None:
+                    task.cancel()
+        await self._finish(sender, close)
+
+    async def _finish(self, sender: asyncio.Task[None], close: tuple[int, str]) -> None:
+        self.out.put_nowait(None)
+        if close[0] and not sender.done():
+            with contextlib.suppress(asyncio.TimeoutError, Exception):
+                await asyncio.wait_for(sender, 5.0)
+        sender.cancel()
+        if close[0] and self.ws.client_state is WebSocketState.CONNECTED:
+            with contextlib.suppress(Exception):
+                await self.ws.close(code=close[0], reason=close[1])
+
+    # ---- client messages -----------------------------------------------------------------------
+    def _on_client(self, msg: dict[str, Any]) -> None:
+        if msg.get("bytes") is not None:
+            raise ProtocolError("binary_message", None, "messages are JSON text; audio is only "
+                                "sent by the server", close=CLOSE_UNSUPPORTED)
+        m = parse(msg.get("text") or "")
+        if isinstance(m, SessionSettings):
+            if self.utt is not None:
+                raise ProtocolError("session_busy", "type", "session settings may change only "
+                                    "between utterances (after done)")
+            self._check_settings(m)
+            self.settings = m
+            self.emit({"type": "session.updated", "settings": m.model_dump(exclude={"type"})})
+            return
+        if self.utt is not None and (self.utt.ended or self.utt.cancelled):
+            self.backlog.append(m)  # belongs to the next utterance
+            return
+        self._apply(m)
+
+    def _apply(self, m: TextDelta | Control) -> None:
+        if isinstance(m, TextDelta):
+            self._text(m.text)
+            return
+        if self.utt is None or self.ticket is None:
+            # nothing to flush, end or cancel: no text yet, or the model already finished
+            # speaking (its done event may cross the client's end on the wire)
+            return
+        if m.type == "cancel":
+            self.utt.cancelled = True
+            self.utt.end_at = time.monotonic()
+            self.st.pool.cancel(self.ticket)
+            return
+        if m.type == "end":
+            self.utt.ended = True
+            self.utt.end_at = time.monotonic()
+        self.st.pool.send_text(self.ticket, TextIn(self.utt.job_id, flush=m.type == "flush",
+                                                   end=m.type == "end"))
+
+    def _text(self, text: str) -> None:
+        s = self.st.settings
+        self.chars += len(text)
+        if self.chars > s.realtime_max_chars:
+            raise ProtocolError("too_long", "text", f"the session sent more than "
+                                f"{s.realtime_max_chars} characters")
+        if self.ticket is None:
+            self._start(text)
+        else:
+            assert self.utt is not None
+            self.st.pool.send_text(self.ticket, TextIn(self.utt.job_id, text=text))
+        assert self.utt is not None
+        self.utt.chars += len(text)
+
+    def _check_settings(self, m: SessionSettings) -> None:
+        self._job(m, "x")
+
+    def _job(self, m: SessionSettings, text: str) -> Any:
+        inp = SynthesisInput(
+            route="/v1/tts/realtime", request_id="", arrival=time.monotonic(), text=text or "x",
+            text_field="text", codes=None, voice=m.voice, language=m.language,
+            instruct=m.instruct, fmt="pcm", stream=True, sse=False, speed=1.0, max_seconds=None,
+            sampling=m, text_mode="stream")
+        try:
+            return validate(self.st, inp).job
+        except ApiError as e:
+            raise ProtocolError(e.code or "invalid_value", e.field, e.message) from None
+
+    def _start(self, text: str) -> None:
+        s = self.st.settings
+        job = replace(self._job(self.settings, text), text=text, live=True,
+                      min_tokens=min_tokens(self.settings.start, s.realtime_min_tokens))
+        try:
+            self.ticket = self.st.pool.submit(job)
+        except (PoolFull, PoolDraining, PoolNotReady) as e:
+            code = {PoolFull: "queue_full", PoolDraining: "draining"}.get(type(e), "not_ready")
+            raise ProtocolError(code, None, "no worker free for a realtime session; retry "
+                                "later", close=CLOSE_TRY_AGAIN) from None
+        self.utt = Utterance(job_id=job.id)
+        self.emit({"type": "utterance.started", "id": job.id})
+
+    def _cancel(self) -> None:
+        if self.ticket is not None:
+            self.st.pool.cancel(self.ticket)
+
+    # ---- worker events -------------------------------------------------------------------------
+    def _on_event(self, ev: Any) -> None:
+        utt = self.utt
+        assert utt is not None
+        match ev:
+            case Chunk(audio=audio, timings=timings, frames=frames):
+                now = time.monotonic()
+                if utt.first_audio_at is None:
+                    utt.first_audio_at = now
+                    ttfa = now - utt.first_text_at
+                    self.st.metrics.realtime_ttfa.observe(ttfa)
+                    self.emit({"type": "audio.first", "id": utt.job_id,
+                               "text_to_first_audio_ms": round(ttfa * 1000, 1)})
+                utt.last_audio_at = now
+                utt.frames += frames
+                utt.samples += int(audio.shape[0])
+                utt.chunks += 1
+                self.st.metrics.observe_stages(timings, frames)
+                self.emit({"type": "audio", "id": utt.job_id, "seq": utt.chunks - 1,
+                           "frames": frames, "samples": int(audio.shape[0]),
+                           "timings_ms": {k: round(v * 1000, 2) for k, v in timings.items()}})
+                self.emit_audio(to_s16(np.asarray(audio, dtype=np.float32)))
+                self.st.metrics.audio_seconds.inc(audio.shape[0] / self.sample_rate)
+                return
+            case Done(finish=finish):
+                outcome = "cancelled" if utt.cancelled else str(finish)
+                self._end(outcome)
+            case Failed(field=fld, message=message, code=code):
+                self.emit({"type": "error", "code": code or "synthesis_failed", "field": fld,
+                           "message": message})
+                self._end("error")
+            case WorkerDied() | TimedOut():
+                self.emit({"type": "error", "code": "worker_died", "field": None,
+                           "message": "the worker synthesizing this utterance died"})
+                self._end("error")
+
+    def _end(self, outcome: str) -> None:
+        utt = self.utt
+        assert utt is not None
+        if utt.end_at is not None and utt.last_audio_at is not None and not utt.cancelled:
+            self.st.metrics.realtime_behind.observe(max(0.0, utt.last_audio_at - utt.end_at))
+        self.emit({"type": "done", "id": utt.job_id,
+                   "usage": utt.usage(self.sample_rate, outcome)})
+        self.utt, self.ticket = None, None
+        backlog, self.backlog = self.backlog, []
+        for m in backlog:
+            if self.utt is not None and (self.utt.ended or self.utt.cancelled):
+                self.backlog.append(m)
+            else:
+                self._apply(m)

@@ -1,0 +1,247 @@
+"""``WS /v1/tts/realtime`` against a real ``qtts serve`` on loopback, with the real
+``websockets`` client: deltas with delays, pauses, flush, cancel, disconnect, bad messages,
+auth, several utterances, and the identity with ``POST /tts`` (``text_mode: stream``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from tests.service.helpers import Server, metric
+
+SENTENCE = "The quick brown fox jumps over the lazy dog, then rests in the sun."
+KEY = "s3cret-key"
+
+
+@pytest.fixture(scope="module")
+def rt_server(service_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    s = Server(service_model, tmp_path_factory.mktemp("rt"), workers=2, realtime_min_tokens=3)
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop()
+
+
+def ws_url(server: Server) -> str:
+    return server.url.replace("http://", "ws://") + "/v1/tts/realtime"
+
+
+async def collect(ws: ClientConnection) -> tuple[list[dict[str, Any]], bytes]:
+    """Every event and the audio of one utterance, up to and with its done (or an error that
+    closes the session)."""
+    events: list[dict[str, Any]] = []
+    audio = b""
+    async for msg in ws:
+        if isinstance(msg, bytes):
+            audio += msg
+            continue
+        ev = json.loads(msg)
+        events.append(ev)
+        if ev["type"] == "done":
+            break
+    return events, audio
+
+
+async def send(ws: ClientConnection, **msg: Any) -> None:
+    await ws.send(json.dumps(msg))
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def words(text: str) -> list[str]:
+    parts = text.split(" ")
+    return [parts[0]] + [" " + p for p in parts[1:]]
+
+
+def test_deltas_with_delays_then_end(rt_server: Server) -> None:
+    async def go() -> tuple[list[dict[str, Any]], bytes]:
+        async with connect(ws_url(rt_server)) as ws:
+            started = json.loads(await ws.recv())
+            assert started["type"] == "session.started"
+            assert started["audio"] == {"encoding": "pcm_s16le", "sample_rate": 24000,
+                                        "channels": 1}
+            await send(ws, type="session", voice="ryan", seed=7)
+            assert json.loads(await ws.recv())["type"] == "session.updated"
+            rng = random.Random(1)
+            for w in words(SENTENCE):
+                await send(ws, type="text", text=w)
+                await asyncio.sleep(rng.uniform(0.005, 0.05))
+            await send(ws, type="end")
+            return await collect(ws)
+
+    events, audio = run(go())
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "utterance.started"
+    assert "audio.first" in kinds and kinds[-1] == "done"
+    chunks = [e for e in events if e["type"] == "audio"]
+    assert chunks and all(e["timings_ms"] is not None for e in chunks)
+    done = events[-1]["usage"]
+    assert done["characters"] == len(SENTENCE)
+    assert done["outcome"] in ("ok", "truncated_no_eos")
+    assert done["frames"] == sum(e["frames"] for e in chunks)
+    assert len(audio) == 2 * sum(e["samples"] for e in chunks) == 2 * 1920 * done["frames"]
+
+
+def test_letters_and_a_pause_longer_than_the_buffer(rt_server: Server) -> None:
+    """Single letters, then a pause while the talker has spoken every token: generation waits
+    (no PAD ends the text) and resumes on the next delta, in the same utterance."""
+    async def go() -> tuple[list[dict[str, Any]], bytes]:
+        async with connect(ws_url(rt_server)) as ws:
+            await ws.recv()
+            await send(ws, type="session", voice="ryan", start="immediate", seed=3)
+            await ws.recv()
+            for ch in "Hello there, ":
+                await send(ws, type="text", text=ch)
+                await asyncio.sleep(0.005)
+            await send(ws, type="flush")
+            await asyncio.sleep(1.5)
+            for w in words("how are you today?"):
+                await send(ws, type="text", text=w)
+                await asyncio.sleep(0.02)
+            await send(ws, type="end")
+            return await collect(ws)
+
+    events, audio = run(go())
+    ids = {e.get("id") for e in events if "id" in e}
+    assert len(ids) == 1  # one utterance across the pause
+    assert events[-1]["type"] == "done"
+    assert len(audio) == 2 * 1920 * events[-1]["usage"]["frames"]
+
+
+def test_identity_with_post_tts_stream(rt_server: Server) -> None:
+    """All text at once: the same samples as POST /tts with text_mode stream and the seed."""
+    async def go() -> bytes:
+        async with connect(ws_url(rt_server)) as ws:
+            await ws.recv()
+            await send(ws, type="session", voice="ryan", seed=11)
+            await ws.recv()
+            await ws.send(json.dumps({"type": "text", "text": SENTENCE}))
+            await send(ws, type="end")
+            events, audio = await collect(ws)
+            assert events[-1]["usage"]["outcome"] != "error"
+            return audio
+
+    got = run(go())
+    r = httpx.post(rt_server.url + "/tts", json={"text": SENTENCE, "seed": 11, "format": "pcm",
+                                                 "voice": "ryan", "text_mode": "stream"},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    assert len(got) > 0
+    assert got == r.content
+
+
+def test_several_utterances_and_cancel(rt_server: Server) -> None:
+    async def go() -> list[list[dict[str, Any]]]:
+        out = []
+        async with connect(ws_url(rt_server)) as ws:
+            await ws.recv()
+            await send(ws, type="session", voice="ryan", start="immediate")
+            await ws.recv()
+            await send(ws, type="text", text="A first short answer. ")
+            await send(ws, type="end")
+            out.append((await collect(ws))[0])
+            # the second: cancelled mid-text; the third still works on the same socket
+            await send(ws, type="text", text="This one is cut off before it ends ")
+            await send(ws, type="flush")
+            await asyncio.sleep(0.05)
+            await send(ws, type="cancel")
+            out.append((await collect(ws))[0])
+            await send(ws, type="text", text="And a third.")
+            await send(ws, type="end")
+            out.append((await collect(ws))[0])
+        return out
+
+    first, second, third = run(go())
+    assert first[-1]["usage"]["outcome"] in ("ok", "truncated_no_eos")
+    assert second[-1]["usage"]["outcome"] == "cancelled"
+    assert third[-1]["type"] == "done" and third[-1]["usage"]["outcome"] != "cancelled"
+    assert len({first[0]["id"], second[0]["id"], third[0]["id"]}) == 3
+
+
+def test_disconnect_frees_the_worker(rt_server: Server) -> None:
+    async def go() -> None:
+        for _ in range(3):  # more sessions than workers: each disconnect must free its worker
+            async with connect(ws_url(rt_server)) as ws:
+                await ws.recv()
+                await send(ws, type="session", voice="ryan")
+                await ws.recv()
+                await send(ws, type="text", text="Some words that never end, ")
+                await send(ws, type="flush")
+                await asyncio.sleep(0.1)
+        async with connect(ws_url(rt_server)) as ws:
+            await ws.recv()
+            await send(ws, type="session", voice="ryan")
+            await ws.recv()
+            await send(ws, type="text", text="Still served.")
+            await send(ws, type="end")
+            events, _ = await collect(ws)
+            assert events[-1]["type"] == "done"
+
+    run(go())
+    ms = rt_server.metrics()
+    assert metric(ms, "qtts_realtime_sessions") == 0
+
+
+@pytest.mark.parametrize(("message", "code", "close"), [
+    ("not json", "invalid_json", 1008),
+    (json.dumps({"type": "sing"}), "unknown_type", 1008),
+    (json.dumps({"type": "text"}), "invalid_value", 1008),
+    (json.dumps({"type": "session", "voice": "nobody-at-all"}), None, 1008),
+    (json.dumps({"type": "text", "text": "no voice was set"}), None, 1008),
+    (json.dumps({"type": "session", "temperature": -1}), "invalid_value", 1008),
+    (json.dumps([1, 2]), "invalid_message", 1008),
+    (b"\x00\x01", "binary_message", 1003),
+])
+def test_bad_messages_error_then_close(rt_server: Server, message: str | bytes,
+                                       code: str | None, close: int) -> None:
+    async def go() -> tuple[dict[str, Any], int | None]:
+        async with connect(ws_url(rt_server)) as ws:
+            await ws.recv()
+            await ws.send(message)
+            ev = json.loads(await ws.recv())
+            with pytest.raises(ConnectionClosed):
+                await ws.recv()
+            return ev, ws.close_code
+
+    ev, got = run(go())
+    assert ev["type"] == "error"
+    if code is not None:
+        assert ev["code"] == code
+    else:
+        assert ev["field"] == "voice", ev
+    assert got == close
+
+
+def test_auth_header_or_subprotocol_never_url(make_server: Any) -> None:
+    s: Server = make_server(api_key=KEY)
+    url = ws_url(s)
+
+    async def go() -> None:
+        with pytest.raises(InvalidStatus):
+            async with connect(url):
+                pass
+        with pytest.raises(InvalidStatus):
+            async with connect(url + f"?api_key={KEY}"):
+                pass
+        with pytest.raises(InvalidStatus):
+            async with connect(url, additional_headers={"Authorization": "Bearer wrong"}):
+                pass
+        async with connect(url, additional_headers={"Authorization": f"Bearer {KEY}"}) as ws:
+            assert json.loads(await ws.recv())["type"] == "session.started"
+        async with connect(url, subprotocols=["qtts.v1", f"bearer.{KEY}"]) as ws:  # type: ignore[list-item]
+            assert ws.subprotocol == "qtts.v1"
+            assert json.loads(await ws.recv())["type"] == "session.started"
+
+    run(go())
