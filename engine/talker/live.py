@@ -61,6 +61,9 @@ class LiveText:
         self.ids: list[int] = []  # stable ids of the target text
         self.stable = ""  # the text those ids spell
 
+    def _encode(self, text: str) -> list[int]:
+        return self.prompts.encode(assistant_text(text))[ROLE_TOKENS:-TAIL_TOKENS]
+
     def text_ready(self, min_tokens: int) -> bool:
         """Whether generation may start: ``min_tokens`` stable ids, a punctuation mark in the
         stable text, a flush, or the end."""
@@ -81,16 +84,16 @@ class LiveText:
             m = _LAST_SPACE.search(self.text)
             cut = m.start() if m else 0
             stable = self.text[: max(cut, self._flushed_upto)]
-        if not stable.strip():
+        if not self.ended:
+            stable = stable.rstrip()  # a space belongs to the word after it
+        if not stable.strip() or len(stable) <= len(self.stable):
             return 0
-        self.stable = stable
-        ids = self.prompts.encode(assistant_text(stable))[ROLE_TOKENS:-TAIL_TOKENS]
-        # a flush mid-word can split a word the finished text merges: keep what was fed
+        ids = self._encode(stable)
         if ids[: len(self.ids)] != self.ids:
-            k = 0
-            while k < min(len(ids), len(self.ids)) and ids[k] == self.ids[k]:
-                k += 1
-            ids = self.ids + ids[max(k, len(self.ids)) :] if len(ids) > len(self.ids) else self.ids
+            # a flush mid-word split a word the longer text merges: what was fed stays, and
+            # the new text is tokenised on its own
+            ids = self.ids + self._encode(stable[len(self.stable):])
+        self.stable = stable
         new = len(ids) - len(self.ids)
         self.ids = list(ids)
         return max(0, new)
@@ -125,9 +128,9 @@ def generate_live_frames(
     cfg = talker.cfg
     eos, sp = talker.eos_id, prompts.special
     suppressed = suppress_mask(int(cfg.vocab_size), eos)
-    text = prompts.tokenizer.decode(live.ids[:1])
-    prompt = prompts.build(text or ".", voice, language, instruct, "stream")
-    # the prompt holds the first id; what follows is the live text, not the tokenised remnant
+    # the layout of a one-token streaming prompt, with the live text's first id in its last
+    # position ("." is one token); the rest of the live text is the trailing text
+    prompt = prompts.build(".", voice, language, instruct, "stream")
     prompt = replace(prompt, text_ids=np.concatenate(
         [prompt.text_ids[:-1], np.asarray(live.ids[:1], dtype=np.int32)]),
         trailing_ids=np.asarray(live.ids[1:], dtype=np.int32))
