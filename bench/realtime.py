@@ -1,0 +1,158 @@
+"""Realtime benchmark: a simulated LLM writes an answer into ``WS /v1/tts/realtime``.
+
+Starts ``python -m cli serve`` on 127.0.0.1 (or uses ``--url``), then for each session count
+(``--sessions 1,3``) runs that many sessions at once. Each session sends a ``--words``-word
+answer as text deltas at ``--tokens-per-second`` (one delta per word piece, a word counted as
+~1.3 tokens like an LLM's BPE), then ``end``, for each start policy (``--policies
+immediate,auto``), and reads the audio. Printed per run (one row per policy):
+
+  first audio ms    from the first text delta sent to the first audio byte received
+  gaps after 1 s    audio chunks that arrived after the audio already received had played out
+                    (counted from 1 s of audio on; a client plays from its first byte)
+  worst gap ms      the longest such underrun
+  behind ms         from the end message to the last audio byte (how far speech trails text)
+
+  python bench/realtime.py --model ~/.cache/qtts/models/synthetic-full-q4_0-seed0/model.gguf \
+      --sessions 1,3 --threads 2
+  python bench/realtime.py --url http://127.0.0.1:8000 --voice ryan
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from websockets.asyncio.client import connect
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.load import start_server
+
+BYTES_PER_SECOND = 24000 * 2
+TOKENS_PER_WORD = 1.3
+WORDS = ("so the short answer is that it depends on what you want to do with it but in most "
+         "cases you will be fine if you start small, measure what matters, and only then make "
+         "it faster; the rest is a matter of taste and of the time you have left for it today "
+         "and tomorrow as well").split()
+
+
+@dataclass
+class Run:
+    first_audio: list[float] = field(default_factory=list)
+    gaps: int = 0
+    worst_gap: float = 0.0
+    behind: list[float] = field(default_factory=list)
+    audio_seconds: float = 0.0
+    errors: int = 0
+
+
+async def session(url: str, headers: dict[str, str], voice: str, policy: str, words: int,
+                  tps: float, run: Run) -> None:
+    pieces = [(WORDS[i % len(WORDS)] if i == 0 else " " + WORDS[i % len(WORDS)])
+              for i in range(words)]
+    delay = TOKENS_PER_WORD / tps
+    async with connect(url, additional_headers=headers, max_size=None) as ws:
+        await ws.recv()
+        start: str | int = int(policy) if policy.isdigit() else policy
+        await ws.send(json.dumps({"type": "session", "voice": voice, "start": start}))
+        await ws.recv()
+
+        async def writer() -> float:
+            for p in pieces:
+                await ws.send(json.dumps({"type": "text", "text": p}))
+                await asyncio.sleep(delay)
+            await ws.send(json.dumps({"type": "end"}))
+            return time.perf_counter()
+
+        t0 = time.perf_counter()
+        wtask = asyncio.create_task(writer())
+        first: float | None = None
+        received = 0.0  # seconds of audio received
+        last = 0.0
+        async for msg in ws:
+            now = time.perf_counter()
+            if isinstance(msg, bytes):
+                if first is None:
+                    first = now
+                    run.first_audio.append(now - t0)
+                played = now - first
+                if received >= 1.0 and played > received:
+                    run.gaps += 1
+                    run.worst_gap = max(run.worst_gap, played - received)
+                received += len(msg) / BYTES_PER_SECOND
+                last = now
+                continue
+            ev = json.loads(msg)
+            if ev["type"] == "error":
+                run.errors += 1
+            if ev["type"] in ("done", "error"):
+                break
+        end_sent = await wtask
+        run.behind.append(max(0.0, last - end_sent))
+        run.audio_seconds += received
+
+
+async def bench(url: str, headers: dict[str, str], voice: str, policy: str, sessions: int,
+                words: int, tps: float) -> Run:
+    run = Run()
+    await asyncio.gather(*(session(url, headers, voice, policy, words, tps, run)
+                           for _ in range(sessions)))
+    return run
+
+
+def fmt(values: list[float]) -> str:
+    if not values:
+        return "-"
+    return f"{np.percentile(values, 50) * 1000:.0f} / {max(values) * 1000:.0f}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=os.environ.get("QTTS_MODEL"), help="GGUF to serve")
+    ap.add_argument("--url", default=None, help="bench this running server (http://host:port)")
+    ap.add_argument("--sessions", default="1,3", help="concurrent sessions, comma-separated")
+    ap.add_argument("--threads", type=int, default=0, help="threads per worker (0: default)")
+    ap.add_argument("--words", type=int, default=60)
+    ap.add_argument("--tokens-per-second", type=float, default=30.0)
+    ap.add_argument("--policies", default="immediate,auto", help="start policies to compare")
+    ap.add_argument("--voice", default="ryan")
+    ap.add_argument("--api-key", default=os.environ.get("QTTS_API_KEY"))
+    args = ap.parse_args()
+    counts = [int(x) for x in args.sessions.split(",")]
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    print(f"{args.words} words at {args.tokens_per_second:g} tokens/s; load average at start "
+          f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+    print("| sessions | start | first audio ms p50 / max | gaps after 1 s | worst gap ms | "
+          "behind ms p50 / max | audio s | errors |")
+    print("|---|---|---|---|---|---|---|---|")
+    for n in counts:
+        proc = None
+        url = args.url
+        if url is None:
+            if not args.model:
+                ap.error("--model (or QTTS_MODEL) is required without --url")
+            proc, url = start_server(args.model, n, args.threads, 2)
+        ws_url = url.replace("http://", "ws://") + "/v1/tts/realtime"
+        try:
+            for policy in args.policies.split(","):
+                run = asyncio.run(bench(ws_url, headers, args.voice, policy, n, args.words,
+                                        args.tokens_per_second))
+                print(f"| {n} | {policy} | {fmt(run.first_audio)} | {run.gaps} | "
+                      f"{run.worst_gap * 1000:.0f} | {fmt(run.behind)} | "
+                      f"{run.audio_seconds:.1f} | {run.errors} |", flush=True)
+        finally:
+            if proc is not None:
+                proc.terminate()
+                proc.wait(timeout=60)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
