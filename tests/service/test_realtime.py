@@ -259,3 +259,19 @@ def test_auth_header_or_subprotocol_never_url(make_server: Any) -> None:
             assert json.loads(await ws.recv())["type"] == "session.started"
 
     run(go())
+
+
+def test_idle_session_is_closed(make_server: Any) -> None:
+    s: Server = make_server(realtime_idle_seconds=1)
+
+    async def go() -> tuple[dict[str, Any], int | None, str | None]:
+        async with connect(ws_url(s)) as ws:
+            await ws.recv()
+            ev = json.loads(await ws.recv())  # nothing sent: the idle timeout speaks
+            with pytest.raises(ConnectionClosed):
+                await ws.recv()
+            return ev, ws.close_code, ws.close_reason
+
+    ev, code, reason = run(go())
+    assert ev["type"] == "error" and ev["code"] == "idle_timeout"
+    assert code == 1000 and reason == "idle_timeout"
