@@ -44,6 +44,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from service.app import ModelInfo, create_app
     from service.listen import bind
     from service.logs import setup_logging
+    from service.routes.realtime import drain as realtime_drain
     from service.settings import Settings
 
     overrides = {dest: getattr(args, dest) for _, dest, _, _ in _FLAGS
@@ -89,6 +90,12 @@ def run_serve(args: argparse.Namespace) -> int:
                     "signal %s: draining (no new requests; up to %gs for in-flight ones)",
                     sig, settings.drain_seconds)
             super().handle_exit(sig, frame)
+
+        async def shutdown(self, sockets: Any = None) -> None:
+            # uvicorn closes WebSockets at once (1012): let speaking realtime sessions finish
+            # their utterance within the drain window first
+            await realtime_drain(app, settings.drain_seconds)
+            await super().shutdown(sockets)
 
     server = DrainingServer(config)
     server.run(sockets=[sock])

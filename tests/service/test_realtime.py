@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -275,3 +276,31 @@ def test_idle_session_is_closed(make_server: Any) -> None:
     ev, code, reason = run(go())
     assert ev["type"] == "error" and ev["code"] == "idle_timeout"
     assert code == 1000 and reason == "idle_timeout"
+
+
+def test_sigterm_lets_a_speaking_session_finish(make_server: Any) -> None:
+    """Drain: an utterance in flight when SIGTERM arrives still takes text and ends with done;
+    then the session closes 1012 (service restart) and the server exits."""
+    s: Server = make_server()
+
+    async def go() -> tuple[list[dict[str, Any]], int | None]:
+        async with connect(ws_url(s)) as ws:
+            await ws.recv()
+            await send(ws, type="session", voice="ryan", start="immediate")
+            await ws.recv()
+            await send(ws, type="text", text="Hello there my friend, ")
+            await asyncio.sleep(0.3)
+            s.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            await send(ws, type="text", text="this is the end.")
+            await send(ws, type="end")
+            events, _ = await collect(ws)
+            with pytest.raises(ConnectionClosed):
+                await ws.recv()
+            return events, ws.close_code
+
+    events, code = run(go())
+    assert events[-1]["type"] == "done"
+    assert events[-1]["usage"]["outcome"] in ("ok", "truncated_no_eos")
+    assert code == 1012
+    assert s.proc.wait(30) in (0, -signal.SIGTERM)
