@@ -53,7 +53,9 @@ class SessionSettings(Sampling):
     voice: str | None = None
     language: str | None = None
     instruct: str | None = None
-    format: Literal["pcm"] = Field(default="pcm", description="pcm: s16le 24 kHz mono")
+    format: Literal["pcm", "opus"] = Field(
+        default="pcm", description="pcm: s16le 24 kHz mono; opus: one Ogg Opus stream per "
+        "utterance, its pages as they are encoded")
     start: Literal["immediate", "auto"] | int = Field(
         default="auto", description="immediate: speak from the first stable token; auto: the "
         "server's default (N tokens or a punctuation mark); N: after N tokens")

@@ -26,7 +26,7 @@ import numpy as np
 from fastapi import APIRouter, WebSocket
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
-from service.audio import to_s16
+from service.audio import Encoder, make_encoder
 from service.errors import ApiError
 from service.handles import Ticket
 from service.pool import PoolDraining, PoolFull, PoolNotReady
@@ -120,6 +120,7 @@ class Session:
         self.out: asyncio.Queue[str | bytes | None] = asyncio.Queue()
         self.out_bytes = 0
         self.sample_rate = st.model.sample_rate
+        self.encoder: Encoder = make_encoder("pcm", self.sample_rate)
 
     # ---- output ------------------------------------------------------------------------------
     def emit(self, event: dict[str, Any]) -> None:
@@ -294,6 +295,7 @@ class Session:
             raise ProtocolError(code, None, "no worker free for a realtime session; retry "
                                 "later", close=CLOSE_TRY_AGAIN) from None
         self.utt = Utterance(job_id=job.id)
+        self.encoder = make_encoder(self.settings.format, self.sample_rate)
         self.emit({"type": "utterance.started", "id": job.id})
 
     def _cancel(self) -> None:
@@ -321,7 +323,9 @@ class Session:
                 self.emit({"type": "audio", "id": utt.job_id, "seq": utt.chunks - 1,
                            "frames": frames, "samples": int(audio.shape[0]),
                            "timings_ms": {k: round(v * 1000, 2) for k, v in timings.items()}})
-                self.emit_audio(to_s16(np.asarray(audio, dtype=np.float32)))
+                data = self.encoder.encode(np.asarray(audio, dtype=np.float32))
+                if data:
+                    self.emit_audio(data)
                 self.st.metrics.audio_seconds.inc(audio.shape[0] / self.sample_rate)
                 return
             case Done(finish=finish):
@@ -339,6 +343,9 @@ class Session:
     def _end(self, outcome: str) -> None:
         utt = self.utt
         assert utt is not None
+        tail = self.encoder.finish()
+        if tail:
+            self.emit_audio(tail)
         if utt.end_at is not None and utt.last_audio_at is not None and not utt.cancelled:
             self.st.metrics.realtime_behind.observe(max(0.0, utt.last_audio_at - utt.end_at))
         self.emit({"type": "done", "id": utt.job_id,

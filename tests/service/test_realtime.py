@@ -18,7 +18,7 @@ import pytest
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from tests.service.helpers import Server, metric
+from tests.service.helpers import Server, decoded_seconds, metric
 
 SENTENCE = "The quick brown fox jumps over the lazy dog, then rests in the sun."
 KEY = "s3cret-key"
@@ -304,3 +304,21 @@ def test_sigterm_lets_a_speaking_session_finish(make_server: Any) -> None:
     assert events[-1]["usage"]["outcome"] in ("ok", "truncated_no_eos")
     assert code == 1012
     assert s.proc.wait(30) in (0, -signal.SIGTERM)
+
+
+def test_opus_utterance_is_one_ogg_stream(rt_server: Server) -> None:
+    async def go() -> tuple[list[dict[str, Any]], bytes]:
+        async with connect(ws_url(rt_server)) as ws:
+            await ws.recv()
+            await send(ws, type="session", voice="ryan", format="opus", seed=2)
+            assert json.loads(await ws.recv())["settings"]["format"] == "opus"
+            for w in words("Opus over a socket, word by word."):
+                await send(ws, type="text", text=w)
+                await asyncio.sleep(0.01)
+            await send(ws, type="end")
+            return await collect(ws)
+
+    events, audio = run(go())
+    assert audio[:4] == b"OggS"
+    seconds = events[-1]["usage"]["audio_seconds"]
+    assert abs(decoded_seconds(audio, "opus") - seconds) < 0.1
