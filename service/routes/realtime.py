@@ -192,7 +192,12 @@ class Session:
                     self._on_client(msg)
                 if self.out_bytes > s.realtime_max_buffered_seconds * self.sample_rate * 2:
                     self._cancel()
-                    self.out = asyncio.Queue()  # what the client did not read is dropped
+                    while not self.out.empty():  # what the client did not read is dropped
+                        self.out.get_nowait()
+                    self.out_bytes = 0
+                    self.emit({"type": "error", "code": "client_too_slow", "field": None,
+                               "message": "the client did not read its audio: more than "
+                               f"{s.realtime_max_buffered_seconds:g} s were waiting"})
                     close = (CLOSE_POLICY, "client reads too slowly")
                     break
         except ProtocolError as e:

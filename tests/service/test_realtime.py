@@ -322,3 +322,4 @@ def test_opus_utterance_is_one_ogg_stream(rt_server: Server) -> None:
     assert audio[:4] == b"OggS"
     seconds = events[-1]["usage"]["audio_seconds"]
     assert abs(decoded_seconds(audio, "opus") - seconds) < 0.1
+
