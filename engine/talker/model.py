@@ -170,6 +170,17 @@ class TalkerModel:
         self.cache = KVCache(self.backends, len(w.layers), w.talker_shape.kv_dim, n_ctx,
                              self.kv_type, "talk")
 
+    def trim(self) -> None:
+        """Give the talker cache back down to the size reserved at warm-up (after a request
+        that needed more); nothing before ``warm_up``."""
+        if self.cache is None or not self._min_ctx or self.cache.n_ctx <= self._min_ctx:
+            return
+        self._drop_step_graph()
+        self.cache.close()
+        w = self.weights
+        self.cache = KVCache(self.backends, len(w.layers), w.talker_shape.kv_dim, self._min_ctx,
+                             self.kv_type, "talk")
+
     def _drop_step_graph(self) -> None:
         if self._step is not None:
             self._step[1].close()

@@ -83,6 +83,16 @@ class Prompt:
         return int(self.text_ids.shape[0])
 
 
+def check_text(field: str, s: str) -> None:
+    """``InputError`` on ``field`` unless ``s`` can be UTF-8 encoded (a lone surrogate cannot:
+    JSON's ``"\\ud800"`` escape decodes to one, and the tokenizer refuses it)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InputError(field, f"has a lone surrogate U+{ord(s[e.start]):04X} at character "
+                         f"{e.start}: not valid Unicode text") from None
+
+
 def instruct_supported(model_type: str, model_size: str) -> bool:
     """Whether the model honours style instructions.
 
@@ -140,6 +150,12 @@ class PromptBuilder:
     def encode(self, s: str) -> list[int]:
         """Token ids of ``s`` (no BOS is ever added: the Qwen2 tokenizer has none)."""
         return list(self.tokenizer.encode(s).ids)
+
+    def offsets(self, field: str, s: str) -> list[tuple[int, int]]:
+        """(start, end) character spans of the tokens of ``s`` alone; ``InputError`` on
+        ``field`` if ``s`` is not valid Unicode text."""
+        check_text(field, s)
+        return [(int(a), int(b)) for a, b in self.tokenizer.encode(s).offsets]
 
     def resolve_voice(self, voice: str | None) -> str | None:
         """The lower-cased speaker name, or an ``InputError`` listing the valid ones."""
@@ -203,6 +219,9 @@ class PromptBuilder:
         """Validate the request fields and lay out the prompt (module docstring)."""
         if not isinstance(text, str) or not text.strip():
             raise InputError("text", "is empty")
+        check_text("text", text)
+        if instruct is not None:
+            check_text("instruct", instruct)
         if text_mode not in TEXT_MODES:
             raise InputError(
                 "text_mode", f"must be one of {', '.join(TEXT_MODES)}, got {text_mode!r}"
