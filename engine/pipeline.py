@@ -45,7 +45,7 @@ from engine.talker.generate import (
     generate_frames,
     is_cancelled,
 )
-from engine.talker.model import TalkerModel
+from engine.talker.model import PREFILL_CHUNK, TalkerModel
 from engine.talker.prompt import PromptBuilder
 from engine.talker.sampling import SamplingParams, make_rng
 from engine.talker.segment import split_segments
@@ -160,6 +160,7 @@ class Pipeline:
     ``max_instruct_tokens``: the longest text / instruction, in tokens (``InputError`` over
     it). ``segment_tokens``: a longer text is spoken segment by segment, each at most this
     many tokens of whole sentences (``engine.talker.segment``), with its own frame budget.
+    ``prefill_chunk``: prompt positions per prefill graph (``TalkerModel``).
     """
 
     def __init__(self, model: Any, backends: BackendSet, decoder: DecoderModel | None = None,
@@ -169,7 +170,8 @@ class Pipeline:
                  ignore_unsupported_instruct: bool = False,
                  max_text_tokens: int = DEFAULT_MAX_TEXT_TOKENS,
                  max_instruct_tokens: int = DEFAULT_MAX_INSTRUCT_TOKENS,
-                 segment_tokens: int = DEFAULT_SEGMENT_TOKENS) -> None:
+                 segment_tokens: int = DEFAULT_SEGMENT_TOKENS,
+                 prefill_chunk: int = PREFILL_CHUNK) -> None:
         self.model = model
         self.backends = backends
         self._own_decoder = decoder is None
@@ -191,7 +193,7 @@ class Pipeline:
         self.defaults: SamplingParams | None = None
         if "talker" in model.parts:
             self.prompts = PromptBuilder(model, ignore_unsupported_instruct)
-            self.talker = TalkerModel(model, backends, kv_type)
+            self.talker = TalkerModel(model, backends, kv_type, prefill_chunk=prefill_chunk)
             self.defaults = SamplingParams.from_defaults(model.generation_defaults)
             self._max_new_tokens = int(model.generation_defaults.max_new_tokens)
 

@@ -29,6 +29,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from service.audio import CONTENT_TYPES, Encoder, TimeStretch, encode_whole, make_encoder
 from service.errors import ApiError, error_body
+from service.fields import api_field
 from service.logs import REQUEST_LOGGER, round_or_none
 from service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from service.metrics import Metrics
@@ -300,8 +301,9 @@ class SynthesisResponse(Response):
             syn.outcome = "rejected" if status < 500 else "error"
             if status < 500:
                 self.st.metrics.rejections.labels(reason="invalid").inc()
-            err = ApiError(status, str(info.get("message", "synthesis failed")),
-                           field=info.get("field"),
+            field, message = api_field(syn.route, info.get("field"),
+                                       str(info.get("message", "synthesis failed")))
+            err = ApiError(status, message, field=field,
                            code="invalid_value" if status < 500 else "synthesis_failed")
         await err.response(syn.request_id)(scope, receive, send)
 

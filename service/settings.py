@@ -37,6 +37,20 @@ class Settings(BaseSettings):
         default=8, ge=0, le=10000, description="requests allowed to wait for a worker"
     )
     max_text_chars: int = Field(default=4096, ge=1, description="longest accepted text")
+    max_text_tokens: int = Field(
+        default=2048, ge=1, description="longest accepted text in tokens (what costs)"
+    )
+    max_instruct_tokens: int = Field(
+        default=256, ge=1, description="longest accepted instruction in tokens"
+    )
+    segment_tokens: int = Field(
+        default=200, ge=16, le=2048,
+        description="a longer text is spoken in segments of whole sentences of at most this",
+    )
+    prefill_chunk: int = Field(
+        default=256, ge=1, le=4096,
+        description="prompt positions per prefill graph (memory bound; cancel checked between)",
+    )
     request_timeout: float = Field(
         default=300.0, gt=0, description="seconds a request may take, queue wait included"
     )
@@ -93,6 +107,10 @@ class Settings(BaseSettings):
         env["QTTS_LOG_LEVEL"] = self.log_level
         env["QTTS_THREADS"] = str(self.threads_for_workers())
         env["QTTS_PIN_PREFIXES"] = "1" if self.pin_prefixes else "0"
+        env["QTTS_MAX_TEXT_TOKENS"] = str(self.max_text_tokens)
+        env["QTTS_MAX_INSTRUCT_TOKENS"] = str(self.max_instruct_tokens)
+        env["QTTS_SEGMENT_TOKENS"] = str(self.segment_tokens)
+        env["QTTS_PREFILL_CHUNK"] = str(self.prefill_chunk)
         return env
 
     def threads_for_workers(self) -> int:

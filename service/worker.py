@@ -38,13 +38,29 @@ class Synthesizer:
         from engine.backend import BackendSet
         from engine.decoder import DecoderModel
         from engine.gguf_model import open_model
-        from engine.pipeline import Pipeline
+        from engine.pipeline import (
+            DEFAULT_MAX_INSTRUCT_TOKENS,
+            DEFAULT_MAX_TEXT_TOKENS,
+            DEFAULT_SEGMENT_TOKENS,
+            Pipeline,
+        )
+        from engine.talker.model import PREFILL_CHUNK
 
         self.model = open_model(model_path)
         self.backends = BackendSet.from_env(env)
         self.decoder = DecoderModel.load(self.model, self.backends, precision=precision)
-        self.pipeline = Pipeline(self.model, self.backends, self.decoder,
-                                 max_frames_cap=max_frames_cap, chunk_max_frames=chunk_max_frames)
+        # the token caps come in the worker environment (Settings.worker_env)
+        def cap(var: str, default: int) -> int:
+            v = env.get(var, "")
+            return int(v) if v.isdigit() else default
+
+        self.pipeline = Pipeline(
+            self.model, self.backends, self.decoder, max_frames_cap=max_frames_cap,
+            chunk_max_frames=chunk_max_frames,
+            max_text_tokens=cap("QTTS_MAX_TEXT_TOKENS", DEFAULT_MAX_TEXT_TOKENS),
+            max_instruct_tokens=cap("QTTS_MAX_INSTRUCT_TOKENS", DEFAULT_MAX_INSTRUCT_TOKENS),
+            segment_tokens=cap("QTTS_SEGMENT_TOKENS", DEFAULT_SEGMENT_TOKENS),
+            prefill_chunk=cap("QTTS_PREFILL_CHUNK", PREFILL_CHUNK))
 
     @property
     def backend_name(self) -> str:
