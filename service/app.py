@@ -30,6 +30,7 @@ from starlette.types import Message, Receive, Scope, Send
 from service.audio import CONTENT_TYPES, Encoder, TimeStretch, encode_whole, make_encoder
 from service.errors import ApiError, error_body
 from service.fields import api_field
+from service.guard import ErrorGuard
 from service.logs import REQUEST_LOGGER, round_or_none
 from service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from service.metrics import Metrics
@@ -626,6 +627,9 @@ def create_app(settings: Settings | None = None, model: ModelInfo | None = None)
         lifespan=lifespan,
     )
     app.add_middleware(GateMiddleware, state_getter=lambda: holder.get("st"))
+    # outermost: errors nothing answered still get our JSON 500, request id, log line, counter
+    app.add_middleware(ErrorGuard, metrics=lambda: st.metrics if (st := holder.get("st"))
+                       else None, synth_routes=SYNTH_ROUTES)
 
     def state() -> State:
         return holder["st"]
@@ -645,7 +649,10 @@ def create_app(settings: Settings | None = None, model: ModelInfo | None = None)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         errs = exc.errors()
         e: dict[str, Any] = dict(errs[0]) if errs else {"loc": ("body",), "msg": "invalid"}
-        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        # (an unknown field's name is the client's text: a lone surrogate in it would break
+        # the UTF-8 answer; the log formats quote and escape it)
+        loc = [str(x).encode("utf-8", "backslashreplace").decode("utf-8")
+               for x in e.get("loc", ()) if x != "body"]
         field_name = loc[0] if loc else "body"
         where = ".".join(loc) or "body"
         msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
@@ -663,10 +670,7 @@ def create_app(settings: Settings | None = None, model: ModelInfo | None = None)
         return JSONResponse(error_body(exc.status_code, str(exc.detail)),
                             status_code=exc.status_code, headers=exc.headers)
 
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error on %s", request.url.path)
-        return JSONResponse(error_body(500, "internal server error"), status_code=500)
+    # (unexpected exceptions: ErrorGuard above)
 
     # -- health and metadata --
     @app.get("/healthz", tags=["health"], summary="Liveness: the process serves HTTP")

@@ -29,22 +29,36 @@ def _check_codes(v: list[list[int]] | None) -> list[list[int]] | None:
     for i, row in enumerate(v):
         if len(row) != n:
             raise ValueError(f"row {i} has {len(row)} codes, row 0 has {n}: rows must be equal")
-    a = np.asarray(v, dtype=np.int64)
-    bad = np.argwhere((a < 0) | (a >= CODEBOOK_SIZE))
-    if len(bad):
-        i, j = (int(x) for x in bad[0])
-        raise ValueError(f"code {a[i, j]} at [{i}][{j}] is outside 0..{CODEBOOK_SIZE - 1}")
+        # range first, in Python ints: an id past int64 (2**63) must be an error, not numpy's
+        # OverflowError
+        if min(row) < 0 or max(row) >= CODEBOOK_SIZE:
+            j, bad = next((j, c) for j, c in enumerate(row) if not 0 <= c < CODEBOOK_SIZE)
+            raise ValueError(f"code {bad} at [{i}][{j}] is outside 0..{CODEBOOK_SIZE - 1}")
+    return v
+
+
+def _unicode(v: str | None) -> str | None:
+    # JSON may carry a lone surrogate ("\ud800"): no tokenizer, encoder or log takes it
+    if v is not None:
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"has a lone surrogate U+{ord(v[e.start]):04X} at character "
+                             f"{e.start}: not valid Unicode text") from None
     return v
 
 
 Codes = Annotated[list[list[StrictInt]] | None, AfterValidator(_check_codes)]
+Text = Annotated[str, AfterValidator(_unicode)]
+MIN_TEMPERATURE = 0.01  # the engine's floor (engine.talker.sampling): colder is argmax anyway
 
 
 class Sampling(BaseModel):
     """Sampling overrides for text requests (capped again by the server settings)."""
 
     seed: int | None = Field(default=None, ge=0, le=2**32 - 1, description="random seed")
-    temperature: float | None = Field(default=None, gt=0, description="sampling temperature")
+    temperature: float | None = Field(default=None, ge=MIN_TEMPERATURE,
+                                      description="sampling temperature (>= 0.01)")
     top_k: int | None = Field(default=None, ge=1, description="top-k cut")
     top_p: float | None = Field(default=None, gt=0, le=1, description="nucleus cut")
     repetition_penalty: float | None = Field(default=None, ge=1.0, description="≥ 1")
@@ -55,13 +69,13 @@ class TTSRequest(Sampling):
 
     model_config = ConfigDict(extra="forbid")
 
-    text: str | None = Field(default=None, description="text to speak (needs a talker model)")
+    text: Text | None = Field(default=None, description="text to speak (needs a talker model)")
     codes: Codes = Field(
         default=None, description="codec frames [16][T], ids 0..2047, instead of text"
     )
-    voice: str | None = Field(default=None, description="speaker name (GET /v1/audio/voices)")
-    language: str | None = Field(default=None, description="language name, e.g. english")
-    instruct: str | None = Field(default=None, description="style instruction (text requests)")
+    voice: Text | None = Field(default=None, description="speaker name (GET /v1/audio/voices)")
+    language: Text | None = Field(default=None, description="language name, e.g. english")
+    instruct: Text | None = Field(default=None, description="style instruction (text requests)")
     format: AudioFormat = Field(default="wav", description="wav | pcm | flac | mp3 | opus | aac")
     stream: bool = Field(default=True, description="chunked streaming (true) or one file")
     speed: float = Field(default=1.0, ge=0.25, le=4.0, description="playback speed 0.25..4")
@@ -70,7 +84,7 @@ class TTSRequest(Sampling):
 
 class VoiceRef(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    id: str
+    id: Text
 
 
 class SpeechRequest(Sampling):
@@ -78,16 +92,16 @@ class SpeechRequest(Sampling):
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str = Field(description="model id (GET /v1/models); one model is served")
-    input: str = Field(description="text to speak; empty when `codes` is sent")
-    voice: str | VoiceRef = Field(description="voice name (GET /v1/audio/voices)")
-    instructions: str | None = Field(default=None, description="style instruction")
+    model: Text = Field(description="model id (GET /v1/models); one model is served")
+    input: Text = Field(description="text to speak; empty when `codes` is sent")
+    voice: Text | VoiceRef = Field(description="voice name (GET /v1/audio/voices)")
+    instructions: Text | None = Field(default=None, description="style instruction")
     response_format: AudioFormat = Field(default="mp3", description="mp3|opus|aac|flac|wav|pcm")
     speed: float = Field(default=1.0, ge=0.25, le=4.0, description="0.25..4.0 (time-stretch)")
     stream_format: Literal["audio", "sse"] = Field(default="audio", description="audio | sse")
     # qtts extensions (send with the openai client's extra_body)
     codes: Codes = Field(default=None, description="qtts: frames [16][T]")
-    language: str | None = Field(default=None, description="qtts: language name")
+    language: Text | None = Field(default=None, description="qtts: language name")
     stream: bool = Field(default=True, description="qtts: false = one file with Content-Length")
     max_seconds: float | None = Field(default=None, gt=0, description="qtts: cap on audio")
 
