@@ -553,7 +553,8 @@ class GateMiddleware:
                                headers={"WWW-Authenticate": "Bearer"})
                 await reject(err, "unauthorized")
                 return
-        if scope["method"] != "POST":
+        if scope["method"] != "POST" or route is None:
+            # (a POST to a GET-only route goes on to the router: 405, not a body check)
             await self.app(scope, receive, send)
             return
         ctype = headers.get("content-type", "").split(";")[0].strip().lower()
@@ -571,8 +572,17 @@ class GateMiddleware:
             return
         chunks: list[bytes] = []
         size = 0
+        # the whole body within body_timeout: a client that trickles or stalls is let go
+        deadline = time.monotonic() + st.settings.body_timeout
         while True:
-            msg = await receive()
+            try:
+                msg = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                await reject(ApiError(408, f"request body not received within "
+                                      f"{st.settings.body_timeout:g} s", field="body",
+                                      code="request_timeout",
+                                      headers={"Connection": "close"}), "invalid")
+                return
             if msg["type"] == "http.disconnect":
                 return
             body = msg.get("body", b"")

@@ -70,6 +70,20 @@ class Settings(BaseSettings):
     drain_seconds: float = Field(
         default=30.0, ge=0, description="on SIGTERM: how long in-flight requests may finish"
     )
+    shutdown_delay_seconds: float = Field(
+        default=5.0, ge=0,
+        description="on SIGTERM: readiness answers 503 this long at least before the listener "
+        "closes (a load balancer's probes see it); within drain_seconds",
+    )
+    header_timeout: float = Field(
+        default=10.0, gt=0, description="seconds a connection has to send a request's headers"
+    )
+    body_timeout: float = Field(
+        default=30.0, gt=0, description="seconds a request has to send its whole body (408)"
+    )
+    keepalive_timeout: int = Field(
+        default=5, ge=1, description="an idle keep-alive connection is closed after this"
+    )
     cancel_grace_seconds: float = Field(
         default=10.0, gt=0, description="a worker that ignores a cancel this long is killed"
     )
