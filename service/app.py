@@ -43,6 +43,9 @@ SYNTH_ROUTES = ("/tts", "/v1/audio/speech")
 API_PREFIXES = ("/tts", "/v1/")
 log = logging.getLogger("qtts.app")
 reqlog = logging.getLogger(REQUEST_LOGGER)
+# nginx's code for "client closed the request before any response": what the request line
+# says when the client left before the status line went out
+CLIENT_CLOSED = 499
 _REQ_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 
 
@@ -225,8 +228,16 @@ class SynthesisResponse(Response):
             _finish_log(st, syn, admitted=False)
             return
         watcher = asyncio.create_task(self._watch_disconnect(receive))
+        started = False
+
+        async def send_tracked(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
         try:
-            await self._run(scope, receive, send)
+            await self._run(scope, receive, send_tracked)
         except _Abort:
             pass  # returning without the final empty chunk makes uvicorn drop the connection
         except OSError:  # the client went away while we were writing
@@ -240,6 +251,8 @@ class SynthesisResponse(Response):
             watcher.cancel()
             if self.ticket is not None and self.ticket.state != "finished":
                 st.pool.cancel(self.ticket)
+            if syn.outcome == "client_gone" and not started:
+                syn.status = CLIENT_CLOSED  # no status was ever sent: never log a 200
             _finish_log(st, syn, admitted=True)
 
     async def _watch_disconnect(self, receive: Receive) -> None:

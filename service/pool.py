@@ -77,6 +77,7 @@ class WorkerHandle:
     info: dict[str, Any] = field(default_factory=dict)
     started_at: float = field(default_factory=time.monotonic)
     jobs_done: int = 0
+    idle_since: float = 0.0
 
     @property
     def pid(self) -> int | None:
@@ -215,10 +216,11 @@ class WorkerPool:
                 t.worker.cancel.value = t.job.id
 
     def _idle_worker(self) -> WorkerHandle | None:
-        for w in self._workers:
-            if w is not None and w.state == "idle":
-                return w
-        return None
+        # The idle worker that has waited longest: sequential requests go round the workers,
+        # so every one stays warm (its pages, caches and graphs in use) instead of the first
+        # taking all the work while the others go cold. Any warm worker answers as fast.
+        idle = [w for w in self._workers if w is not None and w.state == "idle"]
+        return min(idle, key=lambda w: w.idle_since) if idle else None
 
     def _dispatch(self) -> None:
         while self._waiting:
@@ -244,6 +246,7 @@ class WorkerPool:
         if kind == "ready":
             w.info = msg[1]
             w.state = "idle"
+            w.idle_since = time.monotonic()
             self._start_failures[w.index] = 0
             self.last_fatal = None
             self.backend = self.backend or str(w.info.get("backend"))
@@ -270,6 +273,7 @@ class WorkerPool:
             w.jobs_done += 1
             if not self.stopping:
                 w.state = "idle"
+                w.idle_since = time.monotonic()
                 self._dispatch()
         self._update_gauges()
 

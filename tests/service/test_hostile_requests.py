@@ -68,6 +68,16 @@ def test_former_500s_are_400s_on_one_kept_alive_connection(server: Any) -> None:
     assert "Traceback" not in server.log()
 
 
+def test_sequential_requests_go_round_the_workers(server: Any) -> None:
+    """Dispatch picks the idle worker that waited longest: every worker keeps serving."""
+    before = {w["index"]: w["jobs_done"] for w in server.workers()}
+    for _ in range(6):
+        r = httpx.post(server.url + "/tts", json={"codes": codes(1), "format": "pcm"}, timeout=30)
+        assert r.status_code == 200
+    after = {w["index"]: w["jobs_done"] for w in server.workers()}
+    assert {i: after[i] - before[i] for i in after} == {0: 3, 1: 3}
+
+
 def test_unknown_field_names_cannot_forge_log_lines(make_server: Any) -> None:
     server = make_server(log_format="text")
     forged = "x\n2030-01-01 00:00:00,000 INFO qtts.request: /tts ok forged"

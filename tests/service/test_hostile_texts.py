@@ -108,4 +108,5 @@ def test_cancel_during_a_long_prefill_frees_the_worker(make_server: Any, tokeniz
     assert "unresponsive" not in server.log()
     (line,) = [x for x in server.request_lines() if x.get("route") == "/tts"]
     assert line["outcome"] == "client_gone" and line["frames"] == 0
+    assert line["status"] == 499  # it left before any status line: not logged as a 200
     assert speak(server, "/tts", "Still here.").status_code == 200
