@@ -34,6 +34,8 @@ from service.guard import ErrorGuard
 from service.logs import REQUEST_LOGGER, round_or_none
 from service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from service.metrics import Metrics
+from service.openapi import ERRORS_GET, ERRORS_GET_API, ERRORS_SYNTH
+from service.openapi import install as install_openapi
 from service.pool import PoolDraining, PoolFull, PoolNotReady, Ticket, WorkerPool
 from service.schemas import Job, Sampling, SpeechRequest, TTSRequest
 from service.settings import FRAME_RATE, SAMPLE_RATE, Settings
@@ -696,13 +698,17 @@ def create_app(settings: Settings | None = None, model: ModelInfo | None = None)
     # (unexpected exceptions: ErrorGuard above)
 
     # -- health and metadata --
-    @app.get("/healthz", tags=["health"], summary="Liveness: the process serves HTTP")
+    @app.get("/healthz", tags=["health"], summary="Liveness: the process serves HTTP",
+             responses=ERRORS_GET)
     async def healthz() -> dict[str, Any]:
         st = state()
         return {"status": "ok", "workers": st.pool.describe()}
 
     @app.get("/readyz", tags=["health"],
-             summary="Readiness: model loaded and every worker warm (503 before)")
+             summary="Readiness: model loaded and every worker warm (503 before and while "
+             "draining)",
+             responses={503: {"description": "starting or draining (JSON status)"},
+                        **ERRORS_GET})
     async def readyz() -> JSONResponse:
         st = state()
         ready = st.pool.ready
@@ -714,14 +720,16 @@ def create_app(settings: Settings | None = None, model: ModelInfo | None = None)
             body["last_error"] = st.pool.last_fatal
         return JSONResponse(body, status_code=200 if ready else 503)
 
-    @app.get("/metrics", tags=["health"], summary="Prometheus metrics")
+    @app.get("/metrics", tags=["health"], summary="Prometheus metrics (text format)",
+             response_class=PlainTextResponse, responses=ERRORS_GET)
     async def metrics() -> Response:
         st = state()
         if st.pool.backend:
             st.metrics.set_build_info(VERSION, st.pool.backend, st.settings.model_name)
         return Response(st.metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
-    @app.get("/v1/models", tags=["openai"], summary="The served model (OpenAI list shape)")
+    @app.get("/v1/models", tags=["openai"], summary="The served model (OpenAI list shape)",
+             responses=ERRORS_GET_API)
     async def models() -> dict[str, Any]:
         st = state()
         return {"object": "list", "data": [{
@@ -730,7 +738,8 @@ def create_app(settings: Settings | None = None, model: ModelInfo | None = None)
             "model_type": st.model.model_type, "text": st.model.text_ready,
         }]}
 
-    @app.get("/v1/audio/voices", tags=["openai"], summary="Voices and languages of the model")
+    @app.get("/v1/audio/voices", tags=["openai"], summary="Voices and languages of the model",
+             responses=ERRORS_GET_API)
     async def voices() -> dict[str, Any]:
         st = state()
         return {
@@ -749,7 +758,7 @@ def create_app(settings: Settings | None = None, model: ModelInfo | None = None)
         "/tts", tags=["synthesis"], response_class=Response,
         summary="Synthesize text, or decode codes [16][T]; streamed by default",
         responses={200: {"content": {t: {} for t in CONTENT_TYPES.values()},
-                         "description": "audio (chunked when stream=true)"}},
+                         "description": "audio (chunked when stream=true)"}, **ERRORS_SYNTH},
     )
     async def tts(body: TTSRequest, request: Request) -> Response:
         st = state()
@@ -767,7 +776,9 @@ def create_app(settings: Settings | None = None, model: ModelInfo | None = None)
         "/v1/audio/speech", tags=["openai"], response_class=Response,
         summary="OpenAI-compatible speech (stream_format audio | sse)",
         responses={200: {"content": {**{t: {} for t in CONTENT_TYPES.values()},
-                                     "text/event-stream": {}}}},
+                                     "text/event-stream": {}},
+                         "description": "audio, or server-sent events (stream_format sse)"},
+                   **ERRORS_SYNTH},
     )
     async def speech(body: SpeechRequest, request: Request) -> Response:
         st = state()
@@ -786,5 +797,7 @@ def create_app(settings: Settings | None = None, model: ModelInfo | None = None)
     async def root() -> PlainTextResponse:
         return PlainTextResponse("qtts: POST /tts, POST /v1/audio/speech; docs at /docs\n")
 
+    install_openapi(app, settings,
+                    lambda: holder["st"].model if "st" in holder else model)
     return app
 
