@@ -1,7 +1,9 @@
 """Request bodies of the HTTP API and the job a worker receives.
 
-Static checks live on the pydantic models (types, ranges, codes shape); checks that need the
-server settings or the loaded model (caps, voices, languages, talker) live in ``app.py``.
+Static checks live on the pydantic models (types, ranges, codes shape; strict types, as the
+OpenAPI document says: no ``true`` for a number, ``"1"`` or ``1.5`` for an integer); checks
+that need the server settings or the loaded model (caps, voices, languages, talker) live in
+``app.py``.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ class Sampling(BaseModel):
 class TTSRequest(Sampling):
     """``POST /tts``: synthesize ``text``, or decode ``codes`` [16, T] (decoder-only use)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     text: Text | None = Field(default=None, description="text to speak (needs a talker model)")
     codes: Codes = Field(
@@ -83,14 +85,14 @@ class TTSRequest(Sampling):
 
 
 class VoiceRef(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     id: Text
 
 
 class SpeechRequest(Sampling):
     """``POST /v1/audio/speech``: OpenAI's speech request, plus qtts extensions."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: Text = Field(description="model id (GET /v1/models); one model is served")
     input: Text = Field(description="text to speak; empty when `codes` is sent")
