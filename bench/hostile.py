@@ -1,6 +1,6 @@
 """Hostile texts against a real server: time per request and the worker's peak and settled RSS.
 
-Starts ``python -m service serve`` (one worker) on 127.0.0.1 at a free port with the model,
+Starts ``python -m cli serve`` (one worker) on 127.0.0.1 at a free port with the model,
 waits for /readyz, sends one warm-up request and reads the worker's steady RSS, then sends each
 hostile text once (streaming pcm, ``max_seconds`` as the attack did) while sampling the
 worker's RSS every 10 ms. Per text it prints the answer's status, the tokens, the wall time,
@@ -136,7 +136,7 @@ def main() -> int:
            "QTTS_MAX_TEXT_TOKENS": str(args.token_cap)}
     if args.threads:
         env["QTTS_THREADS_PER_WORKER"] = str(args.threads)
-    proc = subprocess.Popen([sys.executable, "-m", "service", "serve"], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "serve"], cwd=ROOT, env=env,
                             start_new_session=True)
     failed = []
     try:

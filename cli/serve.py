@@ -72,15 +72,3 @@ def run_serve(args: argparse.Namespace) -> int:
     if not server.started:
         return 1
     return 0 if server.clean else 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m service")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_serve_parser(sub)
-    args = parser.parse_args(argv)
-    return int(args.func(args))
-
-
-if __name__ == "__main__":
-    sys.exit(main())
