@@ -26,6 +26,7 @@ a worker process owns one. See docs/talker.md for the frame-budget formula and t
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 import time
 from collections.abc import Callable, Generator
@@ -409,13 +410,19 @@ class Pipeline:
             self.decoder.close()
 
 
+@functools.cache
+def _libc() -> Any:
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc
+        return None
+
+
 def _malloc_trim() -> None:
     # glibc keeps freed heap pages (numpy's mid-sized arrays) unless asked to return them
-    try:
-        libc = ctypes.CDLL("libc.so.6")
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
         libc.malloc_trim(ctypes.c_size_t(0))
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 def _cancel_fn(cancel: Cancel) -> Callable[[], bool] | None:
