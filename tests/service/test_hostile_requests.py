@@ -68,6 +68,20 @@ def test_former_500s_are_400s_on_one_kept_alive_connection(server: Any) -> None:
     assert "Traceback" not in server.log()
 
 
+def test_worker_errors_name_the_openai_fields(server: Any) -> None:
+    """The engine says text/instruct; the OpenAI route's client sent input/instructions."""
+    body = {"model": "qtts", "input": "\U0001f600" * 2100, "voice": "ryan"}  # > 2048 tokens
+    r = httpx.post(server.url + "/v1/audio/speech", json=body, timeout=60)
+    assert r.status_code == 400
+    err = r.json()["error"]
+    assert err["field"] == "input" and err["message"].startswith("input: ")
+    assert "tokens; the limit is 2048" in err["message"]
+    # (this tiny CustomVoice model does not honour instructions: the worker refuses them)
+    body = {"model": "qtts", "input": "hi", "voice": "ryan", "instructions": "whisper"}
+    r = httpx.post(server.url + "/v1/audio/speech", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["field"] == "instructions"
+
+
 def test_sequential_requests_go_round_the_workers(server: Any) -> None:
     """Dispatch picks the idle worker that waited longest: every worker keeps serving."""
     before = {w["index"]: w["jobs_done"] for w in server.workers()}
