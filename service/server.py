@@ -119,6 +119,8 @@ class QttsServer(uvicorn.Server):
             loop = asyncio.get_event_loop()
             loop.call_soon_threadsafe(self._start_drain, st)
             return
+        if self.draining and not self.should_exit:
+            self.clean = False  # a second signal cuts the drain short
         super().handle_exit(sig, frame)
         # uvicorn re-raises the signals it caught once it has stopped, which turns a clean
         # shutdown into exit status 143 (SIGTERM); our exit status says how the drain went
