@@ -41,6 +41,7 @@ def run_serve(args: argparse.Namespace) -> int:
     """Start uvicorn with the settings; returns the process exit code."""
 
     from service.app import ModelInfo, create_app
+    from service.listen import bind
     from service.logs import setup_logging
     from service.server import make_server
     from service.settings import Settings
@@ -65,10 +66,16 @@ def run_serve(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"qtts serve: {settings.model}: {e.strerror or e}", file=sys.stderr)
         return 2
+    try:  # before any worker loads the model: a taken port fails now, not after the load
+        sock = bind(settings.host, settings.port)
+    except OSError as e:
+        print(f"qtts serve: cannot listen on {settings.host}:{settings.port}: "
+              f"{e.strerror or e} (QTTS_HOST / QTTS_PORT)", file=sys.stderr)
+        return 2
 
     app = create_app(settings, info)
     server = make_server(app, settings)
-    server.run()
+    server.run(sockets=[sock])
     if not server.started:
         return 1
     return 0 if server.clean else 1

@@ -17,8 +17,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, Field
 
-from service.schemas import CODEBOOK_SIZE, N_CODEBOOKS
-from service.settings import FRAME_RATE, Settings
+from service.settings import Settings
 
 
 class ErrorDetail(BaseModel):
@@ -80,8 +79,8 @@ def install(app: FastAPI, settings: Settings, model: Callable[[], Any]) -> None:
 
 def _apply(doc: dict[str, Any], s: Settings, info: Any) -> None:
     schemas = doc.get("components", {}).get("schemas", {})
-    voices = list(getattr(info, "speakers", []) or [])
-    languages = ["auto", *getattr(info, "languages", [])] if info is not None else []
+    voices = list(info.voices) if info is not None else []
+    languages = list(info.languages) if info is not None else []
     caps = {"temperature": s.max_temperature, "top_k": s.max_top_k,
             "repetition_penalty": s.max_repetition_penalty,
             "max_seconds": s.max_audio_seconds}
@@ -98,21 +97,22 @@ def _apply(doc: dict[str, Any], s: Settings, info: Any) -> None:
         for key, cap in caps.items():
             if key in props:
                 _number_bound(props[key], cap)
-        if "codes" in props:
-            _codes_shape(props["codes"], int(s.max_audio_seconds * FRAME_RATE))
+        if "codes" in props and info is not None:
+            _codes_shape(props["codes"], info.n_codebooks, info.codebook_size,
+                         info.frames(s.max_audio_seconds))
     ref = schemas.get("VoiceRef", {}).get("properties", {})
     if voices and "id" in ref:
         _enum_strings(ref["id"], voices)
 
 
-def _codes_shape(prop: dict[str, Any], max_frames: int) -> None:
-    # [16][T]: 16 rows of 1..max_frames ids in 0..2047 (rows of equal length: not expressible)
+def _codes_shape(prop: dict[str, Any], rows: int, size: int, max_frames: int) -> None:
+    # [codebooks][T]: that many rows of 1..max_frames ids in 0..size-1 (rows of equal length
+    # cannot be said in JSON Schema)
     for alt in _alternatives(prop):
         if alt.get("type") == "array":
-            alt.update(minItems=N_CODEBOOKS, maxItems=N_CODEBOOKS)
+            alt.update(minItems=rows, maxItems=rows)
             alt["items"] = {"type": "array", "minItems": 1, "maxItems": max(1, max_frames),
-                            "items": {"type": "integer", "minimum": 0,
-                                      "maximum": CODEBOOK_SIZE - 1}}
+                            "items": {"type": "integer", "minimum": 0, "maximum": size - 1}}
 
 
 def _alternatives(prop: dict[str, Any]) -> list[dict[str, Any]]:

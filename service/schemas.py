@@ -1,42 +1,20 @@
-"""Request bodies of the HTTP API and the job a worker receives.
+"""Request bodies of the HTTP API.
 
-Static checks live on the pydantic models (types, ranges, codes shape; strict types, as the
-OpenAPI document says: no ``true`` for a number, ``"1"`` or ``1.5`` for an integer); checks
-that need the server settings or the loaded model (caps, voices, languages, talker) live in
-``app.py``.
+Static checks live on the pydantic models (types, ranges; strict types, as the OpenAPI
+document says: no ``true`` for a number, ``"1"`` or ``1.5`` for an integer, and text that is
+valid Unicode); checks that need the server settings or the model (caps, the codes' shape and
+ids, voices, languages, talker) live in ``validation.py``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
-import numpy as np
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt
 
 FORMATS = ("wav", "pcm", "flac", "mp3", "opus", "aac")
 AudioFormat = Literal["wav", "pcm", "flac", "mp3", "opus", "aac"]
-N_CODEBOOKS = 16
-CODEBOOK_SIZE = 2048
-
-
-def _check_codes(v: list[list[int]] | None) -> list[list[int]] | None:
-    if v is None:
-        return v
-    if len(v) != N_CODEBOOKS:
-        raise ValueError(f"expected {N_CODEBOOKS} rows (one per codebook), got {len(v)}")
-    n = len(v[0])
-    if n == 0:
-        raise ValueError("no frames: each row must hold at least one code")
-    for i, row in enumerate(v):
-        if len(row) != n:
-            raise ValueError(f"row {i} has {len(row)} codes, row 0 has {n}: rows must be equal")
-        # range first, in Python ints: an id past int64 (2**63) must be an error, not numpy's
-        # OverflowError
-        if min(row) < 0 or max(row) >= CODEBOOK_SIZE:
-            j, bad = next((j, c) for j, c in enumerate(row) if not 0 <= c < CODEBOOK_SIZE)
-            raise ValueError(f"code {bad} at [{i}][{j}] is outside 0..{CODEBOOK_SIZE - 1}")
-    return v
+Codes = list[list[StrictInt]] | None
 
 
 def _unicode(v: str | None) -> str | None:
@@ -50,7 +28,6 @@ def _unicode(v: str | None) -> str | None:
     return v
 
 
-Codes = Annotated[list[list[StrictInt]] | None, AfterValidator(_check_codes)]
 Text = Annotated[str, AfterValidator(_unicode)]
 MIN_TEMPERATURE = 0.01  # the engine's floor (engine.talker.sampling): colder is argmax anyway
 
@@ -67,13 +44,14 @@ class Sampling(BaseModel):
 
 
 class TTSRequest(Sampling):
-    """``POST /tts``: synthesize ``text``, or decode ``codes`` [16, T] (decoder-only use)."""
+    """``POST /tts``: synthesize ``text``, or decode ``codes`` [codebooks, T] (decoder-only use)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
     text: Text | None = Field(default=None, description="text to speak (needs a talker model)")
     codes: Codes = Field(
-        default=None, description="codec frames [16][T], ids 0..2047, instead of text"
+        default=None, description="codec frames [codebooks][T] (16 rows of ids 0..2047 for "
+        "Qwen3-TTS), instead of text"
     )
     voice: Text | None = Field(default=None, description="speaker name (GET /v1/audio/voices)")
     language: Text | None = Field(default=None, description="language name, e.g. english")
@@ -102,7 +80,7 @@ class SpeechRequest(Sampling):
     speed: float = Field(default=1.0, ge=0.25, le=4.0, description="0.25..4.0 (time-stretch)")
     stream_format: Literal["audio", "sse"] = Field(default="audio", description="audio | sse")
     # qtts extensions (send with the openai client's extra_body)
-    codes: Codes = Field(default=None, description="qtts: frames [16][T]")
+    codes: Codes = Field(default=None, description="qtts: frames [codebooks][T]")
     language: Text | None = Field(default=None, description="qtts: language name")
     stream: bool = Field(default=True, description="qtts: false = one file with Content-Length")
     max_seconds: float | None = Field(default=None, gt=0, description="qtts: cap on audio")
@@ -110,19 +88,3 @@ class SpeechRequest(Sampling):
     @property
     def voice_name(self) -> str:
         return self.voice.id if isinstance(self.voice, VoiceRef) else self.voice
-
-
-@dataclass
-class Job:
-    """What a worker receives: one synthesis, already validated."""
-
-    id: int
-    kind: Literal["codes", "text"]
-    codes: np.ndarray[Any, Any] | None = None  # int32 [16, T]
-    text: str | None = None
-    voice: str | None = None
-    language: str | None = None
-    instruct: str | None = None
-    sampling: dict[str, Any] = field(default_factory=dict)
-    max_frames: int = 0
-    chunk_max_frames: int = 8
