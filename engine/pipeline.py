@@ -57,7 +57,7 @@ from engine.timings import StageTimings
 DEFAULT_MAX_TEXT_TOKENS = 2048
 DEFAULT_MAX_INSTRUCT_TOKENS = 256
 DEFAULT_SEGMENT_TOKENS = 200
-# 16: the ramp then costs <= 1.1x an offline decode (bench/decoder.py); 8 costs ~1.12x in fast mode
+# 16: the ramp then costs little more than an offline decode (docs/performance.md, Decoder)
 DEFAULT_CHUNK_MAX_FRAMES = 16
 Cancel = threading.Event | Callable[[], bool] | None
 
