@@ -73,9 +73,15 @@ def _add_make_model(sub: SubParsers) -> None:
         ),
     )
     p.add_argument("out_dir", help="output folder")
-    p.add_argument("--size", choices=SIZES, required=True, help="tiny (tests) or full (0.6B)")
+    p.add_argument(
+        "--size", choices=SIZES, required=True,
+        help="tiny (tests), 0.6b (= full) or 1.7b (released dims)",
+    )
     p.add_argument("--seed", type=int, default=0, help="random seed (0)")
-    p.add_argument("--variant", choices=VARIANTS, default="custom_voice")
+    p.add_argument(
+        "--variant", choices=VARIANTS, default="custom_voice",
+        help="custom_voice (named speakers), base (voice cloning) or voice_design",
+    )
     p.add_argument(
         "--dtype", choices=list(DTYPES), default=None, help="GGUF weight type (f16 full, f32 tiny)"
     )
