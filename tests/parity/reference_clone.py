@@ -1,0 +1,40 @@
+"""The official voice-cloning path (``qwen-tts`` 0.1.1) on a ``qtts make-model`` checkpoint.
+
+For parity tests and benchmarks only; ``engine/`` never imports it. ``Qwen3TTSModel`` loads the
+checkpoint folder make-model writes (released layout), so both sides read the same weights.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from tests.parity import reference as ref
+
+
+@functools.cache
+def load_model(folder: str) -> Any:
+    """``Qwen3TTSModel.from_pretrained(folder)`` in float32 on the CPU (cached per folder)."""
+    r = ref.import_reference()
+    from qwen_tts import Qwen3TTSModel  # type: ignore[import-untyped]
+
+    r.torch.set_num_threads(2)
+    return Qwen3TTSModel.from_pretrained(folder, dtype=r.torch.float32)
+
+
+def x_vector(folder: Path, wav24k: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+    """``extract_speaker_embedding`` of the reference (24 kHz input)."""
+    m = load_model(str(folder))
+    out = m.model.extract_speaker_embedding(np.asarray(wav24k, np.float32), 24000)
+    return np.asarray(out.float().numpy(), np.float32)
+
+
+def encode(folder: Path, wav: npt.NDArray[np.float32], sr: int = 24000) -> npt.NDArray[np.int64]:
+    """``speech_tokenizer.encode(wav, sr)`` of the reference: codes ``[T, 16]``."""
+    m = load_model(str(folder))
+    enc = m.model.speech_tokenizer.encode(np.asarray(wav, np.float32), sr=sr)
+    return np.asarray(enc.audio_codes[0].numpy(), np.int64)
