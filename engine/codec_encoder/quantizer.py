@@ -26,7 +26,8 @@ def codebook(embed_sum: npt.NDArray[np.float32], usage: npt.NDArray[np.float32]
 def half_norms(embed: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
     """``|e|^2 / 2`` per entry, shaped ``[1, size]``: the score is ``x.e - |e|^2 / 2``."""
     e = embed.astype(np.float64)
-    return (0.5 * (e * e).sum(axis=1))[None, :].astype(np.float32)
+    out: npt.NDArray[np.float32] = (0.5 * (e * e).sum(axis=1))[None, :].astype(np.float32)
+    return out
 
 
 def encode(ctx: Any, W: Callable[[str], Tensor], c: CodecEncoderConfig, x: Tensor) -> Tensor:
