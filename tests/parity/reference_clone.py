@@ -38,3 +38,29 @@ def encode(folder: Path, wav: npt.NDArray[np.float32], sr: int = 24000) -> npt.N
     m = load_model(str(folder))
     enc = m.model.speech_tokenizer.encode(np.asarray(wav, np.float32), sr=sr)
     return np.asarray(enc.audio_codes[0].numpy(), np.int64)
+
+
+def clone_codes(folder: Path, wav: npt.NDArray[np.float32], sr: int, text: str, language: str,
+                ref_text: str | None, x_vector_only: bool, non_streaming: bool,
+                frames: int) -> npt.NDArray[np.int32]:  # fmt: skip
+    """Greedy codes ``[16, T]`` of the official ``generate_voice_clone`` (reference part cut)."""
+    m = load_model(str(folder))
+    captured: dict[str, Any] = {}
+    inner = m.model.generate
+
+    def gen(*a: Any, **kw: Any) -> Any:
+        codes_list, hidden = inner(*a, **kw)
+        captured["codes"] = codes_list[0].numpy()
+        return codes_list, hidden
+
+    m.model.generate = gen
+    try:
+        m.generate_voice_clone(
+            text=text, language=language, ref_audio=(np.asarray(wav, np.float32), sr),
+            ref_text=ref_text, x_vector_only_mode=x_vector_only,
+            non_streaming_mode=non_streaming, do_sample=False, subtalker_dosample=False,
+            max_new_tokens=frames + 1,
+        )
+    finally:
+        del m.model.generate
+    return np.ascontiguousarray(captured["codes"].T, dtype=np.int32)
