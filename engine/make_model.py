@@ -324,9 +324,10 @@ def build_configs(
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """``(root config, speech-tokenizer config, generation config)`` for a size.
 
-    ``overrides`` may hold ``"decoder"``, ``"talker"``, ``"cp"`` dicts merged into the
-    respective config sections (tests use it to build unusual layouts). Text special ids are
-    filled in by ``make_checkpoint`` from the tokenizer it writes.
+    ``overrides`` may hold ``"decoder"``, ``"talker"``, ``"cp"``, ``"speaker"``, ``"mimi"`` and
+    ``"root"`` dicts merged into the respective config sections (tests use it to build
+    unusual layouts). Text special ids are filled in by ``make_checkpoint`` from the tokenizer
+    it writes.
     """
     if size not in SIZES:
         raise ConversionError("--size", f"{size!r} is not one of {', '.join(SIZES)}")
@@ -418,6 +419,7 @@ def build_configs(
         "torch_dtype": "bfloat16",
         "transformers_version": "4.57.3",
         SYNTHETIC_MARKER: True,
+        **ov.get("root", {}),
     }
     gen = {
         "do_sample": True,

@@ -40,6 +40,42 @@ def encode(folder: Path, wav: npt.NDArray[np.float32], sr: int = 24000) -> npt.N
     return np.asarray(enc.audio_codes[0].numpy(), np.int64)
 
 
+def _capture(m: Any, call: Any) -> npt.NDArray[np.int32]:
+    captured: dict[str, Any] = {}
+    inner = m.model.generate
+
+    def gen(*a: Any, **kw: Any) -> Any:
+        codes_list, hidden = inner(*a, **kw)
+        captured["codes"] = codes_list[0].numpy()
+        return codes_list, hidden
+
+    m.model.generate = gen
+    try:
+        call()
+    finally:
+        del m.model.generate
+    return np.ascontiguousarray(captured["codes"].T, dtype=np.int32)
+
+
+def design_codes(folder: Path, text: str, instruct: str, language: str, non_streaming: bool,
+                 frames: int) -> npt.NDArray[np.int32]:  # fmt: skip
+    """Greedy codes ``[16, T]`` of the official ``generate_voice_design``."""
+    m = load_model(str(folder))
+    return _capture(m, lambda: m.generate_voice_design(
+        text=text, instruct=instruct, language=language, non_streaming_mode=non_streaming,
+        do_sample=False, subtalker_dosample=False, max_new_tokens=frames + 1))
+
+
+def custom_codes(folder: Path, text: str, speaker: str, language: str, instruct: str | None,
+                 non_streaming: bool, frames: int) -> npt.NDArray[np.int32]:  # fmt: skip
+    """Greedy codes ``[16, T]`` of the official ``generate_custom_voice``."""
+    m = load_model(str(folder))
+    return _capture(m, lambda: m.generate_custom_voice(
+        text=text, speaker=speaker, language=language, instruct=instruct,
+        non_streaming_mode=non_streaming, do_sample=False, subtalker_dosample=False,
+        max_new_tokens=frames + 1))
+
+
 def clone_codes(folder: Path, wav: npt.NDArray[np.float32], sr: int, text: str, language: str,
                 ref_text: str | None, x_vector_only: bool, non_streaming: bool,
                 frames: int) -> npt.NDArray[np.int32]:  # fmt: skip
