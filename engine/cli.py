@@ -1,4 +1,4 @@
-"""The ``qtts`` command line: ``qtts convert | make-model | info | decode | synth | serve``.
+"""The ``qtts`` command line: convert, make-model, info, decode, synth, clone-voice, serve.
 
 Each subcommand is two small functions: ``_add_<name>(subparsers)`` declares its arguments and
 ``_cmd_<name>(args) -> int`` runs it. ``main`` maps every ``QttsError`` to one line
@@ -202,6 +202,28 @@ def _add_voices(sub: SubParsers) -> None:
     p.set_defaults(func=_cmd_voices)
 
 
+def _add_clone_voice(sub: SubParsers) -> None:
+    from engine.clone.cli import add_clone_voice_arguments
+
+    p = sub.add_parser(
+        "clone-voice",
+        help="clone a voice from reference audio into a .qvoice file (Base models)",
+        description=(
+            "Encode reference speech (and its transcript) with a Base model's speaker encoder "
+            "and speech-tokenizer encoder into a small .qvoice file for `qtts synth "
+            "--voice-file`. The file only works with the model it was made with."
+        ),
+    )
+    add_clone_voice_arguments(p)
+    p.set_defaults(func=_cmd_clone_voice)
+
+
+def _cmd_clone_voice(args: argparse.Namespace) -> int:
+    from engine.clone.cli import run_clone_voice
+
+    return run_clone_voice(args)
+
+
 def _cmd_voices(args: argparse.Namespace) -> int:
     from engine.talker.synth_cli import run_voices
 
@@ -232,6 +254,7 @@ SUBCOMMANDS: list[Callable[[SubParsers], None]] = [
     _add_info,
     _add_decode,
     _add_synth,
+    _add_clone_voice,
     _add_voices,
     _add_doctor,
     _add_serve,

@@ -91,7 +91,7 @@ def load(src: str | os.PathLike[str] | bytes, fingerprint: str | None = None) ->
             xv = np.asarray(z["x_vector"], dtype=np.float32)
             codes = np.asarray(z["ref_codes"], dtype=np.int32) if "ref_codes" in z else None
             ids = np.asarray(z["ref_ids"], dtype=np.int32) if "ref_ids" in z else None
-    except (OSError, ValueError, KeyError, zipfile.BadZipFile, json.JSONDecodeError):
+    except (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile, json.JSONDecodeError):
         raise InputError(FIELD, f"{name} is not a qtts voice file") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise InputError(FIELD, f"{name} is not a qtts voice file")

@@ -150,7 +150,8 @@ class PromptBuilder:
         """The lower-cased speaker name, or an ``InputError`` listing the valid ones."""
         if self.model_type == "base":
             raise InputError(
-                "voice", "this is a Base (voice-clone) model; voice cloning is not supported yet"
+                "voice", "this is a Base (voice-clone) model: it has no named voices; give "
+                "reference audio (ref_audio, ref_text) or a stored voice (a .qvoice file)"
             )
         if self.model_type == "voice_design":
             if voice:
