@@ -364,10 +364,13 @@ class Pipeline:
         return voice
 
     def pin_voice(self, voice: VoicePrompt) -> None:
-        """Compute a stored voice's prompt prefix now and keep it (like the built-in voices')."""
-        if self.talker is None:
+        """Compute a stored voice's prompt prefix in every language now and keep it (like the
+        built-in voices'), so its requests prefill only their own text."""
+        if self.talker is None or self.prompts is None:
             raise InputError("voice_prompt", "this model file has no talker")
-        self.talker.pin_prefixes([self._clone_prompt(SynthesisRequest(".", voice_prompt=voice))])
+        self.talker.pin_prefixes([
+            self._clone_prompt(SynthesisRequest(".", voice_prompt=voice, language=lang))
+            for lang in self.prompts.languages])
 
     def _clone_prompt(self, req: SynthesisRequest) -> Any:
         assert self.prompts is not None and self.talker is not None

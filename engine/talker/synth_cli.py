@@ -101,7 +101,10 @@ def run_voices(model_path: str) -> int:
                          "(it decodes codes only)")
     pb = PromptBuilder(model)
     print(f"model: {model.tts_model_type or 'custom_voice'} {model.tts_model_size or ''}".rstrip())
-    print("voices:")
+    if model.tts_model_type == "base":
+        print("voices: none built in; clone one from reference audio (`qtts clone-voice`)")
+    else:
+        print("voices:")
     for v in pb.voices:
         dialect = pb.dialects.get(v)
         print(f"  {v}" + (f"  (speaks {dialect} for chinese/auto)" if dialect else ""))
