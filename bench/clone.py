@@ -40,11 +40,11 @@ from engine.backend import BackendSet
 from engine.clone import voice_file
 from engine.clone.audio import decode, load_reference
 from engine.clone.cloner import VoiceCloner
-from engine.convert import convert
 from engine.gguf_model import open_model
-from engine.make_model import make_model
 from engine.pipeline import Pipeline, SynthesisRequest
 from engine.talker.prompt import PromptBuilder
+from engine.tools.convert import convert
+from engine.tools.make_model import make_model
 
 SENTENCES = (
     "The quick brown fox jumps over the lazy dog.",

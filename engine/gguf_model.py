@@ -3,7 +3,7 @@
 ``open_model(path)`` memory-maps the file read-only (CPU workers then share the weight pages) and,
 before anything computes, checks: magic, version, every header field against the file size,
 the architecture, every required key and its type, the config value ranges, and every tensor's
-presence, shape and type against what the stored config implies (``engine.tensor_names``).
+presence, shape and type against what the stored config implies (``engine.gguf_schema``).
 Any problem raises ``ModelFileError(path, problem)``, e.g.
 ``model.gguf: tensor dec.blk.1.tconv.weight has shape [1536, 768, 15], expected [1536, 768, 16]``.
 
@@ -38,13 +38,7 @@ from engine.codec_encoder.schema import (
     codec_encoder_tensor_specs,
 )
 from engine.errors import ModelFileError
-from engine.speaker.schema import (
-    SPEAKER_KEYS,
-    SpeakerEncoderConfig,
-    check_speaker_config,
-    speaker_tensor_specs,
-)
-from engine.tensor_names import (
+from engine.gguf_schema import (
     ALL_PARTS,
     ALLOWED_TYPES,
     ARCH,
@@ -80,6 +74,12 @@ from engine.tensor_names import (
     decoder_tensor_specs,
     talker_tensor_specs,
     voices_from_arrays,
+)
+from engine.speaker.schema import (
+    SPEAKER_KEYS,
+    SpeakerEncoderConfig,
+    check_speaker_config,
+    speaker_tensor_specs,
 )
 from engine.tokenizer_gguf import (
     TOKEN_UNUSED,

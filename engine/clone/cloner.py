@@ -16,9 +16,9 @@ from engine.clone.prompt import VoicePrompt, transcript_ids
 from engine.clone.voice_file import model_fingerprint
 from engine.codec_encoder.encoder import CodecEncoder
 from engine.errors import InputError
+from engine.gguf_schema import PART_CODEC_ENCODER, PART_SPEAKER
 from engine.speaker.encoder import SpeakerEncoder
 from engine.talker.prompt import PromptBuilder
-from engine.tensor_names import PART_CODEC_ENCODER, PART_SPEAKER
 
 
 def check_base(model: Any) -> None:

@@ -24,7 +24,7 @@ import numpy as np
 
 from engine.clone.prompt import VoicePrompt
 from engine.errors import InputError
-from engine.tensor_names import PART_TALKER, Kind, talker_tensor_specs
+from engine.gguf_schema import PART_TALKER, Kind, talker_tensor_specs
 
 FORMAT = "qtts-voice"
 VERSION = 1

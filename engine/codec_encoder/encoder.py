@@ -20,7 +20,7 @@ from engine.codec_encoder.transformer import causal_mask, transformer
 from engine.errors import InputError
 from engine.ggml import lib
 from engine.ggml.graph import Graph
-from engine.tensor_names import PART_CODEC_ENCODER
+from engine.gguf_schema import PART_CODEC_ENCODER
 
 
 def _time_major(ctx: Any, x: Any) -> Any:

@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from engine.tensor_names import (
+from engine.gguf_schema import (
     ENCODER_HF_PREFIX,
     PART_CODEC_ENCODER,
     Keys,

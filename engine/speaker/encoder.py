@@ -10,10 +10,10 @@ import numpy.typing as npt
 from engine.backend import BackendSet
 from engine.errors import InputError
 from engine.ggml.graph import Graph
+from engine.gguf_schema import PART_SPEAKER
 from engine.speaker.ecapa import x_vector
 from engine.speaker.mel import MelConstants, log_mel, min_samples
 from engine.speaker.schema import SpeakerEncoderConfig, speaker_tensor_specs
-from engine.tensor_names import PART_SPEAKER
 
 
 class SpeakerEncoder:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from engine.tensor_names import (
+from engine.gguf_schema import (
     PART_SPEAKER,
     SPEAKER_ENCODER_HF_PREFIX,
     Keys,

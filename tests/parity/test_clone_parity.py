@@ -22,9 +22,9 @@ from engine.clone.audio import decode, resample
 from engine.clone.cloner import VoiceCloner
 from engine.clone.prompt import build_clone_prompt
 from engine.gguf_model import open_model
-from engine.make_model import make_model
 from engine.talker import PromptBuilder, SamplingParams, TalkerModel, generate_frames, make_rng
 from engine.talker.prompt import Prompt
+from engine.tools.make_model import make_model
 from tests.speech import SENTENCES, espeak_wav
 
 _MISSING = [m for m in ("torch", "transformers", "qwen_tts") if importlib.util.find_spec(m) is None]

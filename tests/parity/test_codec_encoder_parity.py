@@ -11,7 +11,7 @@ import pytest
 from engine.backend import BackendSet
 from engine.codec_encoder.encoder import CodecEncoder
 from engine.gguf_model import open_model
-from engine.make_model import make_model
+from engine.tools.make_model import make_model
 from tests.parity import reference_clone as rc
 from tests.speech import SENTENCES, speech_24k
 

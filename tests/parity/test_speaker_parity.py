@@ -10,9 +10,9 @@ import pytest
 
 from engine.backend import BackendSet
 from engine.gguf_model import open_model
-from engine.make_model import make_model
 from engine.speaker.encoder import SpeakerEncoder
 from engine.speaker.mel import mel_filterbank
+from engine.tools.make_model import make_model
 from tests.parity import reference_clone as rc
 from tests.speech import SENTENCES, speech_24k
 

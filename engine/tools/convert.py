@@ -17,7 +17,7 @@ out of a serving GGUF that only speaks stored voices; other checkpoints skip the
 Conversion streams tensor by tensor in row chunks (peak memory ~ one chunk, not the model);
 safetensors are parsed here (F32, F16 and BF16 payloads) with plain file reads.
 
-Precision policy (see ``engine.tensor_names``): 1-D tensors, codebooks, norms, biases, snake
+Precision policy (see ``engine.gguf_schema``): 1-D tensors, codebooks, norms, biases, snake
 parameters and layer scales stay F32; embeddings follow ``--dtype`` but never below F16; other
 weights follow ``--dtype``; a quantised type that does not fit a tensor's row length falls back to
 F16 for that tensor and is reported.
@@ -56,14 +56,7 @@ from engine.codec_encoder.schema import (
     skipped_encoder_tensor,
 )
 from engine.errors import ConversionError
-from engine.speaker.schema import (
-    SPEAKER_KEYS,
-    SpeakerEncoderConfig,
-    check_speaker_config,
-    parse_speaker_config,
-    speaker_tensor_specs,
-)
-from engine.tensor_names import (
+from engine.gguf_schema import (
     ALL_PARTS,
     ARCH,
     CODE_PREDICTOR_KEYS,
@@ -103,6 +96,13 @@ from engine.tensor_names import (
     check_talker_config,
     decoder_tensor_specs,
     talker_tensor_specs,
+)
+from engine.speaker.schema import (
+    SPEAKER_KEYS,
+    SpeakerEncoderConfig,
+    check_speaker_config,
+    parse_speaker_config,
+    speaker_tensor_specs,
 )
 from engine.tokenizer_gguf import TokenizerData, read_hf_tokenizer, tokenizer_kv
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.clone.cli import add_synth_voice_arguments, voice_from_args
+from cli.clone import add_synth_voice_arguments, voice_from_args
 from engine.errors import InputError
 
 

@@ -11,17 +11,17 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine.cli import main
+from cli.main import main
 from engine.codec_encoder.schema import (
     codec_encoder_tensor_specs,
     parse_codec_encoder_config,
     skipped_encoder_tensor,
 )
-from engine.convert import SafetensorsFile, parse_decoder_config, parse_talker_config
 from engine.gguf_model import open_model
-from engine.make_model import build_configs, make_model, write_tokenizer_files
+from engine.gguf_schema import DECODER_SKIPPED_HF, decoder_tensor_specs, talker_tensor_specs
 from engine.speaker.schema import parse_speaker_config, speaker_tensor_specs
-from engine.tensor_names import DECODER_SKIPPED_HF, decoder_tensor_specs, talker_tensor_specs
+from engine.tools.convert import SafetensorsFile, parse_decoder_config, parse_talker_config
+from engine.tools.make_model import build_configs, make_model, write_tokenizer_files
 
 LAYOUT = [
     "config.json",

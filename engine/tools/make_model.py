@@ -43,7 +43,16 @@ import numpy as np
 import numpy.typing as npt
 
 from engine.codec_encoder.schema import codec_encoder_tensor_specs, parse_codec_encoder_config
-from engine.convert import (
+from engine.errors import ConversionError
+from engine.gguf_schema import (
+    DECODER_SKIPPED_HF,
+    SchemaError,
+    decoder_tensor_specs,
+    talker_tensor_specs,
+)
+from engine.speaker.schema import parse_speaker_config, speaker_tensor_specs
+from engine.tokenizer_gguf import bytes_to_unicode, qwen2_pre_tokenizer
+from engine.tools.convert import (
     SYNTHETIC_MARKER,
     ConversionReport,
     SafetensorsWriter,
@@ -52,15 +61,6 @@ from engine.convert import (
     parse_decoder_config,
     parse_talker_config,
 )
-from engine.errors import ConversionError
-from engine.speaker.schema import parse_speaker_config, speaker_tensor_specs
-from engine.tensor_names import (
-    DECODER_SKIPPED_HF,
-    SchemaError,
-    decoder_tensor_specs,
-    talker_tensor_specs,
-)
-from engine.tokenizer_gguf import bytes_to_unicode, qwen2_pre_tokenizer
 
 SIZES = ("tiny", "0.6b", "1.7b", "full")  # "full" = "0.6b" (the name older tests use)
 VARIANTS = ("custom_voice", "base", "voice_design")

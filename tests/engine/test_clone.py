@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from cli.main import main
 from engine.backend import BackendSet
-from engine.cli import main
 from engine.clone import voice_file
 from engine.clone.audio import decode, load_reference, resample
 from engine.errors import InputError
 from engine.gguf_model import open_model
-from engine.make_model import make_model
 from engine.pipeline import Pipeline, StreamInfo, SynthesisRequest, synthesize
+from engine.tools.make_model import make_model
 from tests.speech import SENTENCES, espeak_wav
 
 REF_TEXT = SENTENCES[0]
@@ -160,7 +160,7 @@ def test_voice_file_round_trip_and_fingerprint(pipe: Pipeline, speech: Path, tmp
 def test_voice_fingerprint_ignores_dtype_and_parts(base_dir: Path, tmp_path: Path,
                                                   pipe: Pipeline) -> None:  # fmt: skip
     from engine.clone.voice_file import model_fingerprint
-    from engine.convert import convert
+    from engine.tools.convert import convert
 
     convert(base_dir, tmp_path / "lean.gguf", dtype="f16", parts="decoder,talker",
             progress=False)  # fmt: skip
