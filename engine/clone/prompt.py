@@ -104,7 +104,7 @@ def build_clone_prompt(
     if len(ids) <= ROLE_TOKENS + TAIL_TOKENS:
         raise InputError("text", "tokenises to no text tokens between the chat markers")
     words = ids[ROLE_TOKENS:-TAIL_TOKENS]
-    lang_id = None if lang == AUTO else builder.all_languages[lang]
+    lang_id = None if lang == AUTO else builder.catalog.all_languages[lang]
     if lang_id is None:
         head = [cfg.codec_nothink_id, cfg.codec_think_bos_id, cfg.codec_think_eos_id]
     else:
