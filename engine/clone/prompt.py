@@ -28,7 +28,6 @@ import numpy.typing as npt
 
 from engine.errors import InputError
 from engine.talker.prompt import (
-    AUTO,
     ROLE_TOKENS,
     TAIL_TOKENS,
     TEXT_MODES,
@@ -36,6 +35,7 @@ from engine.talker.prompt import (
     PromptBuilder,
     assistant_text,
 )
+from engine.talker.voices import AUTO
 
 F32 = npt.NDArray[np.float32]
 I32 = npt.NDArray[np.int32]
