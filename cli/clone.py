@@ -11,6 +11,7 @@ from typing import Any
 
 from engine.clone.audio import DEFAULT_MAX_SECONDS
 from engine.errors import InputError
+from engine.options import EngineOptions
 
 
 def add_clone_voice_arguments(p: argparse.ArgumentParser) -> None:
@@ -35,7 +36,7 @@ def add_synth_voice_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --ref-audio: speaker embedding only")
 
 
-def run_clone_voice(args: argparse.Namespace) -> int:
+def run_clone_voice(args: argparse.Namespace, options: EngineOptions) -> int:
     """Make the voice, write it, print a one-line summary; returns the exit status."""
     from engine.backend import BackendSet
     from engine.clone import voice_file
@@ -58,7 +59,7 @@ def run_clone_voice(args: argparse.Namespace) -> int:
         transcript_ids(builder, args.text or "")
     t0 = time.perf_counter()
     wav = load_reference(args.audio, args.max_seconds)
-    cloner = VoiceCloner(model, BackendSet.from_env(), builder)
+    cloner = VoiceCloner(model, BackendSet.from_options(options), builder)
     voice = cloner.make(wav, args.text, args.x_vector_only)
     cloner.close()
     voice_file.save(out, voice)

@@ -12,6 +12,7 @@ import numpy as np
 
 from cli.clone import add_synth_voice_arguments, voice_from_args
 from engine.errors import InputError
+from engine.options import EngineOptions
 
 
 def add_synth_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,7 +37,7 @@ def add_synth_arguments(p: argparse.ArgumentParser) -> None:
     add_synth_voice_arguments(p)
 
 
-def run_synth(args: argparse.Namespace) -> int:
+def run_synth(args: argparse.Namespace, options: EngineOptions) -> int:
     """Synthesize, write the WAV (and codes), print a one-line summary; returns exit status."""
     import soundfile as sf
 
@@ -51,7 +52,7 @@ def run_synth(args: argparse.Namespace) -> int:
         raise InputError("save_codes", f"{args.save_codes}: folder does not exist")
     model = open_model(args.model)
     model.require("talker")
-    backends = BackendSet.from_env()
+    backends = BackendSet.from_options(options)
     pipe = Pipeline(model, backends, precision=args.precision, kv_type=args.kv_type,
                     chunk_max_frames=args.chunk)
     try:

@@ -50,7 +50,7 @@ from engine.talker.prompt import PromptBuilder
 from engine.talker.sampling import SamplingParams, make_rng
 from engine.timings import StageTimings
 
-# 16: the ramp then costs <= 1.1x an offline decode (bench/decoder.py); 8 costs ~1.12x in fast mode
+# 16: the ramp then costs little more than an offline decode (docs/performance.md, Decoder)
 DEFAULT_CHUNK_MAX_FRAMES = 16
 # A cloned voice's reference codes go through the decoder before the new frames (their audio is
 # dropped, as the reference cuts it): the last 25, the left context the reference's own chunked

@@ -4,7 +4,8 @@
 ``generation_config.json`` / ``model.safetensors`` (talker, plus ``speaker_encoder.*`` for Base;
 bf16) / Qwen2 BPE tokenizer files, and ``speech_tokenizer/`` with ``config.json`` and
 ``model.safetensors`` (Mimi ``encoder.*`` and ``decoder.*``, f32). ``make_model`` then converts it
-with the same code path as ``qtts convert`` into ``OUT_DIR/model.gguf``.
+with the same code path as ``qtts convert`` into ``OUT_DIR/model.gguf`` (docs/architecture.md,
+The model file).
 
 Variants: ``custom_voice`` (named speakers), ``base`` (voice cloning: speaker encoder, no named
 speakers), ``voice_design`` (no speakers; the instruction describes the voice).
@@ -43,6 +44,7 @@ import numpy as np
 import numpy.typing as npt
 
 from engine.codec_encoder.schema import codec_encoder_tensor_specs, parse_codec_encoder_config
+from engine.dtypes import f32_to_bf16
 from engine.errors import ConversionError
 from engine.gguf_schema import (
     DECODER_SKIPPED_HF,
@@ -57,7 +59,6 @@ from engine.tools.convert import (
     ConversionReport,
     SafetensorsWriter,
     convert,
-    f32_to_bf16_bits,
     parse_decoder_config,
     parse_talker_config,
 )
@@ -104,7 +105,7 @@ QWEN3_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
 )
 _ADDED_INDEX = {c: i for i, (c, _) in enumerate(QWEN3_ADDED_TOKENS)}
 
-# Codec control / language / speaker ids of the released 0.6B CustomVoice config (spec §3.4).
+# Codec control / language / speaker ids of the released 0.6B CustomVoice config.
 CODEC_IDS = {
     "codec_pad_id": 2148,
     "codec_bos_id": 2149,
@@ -213,7 +214,7 @@ The model reads the text, thinks about the language, and then it speaks the word
 time, eighty milliseconds per frame, until it reaches the end of speech token.
 """
 # Chat-template words must be single tokens: the prompt code relies on
-# "<|im_start|>assistant\n" being exactly 3 tokens (spec §3.4).
+# "<|im_start|>assistant\n" being exactly 3 tokens (engine/talker/prompt.py).
 _CORPUS += "system\nuser\nassistant\nuser\nassistant\n" * 40
 
 
@@ -518,7 +519,7 @@ def _write_safetensors(
     try:
         for name, shape in ordered:
             for chunk in generate_tensor(seed, name, shape):
-                data = f32_to_bf16_bits(chunk) if dtype == "BF16" else chunk
+                data = f32_to_bf16(chunk) if dtype == "BF16" else chunk
                 w.write(data)
                 bar.update(data.nbytes)
     finally:
