@@ -30,13 +30,14 @@ import functools
 import threading
 import time
 from collections.abc import Callable, Generator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
 from engine.backend import BackendSet
+from engine.clone.prompt import VoicePrompt, build_clone_prompt
 from engine.decoder import DecoderModel, StreamingDecoder, validate_codes
 from engine.errors import InputError
 from engine.talker.generate import (
@@ -59,6 +60,10 @@ DEFAULT_MAX_INSTRUCT_TOKENS = 256
 DEFAULT_SEGMENT_TOKENS = 200
 # 16: the ramp then costs little more than an offline decode (docs/performance.md, Decoder)
 DEFAULT_CHUNK_MAX_FRAMES = 16
+# A cloned voice's reference codes go through the decoder before the new frames (their audio is
+# dropped, as the reference cuts it): the last 25, the left context the reference's own chunked
+# decode gives each chunk, so the first new audio is as early as for any voice.
+DECODER_PRIME_FRAMES = 25
 Cancel = threading.Event | Callable[[], bool] | None
 
 
@@ -83,6 +88,8 @@ class SynthesisRequest:
     max_frames: int | None = None  # frame budget override (<= the pipeline's max_frames_cap)
     frame_limit: int | None = None  # lowers the budget (formula or max_frames), never raises it
     chunk_max_frames: int | None = None
+    # A cloned voice (Base models): from ``Pipeline.clone_voice`` or a ``.qvoice`` file.
+    voice_prompt: VoicePrompt | None = None
 
 
 @dataclass
@@ -194,6 +201,8 @@ class Pipeline:
         self._steady_compute: int | None = None  # compute buffer bytes after warm_up
         self.talker: TalkerModel | None = None
         self.prompts: PromptBuilder | None = None
+        self._fingerprint: str | None = None
+        self._cloner: Any = None
         self.defaults: SamplingParams | None = None
         if "talker" in model.parts:
             self.prompts = PromptBuilder(model, ignore_unsupported_instruct)
@@ -335,8 +344,11 @@ class Pipeline:
                 "text", "this model file has no talker (a decoder-only GGUF): it cannot speak "
                 "text; send codes, or convert the full model folder")
         segments = self._segments(req)
-        prompts = [self.prompts.build(t, req.voice, req.language, req.instruct, req.text_mode)
-                   for t in segments]
+        if req.voice_prompt is not None:
+            prompts = [self._clone_prompt(replace(req, text=t)) for t in segments]
+        else:
+            prompts = [self.prompts.build(t, req.voice, req.language, req.instruct,
+                                          req.text_mode) for t in segments]
         params = self.defaults.with_overrides(
             greedy=req.greedy, **{k: getattr(req, k) for k in _SAMPLING_FIELDS})
         if len(prompts) == 1:
@@ -351,6 +363,8 @@ class Pipeline:
         rng, seed = make_rng(req.seed)
         info.seed, info.budget = seed, total
         sd = StreamingDecoder(self.decoder)
+        if prompts[0].ref_codes is not None:  # the reference part: decoded for context, not sent
+            sd.push(np.ascontiguousarray(prompts[0].ref_codes[-DECODER_PRIME_FRAMES:].T))
         sizes = chunk_sizes(chunk_max)
         target = next(sizes)
         outcome = "ok"
@@ -404,8 +418,66 @@ class Pipeline:
             self.backends.trim_compute_buffers(int(self._steady_compute * 1.25) + (4 << 20))
         _malloc_trim()
 
+    @property
+    def voice_fingerprint(self) -> str:
+        """The fingerprint cloned voices of this model carry (``engine.clone.voice_file``)."""
+        if self._fingerprint is None:
+            from engine.clone.voice_file import model_fingerprint
+
+            self._fingerprint = model_fingerprint(self.model)
+        return self._fingerprint
+
+    def clone_voice(self, audio: bytes | str, ref_text: str | None, x_vector_only: bool = False,
+                    max_seconds: float | None = None) -> VoicePrompt:  # fmt: skip
+        """A voice from reference audio (any format/rate) and its transcript (ICL mode unless
+        ``x_vector_only``). ``InputError`` for a non-Base model, an empty transcript, or audio
+        that cannot be decoded, is too short/long or silent."""
+        from engine.clone.audio import DEFAULT_MAX_SECONDS, load_reference
+        from engine.clone.cloner import VoiceCloner, check_base
+        from engine.clone.prompt import transcript_ids
+
+        if self.prompts is None:
+            raise InputError("ref_audio", "this model file has no talker")
+        check_base(self.model)
+        if not x_vector_only:
+            transcript_ids(self.prompts, ref_text or "")
+        wav = load_reference(audio, DEFAULT_MAX_SECONDS if max_seconds is None else max_seconds)
+        if self._cloner is None:
+            self._cloner = VoiceCloner(self.model, self.backends, self.prompts)
+        voice: VoicePrompt = self._cloner.make(wav, ref_text, x_vector_only)
+        return voice
+
+    def pin_voice(self, voice: VoicePrompt) -> None:
+        """Compute a stored voice's prompt prefix in every language now and keep it (like the
+        built-in voices'), so its requests prefill only their own text."""
+        if self.talker is None or self.prompts is None:
+            raise InputError("voice_prompt", "this model file has no talker")
+        self.talker.pin_prefixes([
+            self._clone_prompt(SynthesisRequest(".", voice_prompt=voice, language=lang))
+            for lang in self.prompts.languages])
+
+    def _clone_prompt(self, req: SynthesisRequest) -> Any:
+        assert self.prompts is not None and self.talker is not None
+        vp = req.voice_prompt
+        assert vp is not None
+        if self.model.tts_model_type != "base":
+            raise InputError("voice_prompt", f"this is a {self.model.tts_model_type} model; "
+                             "only Base models speak cloned voices")  # fmt: skip
+        if req.voice:
+            raise InputError("voice", "give a named voice or a cloned voice, not both")
+        if req.instruct:
+            raise InputError("instruct", "Base models do not take instructions")
+        if vp.fingerprint != self.voice_fingerprint:
+            raise InputError("voice_prompt", "this voice was made for another model; clone "
+                             "it again with this model")  # fmt: skip
+        return build_clone_prompt(self.prompts, vp, req.text, req.language, req.text_mode,
+                                  self.talker.frame_embeddings)
+
     def close(self) -> None:
         """Free the talker (and the decoder when this Pipeline loaded it)."""
+        if self._cloner is not None:
+            self._cloner.close()
+            self._cloner = None
         if self.talker is not None:
             self.talker.close()
             self.talker = None

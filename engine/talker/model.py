@@ -274,7 +274,7 @@ class TalkerModel:
         def build(g: Graph) -> None:
             ctx = g.ctx
             b = Builder(g, w.talker_shape, capture)
-            x, txt = self._prompt_embeddings(b, n, n_text)
+            x, txt = self._prompt_embeddings(b, n, n_text, prompt.embed_add is not None)
             if last:
                 hs = int(txt.ne[0])
                 tail = lib.ggml_view_2d(ctx, txt, hs, n_text - n, txt.nb[1], n * txt.nb[1])
@@ -301,6 +301,8 @@ class TalkerModel:
             "codec_mask": prompt.codec_mask[c0:c1].reshape(n, 1),
             **attn_uploads(cache, c0, n, n_kv, indices=False),
         }
+        if prompt.embed_add is not None:
+            up["embed_add"] = np.ascontiguousarray(prompt.embed_add[c0:c1], dtype=np.float32)
         if reuse is not None:
             up.update(prefix_k=reuse[0], prefix_v=reuse[1])
         return execute_timed(self.backends, build, up, max_nodes=_graph_nodes(n_layers, n),
@@ -315,10 +317,12 @@ class TalkerModel:
                 k.nbytes + v.nbytes for k, v in self._prefix.values()) > PREFIX_CACHE_BYTES):
             self._prefix.popitem(last=False)
 
-    def _prompt_embeddings(self, b: Builder, n: int, n_text: int) -> tuple[Tensor, Tensor]:
-        """Declare inputs ``text_ids`` [n_text], ``codec_ids`` [n], ``codec_mask`` [n, 1];
-        return the embeddings of the first n positions ``T(text) + mask * C(codec)`` [H, n]
-        and the projected text of all n_text ids [H, n_text]."""
+    def _prompt_embeddings(self, b: Builder, n: int, n_text: int, with_add: bool = False
+                           ) -> tuple[Tensor, Tensor]:
+        """Declare inputs ``text_ids`` [n_text], ``codec_ids`` [n], ``codec_mask`` [n, 1]
+        (and ``embed_add`` [n, H] when ``with_add``: voice-cloning rows); return the
+        embeddings of the first n positions ``T(text) + mask * C(codec) (+ add)`` [H, n] and
+        the projected text of all n_text ids [H, n_text]."""
         g, ctx, w = b.g, b.ctx, self.weights
         ids = g.input("text_ids", (n_text,), np.int32)
         e = lib.ggml_get_rows(ctx, w.text_embd, ids)
@@ -328,7 +332,32 @@ class TalkerModel:
         cid = g.input("codec_ids", (n,), np.int32)
         cmask = g.input("codec_mask", (n, 1))
         c = lib.ggml_mul(ctx, lib.ggml_get_rows(ctx, w.codec_embd, cid), cmask)
+        if with_add:
+            c = lib.ggml_add(ctx, c, g.input("embed_add", (n, int(txt.ne[0]))))
         return b.cb(lib.ggml_add(ctx, t_prompt, c), "inp_embd"), txt
+
+    def frame_embeddings(self, codes: I32) -> F32:
+        """``C(c0) + sum_j cp_embd[j](c_j)`` of frames ``codes`` [T, 16]: the talker input a
+        frame makes (voice cloning feeds the reference codes this way), [T, hidden]."""
+        w, n_groups = self.weights, self.n_groups
+        c = np.ascontiguousarray(codes, dtype=np.int32)
+        if c.ndim != 2 or c.shape[1] != n_groups or c.shape[0] < 1:
+            raise InputError("ref_codes", f"expected [frames, {n_groups}] codes, got {c.shape}")
+        t = c.shape[0]
+
+        def build(g: Graph) -> None:
+            ctx = g.ctx
+            ids = g.input("codes_t", (n_groups, t), np.int32)  # one row per codebook
+            es = int(ids.nb[1])
+            x = lib.ggml_get_rows(ctx, w.codec_embd, lib.ggml_view_1d(ctx, ids, t, 0))
+            for j, table in enumerate(w.cp_embd):
+                idx = lib.ggml_view_1d(ctx, ids, t, (j + 1) * es)
+                x = lib.ggml_add(ctx, x, lib.ggml_get_rows(ctx, table, idx))
+            g.output(_as_f32(ctx, x), "embd")
+
+        out = execute_timed(self.backends, build, {"codes_t": np.ascontiguousarray(c.T)},
+                            max_nodes=256, stats=self.stats)
+        return out["embd"].reshape(t, -1).astype(np.float32)
 
     # -- pinned prompt prefixes --------------------------------------------------------------
 
@@ -376,9 +405,11 @@ class TalkerModel:
         mask = np.full((n, n_kv), -np.inf, dtype=np.float32)
         mask[:, :n] = np.where(visible, 0.0, -np.inf)
 
+        with_add = any(p.embed_add is not None for _, p in batch)
+
         def build(g: Graph) -> None:
             b = Builder(g, w.talker_shape)
-            x, _ = self._prompt_embeddings(b, n, n)
+            x, _ = self._prompt_embeddings(b, n, n, with_add)
             a = prefill_inputs(g, n, n_kv)
             a.snapshot = n  # the K/V rows are the outputs; nothing past them is computed
             stack(b, w.layers, x, a, cache)
@@ -391,6 +422,11 @@ class TalkerModel:
             "pos": pos,
             "mask": mask,
         }
+        if with_add:
+            hidden = w.talker_shape.hidden
+            up["embed_add"] = np.concatenate([
+                p.embed_add[: p.n_prefix] if p.embed_add is not None
+                else np.zeros((p.n_prefix, hidden), np.float32) for _, p in batch])
         out = execute_timed(self.backends, build, up, max_nodes=_graph_nodes(n_layers, n),
                             stats=self.stats)
         pk, pv = self._snapshot_rows(out)
@@ -555,8 +591,10 @@ class TalkerModel:
 
 def _prefix_key(prompt: Prompt, n_pre: int) -> tuple[bytes, bytes, bytes]:
     # what the first n_pre prefill positions are made of: equal keys, equal K/V rows
-    return (prompt.text_ids[:n_pre].tobytes(), prompt.codec_ids[:n_pre].tobytes(),
-            prompt.codec_mask[:n_pre].tobytes())
+    mask = prompt.codec_mask[:n_pre].tobytes()
+    if prompt.embed_add is not None:  # a cloned voice: its x-vector / reference rows count too
+        mask += prompt.embed_add[:n_pre].tobytes()
+    return (prompt.text_ids[:n_pre].tobytes(), prompt.codec_ids[:n_pre].tobytes(), mask)
 
 
 def _as_f32(ctx: Any, t: Tensor) -> Tensor:

@@ -79,6 +79,11 @@ class Prompt:
     text_mode: str
     instruct: str | None
     n_prefix: int = 0
+    # Voice cloning (Base models): rows added to the prefill embeddings ([L, hidden]; the
+    # x-vector at the speaker slot, the summed reference-code embeddings at ICL codec
+    # positions), and the reference codes [T_ref, 16] the decoder is primed with.
+    embed_add: npt.NDArray[np.float32] | None = None
+    ref_codes: npt.NDArray[np.int32] | None = None
 
     @property
     def length(self) -> int:
