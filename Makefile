@@ -22,12 +22,19 @@ test: native native-portable parity-env deploy-tools test-sysdeps
 deploy-tools: venv
 	bash deploy/ci/install-tools.sh
 
-# OpenBLAS backs ggml's BLAS backend: the second real backend the scheduler tests split onto.
+# OpenBLAS backs ggml's BLAS backend: the second real backend the scheduler tests split onto;
+# espeak-ng speaks the reference audio of the voice-cloning tests.
 sysdeps:
 	@if ! (command -v pkg-config >/dev/null && pkg-config --exists openblas); then \
 		echo "installing libopenblas-dev pkg-config (Debian)"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 			libopenblas-dev pkg-config >/dev/null; \
+	fi
+	@# espeak-ng speaks the real test sentences the voice-cloning tests encode
+	@if ! command -v espeak-ng >/dev/null; then \
+		echo "installing espeak-ng (Debian)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			espeak-ng >/dev/null; \
 	fi
 
 $(VENV)/.installed: pyproject.toml

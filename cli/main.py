@@ -1,4 +1,4 @@
-"""The ``qtts`` command line: ``qtts convert | make-model | info | decode | synth | serve``.
+"""The ``qtts`` command line: convert, make-model, info, decode, synth, clone-voice, serve.
 
 Each subcommand is two small functions: ``_add_<name>(subparsers)`` declares its arguments and
 ``_cmd_<name>(args) -> int`` runs it. ``main`` maps every ``QttsError`` to one line
@@ -75,9 +75,15 @@ def _add_make_model(sub: SubParsers) -> None:
         ),
     )
     p.add_argument("out_dir", help="output folder")
-    p.add_argument("--size", choices=SIZES, required=True, help="tiny (tests) or full (0.6B)")
+    p.add_argument(
+        "--size", choices=SIZES, required=True,
+        help="tiny (tests), 0.6b (= full) or 1.7b (released dims)",
+    )
     p.add_argument("--seed", type=int, default=0, help="random seed (0)")
-    p.add_argument("--variant", choices=VARIANTS, default="custom_voice")
+    p.add_argument(
+        "--variant", choices=VARIANTS, default="custom_voice",
+        help="custom_voice (named speakers), base (voice cloning) or voice_design",
+    )
     p.add_argument(
         "--dtype", choices=list(DTYPES), default=None, help="GGUF weight type (f16 full, f32 tiny)"
     )
@@ -199,6 +205,28 @@ def _add_voices(sub: SubParsers) -> None:
     p.set_defaults(func=_cmd_voices)
 
 
+def _add_clone_voice(sub: SubParsers) -> None:
+    from cli.clone import add_clone_voice_arguments
+
+    p = sub.add_parser(
+        "clone-voice",
+        help="clone a voice from reference audio into a .qvoice file (Base models)",
+        description=(
+            "Encode reference speech (and its transcript) with a Base model's speaker encoder "
+            "and speech-tokenizer encoder into a small .qvoice file for `qtts synth "
+            "--voice-file`. The file only works with the model it was made with."
+        ),
+    )
+    add_clone_voice_arguments(p)
+    p.set_defaults(func=_cmd_clone_voice)
+
+
+def _cmd_clone_voice(args: argparse.Namespace) -> int:
+    from cli.clone import run_clone_voice
+
+    return run_clone_voice(args, EngineOptions.from_env())
+
+
 def _cmd_voices(args: argparse.Namespace) -> int:
     from cli.synth import run_voices
 
@@ -229,6 +257,7 @@ SUBCOMMANDS: list[Callable[[SubParsers], None]] = [
     _add_info,
     _add_decode,
     _add_synth,
+    _add_clone_voice,
     _add_voices,
     _add_doctor,
     _add_serve,

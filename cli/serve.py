@@ -1,14 +1,14 @@
 """``qtts serve``: run the HTTP service with uvicorn.
 
 Settings come from ``QTTS_*`` environment variables (service/settings.py); the flags below
-override them. SIGTERM/SIGINT drain: new requests get 503, in-flight ones may finish for
-``QTTS_DRAIN_SECONDS``, then workers stop.
+override them. SIGTERM/SIGINT drain (``service/server.py``): readiness and new requests 503
+first, in-flight ones may finish for ``QTTS_DRAIN_SECONDS``, then the listener closes and the
+workers stop; exit status 0 after a clean drain.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from typing import Any
 
@@ -39,12 +39,11 @@ def add_serve_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Start uvicorn with the settings; returns the process exit code."""
-    import uvicorn
 
     from service.app import ModelInfo, create_app
     from service.listen import bind
     from service.logs import setup_logging
-    from service.routes.realtime import drain as realtime_drain
+    from service.server import make_server
     from service.settings import Settings
 
     overrides = {dest: getattr(args, dest) for _, dest, _, _ in _FLAGS
@@ -75,28 +74,8 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
 
     app = create_app(settings, info)
-    config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_config=None, access_log=False,
-        lifespan="on", timeout_graceful_shutdown=int(max(1, settings.drain_seconds)),
-        timeout_keep_alive=5,
-    )
-
-    class DrainingServer(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: Any) -> None:
-            st = getattr(app.state, "qtts", None)
-            if st is not None and not st.pool.draining:
-                st.pool.draining = True
-                logging.getLogger("qtts.app").info(
-                    "signal %s: draining (no new requests; up to %gs for in-flight ones)",
-                    sig, settings.drain_seconds)
-            super().handle_exit(sig, frame)
-
-        async def shutdown(self, sockets: Any = None) -> None:
-            # uvicorn closes WebSockets at once (1012): let speaking realtime sessions finish
-            # their utterance within the drain window first
-            await realtime_drain(app, settings.drain_seconds)
-            await super().shutdown(sockets)
-
-    server = DrainingServer(config)
+    server = make_server(app, settings)
     server.run(sockets=[sock])
-    return 0 if server.started else 1
+    if not server.started:
+        return 1
+    return 0 if server.clean else 1

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from cli.clone import add_synth_voice_arguments, voice_from_args
 from engine.errors import InputError
 from engine.options import EngineOptions
 
@@ -33,6 +34,7 @@ def add_synth_arguments(p: argparse.ArgumentParser) -> None:
                    help="decoder precision (exact: F32 everywhere)")
     p.add_argument("--kv-type", choices=["f16", "f32"], default="f16", help="KV cache type")
     p.add_argument("--chunk", type=int, default=8, help="largest chunk of the ramp, in frames")
+    add_synth_voice_arguments(p)
 
 
 def run_synth(args: argparse.Namespace, options: EngineOptions) -> int:
@@ -53,9 +55,15 @@ def run_synth(args: argparse.Namespace, options: EngineOptions) -> int:
     backends = BackendSet.from_options(options)
     pipe = Pipeline(model, backends, precision=args.precision, kv_type=args.kv_type,
                     chunk_max_frames=args.chunk)
+    try:
+        voice = voice_from_args(args, pipe)
+    except BaseException:
+        pipe.close()
+        raise
     req = SynthesisRequest(text=args.text, voice=args.voice, language=args.language,
                            instruct=args.instruct, text_mode=args.text_mode, seed=args.seed,
-                           greedy=args.greedy, max_frames=args.max_frames)
+                           greedy=args.greedy, max_frames=args.max_frames,
+                           voice_prompt=voice)
     info = StreamInfo()
     pieces: list[np.ndarray[Any, Any]] = []
     t0 = time.perf_counter()
@@ -94,7 +102,10 @@ def run_voices(model_path: str) -> int:
                          "(it decodes codes only)")
     pb = PromptBuilder(model)
     print(f"model: {model.tts_model_type or 'custom_voice'} {model.tts_model_size or ''}".rstrip())
-    print("voices:")
+    if model.tts_model_type == "base":
+        print("voices: none built in; clone one from reference audio (`qtts clone-voice`)")
+    else:
+        print("voices:")
     for v in pb.voices:
         dialect = pb.catalog.dialects.get(v)
         print(f"  {v}" + (f"  (speaks {dialect} for chinese/auto)" if dialect else ""))

@@ -562,6 +562,32 @@ class BackendSet:
                 raise BackendError("the scheduler could not allocate the graph")
             return self._placement(graph)
 
+    def compute_buffer_bytes(self) -> int:
+        """Bytes of the scheduler's compute buffers (they grow to the largest graph run)."""
+        with self._lock:
+            return self._compute_buffer_bytes()
+
+    def _compute_buffer_bytes(self) -> int:
+        backends = [self.primary] if self.cpu == self.primary else [self.primary, self.cpu]
+        return sum(int(lib.ggml_backend_sched_get_buffer_size(self.sched, b)) for b in backends)
+
+    def trim_compute_buffers(self, keep_bytes: int) -> bool:
+        """Give back compute buffers over ``keep_bytes`` (a new, empty scheduler); True if so.
+
+        ggml's allocator only ever grows its buffers: one graph bigger than the steady ones
+        (a long decode, an odd request) would otherwise keep its memory for the process's life.
+        """
+        with self._lock:
+            if self._compute_buffer_bytes() <= keep_bytes:
+                return False
+            n = 1 if self.cpu == self.primary else 2
+            lib.ggml_backend_sched_free(self.sched)
+            self.sched = lib.ggml_backend_sched_new(self._backend_array, ffi.NULL, n,
+                                                    self.graph_size, False, True)
+            if self.sched == ffi.NULL:
+                raise BackendError("cannot create a new scheduler")
+            return True
+
     def close(self) -> None:
         """Free the scheduler and backends."""
         if getattr(self, "sched", None) is not None:

@@ -30,6 +30,12 @@ import numpy.typing as npt
 from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 
+from engine.codec_encoder.schema import (
+    CODEC_ENCODER_KEYS,
+    CodecEncoderConfig,
+    check_codec_encoder_config,
+    codec_encoder_tensor_specs,
+)
 from engine.dtypes import to_f32
 from engine.errors import ModelFileError
 from engine.gguf_schema import (
@@ -44,7 +50,9 @@ from engine.gguf_schema import (
     GGML_F16,
     GGML_F32,
     GGML_TYPE_NAMES,
+    PART_CODEC_ENCODER,
     PART_DECODER,
+    PART_SPEAKER,
     PART_TALKER,
     QUANT_BLOCK,
     SPECIAL_KEYS,
@@ -66,6 +74,12 @@ from engine.gguf_schema import (
     decoder_tensor_specs,
     talker_tensor_specs,
     voices_from_arrays,
+)
+from engine.speaker.schema import (
+    SPEAKER_KEYS,
+    SpeakerEncoderConfig,
+    check_speaker_config,
+    speaker_tensor_specs,
 )
 from engine.tokenizer_gguf import (
     TOKEN_UNUSED,
@@ -246,6 +260,8 @@ class GgufModel:
     dialects: dict[str, str]
     tts_model_type: str
     tts_model_size: str
+    speaker_config: SpeakerEncoderConfig | None
+    codec_encoder_config: CodecEncoderConfig | None
     data_offset: int
 
     def __init__(self, path: Path, mm: np.memmap[Any, np.dtype[np.uint8]]) -> None:
@@ -259,6 +275,8 @@ class GgufModel:
         self.code_predictor_config = None
         self.special_ids = None
         self.generation_defaults = None
+        self.speaker_config = None
+        self.codec_encoder_config = None
         self.speakers, self.languages, self.dialects = {}, {}, {}
         self.tts_model_type = self.tts_model_size = ""
         self.synthetic = False
@@ -516,6 +534,16 @@ class GgufModel:
                 self._validate_talker()
                 assert self.talker_config and self.code_predictor_config
                 specs += talker_tensor_specs(self.talker_config, self.code_predictor_config)
+            if PART_SPEAKER in self.parts:
+                if self.talker_config is None:
+                    raise SchemaError("the speaker_encoder part needs the talker part")
+                self.speaker_config = self._config(SpeakerEncoderConfig, SPEAKER_KEYS)
+                check_speaker_config(self.speaker_config, self.talker_config.hidden_size)
+                specs += speaker_tensor_specs(self.speaker_config)
+            if PART_CODEC_ENCODER in self.parts:
+                self.codec_encoder_config = self._config(CodecEncoderConfig, CODEC_ENCODER_KEYS)
+                check_codec_encoder_config(self.codec_encoder_config)
+                specs += codec_encoder_tensor_specs(self.codec_encoder_config)
         except SchemaError as exc:
             raise _Bad(str(exc)) from None
         self._check_tensors(specs)

@@ -39,7 +39,12 @@ FORMAT_VERSION = 1
 
 PART_DECODER = "decoder"
 PART_TALKER = "talker"
-ALL_PARTS = (PART_DECODER, PART_TALKER)
+# Voice cloning (Base models): the ECAPA-TDNN speaker encoder and the Mimi encoder of the
+# speech tokenizer. Their schemas live in engine/speaker/schema.py and
+# engine/codec_encoder/schema.py.
+PART_SPEAKER = "speaker_encoder"
+PART_CODEC_ENCODER = "codec_encoder"
+ALL_PARTS = (PART_DECODER, PART_TALKER, PART_SPEAKER, PART_CODEC_ENCODER)
 
 # ggml type ids (same values as gguf.GGMLQuantizationType) used by the engine.
 GGML_F32 = 0
@@ -77,6 +82,8 @@ class Keys:
     TTS_MODEL_SIZE = f"{ARCH}.tts_model_size"
 
     DECODER = f"{ARCH}.decoder."
+    SPEAKER = f"{ARCH}.speaker_encoder."
+    CODEC_ENCODER = f"{ARCH}.codec_encoder."
     TALKER = f"{ARCH}.talker."
     CODE_PREDICTOR = f"{ARCH}.code_predictor."
     TEXT = f"{ARCH}.text."
@@ -599,11 +606,11 @@ DECODER_SKIPPED_HF = (
     "decoder.quantizer.rvq_first.input_proj.weight",  # encode only
     "decoder.quantizer.rvq_rest.input_proj.weight",  # encode only
 )
-ENCODER_HF_PREFIX = "encoder."  # Mimi encoder: only for voice cloning (not built yet)
-SPEAKER_ENCODER_HF_PREFIX = "speaker_encoder."  # ECAPA-TDNN: only for voice cloning
+ENCODER_HF_PREFIX = "encoder."  # Mimi encoder: part "codec_encoder" (voice cloning)
+SPEAKER_ENCODER_HF_PREFIX = "speaker_encoder."  # ECAPA-TDNN: part "speaker_encoder"
 
 
-class _Table:
+class Table:
     def __init__(self, part: str, hf_prefix: str) -> None:
         self.part = part
         self.hf_prefix = hf_prefix
@@ -624,7 +631,7 @@ class _Table:
 
 def decoder_tensor_specs(c: DecoderConfig) -> list[TensorSpec]:
     """Every decoder tensor for config ``c`` (HF names carry the ``decoder.`` prefix)."""
-    t = _Table(PART_DECODER, "decoder.")
+    t = Table(PART_DECODER, "decoder.")
     F, W = Kind.F32, Kind.WEIGHT
     cbd = c.codebook_vector_dim
     nsem = c.num_semantic_quantizers
@@ -712,7 +719,7 @@ def decoder_tensor_specs(c: DecoderConfig) -> list[TensorSpec]:
 
 
 def _qwen3_layer(
-    t: _Table,
+    t: Table,
     g: str,
     hf: str,
     hidden: int,
@@ -738,7 +745,7 @@ def _qwen3_layer(
 
 def talker_tensor_specs(t: TalkerConfig, cp: CodePredictorConfig) -> list[TensorSpec]:
     """Every talker + code-predictor tensor (HF names carry the ``talker.`` prefix)."""
-    tb = _Table(PART_TALKER, "talker.")
+    tb = Table(PART_TALKER, "talker.")
     F, E, W = Kind.F32, Kind.EMBED, Kind.WEIGHT
     h, th = t.hidden_size, t.text_hidden_size
     tb.add("talk.text_embd.weight", "model.text_embedding.weight", [t.text_vocab_size, th], E)

@@ -25,6 +25,8 @@ a worker process owns one. See docs/talker.md for the frame-budget formula and t
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import threading
 import time
 from collections.abc import Callable, Generator
@@ -35,6 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from engine.backend import BackendSet
+from engine.clone.prompt import VoicePrompt, build_clone_prompt
 from engine.decoder import DecoderModel, StreamingDecoder, validate_codes
 from engine.errors import InputError
 from engine.talker.generate import (
@@ -45,13 +48,23 @@ from engine.talker.generate import (
     is_cancelled,
 )
 from engine.talker.live import LiveText, TextFeed, TextUpdate, generate_live_frames
-from engine.talker.model import TalkerModel
+from engine.talker.model import PREFILL_CHUNK, TalkerModel
 from engine.talker.prompt import PromptBuilder
 from engine.talker.sampling import SamplingParams, make_rng
+from engine.talker.segment import split_segments
 from engine.timings import StageTimings
 
+# Token caps (docs/talker.md "Long and hostile texts"): what a prefill costs is tokens, not
+# characters (an emoji or a CJK character can be several tokens).
+DEFAULT_MAX_TEXT_TOKENS = 2048
+DEFAULT_MAX_INSTRUCT_TOKENS = 256
+DEFAULT_SEGMENT_TOKENS = 200
 # 16: the ramp then costs little more than an offline decode (docs/performance.md, Decoder)
 DEFAULT_CHUNK_MAX_FRAMES = 16
+# A cloned voice's reference codes go through the decoder before the new frames (their audio is
+# dropped, as the reference cuts it): the last 25, the left context the reference's own chunked
+# decode gives each chunk, so the first new audio is as early as for any voice.
+DECODER_PRIME_FRAMES = 25
 Cancel = threading.Event | Callable[[], bool] | None
 
 
@@ -76,6 +89,8 @@ class SynthesisRequest:
     max_frames: int | None = None  # frame budget override (<= the pipeline's max_frames_cap)
     frame_limit: int | None = None  # lowers the budget (formula or max_frames), never raises it
     chunk_max_frames: int | None = None
+    # A cloned voice (Base models): from ``Pipeline.clone_voice`` or a ``.qvoice`` file.
+    voice_prompt: VoicePrompt | None = None
 
 
 @dataclass
@@ -153,14 +168,22 @@ class Pipeline:
     ``decoder``: a loaded ``DecoderModel`` to share (the service has one), else loaded here with
     ``precision``. ``kv_type``: talker/code-predictor cache type ("f16" or "f32").
     ``max_frames_cap``: the server cap on frames per request. ``ignore_unsupported_instruct``:
-    drop instructions a model does not honour instead of refusing them.
+    drop instructions a model does not honour instead of refusing them. ``max_text_tokens`` /
+    ``max_instruct_tokens``: the longest text / instruction, in tokens (``InputError`` over
+    it). ``segment_tokens``: a longer text is spoken segment by segment, each at most this
+    many tokens of whole sentences (``engine.talker.segment``), with its own frame budget.
+    ``prefill_chunk``: prompt positions per prefill graph (``TalkerModel``).
     """
 
     def __init__(self, model: Any, backends: BackendSet, decoder: DecoderModel | None = None,
                  *, precision: str = "fast", kv_type: str = "f16",
                  max_frames_cap: int = DEFAULT_MAX_FRAMES_CAP,
                  chunk_max_frames: int = DEFAULT_CHUNK_MAX_FRAMES,
-                 ignore_unsupported_instruct: bool = False) -> None:
+                 ignore_unsupported_instruct: bool = False,
+                 max_text_tokens: int = DEFAULT_MAX_TEXT_TOKENS,
+                 max_instruct_tokens: int = DEFAULT_MAX_INSTRUCT_TOKENS,
+                 segment_tokens: int = DEFAULT_SEGMENT_TOKENS,
+                 prefill_chunk: int = PREFILL_CHUNK) -> None:
         self.model = model
         self.backends = backends
         self._own_decoder = decoder is None
@@ -168,12 +191,23 @@ class Pipeline:
             model, backends, precision)  # type: ignore[arg-type]
         self.max_frames_cap = int(max_frames_cap)
         self.chunk_max_frames = int(chunk_max_frames)
+        for name, v in (("max_text_tokens", max_text_tokens),
+                        ("max_instruct_tokens", max_instruct_tokens),
+                        ("segment_tokens", segment_tokens)):
+            if v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        self.max_text_tokens = int(max_text_tokens)
+        self.max_instruct_tokens = int(max_instruct_tokens)
+        self.segment_tokens = int(segment_tokens)
+        self._steady_compute: int | None = None  # compute buffer bytes after warm_up
         self.talker: TalkerModel | None = None
         self.prompts: PromptBuilder | None = None
+        self._fingerprint: str | None = None
+        self._cloner: Any = None
         self.defaults: SamplingParams | None = None
         if "talker" in model.parts:
             self.prompts = PromptBuilder(model, ignore_unsupported_instruct)
-            self.talker = TalkerModel(model, backends, kv_type)
+            self.talker = TalkerModel(model, backends, kv_type, prefill_chunk=prefill_chunk)
             self.defaults = SamplingParams.from_defaults(model.generation_defaults)
             self._max_new_tokens = int(model.generation_defaults.max_new_tokens)
 
@@ -212,11 +246,19 @@ class Pipeline:
         of a built-in voice pays for it (~1 MB each, computed in batches: 9 x 11 for the
         released CustomVoice models). Models that ignore instructions (0.6B CustomVoice) have
         no other prefixes. Also sizes the compute buffers for a prompt before the first
-        request.
+        request, and for the decoder's largest chunk: that size is the steady state
+        ``release`` returns to after a request that needed more.
         """
+        t0 = time.perf_counter()
+        sd = StreamingDecoder(self.decoder)
+        silence = np.zeros((self.decoder.cfg.num_quantizers, self.chunk_max_frames), np.int32)
+        for _ in range(2):  # the second push carries history (its graphs are the larger)
+            sd.push(silence)
+        seconds = time.perf_counter() - t0
         if self.talker is None or self.prompts is None:
-            return 0.0
-        seconds = self.talker.warm_up()
+            self._steady_compute = self.backends.compute_buffer_bytes()
+            return seconds
+        seconds += self.talker.warm_up()
         if pin_prefixes:
             t0 = time.perf_counter()
             voices: list[str | None] = list(self.prompts.voices) or [None]
@@ -229,6 +271,7 @@ class Pipeline:
                         continue
             self.talker.pin_prefixes(prompts)
             seconds += time.perf_counter() - t0
+        self._steady_compute = self.backends.compute_buffer_bytes()
         return seconds
 
     # -- streaming ---------------------------------------------------------------------------
@@ -239,10 +282,13 @@ class Pipeline:
         req = as_request(request)
         check = _cancel_fn(cancel)
         info = info if info is not None else StreamInfo()
-        if isinstance(req, CodesRequest):
-            outcome = yield from self._stream_codes(req, check, info)
-        else:
-            outcome = yield from self._stream_text(req, check, info)
+        try:
+            if isinstance(req, CodesRequest):
+                outcome = yield from self._stream_codes(req, check, info)
+            else:
+                outcome = yield from self._stream_text(req, check, info)
+        finally:
+            self.release()
         info.outcome = outcome
         return outcome
 
@@ -278,51 +324,155 @@ class Pipeline:
             pos += n
         return "ok"
 
+    def _segments(self, req: SynthesisRequest) -> list[str]:
+        """The text as segments (``engine.talker.segment``), after the token caps."""
+        assert self.prompts is not None
+        offsets = self.prompts.offsets("text", req.text)
+        if len(offsets) > self.max_text_tokens:
+            raise InputError("text", f"{len(offsets)} tokens; the limit is "
+                             f"{self.max_text_tokens} tokens")
+        if req.instruct:
+            n = len(self.prompts.offsets("instruct", req.instruct))
+            if n > self.max_instruct_tokens:
+                raise InputError("instruct", f"{n} tokens; the limit is "
+                                 f"{self.max_instruct_tokens} tokens")
+        return split_segments(req.text, offsets, self.segment_tokens) or [req.text]
+
     def _stream_text(self, req: SynthesisRequest, cancel: Callable[[], bool] | None,
                      info: StreamInfo) -> Generator[AudioChunk, None, str]:
         if self.talker is None or self.prompts is None or self.defaults is None:
             raise InputError(
                 "text", "this model file has no talker (a decoder-only GGUF): it cannot speak "
                 "text; send codes, or convert the full model folder")
-        prompt = self.prompts.build(req.text, req.voice, req.language, req.instruct,
-                                    req.text_mode)
+        segments = self._segments(req)
+        if req.voice_prompt is not None:
+            prompts = [self._clone_prompt(replace(req, text=t)) for t in segments]
+        else:
+            prompts = [self.prompts.build(t, req.voice, req.language, req.instruct,
+                                          req.text_mode) for t in segments]
         params = self.defaults.with_overrides(
             greedy=req.greedy, **{k: getattr(req, k) for k in _SAMPLING_FIELDS})
-        budget = frame_budget(prompt.n_text_tokens, req.max_frames, self.max_frames_cap,
-                              self._max_new_tokens, req.frame_limit)
+        if len(prompts) == 1:
+            total = frame_budget(prompts[0].n_text_tokens, req.max_frames, self.max_frames_cap,
+                                 self._max_new_tokens, req.frame_limit)
+        else:
+            # the request's max_frames or frame_limit (else the server cap) bounds the whole
+            # text; each segment has its own budget by the formula, within what is left
+            total = frame_budget(0, req.max_frames or self.max_frames_cap, self.max_frames_cap,
+                                 self._max_new_tokens, req.frame_limit)
         chunk_max = self._chunk_max(req)
         rng, seed = make_rng(req.seed)
-        info.seed, info.budget = seed, budget
+        info.seed, info.budget = seed, total
         sd = StreamingDecoder(self.decoder)
+        if prompts[0].ref_codes is not None:  # the reference part: decoded for context, not sent
+            sd.push(np.ascontiguousarray(prompts[0].ref_codes[-DECODER_PRIME_FRAMES:].T))
         sizes = chunk_sizes(chunk_max)
         target = next(sizes)
-        pending: list[npt.NDArray[np.int32]] = []
-        acc = StageTimings()
-        frames = generate_frames(self.talker, prompt, params, budget, rng, cancel)
-        try:
-            while True:
-                try:
-                    frame = next(frames)
-                except StopIteration as stop:
-                    result: Result = stop.value
-                    break
-                pending.append(frame.codes)
-                acc = acc + frame.timings
-                if len(pending) >= target:
-                    if is_cancelled(cancel):
-                        return "cancelled"
-                    yield self._push(sd, pending, acc, info)
-                    pending, acc = [], StageTimings()
-                    target = next(sizes)
-        finally:
-            frames.close()
-        if result.outcome == "cancelled":
-            return "cancelled"
-        if pending:
-            if is_cancelled(cancel):
+        outcome = "ok"
+        done = 0  # frames of the earlier segments
+        for prompt in prompts:
+            left = total - done
+            if left < 1:
+                return "truncated_no_eos"  # the text's frame budget ran out before its end
+            budget = left if len(prompts) == 1 else min(
+                left, frame_budget(prompt.n_text_tokens, None, self.max_frames_cap,
+                                   self._max_new_tokens))
+            pending: list[npt.NDArray[np.int32]] = []
+            acc = StageTimings()
+            frames = generate_frames(self.talker, prompt, params, budget, rng, cancel)
+            try:
+                while True:
+                    try:
+                        frame = next(frames)
+                    except StopIteration as stop:
+                        result: Result = stop.value
+                        break
+                    pending.append(frame.codes)
+                    acc = acc + frame.timings
+                    if len(pending) >= target:
+                        if is_cancelled(cancel):
+                            return "cancelled"
+                        yield self._push(sd, pending, acc, info)
+                        pending, acc = [], StageTimings()
+                        target = next(sizes)
+            finally:
+                frames.close()
+            if result.outcome == "cancelled":
                 return "cancelled"
-            yield self._push(sd, pending, acc + result.leftover, info)
-        return result.outcome
+            done += result.frames
+            if result.outcome == "truncated_no_eos":
+                outcome = "truncated_no_eos"
+            if pending:  # the segment's last frames go out before the next one's prefill
+                if is_cancelled(cancel):
+                    return "cancelled"
+                yield self._push(sd, pending, acc + result.leftover, info)
+        return outcome
+
+    def release(self) -> None:
+        """Give back what one request grew past the steady state (after ``warm_up``): the
+        talker cache back to its reserved size, compute buffers back to their warm-up size,
+        and free heap pages to the system."""
+        if self.talker is not None:
+            self.talker.trim()
+        if self._steady_compute is not None:
+            # (slack: a request may legitimately need a little more than the sizing graphs)
+            self.backends.trim_compute_buffers(int(self._steady_compute * 1.25) + (4 << 20))
+        _malloc_trim()
+
+    @property
+    def voice_fingerprint(self) -> str:
+        """The fingerprint cloned voices of this model carry (``engine.clone.voice_file``)."""
+        if self._fingerprint is None:
+            from engine.clone.voice_file import model_fingerprint
+
+            self._fingerprint = model_fingerprint(self.model)
+        return self._fingerprint
+
+    def clone_voice(self, audio: bytes | str, ref_text: str | None, x_vector_only: bool = False,
+                    max_seconds: float | None = None) -> VoicePrompt:  # fmt: skip
+        """A voice from reference audio (any format/rate) and its transcript (ICL mode unless
+        ``x_vector_only``). ``InputError`` for a non-Base model, an empty transcript, or audio
+        that cannot be decoded, is too short/long or silent."""
+        from engine.clone.audio import DEFAULT_MAX_SECONDS, load_reference
+        from engine.clone.cloner import VoiceCloner, check_base
+        from engine.clone.prompt import transcript_ids
+
+        if self.prompts is None:
+            raise InputError("ref_audio", "this model file has no talker")
+        check_base(self.model)
+        if not x_vector_only:
+            transcript_ids(self.prompts, ref_text or "")
+        wav = load_reference(audio, DEFAULT_MAX_SECONDS if max_seconds is None else max_seconds)
+        if self._cloner is None:
+            self._cloner = VoiceCloner(self.model, self.backends, self.prompts)
+        voice: VoicePrompt = self._cloner.make(wav, ref_text, x_vector_only)
+        return voice
+
+    def pin_voice(self, voice: VoicePrompt) -> None:
+        """Compute a stored voice's prompt prefix in every language now and keep it (like the
+        built-in voices'), so its requests prefill only their own text."""
+        if self.talker is None or self.prompts is None:
+            raise InputError("voice_prompt", "this model file has no talker")
+        self.talker.pin_prefixes([
+            self._clone_prompt(SynthesisRequest(".", voice_prompt=voice, language=lang))
+            for lang in self.prompts.languages])
+
+    def _clone_prompt(self, req: SynthesisRequest) -> Any:
+        assert self.prompts is not None and self.talker is not None
+        vp = req.voice_prompt
+        assert vp is not None
+        if self.model.tts_model_type != "base":
+            raise InputError("voice_prompt", f"this is a {self.model.tts_model_type} model; "
+                             "only Base models speak cloned voices")  # fmt: skip
+        if req.voice:
+            raise InputError("voice", "give a named voice or a cloned voice, not both")
+        if req.instruct:
+            raise InputError("instruct", "Base models do not take instructions")
+        if vp.fingerprint != self.voice_fingerprint:
+            raise InputError("voice_prompt", "this voice was made for another model; clone "
+                             "it again with this model")  # fmt: skip
+        return build_clone_prompt(self.prompts, vp, req.text, req.language, req.text_mode,
+                                  self.talker.frame_embeddings)
 
     def stream_live(self, request: Any, feed: TextFeed, cancel: Cancel = None,
                     info: StreamInfo | None = None, min_tokens: int = 1
@@ -419,11 +569,29 @@ class Pipeline:
 
     def close(self) -> None:
         """Free the talker (and the decoder when this Pipeline loaded it)."""
+        if self._cloner is not None:
+            self._cloner.close()
+            self._cloner = None
         if self.talker is not None:
             self.talker.close()
             self.talker = None
         if self._own_decoder:
             self.decoder.close()
+
+
+@functools.cache
+def _libc() -> Any:
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc
+        return None
+
+
+def _malloc_trim() -> None:
+    # glibc keeps freed heap pages (numpy's mid-sized arrays) unless asked to return them
+    libc = _libc()
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(ctypes.c_size_t(0))
 
 
 def _cancel_fn(cancel: Cancel) -> Callable[[], bool] | None:

@@ -16,8 +16,10 @@ from fastapi import FastAPI
 
 from service import handlers
 from service.gate import GateMiddleware
-from service.metrics import Metrics
+from service.guard import ErrorGuard
+from service.metrics import ROUTES, Metrics
 from service.model_info import ModelInfo
+from service.openapi import install as install_openapi
 from service.pool import WorkerPool
 from service.routes import ROUTERS
 from service.settings import Settings
@@ -55,7 +57,14 @@ def create_app(settings: Settings | None = None, model: ModelInfo | None = None)
         redoc_url=None,
     )
     app.add_middleware(GateMiddleware)
+    # outermost: errors nothing answered still get our JSON 500, request id, log line, counter
+    app.add_middleware(ErrorGuard, metrics=lambda: st.metrics
+                       if (st := getattr(app.state, "qtts", None)) is not None else None,
+                       synth_routes=ROUTES)
     handlers.install(app)
     for router in ROUTERS:
         app.include_router(router)
+    # the OpenAPI document with the model's voices and languages and the server's caps
+    install_openapi(app, settings, lambda: st.model
+                    if (st := getattr(app.state, "qtts", None)) is not None else model)
     return app

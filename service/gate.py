@@ -1,5 +1,5 @@
 """The gate in front of the API routes: API key (401), JSON content type (415), body size
-(413) and the request id, checked before FastAPI parses anything.
+(413), body time (408) and the request id, checked before FastAPI parses anything.
 
 Health, metrics and docs stay open (probes and scrapers carry no key). The body is read here,
 within the cap, and replayed to the route, so an oversized upload is refused without buffering
@@ -8,6 +8,7 @@ it whole.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import re
 import time
@@ -50,7 +51,8 @@ class GateMiddleware:
         if err is not None:
             await gate.reject(err, "unauthorized")
             return
-        if scope["method"] != "POST":
+        if scope["method"] != "POST" or gate.route is None:
+            # (a POST to a GET-only route goes on to the router: 405, not a body check)
             await self.app(scope, receive, send)
             return
         err = _check_content_type(headers)
@@ -108,7 +110,7 @@ class _Gate:
         await err.response(self.rid)(self.scope, self.receive, self.send)
 
     async def read_body(self, declared: str | None) -> bytes | None:
-        """The whole body, or None when it was refused (413) or the client left."""
+        """The whole body, or None when it was refused (413, 408) or the client left."""
         limit = self.st.settings.max_body_bytes
         too_big = ApiError(413, f"request body is larger than {limit} bytes", field="body",
                            code="body_too_large")
@@ -117,8 +119,18 @@ class _Gate:
             return None
         chunks: list[bytes] = []
         size = 0
+        # the whole body within body_timeout: a client that trickles or stalls is let go
+        timeout = self.st.settings.body_timeout
+        deadline = time.monotonic() + timeout
         while True:
-            msg = await self.receive()
+            try:
+                msg = await asyncio.wait_for(self.receive(),
+                                             max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                await self.reject(ApiError(408, f"request body not received within {timeout:g} s",
+                                           field="body", code="request_timeout",
+                                           headers={"Connection": "close"}), "invalid")
+                return None
             if msg["type"] == "http.disconnect":
                 return None
             body = msg.get("body", b"")

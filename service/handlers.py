@@ -1,5 +1,6 @@
-"""Exception handlers: every error, whatever raised it, is answered in our one JSON shape
-(service/errors.py), never a traceback; refused synthesis requests are counted and logged."""
+"""Exception handlers: every error is answered in our one JSON shape (service/errors.py), never a
+traceback; refused synthesis requests are counted and logged. Unexpected exceptions pass on to
+``service.guard.ErrorGuard``."""
 
 from __future__ import annotations
 
@@ -34,7 +35,10 @@ async def validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     errs = exc.errors()
     e: dict[str, Any] = dict(errs[0]) if errs else {"loc": ("body",), "msg": "invalid"}
-    loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+    # (an unknown field's name is the client's text: a lone surrogate in it would break the
+    # UTF-8 answer; the log formats quote and escape it)
+    loc = [str(x).encode("utf-8", "backslashreplace").decode("utf-8")
+           for x in e.get("loc", ()) if x != "body"]
     field_name = loc[0] if loc else "body"
     where = ".".join(loc) or "body"
     msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
@@ -54,14 +58,10 @@ async def http_error(request: Request, exc: Exception) -> JSONResponse:
                         status_code=exc.status_code, headers=exc.headers)
 
 
-async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-    log.exception("unhandled error on %s", request.url.path)
-    return JSONResponse(error_body(500, "internal server error"), status_code=500)
-
-
 def install(app: FastAPI) -> None:
     """Register every handler on ``app``."""
     app.add_exception_handler(ApiError, api_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
-    app.add_exception_handler(Exception, internal_error)
+    # (an unexpected exception: service/guard.py's ErrorGuard answers it, as the outermost
+    # middleware, with the request id, the request line and the counter)

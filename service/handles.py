@@ -46,6 +46,7 @@ class WorkerHandle:
     info: Ready | None = None
     started_at: float = field(default_factory=time.monotonic)
     jobs_done: int = 0
+    idle_since: float = 0.0  # when it last became idle (dispatch picks the longest idle)
 
     @property
     def pid(self) -> int | None:

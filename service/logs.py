@@ -31,18 +31,59 @@ class JsonFormatter(logging.Formatter):
                 out[k] = v
         if record.exc_info:
             out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str)
+        return json.dumps(out, default=str)  # (ensure_ascii: every value escaped)
+
+
+def escape(s: str) -> str:
+    """``s`` with every character that is not printable (newlines, other controls, lone
+    surrogates, ...) written as a Python escape: one log record stays one line."""
+    if s.isprintable():
+        return s
+    return "".join(c if c.isprintable() else c.encode("unicode_escape", "backslashreplace")
+                   .decode("ascii") for c in s)
+
+
+_BARE = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._:/+-@")
+
+
+def logfmt_value(v: Any) -> str:
+    """A field value for the text format: numbers, None and booleans as they print, any other
+    value a bare word when it is one (``[A-Za-z0-9._:/+-@]+``), else a JSON string (quoted,
+    escaped), so no value can end its field or its line early."""
+    if v is None or isinstance(v, bool | int | float):
+        return str(v)
+    text = str(v)
+    if text and set(text) <= _BARE:
+        return text
+    return json.dumps(text)  # ensure_ascii: controls, quotes, surrogates all escaped
 
 
 class TextFormatter(logging.Formatter):
+    """``time level logger: message key=value ...``: one line per record. The message has its
+    non-printable characters escaped, values are bare words or JSON strings
+    (``logfmt_value``), and a traceback's lines are indented under the record."""
+
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = escape(record.message)
+        return super().formatMessage(record)
+
+    def formatException(self, ei: Any) -> str:
+        return "\n".join("    " + escape(line) for line in
+                         super().formatException(ei).splitlines())
+
+    def formatStack(self, stack_info: str) -> str:
+        return "\n".join("    " + escape(line) for line in stack_info.splitlines())
 
     def format(self, record: logging.LogRecord) -> str:
         base = super().format(record)
         fields = {k: v for k, v in vars(record).items() if k not in _STD and not k.startswith("_")}
         if fields:
-            base += " " + " ".join(f"{k}={v}" for k, v in fields.items())
+            extra = " ".join(f"{k}={logfmt_value(v)}" for k, v in fields.items())
+            head, sep, tail = base.partition("\n")  # the fields stay on the record's line
+            base = f"{head} {extra}{sep}{tail}"
         return base
 
 

@@ -87,6 +87,10 @@ class Metrics:
             "qtts_rejections", "Requests refused before any work, by reason.",
             ["reason"], registry=r,
         )
+        self.internal_errors = Counter(
+            "qtts_internal_errors", "Requests that ended in an unexpected server error (500).",
+            ["route"], registry=r,
+        )
         self.audio_seconds = Counter(
             "qtts_audio_seconds", "Seconds of audio sent to clients.", registry=r
         )

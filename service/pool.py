@@ -98,6 +98,8 @@ class WorkerPool:
             index=index, model_path=str(s.model), precision=s.precision, env=s.worker_env(),
             warmup_frames=s.warmup_frames, max_frames_cap=self.max_frames_cap,
             chunk_max_frames=s.chunk_max_frames, pin_prefixes=s.pin_prefixes,
+            max_text_tokens=s.max_text_tokens, max_instruct_tokens=s.max_instruct_tokens,
+            segment_tokens=s.segment_tokens, prefill_chunk=s.prefill_chunk,
         )
         proc = self._ctx.Process(
             target=worker_main, name=f"qtts-worker-{index}", args=(child, cancel, opts),
@@ -206,10 +208,11 @@ class WorkerPool:
                 pass  # it died: the reader reports the exit to the ticket
 
     def _idle_worker(self) -> WorkerHandle | None:
-        for w in self._workers:
-            if w is not None and w.state is WorkerState.IDLE:
-                return w
-        return None
+        # The idle worker that has waited longest: sequential requests go round the workers,
+        # so every one stays warm (its pages, caches and graphs in use) instead of the first
+        # taking all the work while the others go cold. Any warm worker answers as fast.
+        idle = [w for w in self._workers if w is not None and w.state is WorkerState.IDLE]
+        return min(idle, key=lambda w: w.idle_since) if idle else None
 
     def _dispatch(self) -> None:
         while self._waiting:
@@ -247,6 +250,7 @@ class WorkerPool:
     def _on_ready(self, w: WorkerHandle, msg: Ready) -> None:
         w.info = msg
         w.state = WorkerState.IDLE
+        w.idle_since = time.monotonic()
         self._start_failures[w.index] = 0
         self.last_fatal = None
         self.backend = self.backend or msg.backend
@@ -267,6 +271,7 @@ class WorkerPool:
         w.jobs_done += 1
         if not self.stopping:
             w.state = WorkerState.IDLE
+            w.idle_since = time.monotonic()
             self._dispatch()
 
     def _on_exit(self, w: WorkerHandle) -> None:

@@ -74,6 +74,11 @@ class WorkerOptions:
     max_frames_cap: int  # the server's longest audio, in frames
     chunk_max_frames: int | None  # None: the engine's default
     pin_prefixes: bool
+    # what a text may cost (docs/talker.md "Long and hostile texts"); None: the engine's default
+    max_text_tokens: int | None = None
+    max_instruct_tokens: int | None = None
+    segment_tokens: int | None = None
+    prefill_chunk: int | None = None
 
 
 # ---- front end -> worker -------------------------------------------------------------------

@@ -1,26 +1,43 @@
 """Request bodies of the HTTP API.
 
-Static checks live on the pydantic models (types, ranges); checks that need the server settings
-or the model (caps, the codes' shape and ids, voices, languages, talker) live in
-``validation.py``.
+Static checks live on the pydantic models (types, ranges; strict types, as the OpenAPI
+document says: no ``true`` for a number, ``"1"`` or ``1.5`` for an integer, and text that is
+valid Unicode); checks that need the server settings or the model (caps, the codes' shape and
+ids, voices, languages, talker) live in ``validation.py``.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt
 
 FORMATS = ("wav", "pcm", "flac", "mp3", "opus", "aac")
 AudioFormat = Literal["wav", "pcm", "flac", "mp3", "opus", "aac"]
 Codes = list[list[StrictInt]] | None
 
 
+def _unicode(v: str | None) -> str | None:
+    # JSON may carry a lone surrogate ("\ud800"): no tokenizer, encoder or log takes it
+    if v is not None:
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"has a lone surrogate U+{ord(v[e.start]):04X} at character "
+                             f"{e.start}: not valid Unicode text") from None
+    return v
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+MIN_TEMPERATURE = 0.01  # the engine's floor (engine.talker.sampling): colder is argmax anyway
+
+
 class Sampling(BaseModel):
     """Sampling overrides for text requests (capped again by the server settings)."""
 
     seed: int | None = Field(default=None, ge=0, le=2**32 - 1, description="random seed")
-    temperature: float | None = Field(default=None, gt=0, description="sampling temperature")
+    temperature: float | None = Field(default=None, ge=MIN_TEMPERATURE,
+                                      description="sampling temperature (>= 0.01)")
     top_k: int | None = Field(default=None, ge=1, description="top-k cut")
     top_p: float | None = Field(default=None, gt=0, le=1, description="nucleus cut")
     repetition_penalty: float | None = Field(default=None, ge=1.0, description="≥ 1")
@@ -29,16 +46,16 @@ class Sampling(BaseModel):
 class TTSRequest(Sampling):
     """``POST /tts``: synthesize ``text``, or decode ``codes`` [codebooks, T] (decoder-only use)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    text: str | None = Field(default=None, description="text to speak (needs a talker model)")
+    text: Text | None = Field(default=None, description="text to speak (needs a talker model)")
     codes: Codes = Field(
         default=None, description="codec frames [codebooks][T] (16 rows of ids 0..2047 for "
         "Qwen3-TTS), instead of text"
     )
-    voice: str | None = Field(default=None, description="speaker name (GET /v1/audio/voices)")
-    language: str | None = Field(default=None, description="language name, e.g. english")
-    instruct: str | None = Field(default=None, description="style instruction (text requests)")
+    voice: Text | None = Field(default=None, description="speaker name (GET /v1/audio/voices)")
+    language: Text | None = Field(default=None, description="language name, e.g. english")
+    instruct: Text | None = Field(default=None, description="style instruction (text requests)")
     format: AudioFormat = Field(default="wav", description="wav | pcm | flac | mp3 | opus | aac")
     stream: bool = Field(default=True, description="chunked streaming (true) or one file")
     speed: float = Field(default=1.0, ge=0.25, le=4.0, description="playback speed 0.25..4")
@@ -49,25 +66,25 @@ class TTSRequest(Sampling):
 
 
 class VoiceRef(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    id: str
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: Text
 
 
 class SpeechRequest(Sampling):
     """``POST /v1/audio/speech``: OpenAI's speech request, plus qtts extensions."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
-    model: str = Field(description="model id (GET /v1/models); one model is served")
-    input: str = Field(description="text to speak; empty when `codes` is sent")
-    voice: str | VoiceRef = Field(description="voice name (GET /v1/audio/voices)")
-    instructions: str | None = Field(default=None, description="style instruction")
+    model: Text = Field(description="model id (GET /v1/models); one model is served")
+    input: Text = Field(description="text to speak; empty when `codes` is sent")
+    voice: Text | VoiceRef = Field(description="voice name (GET /v1/audio/voices)")
+    instructions: Text | None = Field(default=None, description="style instruction")
     response_format: AudioFormat = Field(default="mp3", description="mp3|opus|aac|flac|wav|pcm")
     speed: float = Field(default=1.0, ge=0.25, le=4.0, description="0.25..4.0 (time-stretch)")
     stream_format: Literal["audio", "sse"] = Field(default="audio", description="audio | sse")
     # qtts extensions (send with the openai client's extra_body)
     codes: Codes = Field(default=None, description="qtts: frames [codebooks][T]")
-    language: str | None = Field(default=None, description="qtts: language name")
+    language: Text | None = Field(default=None, description="qtts: language name")
     stream: bool = Field(default=True, description="qtts: false = one file with Content-Length")
     max_seconds: float | None = Field(default=None, gt=0, description="qtts: cap on audio")
 

@@ -34,6 +34,20 @@ class Settings(BaseSettings):
         default=8, ge=0, le=10000, description="requests allowed to wait for a worker"
     )
     max_text_chars: int = Field(default=4096, ge=1, description="longest accepted text")
+    max_text_tokens: int = Field(
+        default=2048, ge=1, description="longest accepted text in tokens (what costs)"
+    )
+    max_instruct_tokens: int = Field(
+        default=256, ge=1, description="longest accepted instruction in tokens"
+    )
+    segment_tokens: int = Field(
+        default=200, ge=16, le=2048,
+        description="a longer text is spoken in segments of whole sentences of at most this",
+    )
+    prefill_chunk: int = Field(
+        default=256, ge=1, le=4096,
+        description="prompt positions per prefill graph (memory bound; cancel checked between)",
+    )
     request_timeout: float = Field(
         default=300.0, gt=0, description="seconds a request may take, queue wait included"
     )
@@ -53,6 +67,20 @@ class Settings(BaseSettings):
     )
     drain_seconds: float = Field(
         default=30.0, ge=0, description="on SIGTERM: how long in-flight requests may finish"
+    )
+    shutdown_delay_seconds: float = Field(
+        default=5.0, ge=0,
+        description="on SIGTERM: readiness answers 503 this long at least before the listener "
+        "closes (a load balancer's probes see it); within drain_seconds",
+    )
+    header_timeout: float = Field(
+        default=10.0, gt=0, description="seconds a connection has to send a request's headers"
+    )
+    body_timeout: float = Field(
+        default=30.0, gt=0, description="seconds a request has to send its whole body (408)"
+    )
+    keepalive_timeout: int = Field(
+        default=5, ge=1, description="an idle keep-alive connection is closed after this"
     )
     cancel_grace_seconds: float = Field(
         default=10.0, gt=0, description="a worker that ignores a cancel this long is killed"

@@ -18,10 +18,11 @@ from typing import Any
 
 import numpy as np
 from fastapi.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from service.audio import CONTENT_TYPES, Encoder, TimeStretch, encode_whole, make_encoder
 from service.errors import ApiError
+from service.fields import api_field
 from service.handles import Ticket
 from service.logs import round_or_none
 from service.pool import PoolDraining, PoolFull, PoolNotReady
@@ -42,6 +43,9 @@ from service.validation import Synthesis
 
 log = logging.getLogger("qtts.app")
 SSE_CONTENT_TYPE = "text/event-stream"
+# nginx's code for "client closed the request before any response": what the request line says
+# when the client left before the status line went out
+CLIENT_CLOSED = 499
 
 
 class _Abort(Exception):
@@ -97,8 +101,16 @@ class SynthesisResponse(Response):
             await self._refused(e, scope, receive, send)
             return
         watcher = asyncio.create_task(self._watch_disconnect(receive))
+        started = False
+
+        async def send_tracked(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
         try:
-            await self._run(scope, receive, send)
+            await self._run(scope, receive, send_tracked)
         except _Abort:
             pass  # returning without the final empty chunk makes uvicorn drop the connection
         except OSError:  # the client went away while we were writing
@@ -112,6 +124,8 @@ class SynthesisResponse(Response):
             watcher.cancel()
             if self.ticket is not None and self.ticket.state is not TicketState.FINISHED:
                 st.pool.cancel(self.ticket)
+            if syn.outcome == "client_gone" and not started:
+                syn.status = CLIENT_CLOSED  # no status line ever went out: never log a 200
             finish_log(st, syn, admitted=True)
 
     async def _refused(self, e: Exception, scope: Scope, receive: Receive, send: Send) -> None:
@@ -184,7 +198,9 @@ class SynthesisResponse(Response):
                 if ev.status < 500:
                     self.st.metrics.rejections.labels(reason="invalid").inc()
                 code = ev.code or ("invalid_value" if ev.status < 500 else "synthesis_failed")
-                err = ApiError(ev.status, ev.message, field=ev.field, code=code)
+                # (the engine names text/instruct; the OpenAI route's client sent input/...)
+                field, message = api_field(syn.route, ev.field, ev.message)
+                err = ApiError(ev.status, message, field=field, code=code)
             case _:  # the client left: nobody to answer
                 syn.outcome = "client_gone"
                 return

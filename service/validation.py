@@ -124,11 +124,11 @@ def check_codes(codes: list[list[int]], n_codebooks: int, codebook_size: int) ->
     for i, row in enumerate(codes):
         if len(row) != n:
             raise bad("codes", f"row {i} has {len(row)} codes, row 0 has {n}: rows must be equal")
-    a = np.asarray(codes, dtype=np.int64)
-    wrong = np.argwhere((a < 0) | (a >= codebook_size))
-    if len(wrong):
-        i, j = (int(x) for x in wrong[0])
-        raise bad("codes", f"code {a[i, j]} at [{i}][{j}] is outside 0..{codebook_size - 1}")
+        # the range in Python ints, before numpy: an id past int64 (2**63) is a 400 like any
+        # other, not numpy's OverflowError
+        if min(row) < 0 or max(row) >= codebook_size:
+            j, c = next((j, c) for j, c in enumerate(row) if not 0 <= c < codebook_size)
+            raise bad("codes", f"code {c} at [{i}][{j}] is outside 0..{codebook_size - 1}")
 
 
 def _codes_job(st: State, inp: SynthesisInput) -> Job:

@@ -56,9 +56,12 @@ class Synthesizer:
         self.options = options
         self.backends = BackendSet.from_options(options)
         self.decoder = DecoderModel.load(self.model, self.backends, precision=opts.precision)
+        caps = {name: v for name in ("max_text_tokens", "max_instruct_tokens", "segment_tokens",
+                                     "prefill_chunk")
+                if (v := getattr(opts, name)) is not None}  # else the engine's defaults
         self.pipeline = Pipeline(
             self.model, self.backends, self.decoder, max_frames_cap=opts.max_frames_cap,
-            chunk_max_frames=opts.chunk_max_frames or DEFAULT_CHUNK_MAX_FRAMES)
+            chunk_max_frames=opts.chunk_max_frames or DEFAULT_CHUNK_MAX_FRAMES, **caps)
 
     def feed(self, job_id: int) -> PipeFeed:
         assert self.conn is not None

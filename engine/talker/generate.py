@@ -14,8 +14,9 @@ Order of one utterance (docs/architecture.md, Generation loop)::
 
 So with a budget of F frames the talker samples at most F+1 tokens, like the reference with
 ``max_new_tokens = F + 1``; a request that hits the budget without EOS ends
-``truncated_no_eos`` (reported, never silent). Cancellation is checked before every talker step
-and every code-predictor run: work stops within one frame.
+``truncated_no_eos`` (reported, never silent). Cancellation is checked between prefill chunks,
+before every talker step and every code-predictor run: work stops within one frame (or one
+prefill chunk).
 
 Frame budget (documented in docs/talker.md): ``budget = 40 + 12 * n_text_tokens`` frames
 (3.2 s plus ~1 s per text token; speech runs at ~3-5 frames per token in every supported
@@ -35,7 +36,7 @@ import numpy as np
 import numpy.typing as npt
 
 from engine.errors import InputError
-from engine.talker.model import TalkerModel
+from engine.talker.model import PrefillCancelled, TalkerModel
 from engine.talker.prompt import Prompt
 from engine.talker.sampling import SamplingParams, choose, suppress_mask, talker_scores
 from engine.timings import StageTimings
@@ -118,7 +119,11 @@ def generate_frames(
 
     talker.reserve(prompt.length + budget)
     t0 = time.perf_counter()
-    pre = talker.prefill(prompt)
+    try:
+        pre = talker.prefill(prompt, cancel=cancel)
+    except PrefillCancelled:
+        result.outcome = "cancelled"
+        return result
     pending = StageTimings(prefill=time.perf_counter() - t0)
     logits, hidden = pre.logits, pre.hidden
 

@@ -57,12 +57,24 @@ KV_TYPES: dict[str, int] = {"f32": lib.GGML_TYPE_F32, "f16": lib.GGML_TYPE_F16}
 STEP_BUCKET = 64  # talker-step graphs are rebuilt when the cache prefix crosses a bucket
 SHRINK_BYTES = 64 << 20  # a talker cache over this size shrinks when 4x bigger than needed
 PREFIX_CACHE_ENTRIES = 32  # prompt prefixes (voice x language x instruction) kept, LRU
+PREFIX_CACHE_BYTES = 64 << 20  # ... and at most this many bytes of them
+# Prompt positions per prefill graph: a typical prompt (a sentence or a few) is one graph; a
+# longer one is several, so the compute buffer is bounded by this, not by the prompt.
+PREFILL_CHUNK = 256
 # Talker cache positions reserved at warm-up and never given back: a 55-token sentence with its
 # default frame budget needs ~770, so typical requests never allocate (an allocation is paid in
 # the first request's time to first audio; docs/performance.md, Figures behind the code).
 WARM_POSITIONS = 1024
 PIN_BATCH_POSITIONS = 512  # prompt-prefix rows computed together by pin_prefixes
 # (prefixes pinned by ``pin_prefixes`` at warm-up are kept apart and never evicted)
+
+
+class PrefillCancelled(Exception):
+    """``cancel`` said stop between two prefill chunks (the cache holds a partial prompt)."""
+
+    def __init__(self, done: int) -> None:
+        super().__init__(f"prefill cancelled after {done} positions")
+        self.done = done
 
 
 @dataclass
@@ -83,15 +95,20 @@ class TalkerModel:
     the cache memory and bandwidth) or "f32" (parity with the F32 reference to ~1e-5).
     ``repack``: Q4_0 matrices in ggml's CPU_REPACK layout (see ``engine.talker.weights``).
     ``int8_prefill``: int8 copies of a Q8_0/Q4_0 talker's matrices for prefills (ibid.); None:
-    as the BackendSet's options say (``EngineOptions.int8_prefill``).
+    as the BackendSet's options say (``EngineOptions.int8_prefill``). ``prefill_chunk``:
+    prompt positions per prefill graph (see ``prefill``).
     """
 
     def __init__(self, model: Any, backends: BackendSet, kv_type: str = "f16",
-                 repack: bool = True, int8_prefill: bool | None = None) -> None:
+                 repack: bool = True, int8_prefill: bool | None = None,
+                 prefill_chunk: int = PREFILL_CHUNK) -> None:
         if kv_type not in KV_TYPES:
             raise ValueError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {kv_type!r}")
         if int8_prefill is None:
             int8_prefill = backends.options.int8_prefill
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        self.prefill_chunk = int(prefill_chunk)
         self.backends = backends
         self.weights = TalkerWeights(model, backends, repack, int8_prefill)
         self.cfg = model.talker_config
@@ -153,6 +170,17 @@ class TalkerModel:
         self.cache = KVCache(self.backends, len(w.layers), w.talker_shape.kv_dim, n_ctx,
                              self.kv_type, "talk")
 
+    def trim(self) -> None:
+        """Give the talker cache back down to the size reserved at warm-up (after a request
+        that needed more); nothing before ``warm_up``."""
+        if self.cache is None or not self._min_ctx or self.cache.n_ctx <= self._min_ctx:
+            return
+        self._drop_step_graph()
+        self.cache.close()
+        w = self.weights
+        self.cache = KVCache(self.backends, len(w.layers), w.talker_shape.kv_dim, self._min_ctx,
+                             self.kv_type, "talk")
+
     def _drop_step_graph(self) -> None:
         if self._step is not None:
             self._step[1].close()
@@ -160,8 +188,8 @@ class TalkerModel:
 
     # -- prefill -----------------------------------------------------------------------------
 
-    def prefill(self, prompt: Prompt, capture: bool = False, reuse_prefix: bool = True
-                ) -> PrefillOut:
+    def prefill(self, prompt: Prompt, capture: bool = False, reuse_prefix: bool = True,
+                cancel: Callable[[], bool] | None = None) -> PrefillOut:
         """Run the prompt through the talker (positions 0..L-1) and project the trailing text.
 
         The prompt prefix (instruction, role, codec prefix, speaker: ``prompt.n_prefix``
@@ -171,12 +199,16 @@ class TalkerModel:
         the prefill for a short sentence). ``capture`` (parity taps) always runs the full prompt,
         every position through every layer (otherwise the last layer past its K/V runs only at
         the last position: the head reads nothing else).
+
+        Prompts longer than ``prefill_chunk`` positions run as several graphs of at most that
+        many positions, each attending to the cache (earlier chunks' rows included): the
+        compute buffer holds a ``chunk x n_kv`` score matrix per head, never ``L x L``, and
+        ``cancel`` is checked between chunks (``PrefillCancelled``). ``capture`` runs one graph.
         """
         if self.cache is None or self.cache.n_ctx < prompt.length:
             self.reserve(prompt.length + 1)
         cache = self.cache
         assert cache is not None
-        w = self.weights
         n_all = prompt.length
         n_pre = prompt.n_prefix if 0 < prompt.n_prefix < n_all else 0
         key = _prefix_key(prompt, n_pre)
@@ -184,53 +216,26 @@ class TalkerModel:
         if n_pre and reuse_prefix and not capture:
             reuse = self._pinned.get(key) or self._prefix.get(key)
         start = n_pre if reuse is not None else 0
-        snapshot = n_pre if (reuse is None and n_pre and not capture) else 0
-        n = n_all - start  # positions computed here
+        chunk = max(1, n_all - start if capture else self.prefill_chunk)
+        # a prefix longer than one chunk is not kept (only a long instruction makes one)
+        snapshot = n_pre if (reuse is None and n_pre and not capture and n_pre <= chunk) else 0
+        if reuse is not None and key in self._prefix:
+            self._prefix.move_to_end(key)
+        c0 = start
+        while True:
+            c1 = min(n_all, c0 + chunk)
+            out = self._prefill_graph(prompt, c0, c1, first=c0 == start, capture=capture,
+                                      reuse=reuse if c0 == start else None,
+                                      snapshot=snapshot if c0 == start else 0)
+            if c0 == start and snapshot:
+                self._keep_prefix(key, self._snapshot_rows(out))
+            if c1 == n_all:
+                break
+            c0 = c1
+            if cancel is not None and cancel():
+                raise PrefillCancelled(c0)
+        self.last_prefill_positions = n_all - start
         n_trail = int(prompt.trailing_ids.shape[0])
-        text_ids = np.concatenate([prompt.text_ids[start:], prompt.trailing_ids,
-                                   np.asarray([prompt.pad_id], dtype=np.int32)])
-        n_text = int(text_ids.shape[0])
-        kv_np = self._kv_np
-        n_layers = len(w.layers)
-        n_kv = prefill_n_kv(n_all, cache.n_ctx)
-
-        def build(g: Graph) -> None:
-            ctx = g.ctx
-            b = Builder(g, w.talker_shape, capture)
-            x, txt = self._prompt_embeddings(b, n, n_text)
-            hs = int(txt.ne[0])
-            tail = lib.ggml_view_2d(ctx, txt, hs, n_text - n, txt.nb[1], n * txt.nb[1])
-            g.output(lib.ggml_cont(ctx, tail), "text_tail")
-            a = prefill_inputs(g, n, n_kv)
-            a.snapshot = snapshot
-            if reuse is not None:
-                kv = w.talker_shape.kv_dim
-                a.prefix_k = _as_f32(ctx, g.input("prefix_k", (n_layers, n_pre, kv), kv_np))
-                a.prefix_v = _as_f32(ctx, g.input("prefix_v", (n_layers, n_pre, kv), kv_np))
-            # Only the last position feeds the head; capture keeps every position (taps).
-            x = stack(b, w.layers, x, a, cache, last_only=not capture)
-            x = b.cb(rms_norm(ctx, last_column(b, x), w.output_norm, w.talker_shape.eps),
-                     "out_norm")
-            g.output(x, "hidden")
-            g.output(lib.ggml_mul_mat(ctx, w.codec_head, x), "logits")
-
-        up: dict[str, np.ndarray[Any, Any]] = {
-            "text_ids": text_ids,
-            "codec_ids": prompt.codec_ids[start:],
-            "codec_mask": prompt.codec_mask[start:].reshape(n, 1),
-            **attn_uploads(cache, start, n, n_kv, indices=False),
-        }
-        if reuse is not None:
-            up.update(prefix_k=reuse[0], prefix_v=reuse[1])
-            if key in self._prefix:
-                self._prefix.move_to_end(key)
-        out = execute_timed(self.backends, build, up, max_nodes=_graph_nodes(n_layers, n),
-                            stats=self.stats)
-        if snapshot:
-            self._prefix[key] = self._snapshot_rows(out)
-            while len(self._prefix) > PREFIX_CACHE_ENTRIES:
-                self._prefix.popitem(last=False)
-        self.last_prefill_positions = n
         tail = out["text_tail"].reshape(n_trail + 1, -1)
         taps = {k[4:]: v for k, v in out.items() if k.startswith("tap.")}
         return PrefillOut(
@@ -240,6 +245,77 @@ class TalkerModel:
             pad=tail[n_trail],
             taps=taps,
         )
+
+    def _prefill_graph(self, prompt: Prompt, c0: int, c1: int, *, first: bool, capture: bool,
+                       reuse: tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]] | None,
+                       snapshot: int) -> dict[str, np.ndarray[Any, Any]]:
+        """One prefill graph over prompt positions ``c0 .. c1-1``.
+
+        The first graph writes the reused prefix rows (positions ``0 .. c0-1``) with its own;
+        a later one (``first`` False) finds positions ``0 .. c0-1`` in the cache already. The
+        last one (``c1`` = the prompt length) also projects the trailing text and runs the head.
+        """
+        cache = self.cache
+        assert cache is not None
+        w = self.weights
+        n = c1 - c0
+        last = c1 == prompt.length
+        n_pre = c0 if reuse is not None else 0
+        text_ids = prompt.text_ids[c0:c1]
+        if last:
+            text_ids = np.concatenate([text_ids, prompt.trailing_ids,
+                                       np.asarray([prompt.pad_id], dtype=np.int32)])
+        n_text = int(text_ids.shape[0])
+        kv_np = self._kv_np
+        n_layers = len(w.layers)
+        n_kv = prefill_n_kv(c1, cache.n_ctx)
+        row0 = 0 if first else c0
+
+        def build(g: Graph) -> None:
+            ctx = g.ctx
+            b = Builder(g, w.talker_shape, capture)
+            x, txt = self._prompt_embeddings(b, n, n_text, prompt.embed_add is not None)
+            if last:
+                hs = int(txt.ne[0])
+                tail = lib.ggml_view_2d(ctx, txt, hs, n_text - n, txt.nb[1], n * txt.nb[1])
+                g.output(lib.ggml_cont(ctx, tail), "text_tail")
+            a = prefill_inputs(g, n, n_kv, row0)
+            a.snapshot = snapshot
+            if reuse is not None:
+                kv = w.talker_shape.kv_dim
+                a.prefix_k = _as_f32(ctx, g.input("prefix_k", (n_layers, n_pre, kv), kv_np))
+                a.prefix_v = _as_f32(ctx, g.input("prefix_v", (n_layers, n_pre, kv), kv_np))
+            # Only the last position feeds the head; capture keeps every position (taps).
+            x = stack(b, w.layers, x, a, cache, last_only=not capture)
+            if not last:
+                g.expand(x)  # (the K/V writes are what an earlier chunk is for)
+                return
+            x = b.cb(rms_norm(ctx, last_column(b, x), w.output_norm, w.talker_shape.eps),
+                     "out_norm")
+            g.output(x, "hidden")
+            g.output(lib.ggml_mul_mat(ctx, w.codec_head, x), "logits")
+
+        up: dict[str, np.ndarray[Any, Any]] = {
+            "text_ids": text_ids,
+            "codec_ids": prompt.codec_ids[c0:c1],
+            "codec_mask": prompt.codec_mask[c0:c1].reshape(n, 1),
+            **attn_uploads(cache, c0, n, n_kv, indices=False),
+        }
+        if prompt.embed_add is not None:
+            up["embed_add"] = np.ascontiguousarray(prompt.embed_add[c0:c1], dtype=np.float32)
+        if reuse is not None:
+            up.update(prefix_k=reuse[0], prefix_v=reuse[1])
+        return execute_timed(self.backends, build, up, max_nodes=_graph_nodes(n_layers, n),
+                             stats=self.stats)
+
+    def _keep_prefix(self, key: tuple[bytes, bytes, bytes],
+                     rows: tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]) -> None:
+        # LRU bounded by entries and by bytes: distinct long instructions cannot grow it
+        self._prefix[key] = rows
+        self._prefix.move_to_end(key)
+        while self._prefix and (len(self._prefix) > PREFIX_CACHE_ENTRIES or sum(
+                k.nbytes + v.nbytes for k, v in self._prefix.values()) > PREFIX_CACHE_BYTES):
+            self._prefix.popitem(last=False)
 
     def project_text(self, ids: Sequence[int]) -> F32:
         """The projected text rows ``T(id)`` [n, hidden] of ``ids``: what a streaming-text
@@ -260,10 +336,12 @@ class TalkerModel:
                             stats=self.stats)
         return out["text"].reshape(n, -1)
 
-    def _prompt_embeddings(self, b: Builder, n: int, n_text: int) -> tuple[Tensor, Tensor]:
-        """Declare inputs ``text_ids`` [n_text], ``codec_ids`` [n], ``codec_mask`` [n, 1];
-        return the embeddings of the first n positions ``T(text) + mask * C(codec)`` [H, n]
-        and the projected text of all n_text ids [H, n_text]."""
+    def _prompt_embeddings(self, b: Builder, n: int, n_text: int, with_add: bool = False
+                           ) -> tuple[Tensor, Tensor]:
+        """Declare inputs ``text_ids`` [n_text], ``codec_ids`` [n], ``codec_mask`` [n, 1]
+        (and ``embed_add`` [n, H] when ``with_add``: voice-cloning rows); return the
+        embeddings of the first n positions ``T(text) + mask * C(codec) (+ add)`` [H, n] and
+        the projected text of all n_text ids [H, n_text]."""
         g, ctx, w = b.g, b.ctx, self.weights
         ids = g.input("text_ids", (n_text,), np.int32)
         e = lib.ggml_get_rows(ctx, w.text_embd, ids)
@@ -273,7 +351,32 @@ class TalkerModel:
         cid = g.input("codec_ids", (n,), np.int32)
         cmask = g.input("codec_mask", (n, 1))
         c = lib.ggml_mul(ctx, lib.ggml_get_rows(ctx, w.codec_embd, cid), cmask)
+        if with_add:
+            c = lib.ggml_add(ctx, c, g.input("embed_add", (n, int(txt.ne[0]))))
         return b.cb(lib.ggml_add(ctx, t_prompt, c), "inp_embd"), txt
+
+    def frame_embeddings(self, codes: I32) -> F32:
+        """``C(c0) + sum_j cp_embd[j](c_j)`` of frames ``codes`` [T, 16]: the talker input a
+        frame makes (voice cloning feeds the reference codes this way), [T, hidden]."""
+        w, n_groups = self.weights, self.n_groups
+        c = np.ascontiguousarray(codes, dtype=np.int32)
+        if c.ndim != 2 or c.shape[1] != n_groups or c.shape[0] < 1:
+            raise InputError("ref_codes", f"expected [frames, {n_groups}] codes, got {c.shape}")
+        t = c.shape[0]
+
+        def build(g: Graph) -> None:
+            ctx = g.ctx
+            ids = g.input("codes_t", (n_groups, t), np.int32)  # one row per codebook
+            es = int(ids.nb[1])
+            x = lib.ggml_get_rows(ctx, w.codec_embd, lib.ggml_view_1d(ctx, ids, t, 0))
+            for j, table in enumerate(w.cp_embd):
+                idx = lib.ggml_view_1d(ctx, ids, t, (j + 1) * es)
+                x = lib.ggml_add(ctx, x, lib.ggml_get_rows(ctx, table, idx))
+            g.output(_as_f32(ctx, x), "embd")
+
+        out = execute_timed(self.backends, build, {"codes_t": np.ascontiguousarray(c.T)},
+                            max_nodes=256, stats=self.stats)
+        return out["embd"].reshape(t, -1).astype(np.float32)
 
     # -- pinned prompt prefixes --------------------------------------------------------------
 
@@ -321,9 +424,11 @@ class TalkerModel:
         mask = np.full((n, n_kv), -np.inf, dtype=np.float32)
         mask[:, :n] = np.where(visible, 0.0, -np.inf)
 
+        with_add = any(p.embed_add is not None for _, p in batch)
+
         def build(g: Graph) -> None:
             b = Builder(g, w.talker_shape)
-            x, _ = self._prompt_embeddings(b, n, n)
+            x, _ = self._prompt_embeddings(b, n, n, with_add)
             a = prefill_inputs(g, n, n_kv)
             a.snapshot = n  # the K/V rows are the outputs; nothing past them is computed
             stack(b, w.layers, x, a, cache)
@@ -336,6 +441,11 @@ class TalkerModel:
             "pos": pos,
             "mask": mask,
         }
+        if with_add:
+            hidden = w.talker_shape.hidden
+            up["embed_add"] = np.concatenate([
+                p.embed_add[: p.n_prefix] if p.embed_add is not None
+                else np.zeros((p.n_prefix, hidden), np.float32) for _, p in batch])
         out = execute_timed(self.backends, build, up, max_nodes=_graph_nodes(n_layers, n),
                             stats=self.stats)
         pk, pv = self._snapshot_rows(out)
@@ -500,8 +610,10 @@ class TalkerModel:
 
 def _prefix_key(prompt: Prompt, n_pre: int) -> tuple[bytes, bytes, bytes]:
     # what the first n_pre prefill positions are made of: equal keys, equal K/V rows
-    return (prompt.text_ids[:n_pre].tobytes(), prompt.codec_ids[:n_pre].tobytes(),
-            prompt.codec_mask[:n_pre].tobytes())
+    mask = prompt.codec_mask[:n_pre].tobytes()
+    if prompt.embed_add is not None:  # a cloned voice: its x-vector / reference rows count too
+        mask += prompt.embed_add[:n_pre].tobytes()
+    return (prompt.text_ids[:n_pre].tobytes(), prompt.codec_ids[:n_pre].tobytes(), mask)
 
 
 def _as_f32(ctx: Any, t: Tensor) -> Tensor:

@@ -79,11 +79,26 @@ class Prompt:
     text_mode: str
     instruct: str | None
     n_prefix: int = 0
+    # Voice cloning (Base models): rows added to the prefill embeddings ([L, hidden]; the
+    # x-vector at the speaker slot, the summed reference-code embeddings at ICL codec
+    # positions), and the reference codes [T_ref, 16] the decoder is primed with.
+    embed_add: npt.NDArray[np.float32] | None = None
+    ref_codes: npt.NDArray[np.int32] | None = None
 
     @property
     def length(self) -> int:
         """Number of prefill positions."""
         return int(self.text_ids.shape[0])
+
+
+def check_text(field: str, s: str) -> None:
+    """``InputError`` on ``field`` unless ``s`` can be UTF-8 encoded (a lone surrogate cannot:
+    JSON's ``"\\ud800"`` escape decodes to one, and the tokenizer refuses it)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InputError(field, f"has a lone surrogate U+{ord(s[e.start]):04X} at character "
+                         f"{e.start}: not valid Unicode text") from None
 
 
 class PromptBuilder:
@@ -131,6 +146,12 @@ class PromptBuilder:
         """Token ids of ``s`` (no BOS is ever added: the Qwen2 tokenizer has none)."""
         return list(self.tokenizer.encode(s).ids)
 
+    def offsets(self, field: str, s: str) -> list[tuple[int, int]]:
+        """(start, end) character spans of the tokens of ``s`` alone; ``InputError`` on
+        ``field`` if ``s`` is not valid Unicode text."""
+        check_text(field, s)
+        return [(int(a), int(b)) for a, b in self.tokenizer.encode(s).offsets]
+
     def resolve_voice(self, voice: str | None) -> str | None:
         """The lower-cased speaker name, or an ``InputError`` listing the valid ones."""
         return self.catalog.resolve_voice(voice)
@@ -156,6 +177,9 @@ class PromptBuilder:
         """Validate the request fields and lay out the prompt (module docstring)."""
         if not isinstance(text, str) or not text.strip():
             raise InputError("text", "is empty")
+        check_text("text", text)
+        if instruct is not None:
+            check_text("instruct", instruct)
         if text_mode not in TEXT_MODES:
             raise InputError(
                 "text_mode", f"must be one of {', '.join(TEXT_MODES)}, got {text_mode!r}"

@@ -109,6 +109,9 @@ class AttnInputs:
     prefix_k: Tensor | None = None
     prefix_v: Tensor | None = None
     snapshot: int = 0  # > 0: output the first `snapshot` new K/V rows of every layer
+    # Prefill chunk after the first (chunked prefill): cache position of this graph's first row.
+    # The rows before it are already in the cache, written by earlier chunks.
+    row0: int = 0
 
 
 class KVCache:
@@ -171,10 +174,13 @@ def attn_inputs(g: Graph, cache: KVCache, n_new: int, n_kv: int, masked: bool) -
     )
 
 
-def prefill_inputs(g: Graph, n_new: int, n_kv: int) -> AttnInputs:
-    """Inputs of a one-off prefill graph: the new rows are written as one block, no indices."""
+def prefill_inputs(g: Graph, n_new: int, n_kv: int, row0: int = 0) -> AttnInputs:
+    """Inputs of a one-off prefill graph: the new rows are written as one block, no indices.
+
+    ``row0``: cache position of the first new row (a later chunk of a chunked prefill).
+    """
     return AttnInputs(pos=g.input("pos", (n_new,), np.int32),
-                      mask=g.input("mask", (n_new, n_kv)), n_kv=n_kv)
+                      mask=g.input("mask", (n_new, n_kv)), n_kv=n_kv, row0=row0)
 
 
 def attn_uploads(cache: KVCache, pos0: int, n_new: int, n_kv: int | None,
@@ -242,8 +248,9 @@ def attention(b: Builder, lw: LayerWeights, il: int, x: Tensor, a: AttnInputs,
         k_w, v_w = _scatter_kv(b, a, il, k_rows, v, cache)
     else:
         k_w, v_w = _write_kv_block(b, a, il, k_rows, v, cache)
-    b.cb(k_w, "k_write", il)
-    b.cb(v_w, "v_write", il)
+    if not a.row0:  # (a later chunk's k_w/v_w are the cache tensors themselves: no renaming)
+        b.cb(k_w, "k_write", il)
+        b.cb(v_w, "v_write", il)
     # Views of the write results (from cache position 0, which both writes start at or cover),
     # so every read is ordered after the writes; n_kv may reach past the rows written here.
     n_kv, es = a.n_kv, int(cache.k[il].nb[0])
@@ -275,6 +282,8 @@ def _write_kv_block(b: Builder, a: AttnInputs, il: int, k_rows: Tensor, v: Tenso
     # (V through a transposed view into the channel-major cache). The results are views of the
     # cache starting at position 0.
     ctx, kv = b.ctx, cache.kv_dim
+    if a.row0:
+        return _write_kv_rows_at(b, a.row0, k_rows, v, cache, il)
     if a.prefix_k is not None and a.prefix_v is not None:
         k_rows = lib.ggml_concat(ctx, _layer_rows(ctx, a.prefix_k, il), k_rows, 1)
         v = lib.ggml_concat(ctx, _layer_rows(ctx, a.prefix_v, il), v, 1)
@@ -284,6 +293,26 @@ def _write_kv_block(b: Builder, a: AttnInputs, il: int, k_rows: Tensor, v: Tenso
     v_w = lib.ggml_cpy(ctx, lib.ggml_transpose(ctx, v),
                        lib.ggml_view_2d(ctx, cv, n, kv, cv.nb[1], 0))
     return k_w, v_w
+
+
+def _write_kv_rows_at(b: Builder, row0: int, k_rows: Tensor, v: Tensor, cache: KVCache,
+                      il: int) -> tuple[Tensor, Tensor]:
+    # A later prefill chunk: its rows go to positions row0.. while the attention reads every
+    # position from 0, earlier chunks' rows included. A view of the copy's result cannot start
+    # before row0, so the copies are put in the graph first and the reads are plain views of
+    # the cache tensors: the backends run a graph's nodes in order (llama.cpp relies on the
+    # same), so the reads see the rows written here.
+    ctx, kv = b.ctx, cache.kv_dim
+    n = int(k_rows.ne[1])
+    ck, cv = cache.k[il], cache.v[il]
+    es = int(ck.nb[0])
+    if row0 + n > cache.n_ctx:
+        raise BackendError(f"prefill rows {row0}..{row0 + n - 1} past the cache ({cache.n_ctx})")
+    b.g.expand(lib.ggml_cpy(ctx, k_rows, lib.ggml_view_2d(ctx, ck, kv, n, ck.nb[1],
+                                                          row0 * ck.nb[1])))
+    b.g.expand(lib.ggml_cpy(ctx, lib.ggml_transpose(ctx, v),
+                            lib.ggml_view_2d(ctx, cv, n, kv, cv.nb[1], row0 * es)))
+    return ck, cv
 
 
 def _layer_rows(ctx: Any, rows: Tensor, il: int) -> Tensor:

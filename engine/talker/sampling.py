@@ -32,6 +32,9 @@ from engine.gguf_schema import GenerationDefaults
 F32 = npt.NDArray[np.float32]
 NEG_INF = np.float32(-np.inf)
 _SPEC = GenerationDefaults()
+# Logits are divided by the temperature in float32: below this, scores overflow to inf and the
+# softmax is NaN (1e-45 did); sampling this cold is argmax anyway.
+MIN_TEMPERATURE = 0.01
 
 
 @dataclass(frozen=True)
@@ -94,8 +97,9 @@ class SamplingParams:
         """Raise ``InputError`` on an out-of-range value."""
         for name in ("temperature", "subtalker_temperature"):
             v = getattr(self, name)
-            if not (np.isfinite(v) and v > 0):
-                raise InputError(name, f"must be > 0, got {v}")
+            if not (np.isfinite(v) and v >= MIN_TEMPERATURE):
+                raise InputError(name, f"must be >= {MIN_TEMPERATURE} (lower is greedy in "
+                                 f"effect), got {v}")
         for name in ("top_p", "subtalker_top_p"):
             v = getattr(self, name)
             if not (np.isfinite(v) and 0 < v <= 1):

@@ -4,7 +4,8 @@ Read from the GGUF metadata alone (no tokenizer, no weights), so the service's f
 a request with exactly the rules the talker's prompt builder applies, before any queueing.
 
 * Voices: the model's speaker names, lower case. A CustomVoice model needs one; a VoiceDesign
-  model has none (the instruction describes the voice); Base (voice-clone) models are refused.
+  model has none (the instruction describes the voice); a Base (voice-clone) model has none
+  either: it speaks cloned voices (engine/clone), so a named voice is refused.
 * Languages: "auto" plus every language that is not a dialect. A dialect (``sichuan_dialect``,
   ``beijing_dialect``) is reached through its speaker (``eric``, ``dylan``) speaking Chinese or
   "auto", as in the reference wrapper; naming it as a language is an ``unknown_language`` error
@@ -86,7 +87,8 @@ class VoiceCatalog:
         """The lower-cased speaker name, or an ``InputError`` listing the valid ones."""
         if self.model_type == "base":
             raise InputError(
-                "voice", "this is a Base (voice-clone) model; voice cloning is not supported yet",
+                "voice", "this is a Base (voice-clone) model: it has no named voices; give "
+                "reference audio (ref_audio, ref_text) or a stored voice (a .qvoice file)",
                 code="unsupported_model")
         if self.model_type == "voice_design":
             if voice:

@@ -9,8 +9,10 @@ Input layouts (docs/architecture.md, The model file):
 * a speech-tokenizer folder on its own (``model_type = "qwen3_tts_tokenizer_12hz"``): a
   decoder-only GGUF (usable for ``qtts decode`` and ``codes`` requests, not for text).
 
-The Mimi encoder (``encoder.*``) and the speaker encoder (``speaker_encoder.*``) are skipped —
-they are only needed for voice cloning, which is not built yet — and the report says so.
+Voice cloning needs two more parts, kept by default for Base checkpoints (``tts_model_type =
+"base"``): ``speaker_encoder`` (``speaker_encoder.*``, ECAPA-TDNN) and ``codec_encoder`` (the Mimi
+``encoder.*`` tensors of ``speech_tokenizer/``, its first 16 codebooks). ``--parts`` leaves them
+out of a serving GGUF that only speaks stored voices; other checkpoints skip them.
 
 Conversion streams tensor by tensor in row chunks (peak memory ~ one chunk, not the model);
 safetensors are parsed here (F32, F16 and BF16 payloads) with plain file reads.
@@ -46,6 +48,13 @@ from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 from gguf import quants as gguf_quants
 from gguf.constants import GGML_QUANT_SIZES
 
+from engine.codec_encoder.schema import (
+    CODEC_ENCODER_KEYS,
+    CodecEncoderConfig,
+    codec_encoder_tensor_specs,
+    parse_codec_encoder_config,
+    skipped_encoder_tensor,
+)
 from engine.dtypes import bf16_to_f32, f32_to_bf16
 from engine.errors import ConversionError
 from engine.gguf_schema import (
@@ -63,7 +72,9 @@ from engine.gguf_schema import (
     GGML_Q4_0,
     GGML_Q8_0,
     GGML_TYPE_NAMES,
+    PART_CODEC_ENCODER,
     PART_DECODER,
+    PART_SPEAKER,
     PART_TALKER,
     QUANT_BLOCK,
     SPEAKER_ENCODER_HF_PREFIX,
@@ -86,6 +97,13 @@ from engine.gguf_schema import (
     check_talker_config,
     decoder_tensor_specs,
     talker_tensor_specs,
+)
+from engine.speaker.schema import (
+    SPEAKER_KEYS,
+    SpeakerEncoderConfig,
+    check_speaker_config,
+    parse_speaker_config,
+    speaker_tensor_specs,
 )
 from engine.tokenizer_gguf import TokenizerData, read_hf_tokenizer, tokenizer_kv
 
@@ -587,6 +605,8 @@ class _Source:
 
     parts: tuple[str, ...]
     decoder: DecoderConfig | None = None
+    codec_encoder: CodecEncoderConfig | None = None
+    speaker: SpeakerEncoderConfig | None = None
     talker: TalkerConfig | None = None
     cp: CodePredictorConfig | None = None
     special: SpecialIds | None = None
@@ -608,7 +628,8 @@ def _parse_parts(parts: str | Sequence[str] | None) -> tuple[str, ...] | None:
     bad = [p for p in items if p not in ALL_PARTS]
     if bad or not items:
         raise ConversionError(
-            "--parts", f"{','.join(bad) or '(empty)'} is not a part (choose from decoder,talker)"
+            "--parts",
+            f"{','.join(bad) or '(empty)'} is not a part (choose from {','.join(ALL_PARTS)})",
         )
     return tuple(p for p in ALL_PARTS if p in items)
 
@@ -643,6 +664,7 @@ def _match_tensors(
 
 
 def _read_decoder(folder: Path, label: str, src: _Source) -> None:
+    """Decoder and/or codec-encoder tensors of a speech-tokenizer folder (per ``src.parts``)."""
     top = _load_json(folder / "config.json", f"{label}config.json")
     mt = top.get("model_type")
     if mt != TOKENIZER_MODEL_TYPE:
@@ -650,24 +672,41 @@ def _read_decoder(folder: Path, label: str, src: _Source) -> None:
             f"{label}config.json",
             f"unknown speech-tokenizer model_type {mt!r} (expected {TOKENIZER_MODEL_TYPE!r})",
         )
+    want_dec, want_enc = PART_DECODER in src.parts, PART_CODEC_ENCODER in src.parts
     try:
         src.decoder = parse_decoder_config(top)
+        if want_enc:
+            src.codec_encoder = parse_codec_encoder_config(top)
     except SchemaError as exc:
         raise ConversionError(f"{label}config.json", str(exc)) from None
     src.synthetic |= top.get(SYNTHETIC_MARKER) is True
     st = SafetensorsFile(folder / "model.safetensors", f"{label}model.safetensors")
-    skipped_enc = [n for n in st.names() if n.startswith(ENCODER_HF_PREFIX)]
+    enc_names = [n for n in st.names() if n.startswith(ENCODER_HF_PREFIX)]
+    if want_enc and not enc_names:
+        raise ConversionError(
+            f"{label}model.safetensors",
+            "has no encoder.* tensors (the Mimi encoder that voice cloning needs); leave "
+            "codec_encoder out of --parts",
+        )
+    enc = src.codec_encoder
+    specs: list[TensorSpec] = []
+    if want_dec:
+        specs += decoder_tensor_specs(src.decoder)
+    if enc is not None:
+        specs += codec_encoder_tensor_specs(enc)
 
     def skip(name: str) -> bool:
-        return name.startswith(ENCODER_HF_PREFIX) or name in DECODER_SKIPPED_HF
+        if name.startswith(ENCODER_HF_PREFIX):
+            return enc is None or skipped_encoder_tensor(name, enc)
+        return name in DECODER_SKIPPED_HF or (not want_dec and name.startswith("decoder."))
 
-    src.tensors += _match_tensors(st, decoder_tensor_specs(src.decoder), skip)
-    if skipped_enc:
+    src.tensors += _match_tensors(st, specs, skip)
+    if enc is None and enc_names:
         src.notes.append(
-            f"skipped {len(skipped_enc)} encoder.* tensors (Mimi encoder: needed only for "
-            "voice cloning, which is not built yet)"
+            f"skipped {len(enc_names)} encoder.* tensors (Mimi encoder: needed only for "
+            "voice cloning with a Base model)"
         )
-    else:
+    elif enc is None:
         src.notes.append("no encoder.* tensors (Mimi encoder is not needed for synthesis)")
 
 
@@ -698,15 +737,29 @@ def _read_talker(folder: Path, src: _Source, root: dict[str, Any]) -> None:
             raise ConversionError("config.json", f"{name} = {idx} is not a token of the tokenizer")
     src.talker, src.cp, src.special, src.voices = talker, cp, special, voices
     n_spk = [n for n in st.names() if n.startswith(SPEAKER_ENCODER_HF_PREFIX)]
+    specs = talker_tensor_specs(talker, cp)
+    if PART_SPEAKER in src.parts:
+        if not n_spk:
+            raise ConversionError(
+                "model.safetensors",
+                "has no speaker_encoder.* tensors (only Base models have the speaker encoder); "
+                "leave speaker_encoder out of --parts",
+            )
+        try:
+            src.speaker = parse_speaker_config(_get_dict(root, "speaker_encoder_config", ""))
+            check_speaker_config(src.speaker, talker.hidden_size)
+        except SchemaError as exc:
+            raise ConversionError("config.json", str(exc)) from None
+        specs = specs + speaker_tensor_specs(src.speaker)
 
     def skip(name: str) -> bool:
-        return name.startswith(SPEAKER_ENCODER_HF_PREFIX)
+        return src.speaker is None and name.startswith(SPEAKER_ENCODER_HF_PREFIX)
 
-    src.tensors += _match_tensors(st, talker_tensor_specs(talker, cp), skip)
-    if n_spk:
+    src.tensors += _match_tensors(st, specs, skip)
+    if n_spk and src.speaker is None:
         src.notes.append(
             f"skipped {len(n_spk)} speaker_encoder.* tensors (speaker encoder: needed only "
-            "for voice cloning, which is not built yet)"
+            "for voice cloning)"
         )
 
 
@@ -723,12 +776,14 @@ def read_checkpoint(model_dir: Path, parts: str | Sequence[str] | None = None) -
     if mt is None:
         raise ConversionError("config.json", "not a Qwen3-TTS model: no model_type")
     if mt == TOKENIZER_MODEL_TYPE:
-        if want is not None and PART_TALKER in want:
+        if want is not None and (PART_TALKER in want or PART_SPEAKER in want):
             raise ConversionError(
                 str(model_dir),
-                "is a speech-tokenizer folder: it has no talker (use --parts decoder)",
+                "is a speech-tokenizer folder: it has no talker or speaker encoder "
+                "(use --parts decoder or decoder,codec_encoder)",
             )
-        src = _Source(parts=(PART_DECODER,))
+        extra = PART_CODEC_ENCODER in want if want is not None else False
+        src = _Source(parts=(PART_DECODER, PART_CODEC_ENCODER) if extra else (PART_DECODER,))
         _read_decoder(model_dir, "", src)
         src.notes.insert(0, "speech-tokenizer folder: writing a decoder-only GGUF (no text input)")
         return src
@@ -742,11 +797,16 @@ def read_checkpoint(model_dir: Path, parts: str | Sequence[str] | None = None) -
         raise ConversionError(
             "config.json", f"tokenizer_type {tt!r} is not supported (only {TOKENIZER_MODEL_TYPE})"
         )
-    src = _Source(parts=want or ALL_PARTS)
+    tts_type = str(root.get("tts_model_type") or "")
+    # Only a Base model clones voices; the other kinds keep their GGUF lean by default.
+    default = ALL_PARTS if tts_type == "base" else (PART_DECODER, PART_TALKER)
+    src = _Source(parts=want or default)
+    if PART_SPEAKER in src.parts and PART_TALKER not in src.parts:
+        raise ConversionError("--parts", "speaker_encoder needs the talker part too")
     src.synthetic = root.get(SYNTHETIC_MARKER) is True
-    src.tts_model_type = str(root.get("tts_model_type") or "")
+    src.tts_model_type = tts_type
     src.tts_model_size = str(root.get("tts_model_size") or "")
-    if PART_DECODER in src.parts:
+    if PART_DECODER in src.parts or PART_CODEC_ENCODER in src.parts:
         st_dir = model_dir / "speech_tokenizer"
         if not (st_dir / "config.json").is_file():
             raise ConversionError(
@@ -804,8 +864,12 @@ def _write_metadata(w: GGUFWriter, src: _Source, want: int) -> None:
     w.add_bool(Keys.SYNTHETIC, src.synthetic)
     w.add_uint32(Keys.FILE_TYPE, _FILE_TYPE[want])
     w.add_key_value(Keys.PARTS, list(src.parts), GGUFValueType.ARRAY, GGUFValueType.STRING)
-    if src.decoder is not None:
+    if src.decoder is not None and PART_DECODER in src.parts:
         _add_kv(w, DECODER_KEYS, src.decoder)
+    if src.codec_encoder is not None:
+        _add_kv(w, CODEC_ENCODER_KEYS, src.codec_encoder)
+    if src.speaker is not None:
+        _add_kv(w, SPEAKER_KEYS, src.speaker)
     if src.talker is not None:
         assert src.cp and src.special and src.voices and src.generation and src.tokenizer
         name = "Qwen3-TTS " + " ".join(x for x in (src.tts_model_size, src.tts_model_type) if x)

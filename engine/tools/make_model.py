@@ -1,16 +1,21 @@
 """``qtts make-model``: a deterministic random-weight checkpoint in the released HF layout.
 
-``make_checkpoint`` writes the folder a released Qwen3-TTS CustomVoice model has
-(docs/architecture.md, The model file): root ``config.json`` / ``generation_config.json`` /
-``model.safetensors`` (talker, bf16) / Qwen2 BPE tokenizer files, and ``speech_tokenizer/`` with
-``config.json`` and ``model.safetensors`` (decoder, f32; the Mimi ``encoder.*`` tensors are
-omitted). ``make_model`` then converts it with the same code path as ``qtts convert`` into
-``OUT_DIR/model.gguf``.
+``make_checkpoint`` writes the folder a released Qwen3-TTS model has: root ``config.json`` /
+``generation_config.json`` / ``model.safetensors`` (talker, plus ``speaker_encoder.*`` for Base;
+bf16) / Qwen2 BPE tokenizer files, and ``speech_tokenizer/`` with ``config.json`` and
+``model.safetensors`` (Mimi ``encoder.*`` and ``decoder.*``, f32). ``make_model`` then converts it
+with the same code path as ``qtts convert`` into ``OUT_DIR/model.gguf`` (docs/architecture.md,
+The model file).
+
+Variants: ``custom_voice`` (named speakers), ``base`` (voice cloning: speaker encoder, no named
+speakers), ``voice_design`` (no speakers; the instruction describes the voice).
 
 Sizes:
 
-* ``full`` — released dims of the 0.6B CustomVoice model (docs/architecture.md, Dimensions
-  and Decoder stages), text vocabulary 151936 with the Qwen3 added tokens at their released ids.
+* ``0.6b`` (alias ``full``) — released dims of the 0.6B models (talker, decoder, Mimi encoder,
+  speaker encoder), text vocabulary 151936 with the Qwen3 added tokens at their released ids.
+* ``1.7b`` — the 1.7B talker (hidden 2048, intermediate 6144; code predictor 1024 wide, so the
+  ``small_to_mtp_projection`` exists) with the same decoder and encoders.
 * ``tiny`` — small dims for fast tests; the codec side keeps the released ids (codebooks of
   2048, talker vocabulary 3072, same control/language/speaker ids), the text vocabulary is 512
   with the same 33 added tokens appended after a small learned BPE vocabulary, and the text
@@ -38,6 +43,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from engine.codec_encoder.schema import codec_encoder_tensor_specs, parse_codec_encoder_config
 from engine.dtypes import f32_to_bf16
 from engine.errors import ConversionError
 from engine.gguf_schema import (
@@ -46,6 +52,7 @@ from engine.gguf_schema import (
     decoder_tensor_specs,
     talker_tensor_specs,
 )
+from engine.speaker.schema import parse_speaker_config, speaker_tensor_specs
 from engine.tokenizer_gguf import bytes_to_unicode, qwen2_pre_tokenizer
 from engine.tools.convert import (
     SYNTHETIC_MARKER,
@@ -56,8 +63,8 @@ from engine.tools.convert import (
     parse_talker_config,
 )
 
-SIZES = ("tiny", "full")
-VARIANTS = ("custom_voice",)
+SIZES = ("tiny", "0.6b", "1.7b", "full")  # "full" = "0.6b" (the name older tests use)
+VARIANTS = ("custom_voice", "base", "voice_design")
 
 # The 33 added tokens of the Qwen3 tokenizer, in id order from <|endoftext|> (151643 released).
 # (content, special)
@@ -136,7 +143,7 @@ SPEAKER_IDS = {
 SPEAKER_DIALECTS = {"eric": "sichuan_dialect", "dylan": "beijing_dialect"}
 
 _DIMS: dict[str, dict[str, dict[str, Any]]] = {
-    "full": {
+    "0.6b": {
         "decoder": {
             "codebook_size": 2048, "codebook_dim": 512, "latent_dim": 1024, "hidden_size": 512,
             "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 16,
@@ -152,6 +159,8 @@ _DIMS: dict[str, dict[str, dict[str, Any]]] = {
             "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 5,
             "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
         },
+        "speaker": {"enc_dim": 1024},
+        "mimi": {},
     },
     "tiny": {
         "decoder": {
@@ -169,8 +178,26 @@ _DIMS: dict[str, dict[str, dict[str, Any]]] = {
             "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
             "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
         },
+        # the mel front end is fixed (128 bands), the network is small
+        "speaker": {
+            "enc_dim": 32, "enc_channels": [32, 32, 32, 32, 96],
+            "enc_kernel_sizes": [5, 3, 3, 3, 1], "enc_dilations": [1, 2, 3, 4, 1],
+            "enc_attention_channels": 16, "enc_res2net_scale": 4, "enc_se_channels": 16,
+        },
+        "mimi": {
+            "hidden_size": 32, "num_filters": 4, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16,
+            "intermediate_size": 64, "codebook_dim": 16,
+            "vector_quantization_hidden_dimension": 16, "upsample_groups": 32,
+        },
     },
 }  # fmt: skip
+_DIMS["1.7b"] = {
+    **_DIMS["0.6b"],
+    "talker": {**_DIMS["0.6b"]["talker"], "hidden_size": 2048, "intermediate_size": 6144},
+    "speaker": {"enc_dim": 2048},
+}
+_DIMS["full"] = _DIMS["0.6b"]
 
 # Text the synthetic BPE merges are learned from (any text works; this one is varied).
 _CORPUS = """\
@@ -298,9 +325,10 @@ def build_configs(
 ) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
     """``(root config, speech-tokenizer config, generation config)`` for a size.
 
-    ``overrides`` may hold ``"decoder"``, ``"talker"``, ``"cp"`` dicts merged into the
-    respective config sections (tests use it to build unusual layouts). Text special ids are
-    filled in by ``make_checkpoint`` from the tokenizer it writes.
+    ``overrides`` may hold ``"decoder"``, ``"talker"``, ``"cp"``, ``"speaker"``, ``"mimi"`` and
+    ``"root"`` dicts merged into the respective config sections (tests use it to build
+    unusual layouts). Text special ids are filled in by ``make_checkpoint`` from the tokenizer
+    it writes.
     """
     if size not in SIZES:
         raise ConversionError("--size", f"{size!r} is not one of {', '.join(SIZES)}")
@@ -308,6 +336,11 @@ def build_configs(
         raise ConversionError("--variant", f"{variant!r} is not one of {', '.join(VARIANTS)}")
     ov = overrides or {}
     dims = _DIMS[size]
+    mimi = {
+        "model_type": "mimi", "hidden_size": 512, "num_hidden_layers": 8, "num_quantizers": 32,
+        "codebook_size": 2048, "codebook_dim": 256, "frame_rate": 12.5, "sampling_rate": 24000,
+        **dims["mimi"], **ov.get("mimi", {}),
+    }  # fmt: skip
     dec = {
         **dims["decoder"],
         "attention_bias": False,
@@ -332,11 +365,7 @@ def build_configs(
         "output_sample_rate": 24000,
         "decode_upsample_rate": 1920,
         "encode_downsample_rate": 1920,
-        "encoder_config": {
-            "model_type": "mimi", "hidden_size": 512, "num_hidden_layers": 8,
-            "num_quantizers": 32, "codebook_size": 2048, "codebook_dim": 256,
-            "frame_rate": 12.5, "sampling_rate": 24000,
-        },
+        "encoder_config": mimi,
         "decoder_config": dec,
         "transformers_version": "4.57.3",
         SYNTHETIC_MARKER: True,
@@ -368,8 +397,11 @@ def build_configs(
         "num_code_groups": 16,
         **CODEC_IDS,
         "codec_language_id": dict(LANGUAGE_IDS),
-        "spk_id": {k: [v] for k, v in SPEAKER_IDS.items()},
-        "spk_is_dialect": {k: SPEAKER_DIALECTS.get(k, False) for k in SPEAKER_IDS},
+        "spk_id": {k: [v] for k, v in SPEAKER_IDS.items()} if variant == "custom_voice" else {},
+        "spk_is_dialect": (
+            {k: SPEAKER_DIALECTS.get(k, False) for k in SPEAKER_IDS}
+            if variant == "custom_voice" else {}
+        ),
         "code_predictor_config": cp,
         **ov.get("talker", {}),
     }
@@ -377,13 +409,18 @@ def build_configs(
         "architectures": ["Qwen3TTSForConditionalGeneration"],
         "model_type": "qwen3_tts",
         "tts_model_type": variant,
-        "tts_model_size": "0b6",
+        "tts_model_size": "1b7" if size == "1.7b" or variant == "voice_design" else "0b6",
         "tokenizer_type": "qwen3_tts_tokenizer_12hz",
         "talker_config": talker,
-        "speaker_encoder_config": {"enc_dim": 1024, "sample_rate": 24000},
+        "speaker_encoder_config": {
+            "enc_dim": int(talker["hidden_size"]), "sample_rate": 24000,
+            **{k: v for k, v in dims["speaker"].items() if k != "enc_dim"},
+            **ov.get("speaker", {}),
+        },
         "torch_dtype": "bfloat16",
         "transformers_version": "4.57.3",
         SYNTHETIC_MARKER: True,
+        **ov.get("root", {}),
     }
     gen = {
         "do_sample": True,
@@ -437,7 +474,7 @@ def _std(name: str, shape: Sequence[int]) -> float:
     if len(shape) == 3:  # conv: [out, in/groups, k]; transposed conv: [in, out, k]
         if ".upsample." in f".{name}" and name.endswith("0.conv.weight"):
             fan_in = shape[0]  # kernel == stride: one tap per output
-        elif ".block.1.conv.weight" in name:
+        elif name.startswith("decoder.") and ".block.1.conv.weight" in name:
             fan_in = shape[0] * 2  # kernel 2r, stride r: two taps per output
         else:
             fan_in = shape[1] * shape[2]
@@ -453,8 +490,12 @@ def generate_tensor(
     if name.endswith("cluster_usage"):
         yield _usage(seed, name, n)
         return
-    if name.endswith("embedding_sum"):
-        usage = _usage(seed, name[: -len("embedding_sum")] + "cluster_usage", shape[0])
+    if name.endswith(".initialized"):
+        yield np.ones(n, dtype=np.float32)
+        return
+    if name.endswith(("embedding_sum", "embed_sum")):
+        stem = name.rsplit(".", 1)[0]
+        usage = _usage(seed, stem + ".cluster_usage", shape[0])
         e = _rng(seed, name).standard_normal(tuple(shape), dtype=np.float32)
         e *= np.where(usage > 0, usage, 1e-6).astype(np.float32)[:, None]
         yield e.reshape(-1)
@@ -485,6 +526,20 @@ def _write_safetensors(
         w.close()
 
 
+def _mimi_hf_tensors(st_cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
+    """Every ``encoder.*`` tensor of the released tokenizer file (all 32 codebooks)."""
+    total = int(st_cfg["encoder_config"]["num_quantizers"])
+    cfg = parse_codec_encoder_config({**st_cfg, "encoder_valid_num_quantizers": total})
+    out = [(s.hf_name, s.hf_shape) for s in codec_encoder_tensor_specs(cfg)]
+    q = "encoder.quantizer."
+    for which, n in (("semantic", cfg.num_semantic_quantizers),
+                     ("acoustic", total - cfg.num_semantic_quantizers)):  # fmt: skip
+        rvq = f"{q}{which}_residual_vector_quantizer."
+        out.append((rvq + "output_proj.weight", (cfg.hidden_size, cfg.codebook_dim, 1)))
+        out += [(f"{rvq}layers.{i}.codebook.initialized", (1,)) for i in range(n)]
+    return out
+
+
 def make_checkpoint(
     out_dir: str | os.PathLike[str],
     size: str = "tiny",
@@ -512,7 +567,11 @@ def make_checkpoint(
     dec_tensors = [(s.hf_name, s.hf_shape) for s in decoder_tensor_specs(dec_cfg)]
     cbd = dec_cfg.codebook_vector_dim
     dec_tensors += [(n, (cbd, dec_cfg.codebook_dim, 1)) for n in DECODER_SKIPPED_HF]
+    dec_tensors += _mimi_hf_tensors(st_cfg)
     talk_tensors = [(s.hf_name, s.hf_shape) for s in talker_tensor_specs(talker, cp)]
+    if variant == "base":
+        spk = parse_speaker_config(root["speaker_encoder_config"])
+        talk_tensors += [(s.hf_name, s.hf_shape) for s in speaker_tensor_specs(spk)]
     total = 4 * sum(math.prod(s) for _, s in dec_tensors)
     total += 2 * sum(math.prod(s) for _, s in talk_tensors)
     files = {
@@ -555,5 +614,5 @@ def make_model(
     """Write the checkpoint and convert it to ``OUT_DIR/model.gguf`` (f16 full, f32 tiny)."""
     folder = make_checkpoint(out_dir, size, seed, variant, overrides, progress)
     if dtype is None:
-        dtype = "f16" if size == "full" else "f32"
+        dtype = "f32" if size == "tiny" else "f16"
     return convert(folder, folder / "model.gguf", dtype=dtype, progress=progress)

@@ -8,19 +8,24 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from service.openapi import ERRORS_GET
 from service.state import VERSION, State, get_state
 
 router = APIRouter()
 StateDep = Annotated[State, Depends(get_state)]
 
 
-@router.get("/healthz", tags=["health"], summary="Liveness: the process serves HTTP")
+@router.get("/healthz", tags=["health"], summary="Liveness: the process serves HTTP",
+            responses=ERRORS_GET)
 async def healthz(st: StateDep) -> dict[str, Any]:
     return {"status": "ok", "workers": st.pool.describe()}
 
 
 @router.get("/readyz", tags=["health"],
-            summary="Readiness: model loaded and every worker warm (503 before)")
+            summary="Readiness: model loaded and every worker warm (503 before and while "
+            "draining)",
+            responses={503: {"description": "starting or draining (JSON status)"},
+                       **ERRORS_GET})
 async def readyz(st: StateDep) -> JSONResponse:
     ready = st.pool.ready
     body = {
@@ -32,7 +37,8 @@ async def readyz(st: StateDep) -> JSONResponse:
     return JSONResponse(body, status_code=200 if ready else 503)
 
 
-@router.get("/metrics", tags=["health"], summary="Prometheus metrics")
+@router.get("/metrics", tags=["health"], summary="Prometheus metrics (text format)",
+            response_class=PlainTextResponse, responses=ERRORS_GET)
 async def metrics(st: StateDep) -> Response:
     if st.pool.backend:
         st.metrics.set_build_info(VERSION, st.pool.backend, st.settings.model_name)

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from service.audio import CONTENT_TYPES
+from service.openapi import ERRORS_GET_API, ERRORS_SYNTH
 from service.routes.context import request_context
 from service.schemas import SpeechRequest
 from service.state import State, get_state
@@ -18,7 +19,8 @@ router = APIRouter(tags=["openai"])
 StateDep = Annotated[State, Depends(get_state)]
 
 
-@router.get("/v1/models", summary="The served model (OpenAI list shape)")
+@router.get("/v1/models", summary="The served model (OpenAI list shape)",
+            responses=ERRORS_GET_API)
 async def models(st: StateDep) -> dict[str, Any]:
     return {"object": "list", "data": [{
         "id": st.settings.model_name, "object": "model", "created": 0, "owned_by": "qtts",
@@ -27,7 +29,8 @@ async def models(st: StateDep) -> dict[str, Any]:
     }]}
 
 
-@router.get("/v1/audio/voices", summary="Voices, languages and dialects of the model")
+@router.get("/v1/audio/voices", summary="Voices, languages and dialects of the model",
+            responses=ERRORS_GET_API)
 async def voices(st: StateDep) -> dict[str, Any]:
     """The lists validation uses: a voice or language not listed here is a 400. A dialect is
     spoken by its voice when the language is chinese or auto; it is not a language itself."""
@@ -45,7 +48,9 @@ async def voices(st: StateDep) -> dict[str, Any]:
     "/v1/audio/speech", response_class=Response,
     summary="OpenAI-compatible speech (stream_format audio | sse)",
     responses={200: {"content": {**{t: {} for t in CONTENT_TYPES.values()},
-                                 SSE_CONTENT_TYPE: {}}}},
+                                 SSE_CONTENT_TYPE: {}},
+                     "description": "audio, or server-sent events (stream_format sse)"},
+               **ERRORS_SYNTH},
 )
 async def speech(body: SpeechRequest, request: Request, st: StateDep) -> Response:
     rid, arrival = request_context(request)

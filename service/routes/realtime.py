@@ -78,32 +78,10 @@ async def realtime(ws: WebSocket) -> None:
     await ws.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in offered else None)
     st.metrics.realtime_sessions.inc()
     session = Session(st, ws)
-    open_sessions = _sessions(ws.app)
-    open_sessions.add(session)
     try:
         await session.run()
     finally:
-        open_sessions.discard(session)
         st.metrics.realtime_sessions.dec()
-
-
-def _sessions(app: Any) -> set[Session]:
-    found: set[Session] | None = getattr(app.state, "realtime_sessions", None)
-    if found is None:
-        found = app.state.realtime_sessions = set()
-    return found
-
-
-async def drain(app: Any, timeout: float) -> None:
-    """On shutdown: wait (at most ``timeout`` s) until no session is speaking an utterance.
-
-    The server closes WebSockets (1012) as soon as it shuts down, so the drain waits before
-    that; a session ends itself (1012) once its utterance is done while the pool drains."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not any(s.ticket is not None for s in _sessions(app)):
-            return
-        await asyncio.sleep(0.05)
 
 
 class Session:

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from service.audio import CONTENT_TYPES
+from service.openapi import ERRORS_SYNTH
 from service.routes.context import request_context
 from service.schemas import TTSRequest
 from service.state import State, get_state
@@ -22,7 +23,7 @@ router = APIRouter()
     "/tts", tags=["synthesis"], response_class=Response,
     summary="Synthesize text, or decode codes [codebooks][T]; streamed by default",
     responses={200: {"content": {t: {} for t in CONTENT_TYPES.values()},
-                     "description": "audio (chunked when stream=true)"}},
+                     "description": "audio (chunked when stream=true)"}, **ERRORS_SYNTH},
 )
 async def tts(body: TTSRequest, request: Request,
               st: Annotated[State, Depends(get_state)]) -> Response:

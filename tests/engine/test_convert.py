@@ -161,24 +161,61 @@ def test_parts_and_decoder_only_folder(tiny_model_dir: Path, tmp_path: Path) -> 
 def test_encoder_and_speaker_encoder_tensors_are_skipped(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
+    """A CustomVoice checkpoint keeps neither cloning part, whatever the files hold."""
     ck = copy_ckpt(tiny_model_dir, tmp_path / "ck")
-
-    def add_encoder(t: dict[str, np.ndarray]) -> None:
-        t["encoder.encoder.layers.0.conv.weight"] = np.ones((4, 1, 7), np.float32)
-        t["encoder.quantizer.semantic_residual_vector_quantizer.input_proj.weight"] = np.ones(
-            (8, 4, 1), np.float32
-        )
-
-    rewrite_st(ck / "speech_tokenizer" / "model.safetensors", add_encoder)
+    n_enc = sum(
+        n.startswith("encoder.")
+        for n in SafetensorsFile(ck / "speech_tokenizer" / "model.safetensors").names()
+    )
+    assert n_enc > 0
     rewrite_st(
         ck / "model.safetensors",
         lambda t: t.__setitem__("speaker_encoder.fc.conv.weight", np.ones((8, 8, 1), np.float32)),
     )
     report = convert(ck, ck / "model.gguf", progress=False)
-    assert any("skipped 2 encoder.* tensors" in n and "voice cloning" in n for n in report.notes)
+    assert any(f"skipped {n_enc} encoder.* tensors" in n and "voice cloning" in n
+               for n in report.notes)  # fmt: skip
     assert any("skipped 1 speaker_encoder.* tensors" in n for n in report.notes)
     with open_model(ck / "model.gguf") as m:
-        assert not any("encoder" in n for n in m.tensor_names())
+        assert m.parts == {"decoder", "talker"}
+        assert not any(n.startswith(("spk.", "cenc.")) for n in m.tensor_names())
+
+
+def test_base_checkpoint_keeps_the_cloning_parts(tmp_path: Path) -> None:
+    ck = make_checkpoint(tmp_path / "ck", "tiny", variant="base", progress=False)
+    convert(ck, ck / "all.gguf", progress=False)
+    with open_model(ck / "all.gguf") as m:
+        assert m.parts == {"decoder", "talker", "speaker_encoder", "codec_encoder"}
+        assert m.speaker_config is not None and m.speaker_config.enc_dim == 32
+        assert m.codec_encoder_config is not None and m.codec_encoder_config.num_quantizers == 16
+        assert "cenc.vq.cb.15.embed_sum" in m.tensor_names()
+        assert "cenc.vq.cb.16.embed_sum" not in m.tensor_names()  # only 16 of 32 kept
+    convert(ck, ck / "lean.gguf", parts="decoder,talker", progress=False)
+    with open_model(ck / "lean.gguf") as m:
+        assert m.parts == {"decoder", "talker"} and m.speaker_config is None
+
+
+def test_cloning_parts_refused_where_missing(tiny_model_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConversionError, match="no speaker_encoder"):
+        convert(tiny_model_dir, tmp_path / "x.gguf", parts="decoder,talker,speaker_encoder",
+                progress=False)  # fmt: skip
+    ck = copy_ckpt(tiny_model_dir, tmp_path / "ck")
+    rewrite_st(
+        ck / "speech_tokenizer" / "model.safetensors",
+        lambda t: [t.pop(k) for k in list(t) if k.startswith("encoder.")],
+    )
+    with pytest.raises(ConversionError, match="no encoder"):
+        convert(ck, tmp_path / "y.gguf", parts="decoder,codec_encoder", progress=False)
+
+
+def test_loader_refuses_a_bad_speaker_encoder_tensor(tmp_path: Path) -> None:
+    ck = make_checkpoint(tmp_path / "ck", "tiny", variant="base", progress=False)
+    rewrite_st(
+        ck / "model.safetensors",
+        lambda t: t.__setitem__("speaker_encoder.fc.weight", np.ones((32, 190, 1), np.float32)),
+    )
+    with pytest.raises(ConversionError, match=r"speaker_encoder\.fc\.weight has shape"):
+        convert(ck, tmp_path / "z.gguf", progress=False)
 
 
 def test_mtp_projection_when_widths_differ(tmp_path: Path) -> None:

@@ -175,7 +175,8 @@ def _cases(tiny: Path, tmp: Path) -> Iterator[tuple[str, Path, str]]:
         rewrite_gguf(
             tiny, tmp / "parts.gguf", set_keys={Keys.PARTS: (ARR, ["decoder", "vocoder"], S)}
         ),
-        "qwen3-tts.parts = ['decoder', 'vocoder'] is not a subset of ['decoder', 'talker']",
+        "qwen3-tts.parts = ['decoder', 'vocoder'] is not a subset of "
+        "['decoder', 'talker', 'speaker_encoder', 'codec_encoder']",
     )
     yield (
         "missing key",

@@ -12,8 +12,14 @@ import numpy as np
 import pytest
 
 from cli.main import main
+from engine.codec_encoder.schema import (
+    codec_encoder_tensor_specs,
+    parse_codec_encoder_config,
+    skipped_encoder_tensor,
+)
 from engine.gguf_model import open_model
 from engine.gguf_schema import DECODER_SKIPPED_HF, decoder_tensor_specs, talker_tensor_specs
+from engine.speaker.schema import parse_speaker_config, speaker_tensor_specs
 from engine.tools.convert import SafetensorsFile, parse_decoder_config, parse_talker_config
 from engine.tools.make_model import build_configs, make_model, write_tokenizer_files
 
@@ -33,8 +39,10 @@ LAYOUT = [
 ]
 
 
-def _full_configs() -> tuple[dict[str, Any], dict[str, Any]]:
-    root, st_cfg, _ = build_configs("full")
+def _full_configs(
+    size: str = "full", variant: str = "custom_voice"
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    root, st_cfg, _ = build_configs(size, variant)
     root.update(
         im_start_token_id=151644, im_end_token_id=151645, tts_pad_token_id=151671,
         tts_bos_token_id=151672, tts_eos_token_id=151673,
@@ -57,7 +65,8 @@ def test_tiny_layout_and_weights(tiny_model_dir: Path) -> None:
     dec = SafetensorsFile(tiny_model_dir / "speech_tokenizer" / "model.safetensors")
     assert {e.dtype for e in talk.entries.values()} == {"BF16"}
     assert {e.dtype for e in dec.entries.values()} == {"F32"}
-    assert not any(n.startswith("encoder.") for n in dec.names())
+    assert any(n.startswith("encoder.") for n in dec.names())  # released layout: Mimi encoder too
+    assert not any(n.startswith("speaker_encoder.") for n in talk.names())  # Base only
     for n in DECODER_SKIPPED_HF:
         assert n in dec
     for st in (talk, dec):
@@ -154,8 +163,11 @@ def _reference() -> Any:
     return ref
 
 
-@pytest.mark.parametrize("size", ["tiny", "full"])
-def test_layout_equals_the_official_classes(size: str) -> None:
+@pytest.mark.parametrize(
+    ("size", "variant"),
+    [("tiny", "custom_voice"), ("full", "custom_voice"), ("tiny", "base"), ("1.7b", "base")],
+)
+def test_layout_equals_the_official_classes(size: str, variant: str) -> None:
     """Our name/shape table equals the state dicts of the official qwen-tts classes."""
     ref = _reference()
     import torch
@@ -167,10 +179,10 @@ def test_layout_equals_the_official_classes(size: str) -> None:
     )
 
     mods = ref.import_reference()
-    if size == "full":
-        root, st_cfg = _full_configs()
+    if size != "tiny":
+        root, st_cfg = _full_configs(size, variant)
     else:
-        root, st_cfg, _ = build_configs("tiny")
+        root, st_cfg, _ = build_configs("tiny", variant)
         root.update(im_start_token_id=480, im_end_token_id=481, tts_pad_token_id=507,
                     tts_bos_token_id=508, tts_eos_token_id=509)  # fmt: skip
     dec = parse_decoder_config(st_cfg)
@@ -185,7 +197,18 @@ def test_layout_equals_the_official_classes(size: str) -> None:
     ours.update({n: (dec.codebook_vector_dim, dec.codebook_dim, 1) for n in DECODER_SKIPPED_HF})
     assert ours == ref_dec
     ref_talk = {k: tuple(v.shape) for k, v in tts.state_dict().items()}
-    assert {s.hf_name: s.hf_shape for s in talker_tensor_specs(talker, cp)} == ref_talk
+    ours_talk = {s.hf_name: s.hf_shape for s in talker_tensor_specs(talker, cp)}
+    if variant == "base":
+        spk = parse_speaker_config(root["speaker_encoder_config"])
+        ours_talk.update({s.hf_name: s.hf_shape for s in speaker_tensor_specs(spk)})
+    assert ours_talk == ref_talk
+    # the Mimi encoder: what qtts keeps, plus what it knowingly skips, is the official state dict
+    enc = parse_codec_encoder_config(st_cfg)
+    ref_enc = {k: tuple(v.shape) for k, v in tok_model.state_dict().items()
+               if k.startswith("encoder.")}  # fmt: skip
+    kept = {s.hf_name: s.hf_shape for s in codec_encoder_tensor_specs(enc)}
+    assert set(kept) <= set(ref_enc) and all(ref_enc[k] == v for k, v in kept.items())
+    assert all(skipped_encoder_tensor(k, enc) for k in set(ref_enc) - set(kept))
 
 
 @pytest.mark.slow

@@ -141,8 +141,8 @@ def test_sigterm_drains_in_flight_work(make_server: Any) -> None:
             body += piece
     # the in-flight request finished completely
     assert len(body) == 44 + n * FRAME_SAMPLES * 2
-    # uvicorn re-raises the signal after a graceful shutdown: "terminated by SIGTERM", cleanly
-    assert server.proc.wait(20) in (0, -signal.SIGTERM)
+    # a clean drain exits 0 (not "terminated by SIGTERM")
+    assert server.proc.wait(20) == 0
     assert "Application shutdown complete" in server.log()
     # workers (and multiprocessing's helper) are gone, none left orphaned
     _, alive = psutil.wait_procs(children, timeout=10)

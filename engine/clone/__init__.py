@@ -1,0 +1,1 @@
+"""Voice cloning with Base models: reference audio -> a voice prompt -> talker prompts."""

@@ -1,0 +1,180 @@
+"""Voice-clone talker prompts, exactly as ``Qwen3TTSForConditionalGeneration.generate`` lays
+them out for a Base model.
+
+Positions (``T`` = projected text embedding, ``C`` = talker codec embedding):
+
+1. role ``T(<|im_start|>, assistant, \\n)``;
+2. codec prefix as for any model (``[nothink, think_bos, think_eos]`` for "auto", else
+   ``[think, think_bos, lang, think_eos]``), then the **x-vector** in the speaker slot, each as
+   ``PAD + ...``, then ``BOS + C(pad)``;
+3. x-vector-only mode: the text part of a CustomVoice prompt (non-streaming: ``T(w) + C(pad)``
+   per token, ``EOS + C(pad)``, ``PAD + C(bos)``; streaming: ``T(w_0) + C(bos)``, the rest
+   trailing). ICL mode: text ``ref_ids ++ w ++ [EOS]`` against codec ``[C(bos)] ++
+   [sum_q emb_q(ref_code[t, q]) per reference frame]`` -- non-streaming: every text row
+   ``+ C(pad)``, then every codec row ``+ PAD``; streaming: rows added pairwise over the codec
+   length, surplus text trailing (a shorter text is padded with PAD).
+
+The reference text is tokenised as ``<|im_start|>assistant\\n{ref}<|im_end|>\\n`` and its text
+tokens are ``ids[3:-2]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from engine.errors import InputError
+from engine.talker.prompt import (
+    ROLE_TOKENS,
+    TAIL_TOKENS,
+    TEXT_MODES,
+    Prompt,
+    PromptBuilder,
+    assistant_text,
+)
+from engine.talker.voices import AUTO
+
+F32 = npt.NDArray[np.float32]
+I32 = npt.NDArray[np.int32]
+REF_TAIL_TOKENS = 2  # "<|im_end|>", "\n"
+
+
+def ref_text(text: str) -> str:
+    """The string the reference tokenises for a reference transcript."""
+    return f"<|im_start|>assistant\n{text}<|im_end|>\n"
+
+
+@dataclass(frozen=True)
+class VoicePrompt:
+    """What a cloned voice is made of (a ``.qvoice`` file holds exactly this).
+
+    ``x_vector`` [hidden]; ICL mode also has ``ref_codes`` [T, 16] and ``ref_ids`` (the text
+    tokens of the transcript); ``fingerprint`` names the model it was made with.
+    """
+
+    x_vector: F32
+    ref_codes: I32 | None
+    ref_ids: I32 | None
+    ref_text: str | None
+    fingerprint: str
+
+    @property
+    def icl(self) -> bool:
+        """In-context mode (reference codes and transcript), else x-vector only."""
+        return self.ref_codes is not None
+
+
+def transcript_ids(builder: PromptBuilder, text: str) -> I32:
+    """Text tokens of a reference transcript (``InputError`` on field ``ref_text`` if empty)."""
+    if not isinstance(text, str) or not text.strip():
+        raise InputError("ref_text", "is empty: in-context cloning needs the transcript of the "
+                         "reference audio (or ask for x-vector-only cloning)")  # fmt: skip
+    ids = builder.encode(ref_text(text))
+    if len(ids) <= ROLE_TOKENS + REF_TAIL_TOKENS:
+        raise InputError("ref_text", "tokenises to no text tokens")
+    return np.asarray(ids[ROLE_TOKENS:-REF_TAIL_TOKENS], dtype=np.int32)
+
+
+def build_clone_prompt(
+    builder: PromptBuilder,
+    voice: VoicePrompt,
+    text: str,
+    language: str | None,
+    text_mode: str,
+    frame_embed: Callable[[I32], F32],
+) -> Prompt:
+    """The talker prompt of ``text`` spoken in ``voice`` (module docstring for the layout).
+
+    ``frame_embed`` turns reference codes [T, 16] into their talker input rows [T, hidden].
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise InputError("text", "is empty")
+    if text_mode not in TEXT_MODES:
+        raise InputError("text_mode", f"must be one of {', '.join(TEXT_MODES)}, got {text_mode!r}")
+    lang = builder.resolve_language(language)
+    cfg, sp = builder.cfg, builder.special
+    hidden = int(cfg.hidden_size)
+    xv = np.asarray(voice.x_vector, dtype=np.float32).reshape(-1)
+    if xv.shape[0] != hidden:
+        raise InputError("voice", f"x-vector has {xv.shape[0]} values, the model needs {hidden}")
+    ids = builder.encode(assistant_text(text))
+    if len(ids) <= ROLE_TOKENS + TAIL_TOKENS:
+        raise InputError("text", "tokenises to no text tokens between the chat markers")
+    words = ids[ROLE_TOKENS:-TAIL_TOKENS]
+    lang_id = None if lang == AUTO else builder.catalog.all_languages[lang]
+    if lang_id is None:
+        head = [cfg.codec_nothink_id, cfg.codec_think_bos_id, cfg.codec_think_eos_id]
+    else:
+        head = [cfg.codec_think_id, cfg.codec_think_bos_id, lang_id, cfg.codec_think_eos_id]
+
+    text_ids: list[int] = []
+    codec_ids: list[int] = []
+    mask: list[float] = []
+    adds: dict[int, F32] = {}
+
+    def put(t: int, c: int | None, add: F32 | None = None) -> None:
+        if add is not None:
+            adds[len(text_ids)] = add
+        text_ids.append(t)
+        codec_ids.append(0 if c is None else c)
+        mask.append(0.0 if c is None else 1.0)
+
+    for t in ids[:ROLE_TOKENS]:
+        put(t, None)
+    for c in head:
+        put(sp.tts_pad_token_id, c)
+    put(sp.tts_pad_token_id, None, xv)  # the speaker slot holds the x-vector itself
+    put(sp.tts_bos_token_id, cfg.codec_pad_id)
+    n_prefix = len(text_ids)
+    trailing: Sequence[int] = []
+    ref_codes: I32 | None = None
+    if voice.icl:
+        assert voice.ref_codes is not None and voice.ref_ids is not None
+        ref_codes = np.ascontiguousarray(voice.ref_codes, dtype=np.int32)
+        frames = frame_embed(ref_codes)
+        ref_ids = [int(t) for t in voice.ref_ids]
+        seq = [*ref_ids, *words, sp.tts_eos_token_id]
+        codec: list[tuple[int | None, F32 | None]] = [(cfg.codec_bos_id, None)]
+        codec += [(None, frames[i]) for i in range(frames.shape[0])]
+        if text_mode == "full":
+            for t in seq:
+                put(t, cfg.codec_pad_id)
+            for c, add in codec:
+                put(sp.tts_pad_token_id, c, add)
+            n_prefix += len(ref_ids)
+        else:
+            n_c = len(codec)
+            padded = seq + [sp.tts_pad_token_id] * max(0, n_c - len(seq))
+            for i, (c, add) in enumerate(codec):
+                put(padded[i], c, add)
+            trailing = seq[n_c:]
+            n_prefix += min(len(ref_ids), n_c)
+    elif text_mode == "full":
+        for w in words:
+            put(w, cfg.codec_pad_id)
+        put(sp.tts_eos_token_id, cfg.codec_pad_id)
+        put(sp.tts_pad_token_id, cfg.codec_bos_id)
+    else:
+        put(words[0], cfg.codec_bos_id)
+        trailing = [*words[1:], sp.tts_eos_token_id]
+    embed_add = np.zeros((len(text_ids), hidden), dtype=np.float32)
+    for i, row in adds.items():
+        embed_add[i] = row
+    return Prompt(
+        text_ids=np.asarray(text_ids, dtype=np.int32),
+        codec_ids=np.asarray(codec_ids, dtype=np.int32),
+        codec_mask=np.asarray(mask, dtype=np.float32),
+        trailing_ids=np.asarray(trailing, dtype=np.int32),
+        pad_id=sp.tts_pad_token_id,
+        n_text_tokens=len(words),
+        voice=None,
+        language=lang,
+        text_mode=text_mode,
+        instruct=None,
+        n_prefix=n_prefix,
+        embed_add=embed_add,
+        ref_codes=ref_codes,
+    )

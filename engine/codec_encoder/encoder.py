@@ -1,0 +1,82 @@
+"""``CodecEncoder``: 24 kHz mono audio -> reference codes ``[T, 16]`` (the tokenizer's encode).
+
+Matches ``Qwen3TTSTokenizerV2Model.encode`` for one clip: SEANet -> transformer -> downsample ->
+split RVQ (first ``num_quantizers`` levels), trimmed to ``ceil(samples / frame_samples)`` frames.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from engine.backend import BackendSet
+from engine.codec_encoder.quantizer import codebook, encode, half_norms
+from engine.codec_encoder.schema import CodecEncoderConfig, codec_encoder_tensor_specs
+from engine.codec_encoder.seanet import downsample, seanet
+from engine.codec_encoder.transformer import causal_mask, transformer
+from engine.errors import InputError
+from engine.ggml import lib
+from engine.ggml.graph import Graph
+from engine.gguf_schema import PART_CODEC_ENCODER
+
+
+def _time_major(ctx: Any, x: Any) -> Any:
+    return lib.ggml_cont(ctx, lib.ggml_transpose(ctx, x))
+
+
+class CodecEncoder:
+    """The Mimi encoder of one model, its weights resident on ``backends`` (F32)."""
+
+    def __init__(self, model: Any, backends: BackendSet) -> None:
+        model.require(PART_CODEC_ENCODER)
+        cfg: CodecEncoderConfig = model.codec_encoder_config
+        self.config = cfg
+        self._backends = backends
+        store = backends.weight_store()
+        for spec in codec_encoder_tensor_specs(cfg):
+            if spec.name.startswith("cenc.vq.cb."):
+                continue
+            store.add_array(spec.name, model.tensor_f32(spec.name).reshape(spec.shape))
+        for q in range(cfg.num_quantizers):
+            g = f"cenc.vq.cb.{q}."
+            e = codebook(model.tensor_f32(g + "embed_sum").reshape(cfg.codebook_size, -1),
+                         model.tensor_f32(g + "usage").reshape(-1))  # fmt: skip
+            store.add_array(g + "embed", e)
+            store.add_array(g + "half_norm", half_norms(e))
+        store.allocate()
+        self._store = store
+
+    def frames(self, n_samples: int) -> int:
+        """Code frames the reference keeps for ``n_samples`` of audio."""
+        return math.ceil(n_samples / self.config.frame_samples)
+
+    def encode(self, wav: npt.NDArray[np.float32]) -> npt.NDArray[np.int32]:
+        """Codes ``[frames, num_quantizers]`` of ``wav`` (mono float32 at 24 kHz)."""
+        x = np.ascontiguousarray(wav, dtype=np.float32).reshape(-1)
+        if x.size < self.config.frame_samples:
+            raise InputError("audio", f"is too short to encode ({x.size} samples)")
+        W = self._store.__getitem__
+        with Graph() as g:
+            ctx = g.ctx
+            inp = g.input("wav", (1, x.size))
+            h = seanet(ctx, W, self.config, inp)  # [hidden, T25]
+            t = int(h.ne[0])
+            pos = g.input("pos", (t,), dtype=np.int32)
+            mask = g.input("mask", (t, t))
+            h = transformer(ctx, W, self.config, _time_major(ctx, h), pos, mask)
+            h = downsample(ctx, W, _time_major(ctx, h))  # channel-major [hidden, T]
+            g.output(encode(ctx, W, self.config, _time_major(ctx, h)), "codes")
+            out = self._backends.execute(g, {
+                "wav": x.reshape(1, -1),
+                "pos": np.arange(t, dtype=np.int32),
+                "mask": causal_mask(t),
+            })  # fmt: skip
+        codes = out["codes"].reshape(self.config.num_quantizers, -1)
+        return np.ascontiguousarray(codes[:, : self.frames(x.size)].T, dtype=np.int32)
+
+    def close(self) -> None:
+        """Free the weights."""
+        self._store.close()

@@ -1,0 +1,51 @@
+"""Mimi's split residual VQ (encode side) on ggml: nearest codebook entry per level.
+
+The semantic RVQ (first ``num_semantic_quantizers`` levels) and the acoustic RVQ (the rest) each
+project the same embedding with their own 1x1 ``input_proj``; each level picks the entry with
+the smallest Euclidean distance, i.e. the largest ``2 x.e - |e|^2``, and subtracts it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from engine.codec_encoder.schema import CODEBOOK_EPS, CodecEncoderConfig
+from engine.ggml import Tensor, lib
+
+
+def codebook(embed_sum: npt.NDArray[np.float32], usage: npt.NDArray[np.float32]
+             ) -> npt.NDArray[np.float32]:  # fmt: skip
+    """``embed_sum / max(usage, eps)`` in F32, as ``MimiEuclideanCodebook.embed`` computes it."""
+    return (embed_sum / np.maximum(usage, np.float32(CODEBOOK_EPS))[:, None]).astype(np.float32)
+
+
+def half_norms(embed: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+    """``|e|^2 / 2`` per entry, shaped ``[1, size]``: the score is ``x.e - |e|^2 / 2``."""
+    e = embed.astype(np.float64)
+    out: npt.NDArray[np.float32] = (0.5 * (e * e).sum(axis=1))[None, :].astype(np.float32)
+    return out
+
+
+def encode(ctx: Any, W: Callable[[str], Tensor], c: CodecEncoderConfig, x: Tensor) -> Tensor:
+    """Graph: time-major ``[hidden, T]`` -> codes int32 ne ``[T, n_q]`` (numpy ``[n_q, T]``)."""
+    codes: list[Tensor] = []
+    nsem = c.num_semantic_quantizers
+    for short, levels in (("sem", range(nsem)), ("ac", range(nsem, c.num_quantizers))):
+        if len(levels) == 0:
+            continue
+        r = lib.ggml_mul_mat(ctx, W(f"cenc.vq.{short}_in_proj.weight"), x)  # [cb_dim, T]
+        for q in levels:
+            e = W(f"cenc.vq.cb.{q}.embed")
+            score = lib.ggml_sub(ctx, lib.ggml_mul_mat(ctx, e, r), W(f"cenc.vq.cb.{q}.half_norm"))
+            idx = lib.ggml_argmax(ctx, score)  # [T] int32
+            codes.append(idx)
+            if q + 1 < levels.stop:
+                r = lib.ggml_sub(ctx, r, lib.ggml_get_rows(ctx, e, idx))
+    out = lib.ggml_reshape_2d(ctx, codes[0], int(codes[0].ne[0]), 1)
+    for idx in codes[1:]:
+        out = lib.ggml_concat(ctx, out, lib.ggml_reshape_2d(ctx, idx, int(idx.ne[0]), 1), 1)
+    return out

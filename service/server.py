@@ -1,0 +1,154 @@
+"""The uvicorn server qtts runs: connection timeouts and a drain that a load balancer can see.
+
+Timeouts (settings ``header_timeout``, ``keepalive_timeout``; the body timeout is the gate's):
+
+* a connection must complete a request's headers within ``header_timeout`` seconds of opening
+  or of its previous response: one that sends nothing, or headers a byte at a time, is closed
+  (with ``408`` when it had sent part of a request). uvicorn has no such timer: its keep-alive
+  timer only runs between requests and stops at the first byte received.
+* after a response an idle keep-alive connection is closed after ``keepalive_timeout``.
+
+Drain (SIGTERM or SIGINT): first ``/readyz`` answers 503 and new synthesis requests 503
+``draining`` while the listener stays open, for at least ``shutdown_delay_seconds`` (so a load
+balancer probing readiness takes the instance out) and until the in-flight requests finish, at
+most ``drain_seconds`` in all; then the listener closes, idle connections are closed, the
+workers stop. The process exits 0 after a clean drain, 1 when requests were still running at
+the deadline. A second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from types import FrameType
+from typing import Any
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from service.settings import Settings
+
+log = logging.getLogger("qtts.app")
+
+_TIMEOUT_408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                b"connection: close\r\ncontent-length: %d\r\n\r\n%s")
+
+
+def timed_protocol(header_timeout: float) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with a deadline for each request's headers."""
+
+    class TimedH11Protocol(H11Protocol):
+        _header_timer: asyncio.TimerHandle | None = None
+        _got_bytes = False
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            self._got_bytes = self._got_bytes or bool(data)
+            super().data_received(data)
+
+        def handle_events(self) -> None:
+            cycle = self.cycle
+            super().handle_events()
+            if self.cycle is not cycle:  # a request's headers are complete
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            idle = self.cycle is None or self.cycle.response_complete
+            if idle and not self.transport.is_closing():
+                self._got_bytes = False
+                self._arm()
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._header_timer = self.loop.call_later(header_timeout, self._on_header_timeout)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _on_header_timeout(self) -> None:
+            self._header_timer = None
+            if self.transport.is_closing():
+                return
+            if self._got_bytes:  # part of a request: say why it ends
+                body = (b'{"error":{"message":"request headers not received within %gs",'
+                        b'"type":"invalid_request_error","param":null,"field":null,'
+                        b'"code":"request_timeout"}}' % header_timeout)
+                self.transport.write(_TIMEOUT_408 % (len(body), body))
+            try:
+                self.conn.send(h11.ConnectionClosed())
+            except h11.LocalProtocolError:
+                pass
+            self.transport.close()
+
+    return TimedH11Protocol
+
+
+class QttsServer(uvicorn.Server):
+    """uvicorn's server with the drain of the module docstring."""
+
+    def __init__(self, config: uvicorn.Config, settings: Settings, app: Any) -> None:
+        super().__init__(config)
+        self.settings = settings
+        self.app = app
+        self.drain_task: asyncio.Task[None] | None = None
+        self.draining = False
+        self.clean = True
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        st = getattr(self.app.state, "qtts", None)
+        if not self.draining and st is not None and not self.should_exit:
+            self.draining = True
+            st.pool.draining = True
+            log.info("signal %s: draining (readiness 503 now; the listener closes when the "
+                     "in-flight requests are done, after %gs at least and %gs at most)",
+                     sig, self.settings.shutdown_delay_seconds, self.settings.drain_seconds)
+            # (a signal handler runs between two steps of the loop: hand it the task safely)
+            loop = asyncio.get_event_loop()
+            loop.call_soon_threadsafe(self._start_drain, st)
+            return
+        if self.draining and not self.should_exit:
+            self.clean = False  # a second signal cuts the drain short
+        super().handle_exit(sig, frame)
+        # uvicorn re-raises the signals it caught once it has stopped, which turns a clean
+        # shutdown into exit status 143 (SIGTERM); our exit status says how the drain went
+        self._captured_signals = [s for s in self._captured_signals
+                                  if s not in (signal.SIGTERM, signal.SIGINT)]
+
+    def _start_drain(self, st: Any) -> None:
+        self.drain_task = asyncio.get_running_loop().create_task(self._drain(st))
+
+    async def _drain(self, st: Any) -> None:
+        s = self.settings
+        t0 = time.monotonic()
+        await asyncio.sleep(min(s.shutdown_delay_seconds, s.drain_seconds))
+        left = max(0.0, s.drain_seconds - (time.monotonic() - t0))
+        self.clean = await st.pool.wait_idle(left)
+        if not self.clean:
+            log.warning("drain: requests still running after %gs; stopping anyway",
+                        s.drain_seconds)
+        self.should_exit = True
+
+
+def make_server(app: Any, settings: Settings) -> QttsServer:
+    """The configured server for ``app`` (``create_app(settings)``)."""
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_config=None, access_log=False,
+        lifespan="on", http=timed_protocol(settings.header_timeout),
+        timeout_keep_alive=settings.keepalive_timeout,
+        # what is left once the drain is over: requests past the deadline are cut
+        timeout_graceful_shutdown=5,
+    )
+    return QttsServer(config, settings, app)

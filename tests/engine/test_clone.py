@@ -1,0 +1,218 @@
+"""Voice cloning without the reference: audio intake, bad inputs, .qvoice files, the pipeline
+and the CLI on a tiny random Base model (parity lives in tests/parity/test_clone_parity.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+
+from cli.main import main
+from engine.backend import BackendSet
+from engine.clone import voice_file
+from engine.clone.audio import decode, load_reference, resample
+from engine.errors import InputError
+from engine.gguf_model import open_model
+from engine.pipeline import Pipeline, StreamInfo, SynthesisRequest, synthesize
+from engine.tools.make_model import make_model
+from tests.speech import SENTENCES, espeak_wav
+
+REF_TEXT = SENTENCES[0]
+
+
+@pytest.fixture(scope="module")
+def base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("clone_base")
+    make_model(folder, "tiny", seed=21, variant="base", progress=False)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def pipe(base_dir: Path) -> Pipeline:
+    backends = BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "2"})
+    return Pipeline(open_model(base_dir / "model.gguf"), backends, precision="exact")
+
+
+@pytest.fixture(scope="module")
+def speech(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return espeak_wav(tmp_path_factory.mktemp("speech") / "ref.wav", REF_TEXT)
+
+
+def _encode(src: Path, dst: Path, codec: str, rate: int, layout: str) -> Path:
+    """Re-encode ``src`` with PyAV (container from ``dst``'s suffix)."""
+    import av
+
+    a = decode(src)
+    pcm = resample(a.samples, a.sample_rate, rate)
+    ch = 2 if layout == "stereo" else 1
+    data = np.repeat(pcm[None, :], ch, axis=0)
+    if ch == 2:
+        data[1] *= 0.5  # different channels: the mix must be their mean
+    with av.open(str(dst), mode="w") as out:
+        stream = out.add_stream(codec, rate=rate)
+        stream.layout = layout  # type: ignore[attr-defined]
+        fmt = "fltp"
+        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(data), format=fmt, layout=layout)
+        frame.sample_rate = rate
+        for packet in stream.encode(frame):  # type: ignore[attr-defined]
+            out.mux(packet)
+        for packet in stream.encode(None):  # type: ignore[attr-defined]
+            out.mux(packet)
+    return dst
+
+
+@pytest.mark.parametrize(("suffix", "codec", "rate", "layout"), [
+    (".flac", "flac", 48000, "stereo"),
+    (".ogg", "libopus", 48000, "stereo"),
+    (".m4a", "aac", 16000, "mono"),
+    (".mp3", "mp3", 22050, "mono"),
+])  # fmt: skip
+def test_reference_audio_formats(speech: Path, tmp_path: Path, suffix: str, codec: str,
+                                 rate: int, layout: str) -> None:  # fmt: skip
+    f = _encode(speech, tmp_path / f"ref{suffix}", codec, rate, layout)
+    d = decode(f)
+    assert d.sample_rate == rate and d.samples.ndim == 1
+    wav = load_reference(f)
+    assert abs(wav.size / 24000 - d.samples.size / rate) < 1e-3  # 24 kHz, same duration
+    ref = load_reference(speech)
+    # the same speech survives every container / codec / rate / channel mix
+    n = min(ref.size, wav.size) // 2
+    corr = np.corrcoef(ref[:n], wav[:n])[0, 1]
+    assert corr > 0.5 or suffix in (".ogg", ".m4a", ".mp3")  # lossy codecs shift phase
+    assert 0.01 < float(np.abs(wav).max()) <= 1.5
+
+
+def test_stereo_is_the_channel_mean(tmp_path: Path) -> None:
+    t = np.arange(48000) / 48000
+    left, right = np.sin(2 * np.pi * 220 * t), 0.2 * np.sin(2 * np.pi * 330 * t)
+    sf.write(tmp_path / "st.wav", np.stack([left, right], axis=1).astype(np.float32), 48000,
+             subtype="FLOAT")  # fmt: skip
+    d = decode(tmp_path / "st.wav")
+    np.testing.assert_allclose(d.samples, ((left + right) / 2).astype(np.float32), atol=1e-6)
+
+
+@pytest.mark.parametrize(("make", "problem"), [
+    (lambda p: sf.write(p, np.full(12000, 0.3, np.float32), 24000), "at least 1 s"),
+    (lambda p: sf.write(p, np.random.default_rng(0).uniform(-.5, .5, 24000 * 31)
+                        .astype(np.float32), 24000), "the limit is 30 s"),
+    (lambda p: sf.write(p, np.zeros(48000, np.float32), 24000), "is silent"),
+    (lambda p: p.write_bytes(np.random.default_rng(1).bytes(5000)), "cannot be decoded"),
+    (lambda p: p.write_bytes(b""), "cannot be decoded"),
+])  # fmt: skip
+def test_bad_reference_audio(tmp_path: Path, make: object, problem: str) -> None:
+    p = tmp_path / "bad.wav"
+    make(p)  # type: ignore[operator]
+    with pytest.raises(InputError, match=problem) as info:
+        load_reference(p)
+    assert info.value.field == "ref_audio" and "\n" not in str(info.value)
+
+
+def test_missing_reference_file(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="file not found"):
+        load_reference(tmp_path / "nope.wav")
+
+
+def test_empty_transcript_refused_in_icl_mode(pipe: Pipeline, speech: Path) -> None:
+    for text in (None, "", "   "):
+        with pytest.raises(InputError, match="ref_text: is empty"):
+            pipe.clone_voice(str(speech), text)
+    voice = pipe.clone_voice(str(speech), None, x_vector_only=True)
+    assert not voice.icl and voice.x_vector.shape == (32,)
+
+
+def test_cloned_stream_starts_with_new_speech(pipe: Pipeline, speech: Path) -> None:
+    voice = pipe.clone_voice(str(speech), REF_TEXT)
+    assert voice.icl and voice.ref_codes is not None and voice.ref_codes.shape[1] == 16
+    info = StreamInfo()
+    req = SynthesisRequest("Good morning.", voice_prompt=voice, greedy=True, max_frames=6,
+                           text_mode="stream")  # fmt: skip
+    chunks = list(pipe.stream(req, info=info))
+    # the reference frames are decoded for context only: every sample sent is a new frame's
+    assert chunks[0].frames == 1 and chunks[0].audio.size == 1920
+    assert sum(c.audio.size for c in chunks) == 1920 * info.frames == 1920 * 6
+    codes = np.concatenate(info.codes, axis=1)
+    assert not np.array_equal(codes[:, :1], voice.ref_codes[:1].T)
+
+
+def test_voice_file_round_trip_and_fingerprint(pipe: Pipeline, speech: Path, tmp_path: Path,
+                                               base_dir: Path) -> None:  # fmt: skip
+    voice = pipe.clone_voice(str(speech), REF_TEXT)
+    path = voice_file.save(tmp_path / "v.qvoice", voice)
+    back = voice_file.load(path, pipe.voice_fingerprint)
+    assert back.ref_text == REF_TEXT and back.fingerprint == voice.fingerprint
+    np.testing.assert_array_equal(back.x_vector, voice.x_vector)
+    np.testing.assert_array_equal(back.ref_codes, voice.ref_codes)  # type: ignore[arg-type]
+    np.testing.assert_array_equal(back.ref_ids, voice.ref_ids)  # type: ignore[arg-type]
+    a, _, _ = synthesize(pipe, SynthesisRequest("Hello.", voice_prompt=voice, greedy=True,
+                                                max_frames=4))  # fmt: skip
+    b, _, _ = synthesize(pipe, SynthesisRequest("Hello.", voice_prompt=back, greedy=True,
+                                                max_frames=4))  # fmt: skip
+    np.testing.assert_array_equal(a, b)
+    with pytest.raises(InputError, match="made for another model"):
+        voice_file.load(path, "0" * 64)
+    for junk in (b"", b"PK\x03\x04nonsense", np.random.default_rng(2).bytes(300)):
+        with pytest.raises(InputError, match="not a qtts voice file"):
+            voice_file.load(junk)
+
+
+def test_voice_fingerprint_ignores_dtype_and_parts(base_dir: Path, tmp_path: Path,
+                                                  pipe: Pipeline) -> None:  # fmt: skip
+    from engine.clone.voice_file import model_fingerprint
+    from engine.tools.convert import convert
+
+    convert(base_dir, tmp_path / "lean.gguf", dtype="f16", parts="decoder,talker",
+            progress=False)  # fmt: skip
+    with open_model(tmp_path / "lean.gguf") as lean:
+        assert model_fingerprint(lean) == pipe.voice_fingerprint
+    other = tmp_path / "other"
+    make_model(other, "tiny", seed=22, variant="base", progress=False)
+    with open_model(other / "model.gguf") as m:
+        assert model_fingerprint(m) != pipe.voice_fingerprint
+
+
+def test_non_base_models_refuse_cloning(tiny_gguf: Path, speech: Path) -> None:
+    backends = BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "1"})
+    p = Pipeline(open_model(tiny_gguf), backends)
+    try:
+        with pytest.raises(InputError, match="only Base models"):
+            p.clone_voice(str(speech), REF_TEXT)
+    finally:
+        p.close()
+
+
+def test_base_model_without_voice_says_how_to_clone(pipe: Pipeline) -> None:
+    with pytest.raises(InputError, match="give reference audio"):
+        synthesize(pipe, SynthesisRequest("Hello.", voice="ryan"))
+
+
+def test_cli_clone_voice_then_synth(base_dir: Path, speech: Path, tmp_path: Path,
+                                    capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
+    model = str(base_dir / "model.gguf")
+    qv = tmp_path / "me.qvoice"
+    assert main(["clone-voice", "--model", model, "--audio", str(speech), "--text", REF_TEXT,
+                 "-o", str(qv)]) == 0  # fmt: skip
+    assert "in-context voice" in capsys.readouterr().err
+    out = tmp_path / "o.wav"
+    assert main(["synth", "Good morning.", "--model", model, "--voice-file", str(qv), "-o",
+                 str(out), "--greedy", "--max-frames", "3"]) == 0  # fmt: skip
+    audio, sr = sf.read(out)
+    assert sr == 24000 and audio.size == 3 * 1920
+    capsys.readouterr()
+    # every bad input is one line naming the problem, exit status 2
+    bad = tmp_path / "bad.mp3"
+    bad.write_bytes(b"\x00" * 100)
+    for argv, problem in (
+        (["clone-voice", "--model", model, "--audio", str(bad), "--text", "x", "-o",
+          str(tmp_path / "b.qvoice")], "cannot be decoded"),
+        (["clone-voice", "--model", model, "--audio", str(speech), "-o",
+          str(tmp_path / "b.qvoice")], "ref_text: is empty"),
+        (["synth", "Hi.", "--model", model, "--voice-file", str(bad), "-o", str(out)],
+         "not a qtts voice file"),
+        (["synth", "Hi.", "--model", model, "--ref-text", "x", "-o", str(out)],
+         "--ref-text needs --ref-audio"),
+    ):  # fmt: skip
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert problem in err and "Traceback" not in err and err.count("\n") == 1, err
