@@ -112,7 +112,12 @@ def worker_main(
     from service.logs import setup_logging
 
     setup_logging(env.get("QTTS_LOG_FORMAT", "text"), env.get("QTTS_LOG_LEVEL", "info"))
+    from service import faults
+
     try:
+        fault = faults.from_env()
+        if fault is not None:
+            fault.hit("start")
         t0 = time.perf_counter()
         synth = Synthesizer(model_path, precision, os.environ, max_frames_cap, chunk_max_frames)
         warm = synth.warm_up(warmup_frames)
@@ -146,7 +151,7 @@ def worker_main(
         job: Job = msg[1]
         _STATE["busy"] = True
         try:
-            _run_job(conn, cancel, synth, job)
+            _run_job(conn, cancel, synth, job, fault)
         except (BrokenPipeError, EOFError, ConnectionResetError):
             return  # front end gone mid-request
         finally:
@@ -162,13 +167,14 @@ def _on_sigterm(signum: int, frame: Any) -> None:
         raise SystemExit(0)
 
 
-def _run_job(conn: Any, cancel: Any, synth: Synthesizer, job: Job) -> None:
+def _run_job(conn: Any, cancel: Any, synth: Synthesizer, job: Job,
+             fault: Any = None) -> None:
     from engine.errors import InputError, QttsError
 
     def cancelled() -> bool:
         return bool(cancel.value == job.id)
 
-    frames = 0
+    frames = sent = 0
     t0 = time.perf_counter()
     gen = synth.stream(job, cancelled)
     try:
@@ -178,6 +184,9 @@ def _run_job(conn: Any, cancel: Any, synth: Synthesizer, job: Job) -> None:
             except StopIteration as stop:
                 finish = stop.value or "ok"
                 break
+            if fault is not None:  # QTTS_TEST_FAULT (tests only)
+                fault.hit("chunk", sent)
+            sent += 1
             frames += n
             conn.send(("chunk", job.id, audio, timings, n))
         conn.send(

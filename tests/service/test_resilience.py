@@ -179,7 +179,10 @@ def test_api_key(make_server: Any) -> None:
 def test_not_ready_before_warm_up_and_request_timeout(service_model: Any, tmp_path: Any) -> None:
     from tests.service.helpers import Server
 
-    server = Server(service_model, tmp_path, warmup_frames=64, request_timeout=0.3)
+    # a slow worker (0.1 s per chunk, service/faults.py) outlives the 0.3 s timeout on any
+    # hardware; 1000 frames alone might not
+    server = Server(service_model, tmp_path, warmup_frames=64, request_timeout=0.3,
+                    test_fault="sleep=0.1@chunk")
     try:
         seen: list[tuple[int, str]] = []
         deadline = time.monotonic() + 60
