@@ -37,6 +37,20 @@ def _wait_ready(server: Any, timeout: float = 30.0) -> None:
     raise AssertionError("server did not get ready again")
 
 
+def _wait_draining(server: Any, timeout: float = 30.0) -> None:
+    """Until the front end stops being ready (503 or its listener closed): the event that
+    SIGTERM was handled, instead of a sleep."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(server.url + "/readyz", timeout=2).status_code != 200:
+                return
+        except httpx.HTTPError:
+            return
+        time.sleep(0.02)
+    raise AssertionError("SIGTERM never made the server stop being ready")
+
+
 def test_overload_rejects_at_once_and_accepted_ones_complete(make_server: Any) -> None:
     server = make_server(workers=1, queue_size=1, retry_after_seconds=2)
     n = 300  # long enough that a running request outlasts any refusal, even on a busy machine
@@ -130,7 +144,7 @@ def test_sigterm_drains_in_flight_work(make_server: Any) -> None:
         body += next(it)
         # like systemd: SIGTERM to the whole process group, front end and workers alike
         os.killpg(server.proc.pid, signal.SIGTERM)
-        time.sleep(0.2)
+        _wait_draining(server)
         # no new work once draining: the listener is closed (or a 503 on a live connection)
         with pytest.raises(httpx.HTTPError):
             rr = httpx.post(server.url + "/tts", headers=auth,
