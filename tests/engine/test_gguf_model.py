@@ -7,7 +7,6 @@ import logging
 import random
 import shutil
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
