@@ -309,7 +309,7 @@ def test_disconnect_mid_stream_frees_the_worker(server: Server, kind: str) -> No
 
 
 def test_metrics_after_requests(server: Server) -> None:
-    """Counters move by what this test sends (the module's server may have served others)."""
+    """Counters move by exactly this test's own traffic (the tests run in any order)."""
     before = server.metrics()
     ok0 = metric(before, "qtts_requests_total", route="/tts", outcome="ok")
     rej0 = metric(before, "qtts_requests_total", route="/tts", outcome="rejected")
@@ -321,16 +321,22 @@ def test_metrics_after_requests(server: Server) -> None:
         assert r.status_code == 200
     for _ in range(3):
         assert httpx.post(server.url + "/tts", json={"text": ""}, timeout=10).status_code == 400
-    ms = wait_metric(server, "qtts_requests_total", ok0 + 2, route="/tts", outcome="ok")
+    oks, audio = 2, 24 * FRAME_S
+    text = _text_ready(server)
+    if text:
+        r = httpx.post(server.url + "/tts", timeout=60, json={
+            "text": "Hi.", "voice": "ryan", "format": "pcm", "seed": 1, "max_seconds": 0.5})
+        assert r.status_code == 200
+        oks, audio = 3, audio + len(r.content) / 2 / 24000
+    ms = wait_metric(server, "qtts_requests_total", ok0 + oks, route="/tts", outcome="ok")
     assert metric(ms, "qtts_workers_alive") == 2
     assert metric(ms, "qtts_capacity") == 2  # the autoscaler's denominator: 2 workers x 1
     assert metric(ms, "qtts_requests_waiting") == 0
     assert metric(ms, "qtts_requests_running") == 0
-    assert metric(ms, "qtts_requests_total", route="/tts", outcome="ok") == ok0 + 2
+    assert metric(ms, "qtts_requests_total", route="/tts", outcome="ok") == ok0 + oks
     assert metric(ms, "qtts_requests_total", route="/tts", outcome="rejected") == rej0 + 3
     assert metric(ms, "qtts_rejections_total", reason="invalid") == inv0 + 3
-    assert metric(ms, "qtts_audio_seconds_total") - audio0 == pytest.approx(24 * FRAME_S,
-                                                                           abs=1e-3)
+    assert metric(ms, "qtts_audio_seconds_total") - audio0 == pytest.approx(audio, abs=1e-3)
     assert metric(ms, "qtts_worker_restarts_total") == 0
     # the gap counter is the sum of the gaps the request log lines report
     gaps = sum(rec["stream_gaps"] for rec in server.request_lines() if "stream_gaps" in rec)
@@ -339,8 +345,11 @@ def test_metrics_after_requests(server: Server) -> None:
     for stage in ("quant", "preconv", "pretr", "upsample", "bigvgan", "encode"):
         assert metric(ms, "qtts_stage_seconds_count", stage=stage) > 0, stage
         assert metric(ms, "qtts_stage_seconds_sum", stage=stage) > 0, stage
+    if text:  # the text request above
+        for stage in ("prefill", "talker_step", "code_predictor"):
+            assert metric(ms, "qtts_stage_seconds_count", stage=stage) > 0
     for h in HISTOGRAMS:
-        assert metric(ms, h + "_count") == counts0[h] + 2, h
+        assert metric(ms, h + "_count") == counts0[h] + oks, h
         assert metric(ms, h + "_sum") > 0, h
         # the +Inf bucket holds every observation
         assert metric(ms, h + "_bucket", le="+Inf") == metric(ms, h + "_count"), h
