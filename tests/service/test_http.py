@@ -321,14 +321,18 @@ def test_metrics_after_requests(server: Server) -> None:
         assert r.status_code == 200
     for _ in range(3):
         assert httpx.post(server.url + "/tts", json={"text": ""}, timeout=10).status_code == 400
-    oks, audio = 2, 24 * FRAME_S
+    oks, served, audio = 2, 2, 24 * FRAME_S  # ok outcomes, 200 responses, audio seconds
     text = _text_ready(server)
-    if text:
-        r = httpx.post(server.url + "/tts", timeout=60, json={
-            "text": "Hi.", "voice": "ryan", "format": "pcm", "seed": 1, "max_seconds": 0.5})
+    if text:  # random weights rarely end by themselves: often "truncated" at max_seconds
+        r = httpx.post(server.url + "/tts", timeout=60, headers={"X-Request-Id": "metrics-text"},
+                       json={"text": "Hi.", "voice": "ryan", "format": "pcm", "seed": 1,
+                             "max_seconds": 0.5})
         assert r.status_code == 200
-        oks, audio = 3, audio + len(r.content) / 2 / 24000
-    ms = wait_metric(server, "qtts_requests_total", ok0 + oks, route="/tts", outcome="ok")
+        served, audio = 3, audio + len(r.content) / 2 / 24000
+        line = wait_log_line(server, "metrics-text")
+        oks += line["outcome"] == "ok"
+    ms = wait_metric(server, "qtts_request_duration_seconds_count",
+                     counts0["qtts_request_duration_seconds"] + served)
     assert metric(ms, "qtts_workers_alive") == 2
     assert metric(ms, "qtts_capacity") == 2  # the autoscaler's denominator: 2 workers x 1
     assert metric(ms, "qtts_requests_waiting") == 0
@@ -349,12 +353,23 @@ def test_metrics_after_requests(server: Server) -> None:
         for stage in ("prefill", "talker_step", "code_predictor"):
             assert metric(ms, "qtts_stage_seconds_count", stage=stage) > 0
     for h in HISTOGRAMS:
-        assert metric(ms, h + "_count") == counts0[h] + oks, h
+        assert metric(ms, h + "_count") == counts0[h] + served, h
         assert metric(ms, h + "_sum") > 0, h
         # the +Inf bucket holds every observation
         assert metric(ms, h + "_bucket", le="+Inf") == metric(ms, h + "_count"), h
     assert (metric(ms, "qtts_request_queue_seconds_sum")
             <= metric(ms, "qtts_request_duration_seconds_sum"))
+
+
+def wait_log_line(server: Server, rid: str) -> dict:
+    """The request's log line (written just after its last byte)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        lines = [rec for rec in server.request_lines() if rec.get("id") == rid]
+        if lines:
+            return lines[0]
+        time.sleep(0.05)
+    raise AssertionError(f"no request log line for {rid}")
 
 
 HISTOGRAMS = ("qtts_time_to_first_audio_seconds", "qtts_request_queue_seconds",
