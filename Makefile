@@ -15,8 +15,10 @@ PYTEST_ARGS ?=
 run: native model
 	QTTS_MODEL=$(MODEL) $(QTTS) serve
 
+# Random test order: pytest-randomly prints its seed, `PYTEST_ARGS=--randomly-seed=N` repeats an
+# order. A skip that tests/allowed_skips.py does not list fails the run (QTTS_STRICT_SKIPS).
 test: native native-portable parity-env deploy-tools test-sysdeps
-	QTTS_CPU_VARIANTS=$(PORTABLE_CPU_VARIANTS) $(PY) -m pytest $(PYTEST_ARGS)
+	QTTS_STRICT_SKIPS=1 QTTS_CPU_VARIANTS=$(PORTABLE_CPU_VARIANTS) $(PY) -m pytest -p randomly $(PYTEST_ARGS)
 
 # Prometheus and busybox (Debian) and the npm schema validators the deploy tests use.
 deploy-tools: venv

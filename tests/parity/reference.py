@@ -397,9 +397,23 @@ def default_cache_dir() -> Path:
     return Path(base).expanduser() / "fixtures"
 
 
+def reference_versions() -> str:
+    """The versions that make the reference's outputs: part of every cache key, so upgrading
+    qwen-tts, transformers or torch rebuilds the cached fixtures and their outputs."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    parts = []
+    for dist, tag in (("qwen-tts", "qt"), ("transformers", "tf"), ("torch", "pt")):
+        try:
+            parts.append(f"{tag}{version(dist)}")
+        except PackageNotFoundError:
+            parts.append(f"{tag}none")
+    return "-".join(parts).replace("+", "_")
+
+
 def fixture_key(size: str, seed: int) -> str:
     """Cache key of a reference tokenizer fixture."""
-    return f"ref-tokenizer-{size}-seed{seed}-v{GENERATOR_VERSION}"
+    return f"ref-tokenizer-{size}-seed{seed}-v{GENERATOR_VERSION}-{reference_versions()}"
 
 
 def build_reference_model(size: str, seed: int) -> Any:
