@@ -9,12 +9,14 @@ DEFAULT_MODEL := $(CACHE)/models/synthetic-full-f16-seed0/model.gguf
 MODEL := $(or $(QTTS_MODEL),$(DEFAULT_MODEL))
 PYTEST_ARGS ?=
 
-.PHONY: run test native venv sysdeps parity-env model lint bench clean cuda-check deploy-tools
+VOCAB := $(CACHE)/vocab/qwen.tiktoken
+
+.PHONY: run test native venv sysdeps parity-env model vocab lint bench clean cuda-check deploy-tools
 
 run: native model
 	QTTS_MODEL=$(MODEL) $(QTTS) serve
 
-test: native parity-env deploy-tools
+test: native parity-env deploy-tools vocab
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # Prometheus (Debian) and the npm schema validators the deploy tests use.
@@ -49,8 +51,16 @@ $(VENV)/.parity: $(VENV)/.installed
 
 parity-env: $(VENV)/.parity
 
-# The default model: a deterministic synthetic model of the released architecture (noise).
-$(DEFAULT_MODEL): | venv
+# The real Qwen2 text vocabulary: the pinned dashscope wheel, fetched once by pip (sha256
+# checked) into the cache; make-model writes vocab.json + merges.txt from it. Never at run time.
+$(VOCAB): | venv
+	$(PY) -m engine.tools.qwen_vocab
+
+vocab: $(VOCAB)
+
+# The default model: a deterministic synthetic model of the released architecture (noise) with
+# the real text vocabulary.
+$(DEFAULT_MODEL): | venv $(VOCAB)
 	$(QTTS) make-model $(dir $(DEFAULT_MODEL)) --size full --dtype f16 --seed 0
 
 model: native

@@ -1,4 +1,5 @@
-"""The ``qtts`` command line: ``qtts convert | make-model | info | decode | synth | serve``.
+"""The ``qtts`` command line: ``qtts convert | make-model | info | decode | synth | tokenize |
+serve``.
 
 Each subcommand is two small functions: ``_add_<name>(subparsers)`` declares its arguments and
 ``_cmd_<name>(args) -> int`` runs it. ``main`` maps every ``QttsError`` to one line
@@ -202,6 +203,21 @@ def _cmd_voices(args: argparse.Namespace) -> int:
     return run_voices(args.model)
 
 
+def _add_tokenize(sub: SubParsers) -> None:
+    p = sub.add_parser("tokenize", help="a prompt's text token ids (and pieces) under a model")
+    p.add_argument("--model", required=True, help="a qtts GGUF with the talker part")
+    p.add_argument("text", nargs="?", default=None, help="the text (default: read stdin)")
+    p.add_argument("--json", action="store_true", help='one JSON object {"count", "ids"}')
+    p.add_argument("--tokens", action="store_true", help="the piece of text each id stands for")
+    p.set_defaults(func=_cmd_tokenize)
+
+
+def _cmd_tokenize(args: argparse.Namespace) -> int:
+    from engine.tokenize_cli import run_tokenize
+
+    return run_tokenize(args.model, args.text, args.json, args.tokens)
+
+
 # ---------------------------------------------------------------------------------------------
 # serve           (the HTTP service lives in service/; engine code never imports it at load)
 # ---------------------------------------------------------------------------------------------
@@ -227,6 +243,7 @@ SUBCOMMANDS: list[Callable[[SubParsers], None]] = [
     _add_decode,
     _add_synth,
     _add_voices,
+    _add_tokenize,
     _add_doctor,
     _add_serve,
 ]

@@ -37,11 +37,12 @@ class DecoderModel:
         self.use_custom_ops = weights.use_custom_ops
 
     @classmethod
-    def load(cls, model: Any, backends: BackendSet, precision: Precision = "fast"
-             ) -> DecoderModel:
-        """Load the decoder of a validated GgufModel onto ``backends``."""
+    def load(cls, model: Any, backends: BackendSet, precision: Precision = "fast",
+             f32_layers: frozenset[str] = frozenset()) -> DecoderModel:
+        """Load the decoder of a validated GgufModel onto ``backends``; ``f32_layers``: fast
+        mode's layers kept in F32 (GGUF prefixes)."""
         model.require("decoder")
-        return cls(DecoderWeights(model, backends, precision))
+        return cls(DecoderWeights(model, backends, precision, f32_layers))
 
     @property
     def samples_per_frame(self) -> int:

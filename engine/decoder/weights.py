@@ -166,12 +166,16 @@ RES_DILATIONS = (1, 3, 9)
 class DecoderWeights:
     """Every decoder weight on one BackendSet, grouped by stage."""
 
-    def __init__(self, model: Any, backends: BackendSet, precision: Precision = "fast") -> None:
+    def __init__(self, model: Any, backends: BackendSet, precision: Precision = "fast",
+                 f32_layers: frozenset[str] = frozenset()) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         self.model = model
         self.cfg: DecoderConfig = model.decoder_config
         self.precision = precision
+        # Fast mode's layers kept in F32 (GGUF prefixes, e.g. "dec.blk.4.res.2.conv1"): the
+        # ones whose BF16 rounding the rest of the stack amplifies (engine/decoder/precision.py).
+        self.f32_layers = f32_layers
         self.backends = backends
         self.store: WeightStore = backends.weight_store()
         # qtts's own direct conv kernels beat ggml's K mul_mats 1.4-2.9x (F32) and 1.8-2.4x
@@ -235,7 +239,12 @@ class DecoderWeights:
         return [set_name(lib.ggml_view_2d(self.store.ctx, t, i, o, t.nb[1], j * t.nb[2]),
                          f"{name}.{j}") for j in range(k)]
 
+    def _bulk(self, prefix: str, bulk: bool) -> bool:
+        """Whether layer ``prefix`` runs in BF16 in fast mode (not when kept in F32)."""
+        return bulk and prefix not in self.f32_layers
+
     def _conv(self, prefix: str, bulk: bool = False) -> Conv:
+        bulk = self._bulk(prefix, bulk)
         w = tensor_f32(self.model, f"{prefix}.weight")
         bias = self._f32(f"{prefix}.bias", tensor_f32(self.model, f"{prefix}.bias"))
         return self._conv_from(prefix, w, bias, bulk)
@@ -259,6 +268,7 @@ class DecoderWeights:
         return Conv(taps, None, bias, k, i, o)
 
     def _tconv(self, prefix: str, stride: int, bulk: bool = False) -> TConv:
+        bulk = self._bulk(prefix, bulk)
         w = tensor_f32(self.model, f"{prefix}.weight")  # [I, O, K]
         i, o, k = w.shape
         if k not in (stride, 2 * stride):
@@ -289,6 +299,7 @@ class DecoderWeights:
                      self._f32(f"{prefix}.inv_beta", 1.0 / (np.exp(beta) + SNAKE_EPS)))
 
     def _linear(self, prefix: str, bias: bool = True, bulk: bool = False) -> Linear:
+        bulk = self._bulk(prefix, bulk)
         w_np = tensor_f32(self.model, f"{prefix}.weight")
         b = self._f32(f"{prefix}.bias", tensor_f32(self.model, f"{prefix}.bias")) if bias else None
         if self.use_custom_ops:  # the kernel always adds a bias: zeros when the layer has none

@@ -1,0 +1,1 @@
+"""Offline tools: checkpoint conversion and synthetic models (never used when serving)."""
