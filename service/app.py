@@ -27,7 +27,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Message, Receive, Scope, Send
 
-from service.audio import CONTENT_TYPES, Encoder, TimeStretch, encode_whole, make_encoder
+from service.audio import (
+    CONTENT_TYPES,
+    Encoder,
+    TimeStretch,
+    encode_whole,
+    make_encoder,
+    stream_wanted,
+)
 from service.errors import ApiError, error_body
 from service.logs import REQUEST_LOGGER, round_or_none
 from service.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -729,7 +736,8 @@ def create_app(settings: Settings | None = None, model: ModelInfo | None = None)
         syn = build_synthesis(
             st, "/tts", rid, arrival, text=body.text, text_field="text", codes=body.codes,
             voice=body.voice, language=body.language, instruct=body.instruct, fmt=body.format,
-            stream=body.stream, sse=False, speed=body.speed, max_seconds=body.max_seconds,
+            stream=stream_wanted(body.format, body.stream, "stream" in body.model_fields_set),
+            sse=False, speed=body.speed, max_seconds=body.max_seconds,
             sampling=sampling,
         )
         return SynthesisResponse(st, syn)
@@ -747,7 +755,9 @@ def create_app(settings: Settings | None = None, model: ModelInfo | None = None)
         syn = build_synthesis(
             st, "/v1/audio/speech", rid, arrival, text=body.input, text_field="input",
             codes=body.codes, voice=body.voice_name, language=body.language,
-            instruct=body.instructions, fmt=body.response_format, stream=body.stream,
+            instruct=body.instructions, fmt=body.response_format,
+            stream=stream_wanted(body.response_format, body.stream,
+                                 "stream" in body.model_fields_set),
             sse=body.stream_format == "sse", speed=body.speed, max_seconds=body.max_seconds,
             sampling=sampling,
         )
