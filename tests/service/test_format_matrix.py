@@ -20,8 +20,7 @@ import threading
 from collections.abc import Iterator
 from functools import cache
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import httpx
 import numpy as np
@@ -198,8 +197,8 @@ _PAGE = """<!doctype html><meta charset="utf-8"><script>
 
 
 class _Handler(BaseHTTPRequestHandler):
-    files: dict[str, bytes] = {}
-    result: dict[str, Any] = {}
+    files: ClassVar[dict[str, bytes]] = {}
+    result: ClassVar[dict[str, Any]] = {}
     done = threading.Event()
 
     def do_GET(self) -> None:
