@@ -6,9 +6,11 @@ generator), then prints
 
 * every tapped stage's SNR, fast against exact (exact matches the reference to <= 1e-4, so this
   is the SNR against the reference at that stage), and the drop each stage adds;
-* with ``--sensitivity``: the final SNR when one group of fast mode's BF16 layers is kept in F32
-  instead (the groups whose promotion gains most are the ones the stack amplifies);
-* the SNR of the calibrated fast mode (engine/decoder/precision.py).
+  for fast mode with every layer in BF16 and with its default F32 set (precision.default_f32);
+* with ``--sensitivity``: the final SNR when one more group of BF16 layers is kept in F32
+  (the groups whose promotion gains most are the ones the stack amplifies);
+* with ``--calibrate``: what the load-time calibration (engine/decoder/precision.py) chooses
+  and the SNR it gets against the reference.
 
     python bench/decoder_precision.py [--size full] [--recipe stress] [--seeds 0 1]
         [--frames 31] [--sensitivity]
@@ -29,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.backend import BackendSet
 from engine.convert import convert
 from engine.decoder import DecoderModel, StreamingDecoder, decode
-from engine.decoder.precision import bf16_layers
+from engine.decoder.precision import bf16_layers, default_f32
 from engine.gguf_model import open_model
 from tests.parity import reference as ref
 from tests.parity.reference import snr_db
@@ -71,29 +73,37 @@ def run(args: argparse.Namespace, seed: int, tmp: Path) -> None:
     exact = DecoderModel.load(model, bs, "exact")
     wav_exact, taps_exact = captured(exact, codes)
     exact.close()
-    fast = DecoderModel.load(model, bs, "fast")
-    wav_fast, taps_fast = captured(fast, codes)
-    fast.close()
+    default = default_f32(model)
+    runs = {}
+    for label, layers in (("all BF16", frozenset()), ("default", default)):
+        fast = DecoderModel.load(model, bs, "fast", f32_layers=layers)
+        runs[label] = captured(fast, codes)
+        fast.close()
     print(f"\n# {args.size} {args.recipe} seed {seed}, {args.frames} frames, {args.dtype} GGUF: "
           f"reference wav std {float(np.std(wav_ref)):.3f}, clipped "
           f"{float(np.mean(np.abs(wav_ref) >= 1.0)) * 100:.2f} %")
     print(f"exact vs reference: max |err| {float(np.abs(wav_exact - wav_ref).max()):.2e}, "
           f"SNR {snr_db(wav_ref, wav_exact):.1f} dB")
-    print("\n| stage | std | fast SNR dB | drop dB |\n|---|---:|---:|---:|")
-    prev = None
+    print("\nfast-mode SNR (dB) at each stage against exact (= the reference to 1e-4); "
+          "drop = what the stage loses")
+    print("| stage | std | all BF16 | drop | default F32 set | drop |")
+    print("|---|---:|---:|---:|---:|---:|")
+    prev: dict[str, float] = {}
     for name, e in taps_exact.items():
-        if name not in taps_fast:
-            continue
-        s = snr_db(e, taps_fast[name])
-        drop = "" if prev is None else f"{prev - s:.1f}"
-        print(f"| {name} | {float(np.std(e)):.3f} | {s:.1f} | {drop} |")
-        prev = s
-    base = snr_db(wav_ref, wav_fast)
-    print(f"| wav (vs reference) | {float(np.std(wav_ref)):.3f} | {base:.1f} | |")
+        cells = []
+        for label, (_, taps) in runs.items():
+            s = snr_db(e, taps[name])
+            cells.append(f"{s:.1f} | {'' if label not in prev else f'{prev[label] - s:.1f}'}")
+            prev[label] = s
+        print(f"| {name} | {float(np.std(e)):.3f} | {' | '.join(cells)} |")
+    cells = [f"{snr_db(wav_ref, w):.1f} | " for w, _ in runs.values()]
+    print(f"| wav (vs reference) | {float(np.std(wav_ref)):.3f} | {' | '.join(cells)} |")
+    base = snr_db(wav_ref, runs["default"][0])
     if args.sensitivity:
-        print("\n| kept in F32 | final SNR dB | gain dB |\n|---|---:|---:|")
-        for key, layers in groups(bf16_layers(model)).items():
-            m = DecoderModel.load(model, bs, "fast", f32_layers=layers)
+        print("\n| also kept in F32 (beyond the default set) | final SNR dB | gain dB |"
+              "\n|---|---:|---:|")
+        for key, layers in groups([x for x in bf16_layers(model) if x not in default]).items():
+            m = DecoderModel.load(model, bs, "fast", f32_layers=default | layers)
             w, _ = decode(m, codes)
             m.close()
             s = snr_db(wav_ref, w)
@@ -102,7 +112,7 @@ def run(args: argparse.Namespace, seed: int, tmp: Path) -> None:
         from engine.decoder.precision import calibrate
 
         started = time.perf_counter()
-        result = calibrate(model, bs, target_db=args.target)
+        result = calibrate(model, bs, target_db=args.target, frames=args.calibration_frames)
         secs = time.perf_counter() - started
         m = DecoderModel.load(model, bs, "fast", f32_layers=result.f32_layers)
         w, _ = decode(m, codes)
@@ -124,6 +134,7 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=None, help="calibration target dB")
     ap.add_argument("--sensitivity", action="store_true")
     ap.add_argument("--calibrate", action="store_true")
+    ap.add_argument("--calibration-frames", type=int, default=16)
     args = ap.parse_args()
     import torch
 

@@ -37,7 +37,11 @@ def _add_convert(sub: SubParsers) -> None:
     )
     p.add_argument("model_dir", help="HF checkpoint folder (or its speech_tokenizer/ folder)")
     p.add_argument("out", help="output .gguf path")
-    p.add_argument("--dtype", choices=list(DTYPES), default="f16", help="weight type (f16)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="f16",
+                   help="talker weight type (f16)")
+    p.add_argument("--decoder-dtype", choices=list(DTYPES), default="f32",
+                   help="decoder weight type (f32; others cost waveform SNR, the report says how "
+                   "much)")
     p.add_argument(
         "--parts", default=None, help="comma list of parts: decoder,talker (default: all present)"
     )
@@ -49,7 +53,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     from engine.convert import convert
 
     report = convert(
-        args.model_dir, args.out, dtype=args.dtype, parts=args.parts, progress=not args.no_progress
+        args.model_dir, args.out, dtype=args.dtype, parts=args.parts, progress=not args.no_progress,
+        decoder_dtype=args.decoder_dtype,
     )
     for line in report.summary_lines():
         print(f"qtts: {line}", file=sys.stderr)
@@ -78,8 +83,11 @@ def _add_make_model(sub: SubParsers) -> None:
     p.add_argument("--seed", type=int, default=0, help="random seed (0)")
     p.add_argument("--variant", choices=VARIANTS, default="custom_voice")
     p.add_argument(
-        "--dtype", choices=list(DTYPES), default=None, help="GGUF weight type (f16 full, f32 tiny)"
+        "--dtype", choices=list(DTYPES), default=None,
+        help="GGUF talker weight type (f16 full, f32 tiny)"
     )
+    p.add_argument("--decoder-dtype", choices=list(DTYPES), default="f32",
+                   help="decoder weight type (f32)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_make_model)
 
@@ -94,6 +102,7 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
         variant=args.variant,
         dtype=args.dtype,
         progress=not args.no_progress,
+        decoder_dtype=args.decoder_dtype,
     )
     for line in report.summary_lines():
         print(f"qtts: {line}", file=sys.stderr)

@@ -564,9 +564,12 @@ def make_model(
     dtype: str | None = None,
     progress: bool = True,
     overrides: dict[str, dict[str, Any]] | None = None,
+    decoder_dtype: str = "f32",
 ) -> ConversionReport:
-    """Write the checkpoint and convert it to ``OUT_DIR/model.gguf`` (f16 full, f32 tiny)."""
+    """Write the checkpoint and convert it to ``OUT_DIR/model.gguf`` (talker f16 full, f32
+    tiny; decoder ``decoder_dtype``)."""
     folder = make_checkpoint(out_dir, size, seed, variant, overrides, progress)
     if dtype is None:
         dtype = "f16" if size == "full" else "f32"
-    return convert(folder, folder / "model.gguf", dtype=dtype, progress=progress)
+    return convert(folder, folder / "model.gguf", dtype=dtype, progress=progress,
+                   decoder_dtype=decoder_dtype)

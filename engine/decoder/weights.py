@@ -15,7 +15,8 @@ and linear layers (as 1-tap convs) are instead packed for the direct conv kernel
 
 Precision: ``exact`` keeps every weight F32 (parity mode); ``fast`` stores the weights of the
 wave generator (decoder.0-6) and the upsampler's pointwise layers as BF16 (~2x the F32
-throughput here); everything else stays F32.
+throughput here), except the layers ``f32_layers`` keeps in F32 (by default the first ones,
+whose rounding the rest amplifies: engine/decoder/precision.py); everything else stays F32.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any, Literal
 import numpy as np
 
 from engine.backend import BackendSet, WeightStore
+from engine.decoder.precision import default_f32
 from engine.errors import ModelFileError
 from engine.ggml import Tensor, custom_ops, lib
 from engine.ggml.graph import set_name
@@ -167,15 +169,15 @@ class DecoderWeights:
     """Every decoder weight on one BackendSet, grouped by stage."""
 
     def __init__(self, model: Any, backends: BackendSet, precision: Precision = "fast",
-                 f32_layers: frozenset[str] = frozenset()) -> None:
+                 f32_layers: frozenset[str] | None = None) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         self.model = model
         self.cfg: DecoderConfig = model.decoder_config
         self.precision = precision
-        # Fast mode's layers kept in F32 (GGUF prefixes, e.g. "dec.blk.4.res.2.conv1"): the
-        # ones whose BF16 rounding the rest of the stack amplifies (engine/decoder/precision.py).
-        self.f32_layers = f32_layers
+        # Fast mode's layers kept in F32 (GGUF prefixes, e.g. "dec.blk.1.tconv"): the ones
+        # whose BF16 rounding the rest of the stack amplifies (engine/decoder/precision.py).
+        self.f32_layers = default_f32(model) if f32_layers is None else f32_layers
         self.backends = backends
         self.store: WeightStore = backends.weight_store()
         # qtts's own direct conv kernels beat ggml's K mul_mats 1.4-2.9x (F32) and 1.8-2.4x
