@@ -116,13 +116,19 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
 
 def _add_info(sub: SubParsers) -> None:
     p = sub.add_parser("info", help="ggml version and build options, devices, chosen backend")
+    p.add_argument("--model", default=None,
+                   help="also measure this model's fast-mode decoder SNR against exact mode")
+    p.add_argument("--target", type=float, default=35.0,
+                   help="fast-mode SNR target for --model, dB (35)")
     p.set_defaults(func=_cmd_info)
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    from engine.info import info_lines
+    from engine.info import decoder_precision_lines, info_lines
 
     print("\n".join(info_lines()))
+    if args.model is not None:
+        print("\n".join(decoder_precision_lines(args.model, args.target)))
     return 0
 
 
