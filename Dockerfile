@@ -38,6 +38,7 @@ RUN python3 -m venv .venv \
  && .venv/bin/python -m pip install -q --upgrade pip \
  && .venv/bin/python -m pip install -q -e . \
  && .venv/bin/python native/build.py \
+ && .venv/bin/python -m engine.tools.qwen_vocab \
  && .venv/bin/python -m compileall -q engine service \
  && rm -rf "$QTTS_CACHE_DIR/downloads" "$QTTS_CACHE_DIR/src" \
  && .venv/bin/qtts info
@@ -70,6 +71,9 @@ RUN apt-get update \
  && chown qtts:qtts /models
 
 COPY --from=builder /opt/qtts /opt/qtts
+# the Qwen2 text vocabulary fetched at build time, where make-model (the synthetic default
+# model) looks for it as the qtts user: nothing is downloaded when the container starts
+COPY --from=builder --chown=10001:10001 /opt/qtts/cache/vocab /home/qtts/.cache/qtts/vocab
 COPY --chmod=0755 deploy/docker/entrypoint.sh /usr/local/bin/qtts-entrypoint
 COPY --chmod=0644 deploy/docker/healthcheck.py /usr/local/lib/qtts/healthcheck.py
 

@@ -5,11 +5,11 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 QTTS := $(VENV)/bin/qtts
 CACHE := $(or $(QTTS_CACHE_DIR),$(HOME)/.cache/qtts)
-DEFAULT_MODEL := $(CACHE)/models/synthetic-full-f16-seed0/model.gguf
+DEFAULT_MODEL := $(CACHE)/models/synthetic-full-f16-seed0-v2/model.gguf
 MODEL := $(or $(QTTS_MODEL),$(DEFAULT_MODEL))
 PYTEST_ARGS ?=
 
-VOCAB := $(CACHE)/vocab/qwen.tiktoken
+VOCAB := $(CACHE)/vocab/qwen2/source.sha256
 
 .PHONY: run test native venv sysdeps parity-env model vocab lint bench clean cuda-check deploy-tools
 

@@ -17,6 +17,7 @@ import base64
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -138,33 +139,40 @@ def vocab_and_merges(ranks: dict[bytes, int]) -> tuple[dict[str, int], list[tupl
     return vocab, merges
 
 
-def write_vocab_files(folder: Path, cache: Path | None = None) -> None:
-    """Write the real ``vocab.json`` + ``merges.txt`` into ``folder`` (cached after the first)."""
+def ensure_vocab_files(cache: Path | None = None) -> Path:
+    """The folder holding the cached ``vocab.json`` + ``merges.txt``, built from the cached
+    ``qwen.tiktoken`` (fetched first if missing) unless already built from that same file."""
     src = ensure_tiktoken_file(cache)
     built = src.parent / "qwen2"
     digest = src.with_name(TIKTOKEN_SHA256_FILE).read_text().strip()
-    if (built / "source.sha256").is_file() and (built / "source.sha256").read_text().strip() \
-            == digest:
-        vocab_text = (built / "vocab.json").read_bytes()
-        merges_text = (built / "merges.txt").read_bytes()
-    else:
-        vocab, merges = vocab_and_merges(read_ranks(src))
-        vocab_text = json.dumps(vocab, ensure_ascii=False).encode()
-        merges_text = ("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges)).encode()
-        built.mkdir(parents=True, exist_ok=True)
-        for name, data in (("vocab.json", vocab_text), ("merges.txt", merges_text),
-                           ("source.sha256", (digest + "\n").encode())):
-            tmp = built / f".{name}.tmp"
-            tmp.write_bytes(data)
-            os.replace(tmp, built / name)
-    (folder / "vocab.json").write_bytes(vocab_text)
-    (folder / "merges.txt").write_bytes(merges_text)
+    stamp = built / "source.sha256"
+    if stamp.is_file() and stamp.read_text().strip() == digest:
+        return built
+    vocab, merges = vocab_and_merges(read_ranks(src))
+    built.mkdir(parents=True, exist_ok=True)
+    files = (("vocab.json", json.dumps(vocab, ensure_ascii=False).encode()),
+             ("merges.txt",
+              ("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges)).encode()),
+             ("source.sha256", (digest + "\n").encode()))  # last: marks the others complete
+    for name, data in files:
+        tmp = built / f".{name}.tmp"
+        tmp.write_bytes(data)
+        os.replace(tmp, built / name)
+    return built
+
+
+def write_vocab_files(folder: Path, cache: Path | None = None) -> None:
+    """Write the real ``vocab.json`` + ``merges.txt`` into ``folder``."""
+    built = ensure_vocab_files(cache)
+    for name in ("vocab.json", "merges.txt"):
+        shutil.copyfile(built / name, folder / name)
 
 
 def main() -> int:
-    """``python -m engine.tools.qwen_vocab``: fetch the vocabulary into the cache (set-up)."""
+    """``python -m engine.tools.qwen_vocab``: fetch the vocabulary into the cache and build its
+    vocab.json + merges.txt there (set-up: `make`, the Docker build)."""
     try:
-        path = ensure_tiktoken_file()
+        path = ensure_vocab_files()
     except ConversionError as exc:
         print(f"qtts: {exc}", file=sys.stderr)
         return 1
