@@ -34,7 +34,8 @@ def test_layer_sets(model) -> None:  # type: ignore[no-untyped-def]
     assert default <= set(every) and "dec.conv_in" in default and "dec.blk.1.tconv" in default
     promoted = [x for g in promotion_order(model) for x in g]
     assert not set(promoted) & default and set(promoted) | default <= set(every)
-    assert promoted[0] == "dec.blk.3.tconv"  # earliest (most amplified) first
+    assert promoted[0] == "dec.blk.1.res.0.conv1"  # earliest (most amplified) first
+    assert {f"dec.blk.{b}.tconv" for b in range(1, 5)} <= default
 
 
 def test_f32_layers_are_f32(model, cpu2: BackendSet) -> None:  # type: ignore[no-untyped-def]
@@ -81,4 +82,4 @@ def test_info_reports_the_measured_snr(tiny_gguf: Path, capsys: pytest.CaptureFi
     assert main(["info", "--model", str(tiny_gguf), "--target", "5"]) == 0
     out = capsys.readouterr().out
     assert "decoder fast mode" in out and "dB against exact mode" in out and "met" in out
-    assert "layers kept in F32: 7 (7 by default)" in out
+    assert "layers kept in F32: 9 (9 by default)" in out

@@ -85,19 +85,16 @@ def test_all_bf16_is_what_the_default_set_fixes(stress: StressCase) -> None:
 
 
 def test_calibration_measures_and_promotes(stress: StressCase) -> None:
-    # at the serving target: the default set already holds, nothing promoted
-    dec = DecoderModel.load(stress.model, stress.backends, "fast", calibrate_db=FAST_MIN_DB)
+    """A target above what the default set gives: the calibration promotes layers until it
+    holds, says what it measured, and the decode it chose is that much better."""
+    target = FAST_MIN_DB + 1.0
+    dec = DecoderModel.load(stress.model, stress.backends, "fast", calibrate_db=target)
     cal = dec.calibration
-    assert cal is not None and cal.met and cal.steps == 0
+    assert cal is not None and cal.met and cal.f32_layers > default_f32(stress.model)
+    assert dec.weights.f32_layers == cal.f32_layers
     wav, _ = decode(dec, stress.codes)
     dec.close()
-    # what it measured on its own codes agrees with the reference comparison within ~1.5 dB
-    assert abs(cal.snr_db - snr_db(stress.wav, wav)) < 1.5
-    # a higher target promotes layers until it holds, and the decode gets better
-    dec = DecoderModel.load(stress.model, stress.backends, "fast", calibrate_db=cal.snr_db + 1)
-    hi = dec.calibration
-    assert hi is not None and hi.steps >= 1 and hi.f32_layers > cal.f32_layers
-    assert hi.met
-    wav2, _ = decode(dec, stress.codes)
-    dec.close()
-    assert snr_db(stress.wav, wav2) > snr_db(stress.wav, wav)
+    snr = snr_db(stress.wav, wav)
+    # measured on its own codes, it agrees with the reference comparison within ~1.5 dB
+    assert abs(cal.snr_db - snr) < 1.5
+    assert snr >= target - 1.0
