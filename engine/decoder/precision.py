@@ -108,7 +108,8 @@ def calibrate(model: Any, backends: Any, target_db: float | None = None,
     Each step reloads the fast weights (seconds on the released size); the result's
     ``f32_layers`` is what to load fast mode with. Costs one exact load on top.
     """
-    from engine.decoder.streaming import DecoderModel, decode
+    from engine.decoder.model import DecoderModel
+    from engine.decoder.streaming import decode
 
     started = time.perf_counter()
     target = DEFAULT_TARGET_DB if target_db is None else target_db

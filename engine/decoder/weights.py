@@ -32,7 +32,7 @@ from engine.decoder.precision import default_f32
 from engine.errors import ModelFileError
 from engine.ggml import Tensor, custom_ops, lib
 from engine.ggml.graph import set_name
-from engine.tensor_names import DecoderConfig
+from engine.gguf_schema import DecoderConfig
 
 Precision = Literal["exact", "fast"]
 PRECISIONS: tuple[str, ...] = ("exact", "fast")

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from engine.backend import BackendSet
-from engine.convert import convert
 from engine.decoder import DecoderModel, decode
 from engine.decoder.precision import default_f32
 from engine.gguf_model import open_model
+from engine.tools.convert import convert
 from tests.parity import reference as ref
 from tests.parity.reference import snr_db
 

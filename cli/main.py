@@ -28,7 +28,7 @@ EXIT_ERROR = 2
 
 
 def _add_convert(sub: SubParsers) -> None:
-    from engine.convert import DTYPES
+    from engine.tools.convert import DTYPES
 
     p = sub.add_parser(
         "convert",
@@ -50,7 +50,7 @@ def _add_convert(sub: SubParsers) -> None:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from engine.convert import convert
+    from engine.tools.convert import convert
 
     report = convert(
         args.model_dir, args.out, dtype=args.dtype, parts=args.parts, progress=not args.no_progress,
@@ -67,8 +67,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _add_make_model(sub: SubParsers) -> None:
-    from engine.convert import DTYPES
-    from engine.make_model import SIZES, VARIANTS
+    from engine.tools.convert import DTYPES
+    from engine.tools.make_model import SIZES, VARIANTS
 
     p = sub.add_parser(
         "make-model",
@@ -93,7 +93,7 @@ def _add_make_model(sub: SubParsers) -> None:
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
-    from engine.make_model import make_model
+    from engine.tools.make_model import make_model
 
     report = make_model(
         args.out_dir,
@@ -124,7 +124,7 @@ def _add_info(sub: SubParsers) -> None:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    from engine.info import decoder_precision_lines, info_lines
+    from cli.info import decoder_precision_lines, info_lines
 
     print("\n".join(info_lines()))
     if args.model is not None:
@@ -158,7 +158,7 @@ def _add_decode(sub: SubParsers) -> None:
 
 
 def _cmd_decode(args: argparse.Namespace) -> int:
-    from engine.decode_cli import run_decode
+    from cli.decode import run_decode
 
     return run_decode(args.model, args.codes, args.out, args.stream_chunk, args.precision)
 
@@ -176,7 +176,7 @@ def _add_doctor(sub: SubParsers) -> None:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from engine.doctor import doctor_table, run_doctor
+    from cli.doctor import doctor_table, run_doctor
 
     rows = run_doctor(args.model, frames=args.frames)
     print(doctor_table(rows))
@@ -184,12 +184,12 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# synth / voices  (text -> speech; the logic lives in engine/talker/synth_cli.py)
+# synth / voices  (text -> speech; the logic lives in cli/synth.py)
 # ---------------------------------------------------------------------------------------------
 
 
 def _add_synth(sub: SubParsers) -> None:
-    from engine.talker.synth_cli import add_synth_arguments
+    from cli.synth import add_synth_arguments
 
     p = sub.add_parser(
         "synth",
@@ -201,7 +201,7 @@ def _add_synth(sub: SubParsers) -> None:
 
 
 def _cmd_synth(args: argparse.Namespace) -> int:
-    from engine.talker.synth_cli import run_synth
+    from cli.synth import run_synth
 
     return run_synth(args)
 
@@ -213,7 +213,7 @@ def _add_voices(sub: SubParsers) -> None:
 
 
 def _cmd_voices(args: argparse.Namespace) -> int:
-    from engine.talker.synth_cli import run_voices
+    from cli.synth import run_voices
 
     return run_voices(args.model)
 
@@ -228,24 +228,24 @@ def _add_tokenize(sub: SubParsers) -> None:
 
 
 def _cmd_tokenize(args: argparse.Namespace) -> int:
-    from engine.tokenize_cli import run_tokenize
+    from cli.tokenize import run_tokenize
 
     return run_tokenize(args.model, args.text, args.json, args.tokens)
 
 
 # ---------------------------------------------------------------------------------------------
-# serve           (the HTTP service lives in service/; engine code never imports it at load)
+# serve           (the HTTP service lives in service/; the engine never imports it)
 # ---------------------------------------------------------------------------------------------
 
 
 def _add_serve(sub: SubParsers) -> None:
-    from service.cli import add_serve_parser
+    from cli.serve import add_serve_parser
 
     add_serve_parser(sub).set_defaults(func=_cmd_serve)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from service.cli import run_serve
+    from cli.serve import run_serve
 
     return run_serve(args)
 
@@ -296,7 +296,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("qtts: interrupted", file=sys.stderr)
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.cli import main
-from engine.convert import convert
+from cli.main import main
 from engine.gguf_model import open_model
+from engine.tools.convert import convert
 
 TEXT = "Hello, world! 你好 🎉 <|im_start|>assistant\n"
 
@@ -52,7 +52,7 @@ def test_json(tiny_gguf: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_stdin_through_the_console_script(tiny_gguf: Path) -> None:
-    done = subprocess.run([sys.executable, "-m", "engine.cli", "tokenize", "--model",
+    done = subprocess.run([sys.executable, "-m", "cli", "tokenize", "--model",
                            str(tiny_gguf)], input="speak", capture_output=True, text=True,
                           check=False)
     assert done.returncode == 0, done.stderr

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from engine.errors import ConversionError
-from engine.make_model import write_tokenizer_files
 from engine.tokenizer_gguf import build_tokenizer, read_hf_tokenizer
 from engine.tools import qwen_vocab
-from tests.test_tokenizer_gguf import QWEN2_REGEX, reference_tokenizer
+from engine.tools.make_model import write_tokenizer_files
+from tests.engine.test_tokenizer_gguf import QWEN2_REGEX, reference_tokenizer
 
 # Ids every Qwen2-family checkpoint has (its chat template's words): they pin the vocabulary to
 # the real one, not merely to a self-consistent one.

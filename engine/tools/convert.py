@@ -15,7 +15,7 @@ they are only needed for voice cloning, which is not built yet — and the repor
 Conversion streams tensor by tensor in row chunks (peak memory ~ one chunk, not the model);
 safetensors are parsed here (F32, F16 and BF16 payloads) with plain file reads.
 
-Precision policy (see ``engine.tensor_names``): 1-D tensors, codebooks, norms, biases, snake
+Precision policy (see ``engine.gguf_schema``): 1-D tensors, codebooks, norms, biases, snake
 parameters and layer scales stay F32; embeddings follow ``--dtype`` but never below F16; other
 talker weights follow ``--dtype``; decoder weights follow ``--decoder-dtype``, F32 unless asked
 (the decoder's rounding errors are amplified by its snakes: BF16 decoder weights cost ~27 dB of
@@ -50,7 +50,7 @@ from gguf import quants as gguf_quants
 from gguf.constants import GGML_QUANT_SIZES
 
 from engine.errors import ConversionError
-from engine.tensor_names import (
+from engine.gguf_schema import (
     ALL_PARTS,
     ARCH,
     CODE_PREDICTOR_KEYS,

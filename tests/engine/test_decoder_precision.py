@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cli.main import main
 from engine.backend import BackendSet
-from engine.cli import main
 from engine.decoder import DecoderModel, decode
 from engine.decoder.precision import (
     bf16_layers,
