@@ -18,8 +18,8 @@ safetensors are parsed here (F32, F16 and BF16 payloads) with plain file reads.
 Precision policy (see ``engine.gguf_schema``): 1-D tensors, codebooks, norms, biases, snake
 parameters and layer scales stay F32; embeddings follow ``--dtype`` but never below F16; other
 talker weights follow ``--dtype``; decoder weights follow ``--decoder-dtype``, F32 unless asked
-(the decoder's rounding errors are amplified by its snakes: BF16 decoder weights cost ~27 dB of
-waveform SNR on O(1) weights, see docs/performance.md; fast mode rounds the layers it runs in
+(the decoder's rounding errors are amplified by its snakes: BF16 decoder weights leave ~30 dB
+of waveform SNR on O(1) weights, see docs/performance.md; fast mode rounds the layers it runs in
 BF16 at load anyway, so F32 costs only file size); a quantised type that does not fit a
 tensor's row length falls back to F16 for that tensor and is reported.
 
@@ -889,10 +889,10 @@ def _convert_chunk(p: _Planned, start_row: int, rows: int, row_len: int) -> npt.
 # What a decoder weight type costs: waveform SNR against the F32 reference, exact mode, on the
 # stress decoder (tests/parity, released size, 31 frames; docs/performance.md).
 DECODER_DTYPE_COST = {
-    "f16": "~48 dB waveform SNR",
-    "bf16": "~27 dB waveform SNR (audible)",
-    "q8_0": "quantised: not measured, expect less than BF16",
-    "q4_0": "quantised: not measured, expect much less than BF16",
+    "f16": "waveform SNR ~48 dB",
+    "bf16": "waveform SNR ~30 dB (audible)",
+    "q8_0": "waveform SNR not measured (quantised: expect less than BF16's ~30 dB)",
+    "q4_0": "waveform SNR not measured (quantised: expect much less than BF16's ~30 dB)",
 }
 
 
@@ -924,9 +924,9 @@ def convert(
     report = ConversionReport(out, src.parts, dtype, synthetic=src.synthetic, notes=src.notes)
     if decoder_dtype != "f32" and PART_DECODER in src.parts:
         report.notes.append(
-            f"decoder weights stored {decoder_dtype.upper()}: costs "
-            f"{DECODER_DTYPE_COST[decoder_dtype]} against F32 (--decoder-dtype f32 keeps them "
-            "exact; fast mode makes its own BF16 copies at load)")
+            f"decoder weights stored {decoder_dtype.upper()}: "
+            f"{DECODER_DTYPE_COST[decoder_dtype]} against F32 weights on O(1) weights "
+            "(--decoder-dtype f32 keeps them exact; fast mode makes its own BF16 copies at load)")
     plan: list[_Planned] = []
     for spec, st in src.tensors:
         gtype, fb = _plan_type(spec, want_dec if spec.part == PART_DECODER else want)

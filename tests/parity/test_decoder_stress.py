@@ -87,7 +87,7 @@ def test_all_bf16_is_what_the_default_set_fixes(stress: StressCase) -> None:
 def test_calibration_measures_and_promotes(stress: StressCase) -> None:
     """A target above what the default set gives: the calibration promotes layers until it
     holds, says what it measured, and the decode it chose is that much better."""
-    target = FAST_MIN_DB + 1.0
+    target = FAST_MIN_DB + 2.0  # above the default set on both seeds (36.7, 35.8 dB)
     dec = DecoderModel.load(stress.model, stress.backends, "fast", calibrate_db=target)
     cal = dec.calibration
     assert cal is not None and cal.met and cal.f32_layers > default_f32(stress.model)
