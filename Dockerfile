@@ -38,17 +38,6 @@ RUN python3 -m venv /opt/qtts/venv \
 # 2. the native layer (`make native`): only native/ is in this layer's inputs
 COPY native/ native/
 ARG QTTS_GGML_BACKENDS=blas
-<<<<<<< HEAD
-# hadolint ignore=DL3013
-RUN python3 -m venv .venv \
- && .venv/bin/python -m pip install -q --upgrade pip \
- && .venv/bin/python -m pip install -q -e . \
- && .venv/bin/python native/build.py \
- && .venv/bin/python -m engine.tools.qwen_vocab \
- && .venv/bin/python -m compileall -q engine service cli \
- && rm -rf "$QTTS_CACHE_DIR/downloads" "$QTTS_CACHE_DIR/src" \
- && .venv/bin/qtts info
-=======
 RUN mkdir -p engine/ggml \
  && /opt/qtts/venv/bin/python native/build.py \
  && rm -rf "$QTTS_CACHE_DIR/downloads" "$QTTS_CACHE_DIR/src"
@@ -62,7 +51,10 @@ RUN /opt/qtts/venv/bin/python -m pip wheel -q --no-deps --no-build-isolation -w 
  && /opt/qtts/venv/bin/python -m pip install -q --no-deps --no-index /tmp/wheels/qtts-*.whl \
  && /opt/qtts/venv/bin/python -m compileall -q /opt/qtts/venv/lib \
  && /opt/qtts/venv/bin/qtts info
->>>>>>> main
+
+# 4. the Qwen2 text vocabulary (make-model writes the synthetic default model's vocab.json +
+# merges.txt from it): the pinned dashscope wheel, fetched by pip with its sha256 required
+RUN /opt/qtts/venv/bin/python -m engine.tools.qwen_vocab
 
 # ---------------------------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS runtime
@@ -92,8 +84,7 @@ RUN apt-get update \
 
 # the virtual environment (qtts installed from its wheel) and the native build's cache
 COPY --from=builder /opt/qtts /opt/qtts
-# the Qwen2 text vocabulary fetched at build time, where make-model (the synthetic default
-# model) looks for it as the qtts user: nothing is downloaded when the container starts
+# the vocabulary where make-model looks for it as the qtts user: nothing is downloaded at start
 COPY --from=builder --chown=10001:10001 /opt/qtts/cache/vocab /home/qtts/.cache/qtts/vocab
 COPY --chmod=0755 deploy/docker/entrypoint.sh /usr/local/bin/qtts-entrypoint
 COPY --chmod=0644 deploy/docker/healthcheck.py /usr/local/lib/qtts/healthcheck.py

