@@ -74,8 +74,8 @@ def s16(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
 def encoded(fmt: str, mode: str) -> bytes:
     x = signal()
     if mode == "whole":
-        return encode_whole(fmt, x)
-    enc = make_encoder(fmt)
+        return encode_whole(fmt, x, SR)
+    enc = make_encoder(fmt, SR)
     bounds = np.cumsum([0, 1, 2, 4, 8, 16]) * 1920  # the worker's chunk ramp, then the rest
     out = [enc.encode(x[a:b]) for a, b in itertools.pairwise(bounds)]
     out.append(enc.encode(x[bounds[-1] :]))
