@@ -11,7 +11,14 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.service.helpers import FRAME_SAMPLES, Server, codes, decoded_seconds, metric
+from tests.service.helpers import (
+    FRAME_SAMPLES,
+    Server,
+    codes,
+    decoded_seconds,
+    metric,
+    wait_metric,
+)
 
 FRAME_S = FRAME_SAMPLES / 24000
 
@@ -312,23 +319,39 @@ def test_disconnect_mid_stream_frees_the_worker(server: Server, kind: str) -> No
 
 
 def test_metrics_after_requests(server: Server) -> None:
-    # one fresh request so every histogram has an observation
-    httpx.post(server.url + "/tts", json={"codes": codes(12), "format": "mp3"}, timeout=60)
-    ms = server.metrics()
+    """The metrics move with this test's own traffic (the tests run in any order)."""
+    before = server.metrics()
+
+    def delta(ms: dict[str, float], name: str, **labels: str) -> float:
+        return metric(ms, name, **labels) - metric(before, name, **labels)
+
+    n = 10
+    for i in range(n):  # 13 frames = 1.04 s of audio each
+        r = httpx.post(server.url + "/tts", json={"codes": codes(13, seed=i), "format": "mp3"},
+                       timeout=60)
+        assert r.status_code == 200
+        bad = httpx.post(server.url + "/tts", json={"text": "hi", "format": "ogg"}, timeout=10)
+        assert bad.status_code == 400
+    if _text_ready(server):
+        r = httpx.post(server.url + "/tts", timeout=60, json={
+            "text": "Hi.", "voice": "ryan", "format": "pcm", "seed": 1, "max_seconds": 0.5})
+        assert r.status_code == 200
+    ok = metric(before, "qtts_requests_total", route="/tts", outcome="ok") + n
+    ms = wait_metric(server, "qtts_requests_total", ok, route="/tts", outcome="ok")
     assert metric(ms, "qtts_workers_alive") == 2
     assert metric(ms, "qtts_capacity") == 2  # the autoscaler's denominator: 2 workers x 1
     assert metric(ms, "qtts_requests_waiting") == 0
     assert metric(ms, "qtts_requests_running") == 0
-    assert metric(ms, "qtts_requests_total", route="/tts", outcome="ok") >= 10
-    assert metric(ms, "qtts_requests_total", route="/tts", outcome="rejected") >= 10
-    assert metric(ms, "qtts_audio_seconds_total") > 10
+    assert delta(ms, "qtts_requests_total", route="/tts", outcome="ok") >= n
+    assert delta(ms, "qtts_requests_total", route="/tts", outcome="rejected") >= n
+    assert delta(ms, "qtts_audio_seconds_total") > n
     assert metric(ms, "qtts_worker_restarts_total") == 0
     assert metric(ms, "qtts_stream_gaps_total") >= 0
     assert metric(ms, "qtts_build_info", version="0.1.0", backend="cpu", model="qtts") == 1
     for stage in ("quant", "preconv", "pretr", "upsample", "bigvgan", "encode"):
         assert metric(ms, "qtts_stage_seconds_count", stage=stage) > 0, stage
         assert metric(ms, "qtts_stage_seconds_sum", stage=stage) > 0, stage
-    if _text_ready(server):  # text requests ran above
+    if _text_ready(server):  # a text request ran above
         for stage in ("prefill", "talker_step", "code_predictor"):
             assert metric(ms, "qtts_stage_seconds_count", stage=stage) > 0
     for h in ("qtts_time_to_first_audio_seconds", "qtts_request_queue_seconds",
@@ -339,7 +362,7 @@ def test_metrics_after_requests(server: Server) -> None:
     assert 0 < metric(ms, "qtts_rtf_sum") / metric(ms, "qtts_rtf_count") < 1.0
     assert (metric(ms, "qtts_time_to_first_audio_seconds_sum")
             / metric(ms, "qtts_time_to_first_audio_seconds_count")) < 1.0
-    assert metric(ms, "qtts_rejections_total", reason="invalid") >= 10
+    assert delta(ms, "qtts_rejections_total", reason="invalid") >= n
 
 
 def test_one_structured_log_line_per_request(server: Server) -> None:
