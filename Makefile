@@ -5,11 +5,13 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 QTTS := $(VENV)/bin/qtts
 CACHE := $(or $(QTTS_CACHE_DIR),$(HOME)/.cache/qtts)
-DEFAULT_MODEL := $(CACHE)/models/synthetic-full-f16-seed0/model.gguf
+DEFAULT_MODEL := $(CACHE)/models/synthetic-full-f16-seed0-v2/model.gguf
 MODEL := $(or $(QTTS_MODEL),$(DEFAULT_MODEL))
 PYTEST_ARGS ?=
 
-.PHONY: run test native native-portable venv sysdeps test-sysdeps parity-env model lint bench \
+VOCAB := $(CACHE)/vocab/qwen2/source.sha256
+
+.PHONY: run test native native-portable venv sysdeps test-sysdeps parity-env model vocab lint bench \
 	clean cuda-check deploy-tools
 
 run: native model
@@ -17,7 +19,7 @@ run: native model
 
 # Random test order: pytest-randomly prints its seed, `PYTEST_ARGS=--randomly-seed=N` repeats an
 # order. A skip that tests/allowed_skips.py does not list fails the run (QTTS_STRICT_SKIPS).
-test: native native-portable parity-env deploy-tools test-sysdeps
+test: native native-portable parity-env deploy-tools test-sysdeps vocab
 	QTTS_STRICT_SKIPS=1 QTTS_CPU_VARIANTS=$(PORTABLE_CPU_VARIANTS) $(PY) -m pytest -p randomly $(PYTEST_ARGS)
 
 # Prometheus and busybox (Debian) and the npm schema validators the deploy tests use.
@@ -86,8 +88,16 @@ $(VENV)/.parity: $(VENV)/.installed
 
 parity-env: $(VENV)/.parity
 
-# The default model: a deterministic synthetic model of the released architecture (noise).
-$(DEFAULT_MODEL): | venv
+# The real Qwen2 text vocabulary: the pinned dashscope wheel, fetched once by pip (sha256
+# checked) into the cache; make-model writes vocab.json + merges.txt from it. Never at run time.
+$(VOCAB): | venv
+	$(PY) -m engine.tools.qwen_vocab
+
+vocab: $(VOCAB)
+
+# The default model: a deterministic synthetic model of the released architecture (noise) with
+# the real text vocabulary.
+$(DEFAULT_MODEL): | venv $(VOCAB)
 	$(QTTS) make-model $(dir $(DEFAULT_MODEL)) --size full --dtype f16 --seed 0
 
 model: native

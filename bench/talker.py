@@ -40,20 +40,20 @@ from engine.tools.make_model import make_model
 FRAME_S = 0.08
 TEXT = ("Hello there! This is a short test of the streaming speech engine, "
         "reading one sentence aloud.")
-# The synthetic tokenizer has few merges, so TEXT takes ~55 tokens (the released Qwen2 tokenizer
-# would need ~20); SHORT takes about as many synthetic tokens as TEXT would take real ones.
+# The default model has the real Qwen2 vocabulary: TEXT is 19 text tokens, SHORT 7 (before
+# v2 the synthetic tokenizer made TEXT ~55 tokens and SHORT stood in for a real sentence).
 SHORT = "Hello, how are you today?"
 
 
 def model_paths(dtypes: list[str]) -> tuple[Path, dict[str, Path]]:
     """The synthetic full checkpoint (made if missing) and one GGUF per dtype (converted)."""
     cache = Path(os.environ.get("QTTS_CACHE_DIR") or "~/.cache/qtts").expanduser() / "models"
-    ckpt = cache / "synthetic-full-f16-seed0"
+    ckpt = cache / "synthetic-full-f16-seed0-v2"  # v2: real vocabulary, F32 decoder
     if not (ckpt / "model.gguf").is_file():
         make_model(ckpt, size="full", seed=0, dtype="f16", progress=False)
     out = {}
     for d in dtypes:
-        path = ckpt / "model.gguf" if d == "f16" else cache / f"synthetic-full-{d}-seed0.gguf"
+        path = ckpt / "model.gguf" if d == "f16" else cache / f"synthetic-full-{d}-seed0-v2.gguf"
         if not path.is_file():
             convert(ckpt, path, dtype=d, progress=False)
         out[d] = path

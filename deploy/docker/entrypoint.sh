@@ -5,7 +5,7 @@
 #   else $QTTS_MODELS_DIR/model.gguf   -> used (a volume you mounted at /models)
 #   else the synthetic default model   -> made once, as `make run` does: a deterministic
 #        random-weight model of the released architecture; its audio is NOISE, not speech.
-#        It goes to $QTTS_MODELS_DIR/synthetic-<size>-<dtype>-seed0/ when that folder is
+#        It goes to $QTTS_MODELS_DIR/synthetic-<size>-<dtype>-seed0-v2/ when that folder is
 #        writable (a volume keeps it across restarts), else under $QTTS_CACHE_DIR or ~/.cache.
 #
 # QTTS_MODELS_DIR      where to look for model.gguf (default /models)
@@ -32,7 +32,7 @@ if [ -z "${QTTS_MODEL:-}" ]; then
         else
             base="${QTTS_CACHE_DIR:-${HOME:-/tmp}/.cache/qtts}/models"
         fi
-        dir="$base/synthetic-$size-$dtype-seed0"
+        dir="$base/synthetic-$size-$dtype-seed0-v2"  # v2: real text vocabulary, F32 decoder
         if [ ! -f "$dir/model.gguf" ]; then
             log "no model given (QTTS_MODEL unset, no $models_dir/model.gguf): making the" \
                 "synthetic $size model in $dir -- its audio is NOISE, not speech"

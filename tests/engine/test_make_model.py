@@ -216,7 +216,7 @@ def test_full_model(qtts_cache_dir: Path) -> None:
     """Makes (once, cached) the released-size synthetic model at f16 and validates it."""
     if not os.environ.get("QTTS_RUN_SLOW"):
         pytest.skip("set QTTS_RUN_SLOW=1 to build the 2.5 GB full-size synthetic model")
-    folder = qtts_cache_dir / "models" / "synthetic-full-f16-seed0"
+    folder = qtts_cache_dir / "models" / "synthetic-full-f16-seed0-v2"
     if not (folder / "model.gguf").is_file():
         make_model(folder, "full", seed=0, dtype="f16", progress=False)
     with open_model(folder / "model.gguf") as m:

@@ -67,7 +67,7 @@ class Case:
     def model(self, dtype: str) -> Any:
         if dtype not in self._gguf:
             out = self.tmp / f"{self.size}-{dtype}.gguf"
-            convert(self.dir, out, dtype=dtype, progress=False)
+            convert(self.dir, out, dtype=dtype, decoder_dtype=dtype, progress=False)
             self._gguf[dtype] = open_model(out)
         return self._gguf[dtype]
 
