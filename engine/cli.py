@@ -68,8 +68,9 @@ def _add_make_model(sub: SubParsers) -> None:
         "make-model",
         help="write a deterministic random-weight model (HF layout + model.gguf) for tests",
         description=(
-            "Write a random-weight checkpoint in the released HF layout into OUT_DIR and convert "
-            "it to OUT_DIR/model.gguf. Its audio is noise, not speech."
+            "Write a random-weight checkpoint in the released HF layout and convert it to "
+            "OUT_DIR/model.gguf (the checkpoint is removed unless --keep-checkpoint). Its audio "
+            "is noise, not speech."
         ),
     )
     p.add_argument("out_dir", help="output folder")
@@ -78,6 +79,10 @@ def _add_make_model(sub: SubParsers) -> None:
     p.add_argument("--variant", choices=VARIANTS, default="custom_voice")
     p.add_argument(
         "--dtype", choices=list(DTYPES), default=None, help="GGUF weight type (f16 full, f32 tiny)"
+    )
+    p.add_argument(
+        "--keep-checkpoint", action="store_true",
+        help="also keep the HF-layout checkpoint in OUT_DIR (as large again; for qtts convert)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_make_model)
@@ -93,6 +98,7 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
         variant=args.variant,
         dtype=args.dtype,
         progress=not args.no_progress,
+        keep_checkpoint=args.keep_checkpoint,
     )
     for line in report.summary_lines():
         print(f"qtts: {line}", file=sys.stderr)

@@ -4,7 +4,8 @@
 root ``config.json`` / ``generation_config.json`` / ``model.safetensors`` (talker, bf16) / Qwen2
 BPE tokenizer files, and ``speech_tokenizer/`` with ``config.json`` and ``model.safetensors``
 (decoder, f32; the Mimi ``encoder.*`` tensors are omitted). ``make_model`` then converts it with
-the same code path as ``qtts convert`` into ``OUT_DIR/model.gguf``.
+the same code path as ``qtts convert`` into ``OUT_DIR/model.gguf`` and, unless asked to keep it,
+removes the checkpoint (serving reads the GGUF alone).
 
 Sizes:
 
@@ -28,6 +29,8 @@ import itertools
 import json
 import math
 import os
+import shutil
+import tempfile
 import zlib
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -550,9 +553,27 @@ def make_model(
     dtype: str | None = None,
     progress: bool = True,
     overrides: dict[str, dict[str, Any]] | None = None,
+    keep_checkpoint: bool = False,
 ) -> ConversionReport:
-    """Write the checkpoint and convert it to ``OUT_DIR/model.gguf`` (f16 full, f32 tiny)."""
-    folder = make_checkpoint(out_dir, size, seed, variant, overrides, progress)
+    """Convert a synthetic checkpoint to ``OUT_DIR/model.gguf`` (f16 full, f32 tiny).
+
+    Serving needs the GGUF alone; the HF-layout checkpoint it is converted from (as large
+    again) stays in ``OUT_DIR`` only with ``keep_checkpoint``, else it is written to a
+    temporary folder inside ``OUT_DIR`` and removed.
+    """
     if dtype is None:
         dtype = "f16" if size == "full" else "f32"
-    return convert(folder, folder / "model.gguf", dtype=dtype, progress=progress)
+    out = Path(out_dir)
+    if keep_checkpoint:
+        folder = make_checkpoint(out, size, seed, variant, overrides, progress)
+        return convert(folder, folder / "model.gguf", dtype=dtype, progress=progress)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=".checkpoint-", dir=out))
+    except OSError as exc:
+        raise ConversionError(str(out), f"cannot create ({exc.strerror or exc})") from None
+    try:
+        make_checkpoint(scratch, size, seed, variant, overrides, progress)
+        return convert(scratch, out / "model.gguf", dtype=dtype, progress=progress)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
