@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 QTTS := $(VENV)/bin/qtts
 CACHE := $(or $(QTTS_CACHE_DIR),$(HOME)/.cache/qtts)
-DEFAULT_MODEL := $(CACHE)/models/synthetic-full-f16-seed0/model.gguf
+DEFAULT_MODEL := $(CACHE)/models/synthetic-full-q4_0-seed0/model.gguf
 MODEL := $(or $(QTTS_MODEL),$(DEFAULT_MODEL))
 PYTEST_ARGS ?=
 
@@ -49,9 +49,10 @@ $(VENV)/.parity: $(VENV)/.installed
 
 parity-env: $(VENV)/.parity
 
-# The default model: a deterministic synthetic model of the released architecture (noise).
+# The default model: a deterministic synthetic model of the released architecture (noise), at
+# Q4_0: the weight type that serves in real time on 2 cores (README, "Choosing weights").
 $(DEFAULT_MODEL): | venv
-	$(QTTS) make-model $(dir $(DEFAULT_MODEL)) --size full --dtype f16 --seed 0
+	$(QTTS) make-model $(dir $(DEFAULT_MODEL)) --size full --dtype q4_0 --seed 0
 
 model: native
 	@if [ -z "$(QTTS_MODEL)" ]; then $(MAKE) --no-print-directory $(DEFAULT_MODEL); fi
@@ -71,6 +72,7 @@ bench: native parity-env model
 	$(PY) bench/decoder.py
 	$(PY) bench/talker.py
 	$(PY) bench/load.py --model $(MODEL)
+	$(PY) bench/weights.py
 
 clean:
 	rm -rf $(VENV) engine/ggml/_ggml_cffi.py engine/ggml/_native.json .pytest_cache

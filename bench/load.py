@@ -14,7 +14,7 @@ pcm), read to the end, repeat. Printed per run:
 Requests are text requests (``--frames`` caps their audio via ``max_seconds``) when the model
 has a talker, else ``codes`` requests of ``--frames`` random codec frames (``--mode``).
 
-  python bench/load.py --model ~/.cache/qtts/models/synthetic-full-f16-seed0/model.gguf \
+  python bench/load.py --model ~/.cache/qtts/models/synthetic-full-q4_0-seed0/model.gguf \
       --workers 1,2 --clients 4 --seconds 30 --frames 50
   python bench/load.py --url http://127.0.0.1:8000 --clients 8      # an already running server
 """

@@ -15,11 +15,12 @@ F16, Q8_0 and Q4_0:
   the F32 weights' exact decode (SNR).
 
     python bench/weights.py [--size full|tiny] [--dtypes f16 q8_0 q4_0] [--threads 1 2]
-                            [--reps 2] [--fidelity-frames 16] [--json out.json]
+                            [--reps 2] [--fidelity-frames 16] [--json out.json] [--readme]
 
 Prints the detailed tables and the README's "choosing weights" table (at the default threads:
-usable CPUs / 1 worker). The machine may be shared: the load average is printed; treat times as
-upper bounds. ``--size tiny`` is a smoke run (seconds), not a measurement.
+usable CPUs / 1 worker); ``--readme`` writes that table into README.md. The machine may be
+shared: the load average is printed; treat times as upper bounds. ``--size tiny`` is a smoke
+run, not a measurement.
 """
 
 from __future__ import annotations
@@ -196,6 +197,35 @@ def fidelity(paths: dict[str, Path], f32: Path, threads: int, frames: int, text:
 
 # -- report --------------------------------------------------------------------------------------
 
+README_BEGIN = "<!-- weights-table: written by `python bench/weights.py --readme` -->"
+README_END = "<!-- weights-table: end -->"
+
+
+def readme_table(res: dict[str, Any], paths: dict[str, Path], args: argparse.Namespace) -> str:
+    """The README's "choosing weights" table at the default threads (usable CPUs / 1 worker)."""
+    cpus = res["cpus"]
+    shown = cpus if cpus in args.threads else max(args.threads)
+    rows = [
+        "| weights | GGUF size | RTF | first audio | README example | fidelity vs F32: talker "
+        "logits cos (min) / decoder SNR |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for d, path in paths.items():
+        r, f = res["served"][f"{d}/{shown}"], res["fidelity"][d]
+        rows.append(
+            f"| {d.upper()} | {path.stat().st_size / 1e9:.2f} GB | {r['rtf']:.2f} | "
+            f"{r['ttfa_s'] * 1e3:.0f} ms | {r['readme_wall_s']:.1f} s | "
+            f"{f['talker_cos_min']:.4f} / {f['decoder_snr_db']:.0f} dB |"
+        )
+    rows.append(
+        f"\n`python bench/weights.py` on {time.strftime('%Y-%m-%d')}: one worker x {shown} "
+        f"thread(s) on {cpus} CPUs (load average {res['load_average_start']:.2f} at start), "
+        f"the README's text example ({res['served'][f'{d}/{shown}']['audio_s']:.1f} s of "
+        f"audio); fidelity over {args.fidelity_frames} frames teacher-forced on the F32 "
+        "model's codes, decoder in serving precision."
+    )
+    return "\n".join(rows)
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -206,6 +236,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2, help="requests per server (median)")
     ap.add_argument("--fidelity-frames", type=int, default=16)
     ap.add_argument("--json", default=None, help="also write the results as JSON")
+    ap.add_argument("--readme", action="store_true",
+                    help="write the choosing-weights table into README.md (full model only)")
     args = ap.parse_args()
     cpus = len(os.sched_getaffinity(0))
     print(f"# weights bench: synthetic {args.size} model, load average at start "
@@ -215,7 +247,8 @@ def main() -> None:
     print(f"README text example ({example.doc}:{example.line}): {json.dumps(body)}")
     paths = {d: synthetic_gguf(d, args.size) for d in args.dtypes}
     f32 = synthetic_gguf("f32", args.size)
-    res: dict[str, Any] = {"size": args.size, "cpus": cpus, "served": {}, "fidelity": {}}
+    res: dict[str, Any] = {"size": args.size, "cpus": cpus, "served": {}, "fidelity": {},
+                           "load_average_start": os.getloadavg()[0]}
     for d, path in paths.items():
         for t in args.threads:
             res["served"][f"{d}/{t}"] = served(path, t, args.reps, example)
@@ -242,18 +275,20 @@ def main() -> None:
         print(f"| {d} | {f['talker_cos_min']:.4f} | {f['cp_cos_min']:.4f} | "
               f"{f['cp_argmax_agree']:.3f} | {f['decoder_snr_exact_db']:.1f} / "
               f"{f['decoder_snr_db']:.1f} |")
-    default_threads = cpus  # one worker: usable CPUs / workers
-    shown = default_threads if default_threads in args.threads else max(args.threads)
-    print(f"\nREADME table ({shown} thread(s), one worker):\n")
-    print("| weights | GGUF size | RTF | first audio "
-          "| fidelity vs F32 (talker cos / decoder SNR) |")
-    print("|---|---:|---:|---:|---:|")
-    for d, path in paths.items():
-        r, f = res["served"][f"{d}/{shown}"], res["fidelity"][d]
-        print(f"| {d} | {path.stat().st_size / 1e9:.2f} GB | {r['rtf']:.2f} | "
-              f"{r['ttfa_s'] * 1e3:.0f} ms | {f['talker_cos_min']:.4f} / "
-              f"{f['decoder_snr_db']:.0f} dB |")
+    table = readme_table(res, paths, args)
+    print("\nREADME table:\n\n" + table)
     print(f"\nload average at end {res['load_average_end']:.2f}")
+    if args.readme:
+        if args.size != "full":
+            raise SystemExit("--readme takes the full model's numbers (--size full)")
+        path = Path(__file__).resolve().parents[1] / "README.md"
+        text = path.read_text(encoding="utf-8")
+        start, end = text.find(README_BEGIN), text.find(README_END)
+        if start < 0 or end < start:
+            raise SystemExit("README.md: the weights-table markers are missing")
+        path.write_text(text[: start + len(README_BEGIN)] + "\n" + table + "\n" + text[end:],
+                        encoding="utf-8")
+        print("README.md: weights table updated")
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2, default=float))
 
