@@ -179,7 +179,7 @@ def main() -> int:
     ap.add_argument("--url", default=None, help="bench this running server instead")
     ap.add_argument("--workers", default="1,2", help="comma list of worker counts (1,2)")
     ap.add_argument("--threads", type=int, default=0,
-                    help="threads per worker (0: the server's default, (CPUs - 1) / workers)")
+                    help="threads per worker (0: the server's default, CPUs / workers)")
     ap.add_argument("--clients", type=int, default=4, help="concurrent streaming clients (4)")
     ap.add_argument("--seconds", type=float, default=20.0, help="load duration per run (20)")
     ap.add_argument("--frames", type=int, default=50, help="codec frames per request (50 = 4 s)")
