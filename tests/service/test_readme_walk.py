@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import sys
 import time
@@ -22,7 +23,7 @@ import pytest
 import soundfile as sf
 
 from tests.service.doc_examples import Example, examples
-from tests.service.helpers import Server, decoded_seconds
+from tests.service.helpers import ROOT, Server, decoded_seconds
 
 # Examples that do not talk to the service, and why the walk leaves them to a person.
 NOT_RUN = {
@@ -53,6 +54,25 @@ def test_every_example_is_walked_or_explained() -> None:
     for e in found:
         if not e.is_http:
             assert e.program in NOT_RUN, f"{e.doc}:{e.line}: an example the walk cannot run"
+
+
+def _make_dry_run(target: str, **env: str) -> list[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("QTTS_")}
+    run = subprocess.run(["make", "-n", "--no-print-directory", target], cwd=ROOT,
+                         env={**clean, **env}, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    return run.stdout.strip().splitlines()
+
+
+def test_the_walked_server_is_make_run(tmp_path: Path) -> None:
+    """`make run` starts `qtts serve` on the model it names, like the walk's server (which only
+    sets the address, one thread and JSON logs); its default model is the full Q4_0 one."""
+    serve = _make_dry_run("run", QTTS_MODEL="/m.gguf")[-1]
+    assert serve == "QTTS_MODEL=/m.gguf .venv/bin/qtts serve"
+    made = _make_dry_run("model", QTTS_CACHE_DIR=str(tmp_path))[-1]
+    default = tmp_path / "models" / "synthetic-full-q4_0-seed0"
+    assert made.split() == [".venv/bin/qtts", "make-model", f"{default}/", "--size", "full",
+                            "--dtype", "q4_0", "--seed", "0"]
 
 
 def _new_request_lines(server: Server, before: int) -> list[dict[str, Any]]:
