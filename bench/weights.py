@@ -214,14 +214,14 @@ def readme_table(res: dict[str, Any], paths: dict[str, Path], args: argparse.Nam
         r, f = res["served"][f"{d}/{shown}"], res["fidelity"][d]
         rows.append(
             f"| {d.upper()} | {path.stat().st_size / 1e9:.2f} GB | {r['rtf']:.2f} | "
-            f"{r['ttfa_s'] * 1e3:.0f} ms | {r['readme_wall_s']:.1f} s | "
+            f"{r['ttfa_s'] * 1e3:.0f} ms | {r['readme_wall_s']:.1f} s ({r['audio_s']:.1f} s) | "
             f"{f['talker_cos_min']:.4f} / {f['decoder_snr_db']:.0f} dB |"
         )
     rows.append(
         f"\n`python bench/weights.py` on {time.strftime('%Y-%m-%d')}: one worker x {shown} "
-        f"thread(s) on {cpus} CPUs (load average {res['load_average_start']:.2f} at start), "
-        f"the README's text example ({res['served'][f'{d}/{shown}']['audio_s']:.1f} s of "
-        f"audio); fidelity over {args.fidelity_frames} frames teacher-forced on the F32 "
+        f"thread(s) on {cpus} CPUs (load average {res['load_average_start']:.2f} at start); "
+        "README example = wall time of the README's text example run with curl (its audio "
+        f"length); fidelity over {args.fidelity_frames} frames teacher-forced on the F32 "
         "model's codes, decoder in serving precision."
     )
     return "\n".join(rows)
