@@ -38,7 +38,7 @@ RUN python3 -m venv .venv \
  && .venv/bin/python -m pip install -q --upgrade pip \
  && .venv/bin/python -m pip install -q -e . \
  && .venv/bin/python native/build.py \
- && .venv/bin/python -m compileall -q engine service \
+ && .venv/bin/python -m compileall -q engine service cli \
  && rm -rf "$QTTS_CACHE_DIR/downloads" "$QTTS_CACHE_DIR/src" \
  && .venv/bin/qtts info
 

@@ -65,8 +65,8 @@ cuda-check: sysdeps venv
 	QTTS_GGML_BACKENDS=blas,rpc $(PY) native/build.py
 
 lint: venv
-	$(VENV)/bin/ruff check engine service tests bench native deploy
-	$(VENV)/bin/mypy engine service
+	$(VENV)/bin/ruff check engine service cli tests bench native deploy
+	$(VENV)/bin/mypy engine service cli
 
 bench: native parity-env model
 	$(PY) bench/decoder.py

@@ -24,10 +24,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.backend import BackendSet
-from engine.convert import convert
 from engine.decoder import DecoderModel, StreamingDecoder, decode
 from engine.gguf_model import open_model
 from engine.timings import DECODER_STAGES, StageTimings
+from engine.tools.convert import convert
 from tests.parity import reference as ref
 from tests.parity.reference import snr_db
 

@@ -1,6 +1,6 @@
 """Load test of the HTTP service: N concurrent streaming clients for a fixed time.
 
-For each worker count it starts ``python -m service serve`` on 127.0.0.1 (a free port), waits
+For each worker count it starts ``python -m cli serve`` on 127.0.0.1 (a free port), waits
 for /readyz, runs the clients, then stops the server. Each client loops: POST /tts (streaming
 pcm), read to the end, repeat. Printed per run:
 
@@ -139,7 +139,7 @@ def start_server(model: str, workers: int, threads: int, queue: int) -> tuple[su
     env = {**os.environ, "QTTS_MODEL": model, "QTTS_PORT": str(port), "QTTS_HOST": "127.0.0.1",
            "QTTS_WORKERS": str(workers), "QTTS_THREADS_PER_WORKER": str(threads),
            "QTTS_QUEUE_SIZE": str(queue), "QTTS_LOG_LEVEL": "warning"}
-    proc = subprocess.Popen([sys.executable, "-m", "service", "serve"], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "serve"], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600

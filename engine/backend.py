@@ -12,7 +12,7 @@ Environment (read by ``BackendSet.from_env``):
                          F32 matmuls and converts every other weight type on each call.
   QTTS_DEVICE            device index within the chosen backend (default 0)
   QTTS_RPC_SERVERS       comma list of host:port of ggml RPC servers (``python -m
-                         engine.rpc_server``); each adds one ``rpc`` device
+                         cli.rpc_server``); each adds one ``rpc`` device
   QTTS_THREADS           CPU threads (default: the CPUs this process may run on)
   QTTS_DEBUG_BACKEND=1   print per-graph placement: nodes per backend, op types on the CPU
   QTTS_MAX_MATMUL_ROWS   split matmuls whose src1 has more rows (default: per backend, e.g.

@@ -3,7 +3,7 @@
 ``open_model(path)`` memory-maps the file read-only (CPU workers then share the weight pages) and,
 before anything computes, checks: magic, version, every header field against the file size,
 the architecture, every required key and its type, the config value ranges, and every tensor's
-presence, shape and type against what the stored config implies (``engine.tensor_names``).
+presence, shape and type against what the stored config implies (``engine.gguf_schema``).
 Any problem raises ``ModelFileError(path, problem)``, e.g.
 ``model.gguf: tensor dec.blk.1.tconv.weight has shape [1536, 768, 15], expected [1536, 768, 16]``.
 
@@ -32,7 +32,7 @@ from gguf import quants as gguf_quants
 from gguf.constants import GGML_QUANT_SIZES
 
 from engine.errors import ModelFileError
-from engine.tensor_names import (
+from engine.gguf_schema import (
     ALL_PARTS,
     ALLOWED_TYPES,
     ARCH,

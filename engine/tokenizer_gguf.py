@@ -31,7 +31,7 @@ from tokenizers import (
     processors,
 )
 
-from engine.tensor_names import Keys, SchemaError
+from engine.gguf_schema import Keys, SchemaError
 
 # llama.cpp token types (gguf.TokenType)
 TOKEN_NORMAL = 1

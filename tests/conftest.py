@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from engine.backend import BackendSet
-from engine.make_model import make_model
+from engine.tools.make_model import make_model
 
 
 @pytest.fixture(scope="session")

@@ -1,10 +1,12 @@
 """Speech-tokenizer decoder on ggml: codes [16, T] -> 24 kHz audio, offline and streaming.
 
 Stages (one module each, named like the spec): ``rvq`` -> ``pre_conv`` -> ``pre_transformer``
--> ``upsample`` -> ``bigvgan``; ``streaming`` drives them with carried state.
+-> ``upsample`` -> ``bigvgan``; ``model`` holds the loaded weights and ``streaming`` drives the
+stages with carried state.
 """
 
-from engine.decoder.streaming import DecoderModel, StreamingDecoder, decode, validate_codes
+from engine.decoder.model import DecoderModel
+from engine.decoder.streaming import StreamingDecoder, decode, validate_codes
 from engine.timings import StageTimings
 
 __all__ = ["DecoderModel", "StageTimings", "StreamingDecoder", "decode", "validate_codes"]

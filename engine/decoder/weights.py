@@ -30,7 +30,7 @@ from engine.backend import BackendSet, WeightStore
 from engine.errors import ModelFileError
 from engine.ggml import Tensor, custom_ops, lib
 from engine.ggml.graph import set_name
-from engine.tensor_names import DecoderConfig
+from engine.gguf_schema import DecoderConfig
 
 Precision = Literal["exact", "fast"]
 PRECISIONS: tuple[str, ...] = ("exact", "fast")

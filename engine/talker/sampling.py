@@ -25,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from engine.errors import InputError
-from engine.tensor_names import GenerationDefaults
+from engine.gguf_schema import GenerationDefaults
 
 F32 = npt.NDArray[np.float32]
 NEG_INF = np.float32(-np.inf)

@@ -3,7 +3,7 @@
 Every stored type is usable by ggml as is: F32/F16/BF16/Q8_0/Q4_0 as ``mul_mat`` src0,
 F32/F16/BF16 tables for ``get_rows``, F32 norms and biases. So nothing is converted at load:
 the WeightStore binds each tensor to its span of the file (CPU workers share those pages; an
-accelerator backend gets one upload). Names are the GGUF names (``engine.tensor_names``).
+accelerator backend gets one upload). Names are the GGUF names (``engine.gguf_schema``).
 
 One exception, on the CPU backend only: Q4_0 matrix weights go to ggml's ``CPU_REPACK`` buffer
 type, which re-lays them out at load into interleaved 8-row blocks (``q4_0_8x8``) for its AVX2 /
@@ -28,7 +28,7 @@ from engine.backend import BackendSet, WeightStore
 from engine.errors import BackendError
 from engine.ggml import NULL, Tensor, ffi, gemm_i8, lib
 from engine.ggml.graph import new_tensor, set_name
-from engine.tensor_names import GGML_Q4_0, GGML_Q8_0, PART_TALKER, talker_tensor_specs
+from engine.gguf_schema import GGML_Q4_0, GGML_Q8_0, PART_TALKER, talker_tensor_specs
 
 # Matrix weights (mul_mat src0) that the repack buffer may hold; never embedding tables.
 _MATMUL_SUFFIXES = (

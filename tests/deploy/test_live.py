@@ -78,7 +78,7 @@ class QttsServer:
         if qtts_serve_works():
             cmd = [str(Path(sys.executable).parent / "qtts"), "serve"]
         else:  # test_image_command_exists fails loudly; the dashboard checks still run
-            cmd = [sys.executable, "-m", "service", "serve"]
+            cmd = [sys.executable, "-m", "cli", "serve"]
         env = {
             **os.environ,
             "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",

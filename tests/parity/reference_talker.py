@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from engine.make_model import build_configs, write_tokenizer_files
 from engine.talker.prompt import assistant_text, instruct_text
+from engine.tools.make_model import build_configs, write_tokenizer_files
 from tests.parity import reference as ref
 
 #: Bump whenever the recipe or the cases change (part of the cache key).
@@ -71,7 +71,7 @@ CASES: tuple[Case, ...] = (
 
 
 def talker_dims() -> dict[str, dict[str, Any]]:
-    """Overrides of ``engine.make_model.build_configs("tiny")`` for the parity fixture."""
+    """Overrides of ``engine.tools.make_model.build_configs("tiny")`` for the parity fixture."""
     return {
         "talker": {
             "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from engine.backend import BackendSet
-from engine.convert import convert
 from engine.decoder import DecoderModel, StreamingDecoder, decode
 from engine.gguf_model import open_model
+from engine.tools.convert import convert
 from tests.parity import reference as ref
 from tests.parity.reference import snr_db
 

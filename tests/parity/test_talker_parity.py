@@ -3,7 +3,7 @@
 The fixture (tests/parity/reference_talker.py) builds a tiny CustomVoice model with the official
 classes, saves it with ``save_pretrained`` and records greedy generations of the official
 ``generate`` (codes, raw talker and code-predictor logits, prefill embeddings). We convert the
-saved folder with ``engine.convert.convert`` and must produce identical codes for every frame,
+saved folder with ``engine.tools.convert.convert`` and must produce identical codes for every frame,
 logits within 1e-3 (F32 weights and KV cache), the same EOS step, and through the pipeline the
 same waveform as the reference decoder on the reference codes (to the decoder tolerance 1e-4).
 Quantised weights (Q8_0, Q4_0) are measured against the F32 reference logits.
@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 
 from engine.backend import BackendSet
-from engine.convert import convert
 from engine.gguf_model import open_model
 from engine.pipeline import Pipeline, StreamInfo, SynthesisRequest
 from engine.talker import (
@@ -32,6 +31,7 @@ from engine.talker import (
 )
 from engine.talker.prompt import assistant_text, instruct_text
 from engine.talker.sampling import suppress_mask, talker_scores
+from engine.tools.convert import convert
 
 _MISSING = [m for m in ("torch", "transformers", "qwen_tts") if importlib.util.find_spec(m) is None]
 pytestmark = [

@@ -1,4 +1,4 @@
-"""Service tests: a real ``qtts serve`` (``python -m service serve``) on 127.0.0.1 at a free port,
+"""Service tests: a real ``qtts serve`` (``python -m cli serve``) on 127.0.0.1 at a free port,
 real worker processes on the tiny synthetic model, real HTTP clients (httpx, openai)."""
 
 from __future__ import annotations

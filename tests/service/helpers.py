@@ -28,7 +28,7 @@ def free_port() -> int:
 
 
 class Server:
-    """One ``python -m service serve`` subprocess."""
+    """One ``python -m cli serve`` subprocess."""
 
     def __init__(self, model: Path, log_dir: Path, **env: Any) -> None:
         self.port = free_port()
@@ -47,7 +47,7 @@ class Server:
         full_env.update({f"QTTS_{k.upper()}": str(v) for k, v in env.items()})
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "service", "serve"], cwd=ROOT, env=full_env,
+            [sys.executable, "-m", "cli", "serve"], cwd=ROOT, env=full_env,
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
         )
 

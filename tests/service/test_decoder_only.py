@@ -13,7 +13,7 @@ from tests.service.helpers import FRAME_SAMPLES, Server, codes
 
 @pytest.fixture(scope="module")
 def decoder_only(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from engine.convert import convert
+    from engine.tools.convert import convert
 
     out = tmp_path_factory.mktemp("decoder-only") / "model.gguf"
     convert(tiny_model_dir, out, dtype="f32", parts="decoder", progress=False)

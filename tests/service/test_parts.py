@@ -144,7 +144,7 @@ def test_serve_refuses_bad_settings_in_one_line() -> None:
         (["--model", "/nonexistent/model.gguf"], {}, "file not found"),
         (["--model", "x.gguf"], {"QTTS_WORKERS": "0"}, "QTTS_WORKERS"),
     ]:
-        p = subprocess.run([sys.executable, "-m", "service", "serve", *args], env={
+        p = subprocess.run([sys.executable, "-m", "cli", "serve", *args], env={
             **os.environ, **env}, capture_output=True, text=True, timeout=60)
         assert p.returncode == 2
         assert needle in p.stderr and "Traceback" not in p.stderr

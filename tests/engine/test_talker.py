@@ -169,7 +169,7 @@ def test_max_positions_are_enforced(talker: TalkerModel) -> None:
 def test_q4_0_repack_matches_plain_layout(tiny_model_dir: Path, backends: BackendSet,
                                           tmp_path: Path) -> None:
     """The CPU_REPACK copy of Q4_0 matrices computes what the zero-copy layout computes."""
-    from engine.convert import convert
+    from engine.tools.convert import convert
 
     out = tmp_path / "q4.gguf"
     convert(tiny_model_dir, out, dtype="q4_0", progress=False)

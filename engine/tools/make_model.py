@@ -40,7 +40,15 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from engine.convert import (
+from engine.errors import ConversionError
+from engine.gguf_schema import (
+    DECODER_SKIPPED_HF,
+    SchemaError,
+    decoder_tensor_specs,
+    talker_tensor_specs,
+)
+from engine.tokenizer_gguf import bytes_to_unicode, qwen2_pre_tokenizer
+from engine.tools.convert import (
     SYNTHETIC_MARKER,
     ConversionReport,
     SafetensorsWriter,
@@ -49,14 +57,6 @@ from engine.convert import (
     parse_decoder_config,
     parse_talker_config,
 )
-from engine.errors import ConversionError
-from engine.tensor_names import (
-    DECODER_SKIPPED_HF,
-    SchemaError,
-    decoder_tensor_specs,
-    talker_tensor_specs,
-)
-from engine.tokenizer_gguf import bytes_to_unicode, qwen2_pre_tokenizer
 
 SIZES = ("tiny", "full")
 VARIANTS = ("custom_voice",)

@@ -27,7 +27,7 @@ EXIT_ERROR = 2
 
 
 def _add_convert(sub: SubParsers) -> None:
-    from engine.convert import DTYPES
+    from engine.tools.convert import DTYPES
 
     p = sub.add_parser(
         "convert",
@@ -45,7 +45,7 @@ def _add_convert(sub: SubParsers) -> None:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from engine.convert import convert
+    from engine.tools.convert import convert
 
     report = convert(
         args.model_dir, args.out, dtype=args.dtype, parts=args.parts, progress=not args.no_progress
@@ -61,8 +61,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 
 def _add_make_model(sub: SubParsers) -> None:
-    from engine.convert import DTYPES
-    from engine.make_model import SIZES, VARIANTS
+    from engine.tools.convert import DTYPES
+    from engine.tools.make_model import SIZES, VARIANTS
 
     p = sub.add_parser(
         "make-model",
@@ -89,7 +89,7 @@ def _add_make_model(sub: SubParsers) -> None:
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
-    from engine.make_model import make_model
+    from engine.tools.make_model import make_model
 
     report = make_model(
         args.out_dir,
@@ -116,7 +116,7 @@ def _add_info(sub: SubParsers) -> None:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    from engine.info import info_lines
+    from cli.info import info_lines
 
     print("\n".join(info_lines()))
     return 0
@@ -148,7 +148,7 @@ def _add_decode(sub: SubParsers) -> None:
 
 
 def _cmd_decode(args: argparse.Namespace) -> int:
-    from engine.decode_cli import run_decode
+    from cli.decode import run_decode
 
     return run_decode(args.model, args.codes, args.out, args.stream_chunk, args.precision)
 
@@ -166,7 +166,7 @@ def _add_doctor(sub: SubParsers) -> None:
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from engine.doctor import doctor_table, run_doctor
+    from cli.doctor import doctor_table, run_doctor
 
     rows = run_doctor(args.model, frames=args.frames)
     print(doctor_table(rows))
@@ -174,12 +174,12 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# synth / voices  (text -> speech; the logic lives in engine/talker/synth_cli.py)
+# synth / voices  (text -> speech; the logic lives in cli/synth.py)
 # ---------------------------------------------------------------------------------------------
 
 
 def _add_synth(sub: SubParsers) -> None:
-    from engine.talker.synth_cli import add_synth_arguments
+    from cli.synth import add_synth_arguments
 
     p = sub.add_parser(
         "synth",
@@ -191,7 +191,7 @@ def _add_synth(sub: SubParsers) -> None:
 
 
 def _cmd_synth(args: argparse.Namespace) -> int:
-    from engine.talker.synth_cli import run_synth
+    from cli.synth import run_synth
 
     return run_synth(args)
 
@@ -203,24 +203,24 @@ def _add_voices(sub: SubParsers) -> None:
 
 
 def _cmd_voices(args: argparse.Namespace) -> int:
-    from engine.talker.synth_cli import run_voices
+    from cli.synth import run_voices
 
     return run_voices(args.model)
 
 
 # ---------------------------------------------------------------------------------------------
-# serve           (the HTTP service lives in service/; engine code never imports it at load)
+# serve           (the HTTP service lives in service/; the engine never imports it)
 # ---------------------------------------------------------------------------------------------
 
 
 def _add_serve(sub: SubParsers) -> None:
-    from service.cli import add_serve_parser
+    from cli.serve import add_serve_parser
 
     add_serve_parser(sub).set_defaults(func=_cmd_serve)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from service.cli import run_serve
+    from cli.serve import run_serve
 
     return run_serve(args)
 
@@ -270,7 +270,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("qtts: interrupted", file=sys.stderr)
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

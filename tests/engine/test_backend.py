@@ -12,7 +12,7 @@ import pytest
 from engine.backend import BackendSet, built_backends, choose_backend
 from engine.errors import BackendError
 from engine.ggml import Graph, lib
-from tests.rpc import rpc_server
+from tests.engine.rpc import rpc_server
 
 AVAILABLE = "cpu, blas" if "blas" in built_backends() else "cpu"
 

@@ -145,8 +145,8 @@ def test_gemm_i8_rejects_what_the_kernel_cannot_take() -> None:
 
 @pytest.fixture(scope="module")
 def q4_model(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from engine.convert import convert
     from engine.gguf_model import open_model
+    from engine.tools.convert import convert
 
     out = tmp_path_factory.mktemp("q4") / "q4.gguf"
     convert(tiny_model_dir, out, dtype="q4_0", progress=False)

@@ -1,4 +1,4 @@
-"""`python -m engine.rpc_server`: serve this machine's CPU backend over ggml's RPC protocol.
+"""`python -m cli.rpc_server`: serve this machine's CPU backend over ggml's RPC protocol.
 
 A BackendSet with ``QTTS_BACKEND=rpc`` and ``QTTS_RPC_SERVERS=host:port`` then offloads graphs
 to it. On CPU-only machines this is the second backend with a buffer type of its own, which is

@@ -11,11 +11,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from engine.cli import main
-from engine.convert import SafetensorsFile, parse_decoder_config, parse_talker_config
+from cli.main import main
 from engine.gguf_model import open_model
-from engine.make_model import build_configs, make_model, write_tokenizer_files
-from engine.tensor_names import DECODER_SKIPPED_HF, decoder_tensor_specs, talker_tensor_specs
+from engine.gguf_schema import DECODER_SKIPPED_HF, decoder_tensor_specs, talker_tensor_specs
+from engine.tools.convert import SafetensorsFile, parse_decoder_config, parse_talker_config
+from engine.tools.make_model import build_configs, make_model, write_tokenizer_files
 
 LAYOUT = [
     "config.json",

@@ -12,19 +12,11 @@ from typing import Any
 import numpy as np
 import pytest
 
+from cli.main import main
 from engine import convert as convert_mod
-from engine.cli import main
-from engine.convert import (
-    DTYPES,
-    SafetensorsFile,
-    SafetensorsWriter,
-    convert,
-    max_abs_error,
-)
 from engine.errors import ConversionError, ModelFileError
 from engine.gguf_model import open_model
-from engine.make_model import make_checkpoint
-from engine.tensor_names import (
+from engine.gguf_schema import (
     GGML_F16,
     GGML_F32,
     QUANT_BLOCK,
@@ -32,6 +24,14 @@ from engine.tensor_names import (
     decoder_tensor_specs,
     talker_tensor_specs,
 )
+from engine.tools.convert import (
+    DTYPES,
+    SafetensorsFile,
+    SafetensorsWriter,
+    convert,
+    max_abs_error,
+)
+from engine.tools.make_model import make_checkpoint
 
 QUANT = ("q8_0", "q4_0")
 

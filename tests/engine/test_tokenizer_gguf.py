@@ -10,8 +10,7 @@ import pytest
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 from engine.gguf_model import open_model
-from engine.make_model import QWEN3_ADDED_TOKENS, write_tokenizer_files
-from engine.tensor_names import Keys, SchemaError
+from engine.gguf_schema import Keys, SchemaError
 from engine.tokenizer_gguf import (
     TOKEN_CONTROL,
     TOKEN_NORMAL,
@@ -21,6 +20,7 @@ from engine.tokenizer_gguf import (
     check_tokenizer_arrays,
     read_hf_tokenizer,
 )
+from engine.tools.make_model import QWEN3_ADDED_TOKENS, write_tokenizer_files
 
 # Written out again here on purpose (not imported), so a typo in the module's copy shows up.
 QWEN2_REGEX = (

@@ -15,7 +15,7 @@ they are only needed for voice cloning, which is not built yet — and the repor
 Conversion streams tensor by tensor in row chunks (peak memory ~ one chunk, not the model);
 safetensors are parsed here (F32, F16 and BF16 payloads) with plain file reads.
 
-Precision policy (see ``engine.tensor_names``): 1-D tensors, codebooks, norms, biases, snake
+Precision policy (see ``engine.gguf_schema``): 1-D tensors, codebooks, norms, biases, snake
 parameters and layer scales stay F32; embeddings follow ``--dtype`` but never below F16; other
 weights follow ``--dtype``; a quantised type that does not fit a tensor's row length falls back to
 F16 for that tensor and is reported.
@@ -47,7 +47,7 @@ from gguf import quants as gguf_quants
 from gguf.constants import GGML_QUANT_SIZES
 
 from engine.errors import ConversionError
-from engine.tensor_names import (
+from engine.gguf_schema import (
     ALL_PARTS,
     ARCH,
     CODE_PREDICTOR_KEYS,

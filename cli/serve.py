@@ -86,15 +86,3 @@ def run_serve(args: argparse.Namespace) -> int:
     server = DrainingServer(config)
     server.run()
     return 0 if server.started else 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m service")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_serve_parser(sub)
-    args = parser.parse_args(argv)
-    return int(args.func(args))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 
 from engine.errors import ModelFileError
 from engine.gguf_model import GgufModel, TensorInfo, open_model
-from engine.tensor_names import ARCH, GGML_F32, Keys
+from engine.gguf_schema import ARCH, GGML_F32, Keys
 
 # -- helpers ------------------------------------------------------------------------------------
 
@@ -129,7 +129,7 @@ def test_tensor_views_are_zero_copy_and_read_only(tiny_gguf: Path) -> None:
 
 
 def test_quantised_tensor_views(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from engine.convert import convert
+    from engine.tools.convert import convert
 
     out = tmp_path / "q.gguf"
     convert(tiny_model_dir, out, dtype="q8_0", progress=False)

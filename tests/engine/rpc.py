@@ -19,10 +19,10 @@ def free_port() -> int:
 
 @contextmanager
 def rpc_server(threads: int = 1) -> Iterator[str]:
-    """Start ``python -m engine.rpc_server`` and yield its ``host:port`` once it accepts."""
+    """Start ``python -m cli.rpc_server`` and yield its ``host:port`` once it accepts."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine.rpc_server", "--port", str(port), "--threads",
+        [sys.executable, "-m", "cli.rpc_server", "--port", str(port), "--threads",
          str(threads)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 30

@@ -16,11 +16,11 @@ from engine.errors import NativeBuildError
 from engine.ggml import Graph, ffi, gemm_i8, lib, native_info, ops
 from engine.ggml import custom_ops as co
 from engine.ggml.graph import new_tensor, set_name
-from tests.test_gemm_i8 import data as gemm_data
-from tests.test_gemm_i8 import run_gemm
+from tests.engine.test_gemm_i8 import data as gemm_data
+from tests.engine.test_gemm_i8 import run_gemm
 
 needs_ops = pytest.mark.skipif(ops is None, reason="libqtts_ops not built (no native/ops/*.c)")
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------------------------------------

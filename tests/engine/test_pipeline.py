@@ -10,9 +10,8 @@ import numpy as np
 import pytest
 import soundfile as sf
 
+from cli.main import main
 from engine.backend import BackendSet
-from engine.cli import main
-from engine.convert import convert
 from engine.decoder import decode
 from engine.errors import InputError
 from engine.gguf_model import open_model
@@ -26,6 +25,7 @@ from engine.pipeline import (
     synthesize,
 )
 from engine.timings import DECODER_STAGES
+from engine.tools.convert import convert
 from service.schemas import Job  # the object a worker hands the pipeline
 
 FRAME = 1920
