@@ -16,8 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from engine.convert import convert
-from engine.make_model import make_checkpoint
+from engine.tools.convert import convert
+from engine.tools.make_model import make_checkpoint
 
 
 def models_dir() -> Path:

@@ -36,8 +36,6 @@ from engine.backend import BackendSet
 from engine.gguf_model import open_model
 from engine.pipeline import Pipeline, StreamInfo, SynthesisRequest
 from engine.talker.prompt import assistant_text
-from engine.tools.convert import convert
-from engine.tools.make_model import make_model
 
 FRAME_S = 0.08
 TEXT = ("Hello there! This is a short test of the streaming speech engine, "
