@@ -1,26 +1,25 @@
 # syntax=docker/dockerfile:1
-# qtts: streaming Qwen3-TTS HTTP service on ggml.
+# qtts: streaming Qwen3-TTS HTTP service on ggml, CPU image (Dockerfile.cuda: the CUDA one).
 #
 #   docker build -t qtts:0.1.0 .
 #   docker run --rm -p 8000:8000 -v qtts-models:/models --stop-timeout 45 qtts:0.1.0
 #
-# Stage 1 builds the native layer exactly as `make native` does (the Makefile's `sysdeps`, `venv`
-# and `native` recipes, without the dev extra); stage 2 is a slim runtime with only the shared
-# libraries the build links against. docs/deploy.md has the details (model volume, settings).
-#
-# Note: native/build.py builds ggml and qtts's kernels for the build host's CPU (-march=native);
-# build the image on (or for) the oldest CPU generation it will run on.
+# Reproducible inputs: the base image by digest, Debian packages by version, Python packages
+# by the hashes of deploy/docker/requirements-py311.lock (deploy/docker/lock.py writes it),
+# ggml by the sha256 of native/ggml.lock. Layers go from the slowest-changing to the fastest:
+# locked dependencies, then native/ alone (a .py edit does not rebuild ggml), then the app,
+# built into a wheel and installed from it (not editable; no source tree in the image).
+# docs/deploy.md has the details.
 
-ARG PYTHON_IMAGE=python:3.11-slim-bookworm
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm@sha256:2e32f7d302adc1c37428355c1e646897c0c53f4fd60b6a551245fb90ee129f91
 
 # ---------------------------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS builder
 
 # `make sysdeps` (OpenBLAS backs ggml's BLAS backend) + the compiler and CMake the build needs
-# hadolint ignore=DL3008
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-        libopenblas-dev pkg-config build-essential cmake \
+        libopenblas-dev=0.3.21+ds-4 pkg-config=1.8.1-1 build-essential=12.9 cmake=3.25.1-1 \
  && rm -rf /var/lib/apt/lists/*
 
 # the pinned ggml is built into this cache; engine/ggml/_native.json points at it by absolute
@@ -28,19 +27,30 @@ RUN apt-get update \
 ENV QTTS_CACHE_DIR=/opt/qtts/cache \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_NO_CACHE_DIR=1
-WORKDIR /opt/qtts/app
-COPY . .
+WORKDIR /src
 
-# `make venv` (without the dev extra) and `make native`
+# 1. every Python distribution, by hash: nothing else can be installed
+COPY deploy/docker/requirements-py311.lock /tmp/requirements.lock
+RUN python3 -m venv /opt/qtts/venv \
+ && /opt/qtts/venv/bin/python -m pip install -q --no-deps --require-hashes \
+        -r /tmp/requirements.lock
+
+# 2. the native layer (`make native`): only native/ is in this layer's inputs
+COPY native/ native/
 ARG QTTS_GGML_BACKENDS=blas
-# hadolint ignore=DL3013
-RUN python3 -m venv .venv \
- && .venv/bin/python -m pip install -q --upgrade pip \
- && .venv/bin/python -m pip install -q -e . \
- && .venv/bin/python native/build.py \
- && .venv/bin/python -m compileall -q engine service cli \
- && rm -rf "$QTTS_CACHE_DIR/downloads" "$QTTS_CACHE_DIR/src" \
- && .venv/bin/qtts info
+RUN mkdir -p engine/ggml \
+ && /opt/qtts/venv/bin/python native/build.py \
+ && rm -rf "$QTTS_CACHE_DIR/downloads" "$QTTS_CACHE_DIR/src"
+
+# 3. the app: a wheel (with the generated bindings of step 2), installed without its sources
+COPY pyproject.toml README.md ./
+COPY engine/ engine/
+COPY service/ service/
+COPY cli/ cli/
+RUN /opt/qtts/venv/bin/python -m pip wheel -q --no-deps --no-build-isolation -w /tmp/wheels . \
+ && /opt/qtts/venv/bin/python -m pip install -q --no-deps --no-index /tmp/wheels/qtts-*.whl \
+ && /opt/qtts/venv/bin/python -m compileall -q /opt/qtts/venv/lib \
+ && /opt/qtts/venv/bin/qtts info
 
 # ---------------------------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS runtime
@@ -58,10 +68,9 @@ LABEL org.opencontainers.image.title="qtts" \
       org.opencontainers.image.base.name="python:3.11-slim-bookworm"
 
 # the shared libraries of the native build: OpenBLAS (with gfortran) and OpenMP
-# hadolint ignore=DL3008
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-        libopenblas0 libgomp1 \
+        libopenblas0=0.3.21+ds-4 libgomp1=12.2.0-14+deb12u1 \
  && rm -rf /var/lib/apt/lists/* \
  && groupadd --system --gid 10001 qtts \
  && useradd --system --uid 10001 --gid qtts --home-dir /home/qtts --create-home \
@@ -69,11 +78,12 @@ RUN apt-get update \
  && mkdir -p /models \
  && chown qtts:qtts /models
 
+# the virtual environment (qtts installed from its wheel) and the native build's cache
 COPY --from=builder /opt/qtts /opt/qtts
 COPY --chmod=0755 deploy/docker/entrypoint.sh /usr/local/bin/qtts-entrypoint
 COPY --chmod=0644 deploy/docker/healthcheck.py /usr/local/lib/qtts/healthcheck.py
 
-ENV PATH=/opt/qtts/app/.venv/bin:$PATH \
+ENV PATH=/opt/qtts/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     QTTS_HOST=0.0.0.0 \
@@ -86,14 +96,15 @@ WORKDIR /home/qtts
 VOLUME ["/models"]
 EXPOSE 8000
 
-# liveness: the process serves HTTP (readiness, /readyz, is for load balancers and Kubernetes);
-# the start period covers making the synthetic default model (~40 s) and loading a large one
+# healthy = ready: GET /readyz answers 200 only while every worker is loaded, warm and alive
+# (a server whose workers crash-loop is unhealthy). The start period covers making the
+# synthetic default model (~40 s) and loading a large one.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=300s --retries=3 \
     CMD ["python3", "/usr/local/lib/qtts/healthcheck.py"]
 
 # SIGTERM drains: new requests get 503, in-flight ones may finish for QTTS_DRAIN_SECONDS (30 s):
 # give the container more than that to stop (docker run --stop-timeout 45, compose
-# stop_grace_period, Kubernetes terminationGracePeriodSeconds)
+# stop_grace_period; Kubernetes: deploy/k8s/base/deployment.yaml)
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["/usr/local/bin/qtts-entrypoint"]
 CMD ["qtts", "serve"]

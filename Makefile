@@ -17,8 +17,8 @@ run: native model
 test: native parity-env deploy-tools
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# Prometheus (Debian) and the npm schema validators the deploy tests use.
-deploy-tools:
+# Prometheus and busybox (Debian) and the npm schema validators the deploy tests use.
+deploy-tools: venv
 	bash deploy/ci/install-tools.sh
 
 # OpenBLAS backs ggml's BLAS backend: the second real backend the scheduler tests split onto.
@@ -73,6 +73,7 @@ bench: native parity-env model
 	$(PY) bench/talker.py
 	$(PY) bench/load.py --model $(MODEL)
 	$(PY) bench/weights.py
+	$(PY) bench/memory.py --dtypes f16,q8_0,q4_0 --workers 2 --threads 2
 
 clean:
 	rm -rf $(VENV) engine/ggml/_ggml_cffi.py engine/ggml/_native.json .pytest_cache

@@ -46,8 +46,9 @@ REJECT_REASONS = ("queue_full", "draining", "invalid", "unauthorized", "not_read
 # 1 ms .. 10 s: per-chunk stage costs (a talker step is ~ms, a big decoder chunk ~s)
 STAGE_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5, 10)
 # vLLM's time-to-first-token buckets, extended: first audio on CPU can take seconds
+# (2.0 is the first-audio alert's threshold: a bucket edge, so the alert counts, not interpolates)
 TTFA_BUCKETS = (0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.25, 0.35, 0.5, 0.75, 1.0, 1.5,
-                2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+                2.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5, 10, 30, 60, 120, 300)
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10, 20, 30, 60, 120, 240, 480, 960)
 RTF_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.25, 1.5, 2.0, 3.0,
@@ -108,6 +109,11 @@ class Metrics:
             "qtts_requests_running", "Requests a worker is synthesizing now.", registry=r
         )
         self.waiting = Gauge("qtts_requests_waiting", "Requests waiting for a worker.", registry=r)
+        self.capacity = Gauge(
+            "qtts_capacity",
+            "Requests this server can synthesize at once (configured workers x requests each).",
+            registry=r,
+        )
         self.workers_alive = Gauge(
             "qtts_workers_alive", "Worker processes that are loaded, warm and alive.", registry=r
         )

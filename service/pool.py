@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from service.capacity import capacity
 from service.metrics import Metrics
 from service.schemas import Job
 from service.settings import Settings
@@ -106,6 +107,7 @@ class WorkerPool:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._idle_event = asyncio.Event()
+        self.metrics.capacity.set(capacity(self.settings))
         for i in range(self.settings.workers):
             self._spawn(i)
         self._watchdog = asyncio.create_task(self._watch())

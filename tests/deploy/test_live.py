@@ -29,7 +29,7 @@ import pytest
 import yaml
 
 from service.metrics import STAGES
-from tests.deploy.conftest import ALERTS, DEPLOY, K8S, PROM_CONFIG, ROOT, load_yaml
+from tests.deploy.conftest import ADAPTER_RULE, ALERTS, DEPLOY, PROM_CONFIG, ROOT, load_yaml
 from tests.deploy.helpers import (
     PromError,
     Prometheus,
@@ -66,6 +66,7 @@ class Stack:
     instance: str
     text_ready: bool
     log_dir: Path
+    traffic_end: float  # unix time when traffic.py returned
 
 
 class QttsServer:
@@ -170,6 +171,7 @@ def stack(tiny_gguf: Path, prometheus_bin: str, promtool: str,
             capture_output=True, text=True, timeout=120,
         )
         assert p.returncode == 0, f"traffic.py failed:\n{p.stdout}{p.stderr}\n{server.log()}"
+        traffic_end = time.time()
         bad = urllib.request.Request(server.url + "/tts", data=b'{"codes": [[1]]}',
                                      headers={"content-type": "application/json"})
         try:
@@ -186,7 +188,8 @@ def stack(tiny_gguf: Path, prometheus_bin: str, promtool: str,
             r["health"] != "unknown" for g in prom.api("rules")["groups"] for r in g["rules"]),
             10, "rules never evaluated", prom)
         models = json.loads(_get(server.url + "/v1/models")[1])
-        yield Stack(prom, server.url, instance, bool(models["data"][0].get("text")), tmp)
+        yield Stack(prom, server.url, instance, bool(models["data"][0].get("text")), tmp,
+                    traffic_end)
     finally:
         if prom is not None:
             prom.stop()
@@ -295,22 +298,41 @@ def test_alert_expressions_parse_and_rules_evaluate(stack: Stack,
     assert set(loaded) == {r["alert"] for r in alert_rules}
     for name, r in loaded.items():
         assert r["health"] == "ok", f"{name}: {r.get('lastError')}"
-    # a healthy server raises no alert
-    assert stack.prom.api("alerts")["alerts"] == []
+    # a healthy server raises no alert. Speed-based ones (first audio, stream gaps, RTF) may go
+    # pending on a loaded test machine -- their `for` keeps them from firing -- and are left out:
+    # speed is the machine's, not the server's health
+    speed = {"QttsTimeToFirstAudioHigh", "QttsStreamGaps", "QttsRealTimeFactorHigh"}
+    alerts = stack.prom.api("alerts")["alerts"]
+    assert not [a for a in alerts if a["state"] == "firing"], alerts
+    assert not [a for a in alerts if a["labels"]["alertname"] not in speed], alerts
 
 
-def test_adapter_rule_serves_queue_depth_per_pod(stack: Stack) -> None:
-    (rule,) = load_yaml(K8S / "prometheus-adapter" / "values.yaml")["rules"]["custom"]
+def test_adapter_rule_serves_utilisation_per_pod(stack: Stack) -> None:
+    """The HPA's metric, as the Prometheus adapter asks for it, from the live server."""
+    (rule,) = load_yaml(ADAPTER_RULE)["rules"]["custom"]
     series = stack.prom.api("series", **{"match[]": [rule["seriesQuery"]]})
     assert {(s["namespace"], s["pod"]) for s in series} == {(NAMESPACE, POD)}
-    # what the adapter sends for GET .../namespaces/qtts/pods/*/qtts_requests_waiting
+    # what the adapter sends for GET .../namespaces/qtts/pods/*/qtts_utilisation
     query = (rule["metricsQuery"]
-             .replace("<<.Series>>", "qtts_requests_waiting")
+             .replace("<<.Series>>", "qtts_capacity")
              .replace("<<.LabelMatchers>>", f'namespace="{NAMESPACE}",pod=~"{POD}"')
              .replace("<<.GroupBy>>", "pod"))
     result = stack.prom.query(query)
     assert [r["metric"] for r in result] == [{"pod": POD}]
-    assert float(result[0]["value"][1]) >= 0
+    assert 0 <= float(result[0]["value"][1]) <= 1 + 8  # capacity 1 + the queue of 8
+    assert stack.prom.query(f'qtts_capacity{{pod="{POD}"}} == 1'), "capacity of 1 worker"
+    # as it was when the traffic ended, against the raw samples of that minute averaged here
+    at = f"{stack.traffic_end:.3f}"
+    at_end = stack.prom.api("query", query=query, time=at)["result"]
+    assert [r["metric"] for r in at_end] == [{"pod": POD}]
+
+    def mean_of(metric: str) -> float:
+        (series,) = stack.prom.api("query", query=f'{metric}{{pod="{POD}"}}[1m]',
+                                   time=at)["result"]
+        return sum(float(v) for _, v in series["values"]) / len(series["values"])
+
+    expected = mean_of("qtts_requests_running") + mean_of("qtts_requests_waiting")
+    assert math.isclose(float(at_end[0]["value"][1]), expected, rel_tol=1e-9, abs_tol=1e-12)
 
 
 def test_probe_paths_and_container_healthcheck(stack: Stack) -> None:

@@ -316,6 +316,7 @@ def test_metrics_after_requests(server: Server) -> None:
     httpx.post(server.url + "/tts", json={"codes": codes(12), "format": "mp3"}, timeout=60)
     ms = server.metrics()
     assert metric(ms, "qtts_workers_alive") == 2
+    assert metric(ms, "qtts_capacity") == 2  # the autoscaler's denominator: 2 workers x 1
     assert metric(ms, "qtts_requests_waiting") == 0
     assert metric(ms, "qtts_requests_running") == 0
     assert metric(ms, "qtts_requests_total", route="/tts", outcome="ok") >= 10

@@ -129,7 +129,7 @@ def test_metrics_names_and_bounded_labels() -> None:
                  "qtts_request_queue_seconds_bucket", "qtts_request_duration_seconds_bucket",
                  "qtts_rtf_bucket", "qtts_requests_total", "qtts_audio_seconds_total",
                  "qtts_worker_restarts_total", "qtts_stream_gaps_total", "qtts_requests_running",
-                 "qtts_requests_waiting", "qtts_workers_alive", "qtts_build_info"):
+                 "qtts_requests_waiting", "qtts_workers_alive", "qtts_build_info", "qtts_capacity"):
         assert name in text, name
     for s in STAGES:
         assert f'stage="{s}"' in text
@@ -137,6 +137,8 @@ def test_metrics_names_and_bounded_labels() -> None:
         assert f'outcome="{o}"' in text
     assert "unknown_stage" not in text
     assert 'qtts_rtf_bucket{le="0.05"}' in text and 'qtts_rtf_bucket{le="4.0"}' in text
+    # the first-audio alert (deploy/prometheus/alerts.yml) counts this bucket edge
+    assert 'qtts_time_to_first_audio_seconds_bucket{le="2.0"}' in text
 
 
 def test_serve_refuses_bad_settings_in_one_line() -> None:
