@@ -42,6 +42,7 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from service.app import ModelInfo, create_app
+    from service.listen import bind
     from service.logs import setup_logging
     from service.settings import Settings
 
@@ -65,6 +66,12 @@ def run_serve(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"qtts serve: {settings.model}: {e.strerror or e}", file=sys.stderr)
         return 2
+    try:  # before any worker loads the model: a taken port fails now, not after the load
+        sock = bind(settings.host, settings.port)
+    except OSError as e:
+        print(f"qtts serve: cannot listen on {settings.host}:{settings.port}: "
+              f"{e.strerror or e} (QTTS_HOST / QTTS_PORT)", file=sys.stderr)
+        return 2
 
     app = create_app(settings, info)
     config = uvicorn.Config(
@@ -84,5 +91,5 @@ def run_serve(args: argparse.Namespace) -> int:
             super().handle_exit(sig, frame)
 
     server = DrainingServer(config)
-    server.run()
+    server.run(sockets=[sock])
     return 0 if server.started else 1

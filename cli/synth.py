@@ -99,7 +99,7 @@ def run_voices(model_path: str) -> int:
     print(f"model: {model.tts_model_type or 'custom_voice'} {model.tts_model_size or ''}".rstrip())
     print("voices:")
     for v in pb.voices:
-        dialect = pb.dialects.get(v)
+        dialect = pb.catalog.dialects.get(v)
         print(f"  {v}" + (f"  (speaks {dialect} for chinese/auto)" if dialect else ""))
     print("languages: " + ", ".join(pb.languages))
     print("instructions: " + ("honoured" if pb.honours_instruct else "not supported"))

@@ -33,9 +33,11 @@ class ConversionError(ModelFileError):
 
 
 class InputError(QttsError):
-    """A bad request input (codes, text, voice, ...). ``field`` names the offending field."""
+    """A bad request input (codes, text, voice, ...). ``field`` names the offending field;
+    ``code`` is the machine-readable reason an HTTP error body carries."""
 
-    def __init__(self, field: str, problem: str) -> None:
+    def __init__(self, field: str, problem: str, *, code: str = "invalid_value") -> None:
         self.field = field
         self.problem = problem
+        self.code = code
         super().__init__(f"{field}: {problem}")

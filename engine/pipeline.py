@@ -73,6 +73,7 @@ class SynthesisRequest:
     subtalker_top_k: int | None = None
     subtalker_top_p: float | None = None
     max_frames: int | None = None  # frame budget override (<= the pipeline's max_frames_cap)
+    frame_limit: int | None = None  # lowers the budget (formula or max_frames), never raises it
     chunk_max_frames: int | None = None
 
 
@@ -112,8 +113,9 @@ def as_request(obj: Any) -> SynthesisRequest | CodesRequest:
     """Accept our request types, or a duck-typed job with ``kind`` "text"/"codes".
 
     A job carries ``text``, ``voice``, ``language``, ``instruct``, ``max_frames``,
-    ``chunk_max_frames`` and optionally ``text_mode``, ``greedy`` and a ``sampling`` dict
-    (``seed``, ``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``, ...).
+    ``chunk_max_frames`` and optionally ``frame_limit``, ``text_mode``, ``greedy`` and a
+    ``sampling`` dict (``seed``, ``temperature``, ``top_k``, ``top_p``, ``repetition_penalty``,
+    ...).
     """
     if isinstance(obj, SynthesisRequest | CodesRequest):
         return obj
@@ -130,7 +132,8 @@ def as_request(obj: Any) -> SynthesisRequest | CodesRequest:
             language=getattr(obj, "language", None), instruct=getattr(obj, "instruct", None),
             text_mode=getattr(obj, "text_mode", None) or "full",
             seed=sampling.get("seed"), greedy=bool(getattr(obj, "greedy", False)),
-            max_frames=max_frames, chunk_max_frames=chunk, **kwargs,
+            max_frames=max_frames, frame_limit=getattr(obj, "frame_limit", None) or None,
+            chunk_max_frames=chunk, **kwargs,
         )
     raise TypeError(f"not a synthesis request: {type(obj).__name__}")
 
@@ -285,7 +288,7 @@ class Pipeline:
         params = self.defaults.with_overrides(
             greedy=req.greedy, **{k: getattr(req, k) for k in _SAMPLING_FIELDS})
         budget = frame_budget(prompt.n_text_tokens, req.max_frames, self.max_frames_cap,
-                              self._max_new_tokens)
+                              self._max_new_tokens, req.frame_limit)
         chunk_max = self._chunk_max(req)
         rng, seed = make_rng(req.seed)
         info.seed, info.budget = seed, budget

@@ -1,7 +1,7 @@
 """Audio encoders for streamed and whole-file responses, and time-stretch for ``speed``.
 
-Every encoder takes float32 mono chunks in [-1, 1] at 24 kHz and returns bytes as soon as the
-codec allows:
+Every encoder takes float32 mono chunks in [-1, 1] at the model's sample rate and returns bytes
+as soon as the codec allows:
 
 * ``pcm``  raw s16le, byte for byte what arrives.
 * ``wav``  one RIFF header, then s16le. Streamed: the header's sizes are 0xFFFFFFFF ("unknown",
@@ -23,8 +23,6 @@ from fractions import Fraction
 from typing import Any
 
 import numpy as np
-
-from service.settings import SAMPLE_RATE
 
 CONTENT_TYPES = {
     "wav": "audio/wav",
@@ -51,7 +49,7 @@ def to_s16(x: np.ndarray[Any, Any]) -> bytes:
     return out
 
 
-def wav_header(n_samples: int | None, sample_rate: int = SAMPLE_RATE) -> bytes:
+def wav_header(n_samples: int | None, sample_rate: int) -> bytes:
     """A 44-byte PCM s16 mono WAV header; ``None`` = streaming (sizes unknown: 0xFFFFFFFF)."""
     if n_samples is None:
         data_size = riff_size = 0xFFFFFFFF
@@ -87,18 +85,19 @@ class Encoder:
 class WavStreamEncoder(Encoder):
     format = "wav"
 
-    def __init__(self) -> None:
+    def __init__(self, sample_rate: int) -> None:
         self._started = False
+        self._rate = sample_rate
 
     def encode(self, chunk: np.ndarray[Any, Any]) -> bytes:
         head = b""
         if not self._started:
-            head = wav_header(None)
+            head = wav_header(None, self._rate)
             self._started = True
         return head + to_s16(chunk)
 
     def finish(self) -> bytes:
-        return b"" if self._started else wav_header(None)
+        return b"" if self._started else wav_header(None, self._rate)
 
 
 class _Sink:
@@ -120,7 +119,7 @@ class _Sink:
 class AvEncoder(Encoder):
     """mp3 / opus / aac / flac through ffmpeg (PyAV), incremental."""
 
-    def __init__(self, fmt: str, sample_rate: int = SAMPLE_RATE) -> None:
+    def __init__(self, fmt: str, sample_rate: int) -> None:
         import av
 
         self.format = fmt
@@ -169,31 +168,31 @@ class AvEncoder(Encoder):
                 pass
 
 
-def make_encoder(fmt: str) -> Encoder:
+def make_encoder(fmt: str, sample_rate: int) -> Encoder:
     """The streaming encoder of ``fmt`` (wav | pcm | flac | mp3 | opus | aac)."""
     if fmt == "pcm":
         return Encoder()
     if fmt == "wav":
-        return WavStreamEncoder()
+        return WavStreamEncoder(sample_rate)
     if fmt in _AV:
-        return AvEncoder(fmt)
+        return AvEncoder(fmt, sample_rate)
     raise ValueError(f"unknown audio format {fmt!r}")
 
 
-def encode_whole(fmt: str, audio: np.ndarray[Any, Any]) -> bytes:
-    """A complete file of ``audio`` (float32 mono 24 kHz) with exact sizes in its headers."""
+def encode_whole(fmt: str, audio: np.ndarray[Any, Any], sample_rate: int) -> bytes:
+    """A complete file of ``audio`` (float32 mono) with exact sizes in its headers."""
     if fmt == "pcm":
         return to_s16(audio)
     if fmt == "wav":
-        return wav_header(len(audio)) + to_s16(audio)
+        return wav_header(len(audio), sample_rate) + to_s16(audio)
     if fmt == "flac":
         # a seekable file lets the FLAC muxer write the total sample count and MD5
         import soundfile as sf
 
         buf = io.BytesIO()
-        sf.write(buf, np.clip(audio, -1, 1), SAMPLE_RATE, format="FLAC", subtype="PCM_16")
+        sf.write(buf, np.clip(audio, -1, 1), sample_rate, format="FLAC", subtype="PCM_16")
         return buf.getvalue()
-    enc = AvEncoder(fmt)
+    enc = AvEncoder(fmt, sample_rate)
     return enc.encode(audio) + enc.finish()
 
 
@@ -204,7 +203,7 @@ class TimeStretch:
     ``flush()`` the rest. Output length is input length / speed (within a few ms).
     """
 
-    def __init__(self, speed: float, sample_rate: int = SAMPLE_RATE) -> None:
+    def __init__(self, speed: float, sample_rate: int) -> None:
         import av.filter
 
         if not 0.25 <= speed <= 4.0:

@@ -17,19 +17,12 @@ from prometheus_client import (
     generate_latest,
 )
 
+from engine.timings import DECODER_STAGES, TALKER_STAGES
+
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
-STAGES = (
-    "quant",
-    "preconv",
-    "pretr",
-    "upsample",
-    "bigvgan",
-    "prefill",
-    "talker_step",
-    "code_predictor",
-    "encode",
-)
+# the engine's stages, as its workers report them, and the front end's own encoding
+STAGES = (*DECODER_STAGES, *TALKER_STAGES, "encode")
 PER_FRAME_STAGES = ("talker_step", "code_predictor")
 ROUTES = ("/tts", "/v1/audio/speech")
 OUTCOMES = (

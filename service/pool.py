@@ -1,15 +1,13 @@
 """The worker pool of the front end: processes, a bounded queue, cancellation, restarts, drain.
 
 One asyncio event loop owns all pool state. Each worker process has a duplex pipe and a reader
-thread that forwards its messages to the loop. A request is a ``Ticket``: it waits in the
-queue (at most ``queue_size`` wait; one more is refused at once), runs on one worker, and
-receives the worker's messages as events on its own asyncio queue:
-
-  ("chunk", audio, timings, frames) | ("done", info) | ("error", info) | ("worker_died", code)
-
-The HTTP side adds ("client_gone",) itself. A worker that dies (even SIGKILL) closes its pipe:
-the reader sees EOF, the ticket gets ``worker_died``, and a replacement starts. A worker that
-neither finishes nor dies within ``cancel_grace_seconds`` of a cancel is killed.
+thread that forwards its messages (service/protocol.py) to the loop. A request is a
+``Ticket``: it waits in the queue (at most ``queue_size`` wait; one more is refused at once),
+runs on one worker, and receives its job's ``Chunk`` / ``Done`` / ``Failed`` messages as events
+on its own asyncio queue. The HTTP side adds ``ClientGone`` and ``TimedOut`` itself. A worker
+that dies (even SIGKILL) closes its pipe: the reader sees EOF, the ticket gets ``WorkerDied``,
+and a replacement starts. A worker that neither finishes nor dies within
+``cancel_grace_seconds`` of a cancel is killed. Tickets and worker handles: service/handles.py.
 """
 
 from __future__ import annotations
@@ -22,16 +20,31 @@ import multiprocessing as mp
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from service.capacity import capacity
+from service.handles import Ticket, WorkerHandle
 from service.metrics import Metrics
-from service.schemas import Job
+from service.protocol import (
+    Chunk,
+    Done,
+    Failed,
+    Fatal,
+    FromWorker,
+    Job,
+    Ready,
+    RunJob,
+    StopWorker,
+    TicketState,
+    WorkerDied,
+    WorkerOptions,
+    WorkerState,
+)
 from service.settings import Settings
 from service.worker import worker_main
 
 log = logging.getLogger("qtts.pool")
+_ALIVE = (WorkerState.IDLE, WorkerState.BUSY)
 
 
 class PoolFull(Exception):
@@ -46,49 +59,13 @@ class PoolNotReady(Exception):
     """No worker is alive and the last start failed: waiting would not help."""
 
 
-@dataclass(eq=False)
-class Ticket:
-    """One request's life in the pool."""
-
-    job: Job
-    enqueued_at: float = field(default_factory=time.monotonic)
-    started_at: float | None = None
-    finished_at: float | None = None
-    worker: WorkerHandle | None = None
-    state: str = "waiting"  # waiting | running | finished
-    cancel_requested_at: float | None = None
-    events: asyncio.Queue[tuple[Any, ...]] = field(default_factory=asyncio.Queue)
-
-    @property
-    def queue_seconds(self) -> float | None:
-        return None if self.started_at is None else self.started_at - self.enqueued_at
-
-    def push(self, event: tuple[Any, ...]) -> None:
-        self.events.put_nowait(event)
-
-
-@dataclass(eq=False)
-class WorkerHandle:
-    index: int
-    process: Any
-    conn: Any
-    cancel: Any  # multiprocessing.Value('q'): id of the job to cancel
-    state: str = "starting"  # starting | idle | busy | dead
-    ticket: Ticket | None = None
-    info: dict[str, Any] = field(default_factory=dict)
-    started_at: float = field(default_factory=time.monotonic)
-    jobs_done: int = 0
-
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid  # type: ignore[no-any-return]
-
-
 class WorkerPool:
-    """``settings.workers`` processes behind a queue of ``settings.queue_size``."""
+    """``settings.workers`` processes behind a queue of ``settings.queue_size``;
+    ``max_frames_cap`` is the server's longest audio in the model's frames."""
 
-    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics, max_frames_cap: int) -> None:
         self.settings = settings
+        self.max_frames_cap = max_frames_cap
         self.metrics = metrics
         self._ctx = mp.get_context("spawn")
         self._ids = itertools.count(1)
@@ -115,13 +92,14 @@ class WorkerPool:
     def _spawn(self, index: int) -> None:
         parent, child = self._ctx.Pipe(duplex=True)
         cancel = self._ctx.Value("q", 0, lock=False)
-        env = self.settings.worker_env()
+        s = self.settings
+        opts = WorkerOptions(
+            index=index, model_path=str(s.model), precision=s.precision, env=s.worker_env(),
+            warmup_frames=s.warmup_frames, max_frames_cap=self.max_frames_cap,
+            chunk_max_frames=s.chunk_max_frames, pin_prefixes=s.pin_prefixes,
+        )
         proc = self._ctx.Process(
-            target=worker_main,
-            name=f"qtts-worker-{index}",
-            args=(child, cancel, index, str(self.settings.model), self.settings.precision, env,
-                  self.settings.warmup_frames, self.settings.max_frames,
-                  self.settings.chunk_max_frames),
+            target=worker_main, name=f"qtts-worker-{index}", args=(child, cancel, opts),
             daemon=True,
         )
         proc.start()
@@ -161,14 +139,14 @@ class WorkerPool:
         if self._watchdog:
             self._watchdog.cancel()
         for t in list(self._waiting):
-            t.push(("error", {"status": 503, "field": None, "message": "server shutting down"}))
+            t.push(Failed(t.job.id, 503, None, "server shutting down"))
         self._waiting.clear()
         workers = [w for w in self._workers if w is not None]
         for w in workers:
             try:
-                if w.state == "busy":
+                if w.state is WorkerState.BUSY:
                     w.cancel.value = w.ticket.job.id if w.ticket else -1
-                w.conn.send(("stop",))
+                w.conn.send(StopWorker())
             except (OSError, ValueError):
                 pass
         deadline = time.monotonic() + timeout
@@ -189,7 +167,7 @@ class WorkerPool:
         if self.draining:
             raise PoolDraining
         if self.last_fatal and not any(
-            w is not None and w.state in ("idle", "busy") for w in self._workers
+            w is not None and w.state in _ALIVE for w in self._workers
         ):
             raise PoolNotReady(self.last_fatal)
         idle = self._idle_worker()
@@ -203,22 +181,22 @@ class WorkerPool:
 
     def cancel(self, t: Ticket) -> None:
         """Stop a ticket's work: drop it from the queue, or tell its worker between chunks."""
-        if t.state == "waiting":
+        if t.state is TicketState.WAITING:
             try:
                 self._waiting.remove(t)
             except ValueError:
                 pass
-            t.state = "finished"
+            t.state = TicketState.FINISHED
             t.finished_at = time.monotonic()
             self._update_gauges()
-        elif t.state == "running" and t.worker is not None:
+        elif t.state is TicketState.RUNNING and t.worker is not None:
             if t.cancel_requested_at is None:
                 t.cancel_requested_at = time.monotonic()
                 t.worker.cancel.value = t.job.id
 
     def _idle_worker(self) -> WorkerHandle | None:
         for w in self._workers:
-            if w is not None and w.state == "idle":
+            if w is not None and w.state is WorkerState.IDLE:
                 return w
         return None
 
@@ -228,65 +206,67 @@ class WorkerPool:
             if w is None:
                 return
             t = self._waiting.popleft()
-            t.state = "running"
+            t.state = TicketState.RUNNING
             t.started_at = time.monotonic()
             t.worker = w
-            w.state = "busy"
+            w.state = WorkerState.BUSY
             w.ticket = t
             try:
-                w.conn.send(("job", t.job))
+                w.conn.send(RunJob(t.job))
             except (OSError, ValueError):
                 # it died between its last message and now: the reader will report the exit
                 pass
         self._update_gauges()
 
     # ---- worker messages -------------------------------------------------------------------
-    def _on_message(self, w: WorkerHandle, msg: tuple[Any, ...]) -> None:
-        kind = msg[0]
-        if kind == "ready":
-            w.info = msg[1]
-            w.state = "idle"
-            self._start_failures[w.index] = 0
-            self.last_fatal = None
-            self.backend = self.backend or str(w.info.get("backend"))
-            log.info(
-                "worker %d ready (pid %s, backend %s, load %.2fs, warm-up %.2fs)",
-                w.index, w.pid, w.info.get("backend"), w.info.get("load_seconds", 0),
-                w.info.get("warmup_seconds", 0),
-            )
-            self._dispatch()
-        elif kind == "fatal":
-            self.last_fatal = str(msg[1])
-            log.error("worker %d failed to start: %s", w.index, msg[1])
-        elif kind in ("chunk", "done", "error"):
-            t = w.ticket
-            if t is None or t.job.id != msg[1]:
-                return  # a late message of a ticket already given up
-            if kind == "chunk":
-                t.push(("chunk", msg[2], msg[3], msg[4]))
-                return
-            t.push((kind, msg[2]))
-            t.state = "finished"
-            t.finished_at = time.monotonic()
-            w.ticket = None
-            w.jobs_done += 1
-            if not self.stopping:
-                w.state = "idle"
-                self._dispatch()
+    def _on_message(self, w: WorkerHandle, msg: FromWorker) -> None:
+        match msg:
+            case Ready():
+                self._on_ready(w, msg)
+            case Fatal(message=message):
+                self.last_fatal = message
+                log.error("worker %d failed to start: %s", w.index, message)
+            case Chunk() | Done() | Failed():
+                self._on_job_message(w, msg)
         self._update_gauges()
+
+    def _on_ready(self, w: WorkerHandle, msg: Ready) -> None:
+        w.info = msg
+        w.state = WorkerState.IDLE
+        self._start_failures[w.index] = 0
+        self.last_fatal = None
+        self.backend = self.backend or msg.backend
+        log.info("worker %d ready (pid %s, backend %s, load %.2fs, warm-up %.2fs)",
+                 w.index, w.pid, msg.backend, msg.load_seconds, msg.warmup_seconds)
+        self._dispatch()
+
+    def _on_job_message(self, w: WorkerHandle, msg: Chunk | Done | Failed) -> None:
+        t = w.ticket
+        if t is None or t.job.id != msg.job_id:
+            return  # a late message of a ticket already given up
+        t.push(msg)
+        if isinstance(msg, Chunk):
+            return
+        t.state = TicketState.FINISHED
+        t.finished_at = time.monotonic()
+        w.ticket = None
+        w.jobs_done += 1
+        if not self.stopping:
+            w.state = WorkerState.IDLE
+            self._dispatch()
 
     def _on_exit(self, w: WorkerHandle) -> None:
         if self._workers[w.index] is not w:
             return
-        was_ready = w.state in ("idle", "busy")
-        w.state = "dead"
+        was_ready = w.state in _ALIVE
+        w.state = WorkerState.DEAD
         code = w.process.exitcode
         t = w.ticket
         w.ticket = None
-        if t is not None and t.state == "running":
-            t.state = "finished"
+        if t is not None and t.state is TicketState.RUNNING:
+            t.state = TicketState.FINISHED
             t.finished_at = time.monotonic()
-            t.push(("worker_died", code))
+            t.push(WorkerDied(code))
         try:
             w.conn.close()
         except OSError:
@@ -325,14 +305,16 @@ class WorkerPool:
             await asyncio.sleep(0.25)
             now = time.monotonic()
             for w in self._workers:
-                if w is None or w.state == "dead":
+                if w is None or w.state is WorkerState.DEAD:
                     continue
                 t = w.ticket
                 stuck_cancel = (
-                    w.state == "busy" and t is not None and t.cancel_requested_at is not None
+                    w.state is WorkerState.BUSY and t is not None
+                    and t.cancel_requested_at is not None
                     and now - t.cancel_requested_at > s.cancel_grace_seconds
                 )
-                stuck_start = w.state == "starting" and now - w.started_at > s.worker_start_timeout
+                stuck_start = (w.state is WorkerState.STARTING
+                               and now - w.started_at > s.worker_start_timeout)
                 if (stuck_cancel or stuck_start) and w.process.is_alive():
                     log.error("worker %d (pid %s) unresponsive: killing it", w.index, w.pid)
                     try:
@@ -342,8 +324,8 @@ class WorkerPool:
 
     # ---- state -----------------------------------------------------------------------------
     def _update_gauges(self) -> None:
-        alive = sum(1 for w in self._workers if w is not None and w.state in ("idle", "busy"))
-        busy = sum(1 for w in self._workers if w is not None and w.state == "busy")
+        alive = sum(1 for w in self._workers if w is not None and w.state in _ALIVE)
+        busy = self.busy
         self.metrics.workers_alive.set(alive)
         self.metrics.running.set(busy)
         self.metrics.waiting.set(len(self._waiting))
@@ -357,7 +339,7 @@ class WorkerPool:
     def ready(self) -> bool:
         """Every worker loaded and warm (and not shutting down)."""
         return not self.draining and all(
-            w is not None and w.state in ("idle", "busy") for w in self._workers
+            w is not None and w.state in _ALIVE for w in self._workers
         )
 
     @property
@@ -366,11 +348,11 @@ class WorkerPool:
 
     @property
     def busy(self) -> int:
-        return sum(1 for w in self._workers if w is not None and w.state == "busy")
+        return sum(1 for w in self._workers if w is not None and w.state is WorkerState.BUSY)
 
     def describe(self) -> list[dict[str, Any]]:
         return [
-            {"index": i, "pid": w.pid, "state": w.state, "jobs_done": w.jobs_done}
+            {"index": i, "pid": w.pid, "state": str(w.state), "jobs_done": w.jobs_done}
             if w is not None else {"index": i, "pid": None, "state": "absent", "jobs_done": 0}
             for i, w in enumerate(self._workers)
         ]

@@ -1,43 +1,19 @@
-"""Request bodies of the HTTP API and the job a worker receives.
+"""Request bodies of the HTTP API.
 
-Static checks live on the pydantic models (types, ranges, codes shape); checks that need the
-server settings or the loaded model (caps, voices, languages, talker) live in ``app.py``.
+Static checks live on the pydantic models (types, ranges); checks that need the server settings
+or the model (caps, the codes' shape and ids, voices, languages, talker) live in
+``validation.py``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Literal
 
-import numpy as np
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 FORMATS = ("wav", "pcm", "flac", "mp3", "opus", "aac")
 AudioFormat = Literal["wav", "pcm", "flac", "mp3", "opus", "aac"]
-N_CODEBOOKS = 16
-CODEBOOK_SIZE = 2048
-
-
-def _check_codes(v: list[list[int]] | None) -> list[list[int]] | None:
-    if v is None:
-        return v
-    if len(v) != N_CODEBOOKS:
-        raise ValueError(f"expected {N_CODEBOOKS} rows (one per codebook), got {len(v)}")
-    n = len(v[0])
-    if n == 0:
-        raise ValueError("no frames: each row must hold at least one code")
-    for i, row in enumerate(v):
-        if len(row) != n:
-            raise ValueError(f"row {i} has {len(row)} codes, row 0 has {n}: rows must be equal")
-    a = np.asarray(v, dtype=np.int64)
-    bad = np.argwhere((a < 0) | (a >= CODEBOOK_SIZE))
-    if len(bad):
-        i, j = (int(x) for x in bad[0])
-        raise ValueError(f"code {a[i, j]} at [{i}][{j}] is outside 0..{CODEBOOK_SIZE - 1}")
-    return v
-
-
-Codes = Annotated[list[list[StrictInt]] | None, AfterValidator(_check_codes)]
+Codes = list[list[StrictInt]] | None
 
 
 class Sampling(BaseModel):
@@ -51,13 +27,14 @@ class Sampling(BaseModel):
 
 
 class TTSRequest(Sampling):
-    """``POST /tts``: synthesize ``text``, or decode ``codes`` [16, T] (decoder-only use)."""
+    """``POST /tts``: synthesize ``text``, or decode ``codes`` [codebooks, T] (decoder-only use)."""
 
     model_config = ConfigDict(extra="forbid")
 
     text: str | None = Field(default=None, description="text to speak (needs a talker model)")
     codes: Codes = Field(
-        default=None, description="codec frames [16][T], ids 0..2047, instead of text"
+        default=None, description="codec frames [codebooks][T] (16 rows of ids 0..2047 for "
+        "Qwen3-TTS), instead of text"
     )
     voice: str | None = Field(default=None, description="speaker name (GET /v1/audio/voices)")
     language: str | None = Field(default=None, description="language name, e.g. english")
@@ -86,7 +63,7 @@ class SpeechRequest(Sampling):
     speed: float = Field(default=1.0, ge=0.25, le=4.0, description="0.25..4.0 (time-stretch)")
     stream_format: Literal["audio", "sse"] = Field(default="audio", description="audio | sse")
     # qtts extensions (send with the openai client's extra_body)
-    codes: Codes = Field(default=None, description="qtts: frames [16][T]")
+    codes: Codes = Field(default=None, description="qtts: frames [codebooks][T]")
     language: str | None = Field(default=None, description="qtts: language name")
     stream: bool = Field(default=True, description="qtts: false = one file with Content-Length")
     max_seconds: float | None = Field(default=None, gt=0, description="qtts: cap on audio")
@@ -94,19 +71,3 @@ class SpeechRequest(Sampling):
     @property
     def voice_name(self) -> str:
         return self.voice.id if isinstance(self.voice, VoiceRef) else self.voice
-
-
-@dataclass
-class Job:
-    """What a worker receives: one synthesis, already validated."""
-
-    id: int
-    kind: Literal["codes", "text"]
-    codes: np.ndarray[Any, Any] | None = None  # int32 [16, T]
-    text: str | None = None
-    voice: str | None = None
-    language: str | None = None
-    instruct: str | None = None
-    sampling: dict[str, Any] = field(default_factory=dict)
-    max_frames: int = 0
-    chunk_max_frames: int = 8

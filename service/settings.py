@@ -1,7 +1,8 @@
 """Service settings: every knob is a ``QTTS_`` environment variable, read once at start.
 
 The engine reads its own variables (``QTTS_BACKEND``, ``QTTS_DEVICE``, ...) from the environment
-each worker process inherits; ``threads_per_worker`` is handed to it as ``QTTS_THREADS``.
+each worker process inherits; ``threads_per_worker`` is handed to it as ``QTTS_THREADS``. Facts
+of the model (sample rate, frames per second, codebooks) are not settings: see model_info.py.
 """
 
 from __future__ import annotations
@@ -12,10 +13,6 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
-
-FRAME_RATE = 12.5  # codec frames per second of audio
-SAMPLE_RATE = 24000
-SAMPLES_PER_FRAME = 1920
 
 
 class Settings(BaseSettings):
@@ -73,11 +70,14 @@ class Settings(BaseSettings):
     precision: Literal["fast", "exact"] = Field(
         default="fast", description="decoder precision `fast` (BF16 kernels) or `exact` (F32)"
     )
-    chunk_max_frames: int = Field(
-        default=16,
+    chunk_max_frames: int | None = Field(
+        default=None,
         ge=1,
         le=256,
-        description="largest chunk of the decoder ramp 1, 2, 4, 8, ... frames (doubling up to it)",
+        description=(
+            "largest chunk of the decoder ramp 1, 2, 4, 8, 16, 16, ... frames (unset: the "
+            "engine's default, 16)"
+        ),
     )
     drain_seconds: float = Field(
         default=30.0, ge=0, description="on SIGTERM, how long in-flight requests may finish"
@@ -122,17 +122,12 @@ class Settings(BaseSettings):
             raise ValueError("one of debug, info, warning, error, critical")
         return v
 
-    @property
-    def max_frames(self) -> int:
-        return int(self.max_audio_seconds * FRAME_RATE)
-
     def worker_env(self) -> dict[str, str]:
         """Extra environment for a worker process (the engine's own variables)."""
         env: dict[str, str] = {}
         env["QTTS_LOG_FORMAT"] = self.log_format
         env["QTTS_LOG_LEVEL"] = self.log_level
         env["QTTS_THREADS"] = str(self.threads_for_workers())
-        env["QTTS_PIN_PREFIXES"] = "1" if self.pin_prefixes else "0"
         return env
 
     def threads_for_workers(self) -> int:

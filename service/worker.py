@@ -1,12 +1,8 @@
 """The worker process: loads the model once, warms up, then synthesizes one job at a time.
 
-It talks to the front end over one duplex pipe (pickled tuples):
-
-  front end -> worker   ("job", Job) | ("stop",)
-  worker -> front end   ("ready", info) | ("fatal", message)
-                        ("chunk", job_id, float32 audio, {stage: seconds}, frames)
-                        ("done", job_id, {"finish": "ok"|"truncated_no_eos"|"cancelled", ...})
-                        ("error", job_id, {"status": int, "field": str|None, "message": str})
+It talks to the front end over one duplex pipe with the messages of service/protocol.py:
+``RunJob`` / ``StopWorker`` in; ``Ready`` or ``Fatal`` once, then ``Chunk``* and ``Done`` or
+``Failed`` per job out.
 
 Cancellation is a shared 64-bit integer: the front end writes the id of the job to stop, the
 worker's pipeline compares it with its current job before every talker step and decoder push.
@@ -21,36 +17,47 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Generator, Mapping
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
-from service.schemas import Job
+from service.protocol import (
+    Chunk,
+    Done,
+    Failed,
+    Fatal,
+    Finish,
+    Job,
+    Ready,
+    RunJob,
+    StopWorker,
+    WorkerOptions,
+)
 
-Chunk = tuple[np.ndarray[Any, Any], dict[str, float], int]
+Piece = tuple[np.ndarray[Any, Any], dict[str, float], int]
 
 
 class Synthesizer:
     """The model, its backends, its decoder and the engine's Pipeline (text and codes)."""
 
-    def __init__(self, model_path: str, precision: Literal["fast", "exact"],
-                 env: Mapping[str, str], max_frames_cap: int, chunk_max_frames: int) -> None:
+    def __init__(self, opts: WorkerOptions, env: Mapping[str, str]) -> None:
         from engine.backend import BackendSet
         from engine.decoder import DecoderModel
         from engine.gguf_model import open_model
-        from engine.pipeline import Pipeline
+        from engine.pipeline import DEFAULT_CHUNK_MAX_FRAMES, Pipeline
 
-        self.model = open_model(model_path)
+        self.model = open_model(opts.model_path)
         self.backends = BackendSet.from_env(env)
-        self.decoder = DecoderModel.load(self.model, self.backends, precision=precision)
-        self.pipeline = Pipeline(self.model, self.backends, self.decoder,
-                                 max_frames_cap=max_frames_cap, chunk_max_frames=chunk_max_frames)
+        self.decoder = DecoderModel.load(self.model, self.backends, precision=opts.precision)
+        self.pipeline = Pipeline(
+            self.model, self.backends, self.decoder, max_frames_cap=opts.max_frames_cap,
+            chunk_max_frames=opts.chunk_max_frames or DEFAULT_CHUNK_MAX_FRAMES)
 
     @property
     def backend_name(self) -> str:
         return str(getattr(self.backends, "name", "unknown"))
 
-    def warm_up(self, frames: int) -> float:
+    def warm_up(self, frames: int, pin_prefixes: bool) -> float:
         """Decode a few frames and build the talker's cached graphs, so the first request does
         not pay graph building and page faults."""
         from engine.decoder import StreamingDecoder
@@ -58,14 +65,16 @@ class Synthesizer:
         t0 = time.perf_counter()
         if frames > 0:
             sd = StreamingDecoder(self.decoder)
-            codes = np.zeros((16, frames), dtype=np.int32)
+            assert self.model.decoder_config is not None
+            rows = self.model.decoder_config.num_quantizers
+            codes = np.zeros((rows, frames), dtype=np.int32)
             sd.push(codes[:, :1])
             if frames > 1:
                 sd.push(codes[:, 1:])
-        self.pipeline.warm_up(pin_prefixes=os.environ.get("QTTS_PIN_PREFIXES", "1") != "0")
+        self.pipeline.warm_up(pin_prefixes=pin_prefixes)
         return time.perf_counter() - t0
 
-    def stream(self, job: Job, cancelled: Callable[[], bool]) -> Generator[Chunk, None, str]:
+    def stream(self, job: Job, cancelled: Callable[[], bool]) -> Generator[Piece, None, Finish]:
         """Audio chunks of ``job`` as they are decoded; returns the pipeline's outcome:
         "ok", "truncated_no_eos" (frame budget spent without end of speech) or "cancelled".
         The pipeline checks ``cancelled`` before every talker step and decoder push."""
@@ -74,7 +83,7 @@ class Synthesizer:
             try:
                 audio, timings, n = next(gen)
             except StopIteration as stop:
-                return str(stop.value or "ok")
+                return Finish(stop.value or "ok")
             yield np.asarray(audio, dtype=np.float32), _timings(timings), int(n)
 
 
@@ -91,46 +100,28 @@ def _timings(t: Any) -> dict[str, float]:
     return {str(k): float(v) for k, v in d.items() if v}
 
 
-def worker_main(
-    conn: Any,
-    cancel: Any,
-    index: int,
-    model_path: str,
-    precision: Literal["fast", "exact"],
-    env: dict[str, str],
-    warmup_frames: int,
-    max_frames_cap: int,
-    chunk_max_frames: int,
-) -> None:
-    """Entry point of a worker process (``multiprocessing`` spawn)."""
+def worker_main(conn: Any, cancel: Any, opts: WorkerOptions) -> None:
+    """Entry point of a worker process (``multiprocessing`` spawn). ``conn``: its end of the
+    pipe; ``cancel``: the shared id of the job to stop."""
     # Ctrl-C reaches the whole process group: the front end decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # SIGTERM (e.g. systemd signalling the whole group while the front end drains): an idle
     # worker exits at once, a busy one finishes its request first.
     signal.signal(signal.SIGTERM, _on_sigterm)
-    os.environ.update(env)
+    os.environ.update(opts.env)
     from service.logs import setup_logging
 
-    setup_logging(env.get("QTTS_LOG_FORMAT", "text"), env.get("QTTS_LOG_LEVEL", "info"))
+    setup_logging(opts.env.get("QTTS_LOG_FORMAT", "text"), opts.env.get("QTTS_LOG_LEVEL", "info"))
     try:
         t0 = time.perf_counter()
-        synth = Synthesizer(model_path, precision, os.environ, max_frames_cap, chunk_max_frames)
-        warm = synth.warm_up(warmup_frames)
-        conn.send(
-            (
-                "ready",
-                {
-                    "pid": os.getpid(),
-                    "index": index,
-                    "backend": synth.backend_name,
-                    "load_seconds": time.perf_counter() - t0,
-                    "warmup_seconds": warm,
-                },
-            )
-        )
+        synth = Synthesizer(opts, os.environ)
+        load = time.perf_counter() - t0
+        warm = synth.warm_up(opts.warmup_frames, opts.pin_prefixes)
+        conn.send(Ready(pid=os.getpid(), index=opts.index, backend=synth.backend_name,
+                        load_seconds=load, warmup_seconds=warm))
     except Exception as e:
         try:
-            conn.send(("fatal", f"{type(e).__name__}: {e}"))
+            conn.send(Fatal(f"{type(e).__name__}: {e}"))
         finally:
             sys.exit(1)
 
@@ -139,18 +130,17 @@ def worker_main(
             msg = conn.recv()
         except (EOFError, OSError):
             return  # front end gone
-        if msg[0] == "stop":
-            return
-        if msg[0] != "job":
-            continue
-        job: Job = msg[1]
-        _STATE["busy"] = True
-        try:
-            _run_job(conn, cancel, synth, job)
-        except (BrokenPipeError, EOFError, ConnectionResetError):
-            return  # front end gone mid-request
-        finally:
-            _STATE["busy"] = False
+        match msg:
+            case StopWorker():
+                return
+            case RunJob(job=job):
+                _STATE["busy"] = True
+                try:
+                    _run_job(conn, cancel, synth, job)
+                except (BrokenPipeError, EOFError, ConnectionResetError):
+                    return  # front end gone mid-request
+                finally:
+                    _STATE["busy"] = False
 
 
 _STATE = {"busy": False, "term": False}
@@ -176,23 +166,17 @@ def _run_job(conn: Any, cancel: Any, synth: Synthesizer, job: Job) -> None:
             try:
                 audio, timings, n = next(gen)
             except StopIteration as stop:
-                finish = stop.value or "ok"
+                finish = stop.value
                 break
             frames += n
-            conn.send(("chunk", job.id, audio, timings, n))
-        conn.send(
-            ("done", job.id, {"finish": finish, "frames": frames,
-                              "seconds": time.perf_counter() - t0})
-        )
+            conn.send(Chunk(job.id, audio, timings, n))
+        conn.send(Done(job.id, finish, frames, time.perf_counter() - t0))
     except InputError as e:
-        conn.send(("error", job.id, {"status": 400, "field": e.field, "message": str(e)}))
+        conn.send(Failed(job.id, 400, e.field, str(e), e.code))
     except QttsError as e:
-        conn.send(("error", job.id, {"status": 500, "field": None, "message": str(e)}))
+        conn.send(Failed(job.id, 500, None, str(e)))
     except (BrokenPipeError, EOFError, ConnectionResetError):
         raise
     except Exception as e:
         traceback.print_exc(file=sys.stderr)
-        conn.send(
-            ("error", job.id, {"status": 500, "field": None,
-                               "message": f"internal error: {type(e).__name__}"})
-        )
+        conn.send(Failed(job.id, 500, None, f"internal error: {type(e).__name__}"))

@@ -1,6 +1,7 @@
 """Talker LLM, code predictor, KV cache, sampling, and the text prompt (spec §3).
 
 Public names: ``TalkerModel`` (weights + graphs), ``PromptBuilder`` / ``Prompt`` (text side),
+``VoiceCatalog`` (voices, languages, instructions a request may ask for),
 ``SamplingParams`` (sampling settings), ``generate_frames`` / ``frame_budget`` (the frame loop).
 """
 
@@ -14,8 +15,9 @@ from engine.talker.generate import (
     generate_frames,
 )
 from engine.talker.model import KV_TYPES, PrefillOut, TalkerModel
-from engine.talker.prompt import TEXT_MODES, Prompt, PromptBuilder, TextMode, instruct_supported
+from engine.talker.prompt import TEXT_MODES, Prompt, PromptBuilder, TextMode
 from engine.talker.sampling import SamplingParams, make_rng
+from engine.talker.voices import VoiceCatalog, instruct_supported
 
 __all__ = [
     "KV_TYPES",
@@ -31,6 +33,7 @@ __all__ = [
     "TalkerModel",
     "TextMode",
     "Trace",
+    "VoiceCatalog",
     "frame_budget",
     "generate_frames",
     "instruct_supported",

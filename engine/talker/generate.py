@@ -21,7 +21,7 @@ Frame budget (documented in docs/talker.md): ``budget = 40 + 12 * n_text_tokens`
 (3.2 s plus ~1 s per text token; speech runs at ~3-5 frames per token in every supported
 language, so this is a runaway guard, not a length limit), replaced by the request's
 ``max_frames`` when given (at most the server cap), and never above the hard cap
-``min(server cap, generation max_new_tokens - 1)``.
+``min(server cap, generation max_new_tokens - 1, the request's frame_limit)``.
 """
 
 from __future__ import annotations
@@ -49,9 +49,12 @@ DEFAULT_MAX_FRAMES_CAP = 4096  # server cap: 327.7 s of audio
 
 
 def frame_budget(n_text_tokens: int, requested: int | None, server_cap: int,
-                 max_new_tokens: int) -> int:
-    """Frames a request may generate (see the module docstring); ``InputError`` if over cap."""
+                 max_new_tokens: int, limit: int | None = None) -> int:
+    """Frames a request may generate (see the module docstring); ``InputError`` if over cap.
+    ``limit`` (a client's longest audio) lowers the budget and never raises it."""
     hard_cap = max(1, min(server_cap, max_new_tokens - 1))
+    if limit is not None and limit > 0:
+        hard_cap = min(hard_cap, limit)
     if requested is not None and requested != 0:
         if requested < 0:
             raise InputError("max_frames", f"must be >= 1, got {requested}")

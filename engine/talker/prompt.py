@@ -20,7 +20,8 @@ Layout, exactly as ``Qwen3TTSForConditionalGeneration.generate`` builds it:
    ``T(w_0) + C(bos)`` and the trailing text is ``[w_1 .. w_{n-1}, EOS]``, one per frame.
 
 A dialect speaker (``eric`` -> sichuan_dialect, ``dylan`` -> beijing_dialect) speaking Chinese or
-"auto" uses the dialect's language id. Instructions: see :func:`instruct_supported`.
+"auto" uses the dialect's language id. The voice, language and instruction rules live in
+engine/talker/voices.py (``VoiceCatalog``), which the service's front end applies too.
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ import numpy as np
 import numpy.typing as npt
 
 from engine.errors import InputError
+from engine.talker.voices import VoiceCatalog
 
 TextMode = Literal["full", "stream"]
 TEXT_MODES: tuple[str, ...] = ("full", "stream")
-AUTO = "auto"
 
 # The reference relies on these token counts (spec §3.4); they hold for the Qwen2 tokenizer.
 ROLE_TOKENS = 3  # "<|im_start|>", "assistant", "\n"
@@ -83,18 +84,6 @@ class Prompt:
         return int(self.text_ids.shape[0])
 
 
-def instruct_supported(model_type: str, model_size: str) -> bool:
-    """Whether the model honours style instructions.
-
-    VoiceDesign models always do (the instruction *is* the voice). CustomVoice models do only at
-    1.7B: the reference wrapper drops instructions when ``tts_model_size in "0b6"`` (which also
-    matches an empty size), and so does this function.
-    """
-    if model_type == "voice_design":
-        return True
-    return model_type == "custom_voice" and model_size not in "0b6"
-
-
 class PromptBuilder:
     """Validates a request's text/voice/language/instruction and builds its :class:`Prompt`.
 
@@ -109,15 +98,14 @@ class PromptBuilder:
         self.tokenizer = model.tokenizer()
         self.cfg = model.talker_config
         self.special = model.special_ids
+        self.catalog = VoiceCatalog.from_model(model)
         self.speakers: dict[str, int] = dict(model.speakers)
-        self.dialects: dict[str, str] = dict(model.dialects)
-        self.all_languages: dict[str, int] = dict(model.languages)
-        self.model_type: str = model.tts_model_type or "custom_voice"
-        self.model_size: str = model.tts_model_size
+        self.model_type: str = self.catalog.model_type
+        self.model_size: str = self.catalog.model_size
         self.ignore_unsupported_instruct = ignore_unsupported_instruct
         self._role_ids = self.encode("<|im_start|>assistant\n")
 
-    # -- what a request may ask for ---------------------------------------------------------
+    # -- what a request may ask for (the rules live in engine/talker/voices.py) -------------
 
     @property
     def languages(self) -> list[str]:
@@ -125,17 +113,17 @@ class PromptBuilder:
 
         Dialects are reached through their speakers, as in the reference wrapper.
         """
-        return [AUTO, *sorted(n for n in self.all_languages if "dialect" not in n)]
+        return self.catalog.languages
 
     @property
     def voices(self) -> list[str]:
         """Speaker names (lower case), sorted."""
-        return sorted(self.speakers)
+        return self.catalog.voices
 
     @property
     def honours_instruct(self) -> bool:
         """Whether this model uses instructions (see :func:`instruct_supported`)."""
-        return instruct_supported(self.model_type, self.model_size)
+        return self.catalog.honours_instruct
 
     def encode(self, s: str) -> list[int]:
         """Token ids of ``s`` (no BOS is ever added: the Qwen2 tokenizer has none)."""
@@ -143,52 +131,15 @@ class PromptBuilder:
 
     def resolve_voice(self, voice: str | None) -> str | None:
         """The lower-cased speaker name, or an ``InputError`` listing the valid ones."""
-        if self.model_type == "base":
-            raise InputError(
-                "voice", "this is a Base (voice-clone) model; voice cloning is not supported yet"
-            )
-        if self.model_type == "voice_design":
-            if voice:
-                raise InputError(
-                    "voice", "a VoiceDesign model has no named voices; describe the voice in "
-                    "`instruct` instead"
-                )
-            return None
-        if not voice:
-            raise InputError("voice", f"is required; choose one of: {', '.join(self.voices)}")
-        name = voice.strip().lower()
-        if name not in self.speakers:
-            raise InputError(
-                "voice", f"unknown voice {voice!r}; choose one of: {', '.join(self.voices)}"
-            )
-        return name
+        return self.catalog.resolve_voice(voice)
 
     def resolve_language(self, language: str | None) -> str:
         """The lower-cased language name ("auto" for None), or an ``InputError``."""
-        if language is None or not language.strip():
-            return AUTO
-        name = language.strip().lower()
-        if name not in self.languages:
-            raise InputError(
-                "language",
-                f"unknown language {language!r}; choose one of: {', '.join(self.languages)}",
-            )
-        return name
+        return self.catalog.resolve_language(language)
 
     def resolve_instruct(self, instruct: str | None) -> str | None:
         """The instruction to use (None for none), or an ``InputError`` if unsupported."""
-        if instruct is None or instruct == "":
-            return None  # the reference treats an empty instruction as none (also VoiceDesign)
-        if not self.honours_instruct:
-            if self.ignore_unsupported_instruct:
-                return None
-            size = self.model_size or "unknown size"
-            raise InputError(
-                "instruct",
-                f"this {self.model_type} model ({size}) does not honour style instructions "
-                "(only 1.7B CustomVoice and VoiceDesign models do); omit it",
-            )
-        return instruct
+        return self.catalog.resolve_instruct(instruct, self.ignore_unsupported_instruct)
 
     # -- the prompt -------------------------------------------------------------------------
 
@@ -218,9 +169,7 @@ class PromptBuilder:
             raise InputError("text", "tokenises to no text tokens between the chat markers")
         words = ids[ROLE_TOKENS:-TAIL_TOKENS]
 
-        lang_id: int | None = None if lang == AUTO else self.all_languages[lang]
-        if spk is not None and lang in ("chinese", AUTO) and spk in self.dialects:
-            lang_id = self.all_languages[self.dialects[spk]]
+        lang_id = self.catalog.language_id(spk, lang)
         if lang_id is None:
             prefix = [cfg.codec_nothink_id, cfg.codec_think_bos_id, cfg.codec_think_eos_id]
         else:

@@ -953,7 +953,7 @@ def _write_gguf(
         total = sum(p.nbytes for p in plan)
         bar = tqdm(
             total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="convert",
-            disable=not progress, leave=False,
+            disable=None if progress else True, leave=False,  # None: only on a TTY
         )  # fmt: skip
         with bar:
             for i, p in enumerate(plan, start=1):

@@ -534,7 +534,7 @@ def make_checkpoint(
             (out / rel).write_text(json.dumps(obj, indent=2, ensure_ascii=False), encoding="utf-8")
         with tqdm(
             total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="make-model",
-            disable=not progress, leave=False,
+            disable=None if progress else True, leave=False,  # None: only on a TTY
         ) as bar:  # fmt: skip
             _write_safetensors(
                 out / "speech_tokenizer" / "model.safetensors", dec_tensors, "F32", seed, bar

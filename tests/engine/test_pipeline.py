@@ -26,7 +26,7 @@ from engine.pipeline import (
 )
 from engine.timings import DECODER_STAGES
 from engine.tools.convert import convert
-from service.schemas import Job  # the object a worker hands the pipeline
+from service.protocol import Job  # the object a worker hands the pipeline
 
 FRAME = 1920
 # Streamed vs one-pass decode differ by float rounding only; the synthetic tiny decoder runs

@@ -126,6 +126,10 @@ def test_frame_budget_formula_and_caps() -> None:
     assert frame_budget(10, 7, 4096, 8192) == 7
     assert frame_budget(1000, None, 300, 8192) == 300  # server cap
     assert frame_budget(1000, None, 4096, 201) == 200  # generation_config max_new_tokens - 1
+    # a limit (a client's max_seconds) lowers the formula's budget and never raises it
+    assert frame_budget(10, None, 4096, 8192, limit=25) == 25
+    assert frame_budget(10, None, 4096, 8192, limit=1000) == frame_budget(10, None, 4096, 8192)
+    assert frame_budget(10, 300, 4096, 8192, limit=25) == 25
     with pytest.raises(InputError) as err:
         frame_budget(10, 5000, 4096, 8192)
     assert err.value.field == "max_frames"

@@ -10,12 +10,8 @@ import pytest
 
 from engine.errors import InputError
 from engine.gguf_model import open_model
-from engine.talker.prompt import (
-    PromptBuilder,
-    assistant_text,
-    instruct_supported,
-    instruct_text,
-)
+from engine.talker.prompt import PromptBuilder, assistant_text, instruct_text
+from engine.talker.voices import instruct_supported
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,11 @@ import pydantic
 import pytest
 
 from service.audio import TimeStretch, encode_whole, make_encoder, wav_header
+from service.errors import ApiError
 from service.metrics import OUTCOMES, STAGES, Metrics
 from service.schemas import SpeechRequest, TTSRequest
 from service.settings import Settings
+from service.validation import check_codes
 from tests.service.helpers import decoded_seconds
 
 SR = 24000
@@ -36,7 +38,6 @@ def test_settings_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     s = Settings()
     assert (s.workers, s.threads_per_worker, s.api_key, s.log_format) == (3, 2, "k", "json")
     assert s.worker_env()["QTTS_THREADS"] == "2"
-    assert s.max_frames == int(s.max_audio_seconds * 12.5)
     monkeypatch.setenv("QTTS_WORKERS", "0")
     with pytest.raises(pydantic.ValidationError, match="workers"):
         Settings()
@@ -45,10 +46,6 @@ def test_settings_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize(
     ("body", "field", "needle"),
     [
-        ({"codes": [[1, 2]] * 15}, "codes", "expected 16 rows"),
-        ({"codes": [[1, 2]] * 15 + [[1]]}, "codes", "row 15 has 1 codes"),
-        ({"codes": [[]] * 16}, "codes", "no frames"),
-        ({"codes": [[0, 2048]] * 16}, "codes", "code 2048 at [0][1]"),
         ({"codes": [["a", 1]] * 16}, "codes", "valid integer"),
         ({"codes": [[1.5, 1]] * 16}, "codes", "valid integer"),
         ({"text": "hi", "format": "ogg"}, "format", "'wav'"),
@@ -66,6 +63,26 @@ def test_tts_request_errors_name_the_field(body: dict, field: str, needle: str) 
     assert needle in err["msg"]
 
 
+@pytest.mark.parametrize(
+    ("codes", "needle"),
+    [
+        ([[1, 2]] * 15, "expected 16 rows"),
+        ([[1, 2]] * 15 + [[1]], "row 15 has 1 codes"),
+        ([[]] * 16, "no frames"),
+        ([[0, 2048]] * 16, "code 2048 at [0][1]"),
+        ([[0, -1]] * 16, "code -1 at [0][1]"),
+    ],
+)
+def test_codes_shape_and_ids_follow_the_model(codes: list[list[int]], needle: str) -> None:
+    with pytest.raises(ApiError) as ei:
+        check_codes(codes, n_codebooks=16, codebook_size=2048)
+    assert ei.value.field == "codes" and ei.value.status == 400
+    assert needle in ei.value.message
+    check_codes([[0, 2047]] * 16, n_codebooks=16, codebook_size=2048)
+    with pytest.raises(ApiError, match=r"outside 0\.\.1023"):  # the model's size, not a constant
+        check_codes([[0, 2047]] * 8, n_codebooks=8, codebook_size=1024)
+
+
 def test_speech_request_openai_shape() -> None:
     r = SpeechRequest.model_validate(
         {"model": "tts-1", "input": "hello", "voice": {"id": "ryan"}, "response_format": "opus",
@@ -79,7 +96,7 @@ def test_speech_request_openai_shape() -> None:
 @pytest.mark.parametrize("fmt", ["pcm", "wav", "flac", "mp3", "opus", "aac"])
 def test_streaming_encoders_decode_to_the_input_length(fmt: str) -> None:
     x = tone(2.0)
-    enc = make_encoder(fmt)
+    enc = make_encoder(fmt, SR)
     bounds = np.cumsum([0, 1, 2, 4, 8, 8]) * 1920  # the worker's chunk ramp, then the rest
     pieces = [enc.encode(x[a:b]) for a, b in itertools.pairwise(bounds)]
     pieces.append(enc.encode(x[bounds[-1] :]))
@@ -91,13 +108,13 @@ def test_streaming_encoders_decode_to_the_input_length(fmt: str) -> None:
 
 def test_wav_stream_has_one_header_and_whole_file_exact_sizes() -> None:
     x = tone(1.0)
-    enc = make_encoder("wav")
+    enc = make_encoder("wav", SR)
     data = enc.encode(x[:1920]) + enc.encode(x[1920:]) + enc.finish()
     assert data.count(b"RIFF") == 1 and data.count(b"WAVEfmt ") == 1
     assert data[:4] == b"RIFF" and struct.unpack("<I", data[40:44])[0] == 0xFFFFFFFF
     assert len(data) == 44 + 2 * len(x)
-    whole = encode_whole("wav", x)
-    assert whole[:44] == wav_header(len(x))
+    whole = encode_whole("wav", x, SR)
+    assert whole[:44] == wav_header(len(x), SR)
     assert struct.unpack("<I", whole[4:8])[0] == len(whole) - 8
     import soundfile as sf
 
@@ -107,13 +124,13 @@ def test_wav_stream_has_one_header_and_whole_file_exact_sizes() -> None:
 
 @pytest.mark.parametrize("fmt", ["flac", "mp3", "opus", "aac", "pcm"])
 def test_whole_file_encoders(fmt: str) -> None:
-    assert abs(decoded_seconds(encode_whole(fmt, tone(1.5)), fmt) - 1.5) < 0.1
+    assert abs(decoded_seconds(encode_whole(fmt, tone(1.5), SR), fmt) - 1.5) < 0.1
 
 
 @pytest.mark.parametrize("speed", [0.25, 0.5, 1.5, 2.0, 4.0])
 def test_time_stretch_streaming_length(speed: float) -> None:
     x = tone(2.0)
-    ts = TimeStretch(speed)
+    ts = TimeStretch(speed, SR)
     out = [ts.push(x[i : i + 1920]) for i in range(0, len(x), 1920)] + [ts.flush()]
     y = np.concatenate(out)
     assert abs(len(y) / SR - 2.0 / speed) < 0.01 * 2.0 / speed + 0.03

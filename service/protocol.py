@@ -1,0 +1,163 @@
+"""Every message between the front end and a worker process, and the states both sides keep.
+
+Messages are small frozen dataclasses sent pickled over one duplex pipe per worker:
+
+  front end -> worker   ``RunJob`` | ``StopWorker``
+  worker -> front end   ``Ready`` | ``Fatal`` (start-up), then per job: ``Chunk``* and one of
+                        ``Done`` | ``Failed``
+
+The pool forwards a job's ``Chunk`` / ``Done`` / ``Failed`` to its ticket and adds the events
+only the front end sees: ``WorkerDied``, ``ClientGone`` and ``TimedOut``. A new message kind is
+one dataclass here, one ``case`` where it is received. Cancellation is not a message: it is a
+shared integer the worker polls between steps (see service/worker.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Literal
+
+import numpy as np
+
+
+class WorkerState(StrEnum):
+    STARTING = "starting"  # loading the model and warming up
+    IDLE = "idle"
+    BUSY = "busy"
+    DEAD = "dead"
+
+
+class TicketState(StrEnum):
+    WAITING = "waiting"  # in the queue
+    RUNNING = "running"  # on a worker
+    FINISHED = "finished"
+
+
+class Finish(StrEnum):
+    """How a job that ran to its end finished."""
+
+    OK = "ok"  # end of speech reached, or every code decoded
+    TRUNCATED_NO_EOS = "truncated_no_eos"  # the frame budget ran out before end of speech
+    CANCELLED = "cancelled"
+
+
+@dataclass
+class Job:
+    """One synthesis, already validated: what a worker runs (the engine reads it duck-typed)."""
+
+    id: int
+    kind: Literal["codes", "text"]
+    codes: np.ndarray[Any, Any] | None = None  # int32 [codebooks, T]
+    text: str | None = None
+    voice: str | None = None
+    language: str | None = None
+    instruct: str | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+    max_frames: int = 0  # codes: decode at most this many frames (0: all)
+    frame_limit: int | None = None  # text: lowers the engine's text-length budget
+    chunk_max_frames: int | None = None  # None: the engine's default
+
+
+@dataclass(frozen=True)
+class WorkerOptions:
+    """Everything a worker process needs to start (its one argument besides its pipe ends)."""
+
+    index: int
+    model_path: str
+    precision: Literal["fast", "exact"]
+    env: dict[str, str]  # the engine's variables for this worker (threads, backends, logs)
+    warmup_frames: int
+    max_frames_cap: int  # the server's longest audio, in frames
+    chunk_max_frames: int | None  # None: the engine's default
+    pin_prefixes: bool
+
+
+# ---- front end -> worker -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunJob:
+    job: Job
+
+
+@dataclass(frozen=True)
+class StopWorker:
+    """Exit after the current job (the front end is shutting down)."""
+
+
+ToWorker = RunJob | StopWorker
+
+# ---- worker -> front end -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Ready:
+    """Loaded and warm. ``load_seconds`` excludes the warm-up, which ``warmup_seconds`` is."""
+
+    pid: int
+    index: int
+    backend: str
+    load_seconds: float
+    warmup_seconds: float
+
+
+@dataclass(frozen=True)
+class Fatal:
+    """The worker could not start; it exits after sending this."""
+
+    message: str
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Audio of a job as it is decoded, with the stage times spent on it."""
+
+    job_id: int
+    audio: np.ndarray[Any, Any]  # float32 [-1, 1]
+    timings: dict[str, float]  # {stage: seconds} for this chunk
+    frames: int
+
+
+@dataclass(frozen=True)
+class Done:
+    """A job ended normally (after all its chunks)."""
+
+    job_id: int
+    finish: Finish
+    frames: int
+    seconds: float  # synthesis wall time
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A job was refused (``status`` 4xx, naming ``field``) or failed (5xx)."""
+
+    job_id: int
+    status: int
+    field: str | None
+    message: str
+    code: str | None = None
+
+
+FromWorker = Ready | Fatal | Chunk | Done | Failed
+
+# ---- events only the front end adds to a ticket ----------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerDied:
+    exit_code: int | None
+
+
+@dataclass(frozen=True)
+class ClientGone:
+    pass
+
+
+@dataclass(frozen=True)
+class TimedOut:
+    pass
+
+
+TicketEvent = Chunk | Done | Failed | WorkerDied | ClientGone | TimedOut

@@ -1,0 +1,49 @@
+"""The end of every synthesis request: its counters, histograms and its one request log line."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from service.errors import ApiError
+from service.logs import REQUEST_LOGGER, round_or_none
+from service.state import State
+from service.validation import Synthesis
+
+reqlog = logging.getLogger(REQUEST_LOGGER)
+
+
+def finish_log(st: State, syn: Synthesis, admitted: bool) -> None:
+    """Count and log a request that reached the queue (``admitted``) or was refused by it."""
+    m = st.metrics
+    m.requests.labels(route=syn.route, outcome=syn.outcome).inc()
+    now = time.monotonic()
+    gen_seconds = syn.frames / st.model.frame_rate
+    rtf = None
+    if syn.synth_seconds and gen_seconds > 0 and syn.outcome in ("ok", "truncated_no_eos"):
+        rtf = syn.synth_seconds / gen_seconds
+        m.rtf.observe(rtf)
+    if admitted:
+        m.duration.observe(now - syn.arrival)
+    reqlog.info(
+        "%s %s %s", syn.route, syn.outcome, syn.request_id,
+        extra={
+            "id": syn.request_id, "route": syn.route, "status": syn.status,
+            "voice": syn.voice, "chars": syn.chars, "format": syn.fmt, "stream": syn.stream,
+            "frames": syn.frames, "audio_seconds": round(syn.audio_seconds_out, 3),
+            "queue_seconds": round_or_none(syn.queue_seconds),
+            "ttfa_seconds": round_or_none(syn.ttfa), "rtf": round_or_none(rtf),
+            "duration_seconds": round(now - syn.arrival, 4), "stream_gaps": syn.gaps,
+            "outcome": syn.outcome,
+        },
+    )
+
+
+def log_rejected(route: str, request_id: str, err: ApiError) -> None:
+    """The log line of a request refused before it was validated into a ``Synthesis``."""
+    reqlog.info(
+        "%s rejected %s", route, request_id,
+        extra={"id": request_id, "route": route, "status": err.status, "voice": None,
+               "chars": 0, "audio_seconds": 0.0, "queue_seconds": None, "ttfa_seconds": None,
+               "rtf": None, "outcome": "rejected", "field": err.field},
+    )

@@ -1,0 +1,59 @@
+"""The OpenAI-compatible surface: ``/v1/models``, ``/v1/audio/voices``, ``/v1/audio/speech``."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from service.audio import CONTENT_TYPES
+from service.routes.context import request_context
+from service.schemas import SpeechRequest
+from service.state import State, get_state
+from service.streaming import SSE_CONTENT_TYPE, SynthesisResponse
+from service.validation import SynthesisInput, validate
+
+router = APIRouter(tags=["openai"])
+StateDep = Annotated[State, Depends(get_state)]
+
+
+@router.get("/v1/models", summary="The served model (OpenAI list shape)")
+async def models(st: StateDep) -> dict[str, Any]:
+    return {"object": "list", "data": [{
+        "id": st.settings.model_name, "object": "model", "created": 0, "owned_by": "qtts",
+        "parts": sorted(st.model.parts), "synthetic": st.model.synthetic,
+        "model_type": st.model.model_type, "text": st.model.text_ready,
+    }]}
+
+
+@router.get("/v1/audio/voices", summary="Voices, languages and dialects of the model")
+async def voices(st: StateDep) -> dict[str, Any]:
+    """The lists validation uses: a voice or language not listed here is a 400. A dialect is
+    spoken by its voice when the language is chinese or auto; it is not a language itself."""
+    m = st.model
+    return {
+        "object": "list",
+        "data": [{"id": v, "name": v, "object": "voice"} for v in m.voices],
+        "voices": m.voices,
+        "languages": m.languages,
+        "dialects": m.dialects,
+    }
+
+
+@router.post(
+    "/v1/audio/speech", response_class=Response,
+    summary="OpenAI-compatible speech (stream_format audio | sse)",
+    responses={200: {"content": {**{t: {} for t in CONTENT_TYPES.values()},
+                                 SSE_CONTENT_TYPE: {}}}},
+)
+async def speech(body: SpeechRequest, request: Request, st: StateDep) -> Response:
+    rid, arrival = request_context(request)
+    inp = SynthesisInput(
+        route="/v1/audio/speech", request_id=rid, arrival=arrival, text=body.input,
+        text_field="input", codes=body.codes, voice=body.voice_name, language=body.language,
+        instruct=body.instructions, fmt=body.response_format, stream=body.stream,
+        sse=body.stream_format == "sse", speed=body.speed, max_seconds=body.max_seconds,
+        sampling=body, instruct_field="instructions",
+    )
+    return SynthesisResponse(st, validate(st, inp))

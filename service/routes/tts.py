@@ -1,0 +1,36 @@
+"""``POST /tts``: qtts's own synthesis route (text, or codes [codebooks][T] for decoder-only
+use)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response
+
+from service.audio import CONTENT_TYPES
+from service.routes.context import request_context
+from service.schemas import TTSRequest
+from service.state import State, get_state
+from service.streaming import SynthesisResponse
+from service.validation import SynthesisInput, validate
+
+router = APIRouter()
+
+
+@router.post(
+    "/tts", tags=["synthesis"], response_class=Response,
+    summary="Synthesize text, or decode codes [codebooks][T]; streamed by default",
+    responses={200: {"content": {t: {} for t in CONTENT_TYPES.values()},
+                     "description": "audio (chunked when stream=true)"}},
+)
+async def tts(body: TTSRequest, request: Request,
+              st: Annotated[State, Depends(get_state)]) -> Response:
+    rid, arrival = request_context(request)
+    inp = SynthesisInput(
+        route="/tts", request_id=rid, arrival=arrival, text=body.text, text_field="text",
+        codes=body.codes, voice=body.voice, language=body.language, instruct=body.instruct,
+        fmt=body.format, stream=body.stream, sse=False, speed=body.speed,
+        max_seconds=body.max_seconds, sampling=body,
+    )
+    return SynthesisResponse(st, validate(st, inp))

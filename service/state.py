@@ -1,0 +1,32 @@
+"""What every route shares: the settings, the metrics, the worker pool and the model's facts.
+
+``ModelInfo`` (model_info.py) is read once from the GGUF header at start; the app keeps one
+``State`` on ``app.state.qtts`` and routes reach it through ``get_state``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from service.metrics import Metrics
+from service.model_info import ModelInfo
+from service.pool import WorkerPool
+from service.settings import Settings
+
+VERSION = "0.1.0"
+
+
+@dataclass
+class State:
+    settings: Settings
+    metrics: Metrics
+    pool: WorkerPool
+    model: ModelInfo
+
+
+def get_state(request: Request) -> State:
+    """FastAPI dependency: the app's one ``State`` (set by the lifespan before any request)."""
+    st: State = request.app.state.qtts
+    return st

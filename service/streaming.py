@@ -1,0 +1,311 @@
+"""The response of a synthesis route: queue the job, relay the worker's chunks, encode, account.
+
+``SynthesisResponse`` is an ASGI response that submits its job when the server starts to answer,
+so a refusal by the pool (full, draining, no worker) is still a clean 503 JSON. A streamed answer
+sends each chunk as it arrives (raw audio, or OpenAI's SSE events); a whole-file answer collects
+the chunks and sends one body with ``Content-Length``. Errors before the first byte are JSON;
+after it, the only honest signal left is an incomplete transfer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import time
+from typing import Any
+
+import numpy as np
+from fastapi.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from service.audio import CONTENT_TYPES, Encoder, TimeStretch, encode_whole, make_encoder
+from service.errors import ApiError
+from service.handles import Ticket
+from service.pool import PoolDraining, PoolFull, PoolNotReady
+from service.protocol import (
+    Chunk,
+    ClientGone,
+    Done,
+    Failed,
+    Finish,
+    TicketEvent,
+    TicketState,
+    TimedOut,
+    WorkerDied,
+)
+from service.request_log import finish_log
+from service.state import State
+from service.validation import Synthesis
+
+log = logging.getLogger("qtts.app")
+SSE_CONTENT_TYPE = "text/event-stream"
+
+
+class _Abort(Exception):
+    """End a started stream without completing it: the client sees an incomplete transfer."""
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def sse_delta(payload: bytes) -> bytes:
+    """OpenAI's ``speech.audio.delta`` event carrying encoded audio."""
+    return _sse({"type": "speech.audio.delta", "audio": base64.b64encode(payload).decode()})
+
+
+def sse_done(syn: Synthesis) -> bytes:
+    """OpenAI's closing ``speech.audio.done`` event: characters in, codec frames out."""
+    return _sse({"type": "speech.audio.done", "usage": {
+        "input_tokens": syn.chars, "output_tokens": syn.frames,
+        "total_tokens": syn.chars + syn.frames}})
+
+
+class SynthesisResponse(Response):
+    """Runs one synthesis: queue, worker events, encoding, chunked or whole-file answer."""
+
+    def __init__(self, st: State, syn: Synthesis) -> None:
+        super().__init__()
+        self.st = st
+        self.syn = syn
+        self.ticket: Ticket | None = None
+        self.client_gone = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        st, syn = self.st, self.syn
+        try:
+            self.ticket = st.pool.submit(syn.job)
+        except (PoolFull, PoolDraining, PoolNotReady) as e:
+            await self._refused(e, scope, receive, send)
+            return
+        watcher = asyncio.create_task(self._watch_disconnect(receive))
+        try:
+            await self._run(scope, receive, send)
+        except _Abort:
+            pass  # returning without the final empty chunk makes uvicorn drop the connection
+        except OSError:  # the client went away while we were writing
+            if syn.outcome == "ok":
+                syn.outcome = "client_gone"
+        except asyncio.CancelledError:  # shutdown deadline passed with this request running
+            if syn.outcome == "ok":
+                syn.outcome = "timeout"
+            raise
+        finally:
+            watcher.cancel()
+            if self.ticket is not None and self.ticket.state is not TicketState.FINISHED:
+                st.pool.cancel(self.ticket)
+            finish_log(st, syn, admitted=True)
+
+    async def _refused(self, e: Exception, scope: Scope, receive: Receive, send: Send) -> None:
+        st, syn = self.st, self.syn
+        reason, msg = {
+            PoolFull: ("queue_full", "all workers are busy and the queue is full; retry later"),
+            PoolDraining: ("draining", "server is shutting down"),
+            PoolNotReady: ("not_ready", f"no worker could start: {e}"),
+        }[type(e)]
+        st.metrics.rejections.labels(reason=reason).inc()
+        err = ApiError(503, msg, code=reason,
+                       headers={"Retry-After": str(st.settings.retry_after_seconds)})
+        syn.outcome, syn.status = "rejected", 503
+        await err.response(syn.request_id)(scope, receive, send)
+        finish_log(st, syn, admitted=False)
+
+    async def _watch_disconnect(self, receive: Receive) -> None:
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                self.client_gone = True
+                if self.ticket is not None:
+                    self.ticket.push(ClientGone())
+                    self.st.pool.cancel(self.ticket)
+                return
+
+    async def _next(self) -> TicketEvent:
+        assert self.ticket is not None
+        remaining = self.syn.arrival + self.st.settings.request_timeout - time.monotonic()
+        if remaining <= 0:
+            return TimedOut()
+        try:
+            return await asyncio.wait_for(self.ticket.events.get(), remaining)
+        except TimeoutError:
+            return TimedOut()
+
+    def _head(self, content_type: str, length: int | None = None) -> list[tuple[bytes, bytes]]:
+        syn = self.syn
+        h = [
+            (b"content-type", content_type.encode()),
+            (b"x-request-id", syn.request_id.encode()),
+            (b"x-sample-rate", str(self.st.model.sample_rate).encode()),
+            (b"x-audio-format", syn.fmt.encode()),
+            (b"cache-control", b"no-cache"),
+        ]
+        if length is not None:
+            h.append((b"content-length", str(length).encode()))
+        else:
+            h.append((b"x-accel-buffering", b"no"))
+        return h
+
+    async def _error_before_start(
+        self, scope: Scope, receive: Receive, send: Send, ev: TicketEvent
+    ) -> None:
+        """An event that ends the request before any byte of the response went out."""
+        syn = self.syn
+        match ev:
+            case TimedOut():
+                syn.outcome, syn.status = "timeout", 504
+                err = ApiError(504, f"request took longer than "
+                               f"{self.st.settings.request_timeout:g} s", code="timeout")
+            case WorkerDied():
+                syn.outcome, syn.status = "worker_died", 503
+                err = ApiError(503, "the worker synthesizing this request died; retry",
+                               code="worker_died",
+                               headers={"Retry-After": str(self.st.settings.retry_after_seconds)})
+            case Failed():
+                syn.status = ev.status
+                syn.outcome = "rejected" if ev.status < 500 else "error"
+                if ev.status < 500:
+                    self.st.metrics.rejections.labels(reason="invalid").inc()
+                code = ev.code or ("invalid_value" if ev.status < 500 else "synthesis_failed")
+                err = ApiError(ev.status, ev.message, field=ev.field, code=code)
+            case _:  # the client left: nobody to answer
+                syn.outcome = "client_gone"
+                return
+        await err.response(syn.request_id)(scope, receive, send)
+
+    def _account(self, ev: Chunk) -> np.ndarray[Any, Any]:
+        """Observe a chunk's stage timings; return its audio."""
+        self.st.metrics.observe_stages(ev.timings, ev.frames)
+        self.syn.frames += ev.frames
+        return np.asarray(ev.audio, dtype=np.float32)
+
+    def _encode(self, encoder: Encoder, audio: np.ndarray[Any, Any], final: bool) -> bytes:
+        """Encode (and count as sent) one piece of audio; ``final`` flushes the encoder."""
+        t0 = time.perf_counter()
+        payload = encoder.encode(audio) if len(audio) else b""
+        if final:
+            payload += encoder.finish()
+        self.st.metrics.stage_seconds.labels(stage="encode").observe(time.perf_counter() - t0)
+        dur = len(audio) / self.st.model.sample_rate  # handed to the encoder: plays once sent
+        self.syn.audio_seconds_out += dur
+        self.st.metrics.audio_seconds.inc(dur)
+        return payload
+
+    def _first_audio(self) -> None:
+        syn = self.syn
+        if syn.ttfa is None:
+            syn.ttfa = time.monotonic() - syn.arrival
+            self.st.metrics.ttfa.observe(syn.ttfa)
+
+    async def _run(self, scope: Scope, receive: Receive, send: Send) -> None:
+        st, syn = self.st, self.syn
+        assert self.ticket is not None
+        ev = await self._next()
+        syn.queue_seconds = self.ticket.queue_seconds
+        if syn.queue_seconds is not None:
+            st.metrics.queue_seconds.observe(syn.queue_seconds)
+        if not isinstance(ev, Chunk | Done):
+            await self._error_before_start(scope, receive, send, ev)
+            return
+        rate = st.model.sample_rate
+        stretch = TimeStretch(syn.speed, rate) if syn.speed != 1.0 else None
+        if syn.stream:
+            await self._stream(send, ev, stretch)
+        else:
+            await self._whole(scope, receive, send, ev, stretch)
+
+    async def _stream(self, send: Send, ev: TicketEvent, stretch: TimeStretch | None) -> None:
+        st, syn = self.st, self.syn
+        encoder: Encoder = make_encoder(syn.fmt, st.model.sample_rate)
+        content_type = SSE_CONTENT_TYPE if syn.sse else encoder.content_type
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": self._head(content_type)})
+        # playback model for stream gaps: audio starts playing when its first byte is sent
+        play_start: float | None = None
+        try:
+            while isinstance(ev, Chunk):
+                if play_start is not None and time.monotonic() > play_start + syn.audio_seconds_out:
+                    syn.gaps += 1
+                    st.metrics.stream_gaps.inc()
+                audio = self._account(ev)
+                if stretch is not None:
+                    audio = stretch.push(audio)
+                payload = self._encode(encoder, audio, final=False)
+                if payload:
+                    body = sse_delta(payload) if syn.sse else payload
+                    await send({"type": "http.response.body", "body": body, "more_body": True})
+                    if play_start is None:
+                        self._first_audio()
+                        play_start = time.monotonic()
+                ev = await self._next()
+            if not isinstance(ev, Done):
+                self._ended_mid_stream(ev)
+                raise _Abort
+            tail = stretch.flush() if stretch is not None else np.zeros(0, np.float32)
+            payload = self._encode(encoder, tail, final=True)
+            body = sse_delta(payload) if syn.sse and payload else payload
+            if syn.sse:
+                body += sse_done(syn)
+            self._finished(ev)
+            if ev.finish is Finish.CANCELLED:
+                raise _Abort
+            self._first_audio()
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+        finally:
+            if hasattr(encoder, "close"):
+                encoder.close()
+
+    async def _whole(self, scope: Scope, receive: Receive, send: Send, ev: TicketEvent,
+                     stretch: TimeStretch | None) -> None:
+        st, syn = self.st, self.syn
+        parts: list[np.ndarray[Any, Any]] = []
+        while isinstance(ev, Chunk):
+            parts.append(self._account(ev))
+            ev = await self._next()
+        if not isinstance(ev, Done):
+            await self._error_before_start(scope, receive, send, ev)
+            return
+        self._finished(ev)
+        if syn.outcome in ("client_gone", "timeout"):
+            if syn.outcome == "timeout":
+                await self._error_before_start(scope, receive, send, TimedOut())
+            return
+        audio = np.concatenate(parts) if parts else np.zeros(0, np.float32)
+        if stretch is not None:
+            audio = np.concatenate([stretch.push(audio), stretch.flush()])
+        t0 = time.perf_counter()
+        data = await asyncio.to_thread(encode_whole, syn.fmt, audio, st.model.sample_rate)
+        st.metrics.stage_seconds.labels(stage="encode").observe(time.perf_counter() - t0)
+        ctype = CONTENT_TYPES[syn.fmt]
+        if syn.sse:
+            data = sse_delta(data) + sse_done(syn)
+            ctype = SSE_CONTENT_TYPE
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": self._head(ctype, len(data))})
+        await send({"type": "http.response.body", "body": data, "more_body": False})
+        self._first_audio()
+        dur = len(audio) / st.model.sample_rate
+        syn.audio_seconds_out = dur
+        st.metrics.audio_seconds.inc(dur)
+
+    def _finished(self, done: Done) -> None:
+        syn = self.syn
+        syn.synth_seconds = done.seconds or None
+        if done.finish is Finish.TRUNCATED_NO_EOS:
+            syn.outcome = "truncated_no_eos"
+        elif done.finish is Finish.CANCELLED:
+            syn.outcome = "client_gone" if self.client_gone else "timeout"
+
+    def _ended_mid_stream(self, ev: TicketEvent) -> None:
+        syn = self.syn
+        match ev:
+            case ClientGone():
+                syn.outcome = "client_gone"
+            case TimedOut():
+                syn.outcome = "timeout"
+            case WorkerDied():
+                syn.outcome = "worker_died"
+            case _:
+                syn.outcome = "error"
+        log.warning("request %s ended mid-stream: %s", syn.request_id, syn.outcome)

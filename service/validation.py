@@ -1,0 +1,196 @@
+"""Checks of one synthesis request against the server settings and the model, before queueing.
+
+The pydantic bodies (service/schemas.py) check types and ranges; a route turns its body into a
+``SynthesisInput`` and ``validate`` checks what needs the settings or the model (caps, voices,
+languages, the talker) and returns the ``Synthesis`` the streaming response runs. A refusal is
+an ``ApiError`` naming the field.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+
+from engine.errors import InputError
+from service.errors import ApiError
+from service.model_info import ModelInfo
+from service.protocol import Job
+from service.schemas import Sampling
+from service.settings import Settings
+from service.state import State
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class SynthesisInput:
+    """One request as every route sees it, whatever its body looked like."""
+
+    route: str
+    request_id: str
+    arrival: float
+    text: str | None
+    text_field: str  # the body's name of the text ("text" for /tts, "input" for OpenAI)
+    codes: list[list[int]] | None
+    voice: str | None
+    language: str | None
+    instruct: str | None
+    fmt: str
+    stream: bool
+    sse: bool
+    speed: float
+    max_seconds: float | None
+    sampling: Sampling
+    instruct_field: str = "instruct"  # the body's name of the instruction
+
+
+@dataclass
+class Synthesis:
+    """One validated request, before and while it runs."""
+
+    route: str
+    request_id: str
+    job: Job
+    fmt: str
+    stream: bool
+    sse: bool
+    speed: float
+    voice: str | None
+    chars: int
+    arrival: float
+    # measured
+    queue_seconds: float | None = None
+    ttfa: float | None = None
+    frames: int = 0
+    audio_seconds_out: float = 0.0
+    synth_seconds: float | None = None
+    outcome: str = "ok"
+    status: int = 200
+    gaps: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def bad(field: str, message: str, status: int = 400, code: str = "invalid_value") -> ApiError:
+    return ApiError(status, f"{field}: {message}", field=field, code=code)
+
+
+def check_sampling(s: Settings, req: Sampling) -> dict[str, Any]:
+    """The sampling overrides a request gave, each within the server's cap."""
+    caps = {"temperature": s.max_temperature, "top_k": s.max_top_k,
+            "repetition_penalty": s.max_repetition_penalty}
+    out: dict[str, Any] = {}
+    for name in ("seed", "temperature", "top_k", "top_p", "repetition_penalty"):
+        v = getattr(req, name)
+        if v is None:
+            continue
+        cap = caps.get(name)
+        if cap is not None and v > cap:
+            raise bad(name, f"{v} is above the server cap {cap}", code="out_of_range")
+        out[name] = v
+    return out
+
+
+def validate(st: State, inp: SynthesisInput) -> Synthesis:
+    """The request as a ``Synthesis`` ready to queue, or an ``ApiError`` naming the field.
+
+    Everything the model's metadata decides is checked here, so such a request never waits
+    in the queue for a worker to refuse it."""
+    s = st.settings
+    sampling = check_sampling(s, inp.sampling)
+    if inp.max_seconds is not None and inp.max_seconds > s.max_audio_seconds:
+        raise bad("max_seconds", f"{inp.max_seconds} is above the server limit "
+                  f"{s.max_audio_seconds} s", code="out_of_range")
+    if inp.codes is not None:
+        job, chars = _codes_job(st, inp), 0
+    else:
+        job, chars = _text_job(st, inp, sampling), len(inp.text or "")
+    return Synthesis(route=inp.route, request_id=inp.request_id, job=job, fmt=inp.fmt,
+                     stream=inp.stream, sse=inp.sse, speed=inp.speed, voice=job.voice,
+                     chars=chars, arrival=inp.arrival)
+
+
+def check_codes(codes: list[list[int]], n_codebooks: int, codebook_size: int) -> None:
+    """``codes`` must be [n_codebooks][T >= 1] with ids in 0 .. codebook_size - 1."""
+    if len(codes) != n_codebooks:
+        raise bad("codes", f"expected {n_codebooks} rows (one per codebook), got {len(codes)}")
+    n = len(codes[0])
+    if n == 0:
+        raise bad("codes", "no frames: each row must hold at least one code")
+    for i, row in enumerate(codes):
+        if len(row) != n:
+            raise bad("codes", f"row {i} has {len(row)} codes, row 0 has {n}: rows must be equal")
+    a = np.asarray(codes, dtype=np.int64)
+    wrong = np.argwhere((a < 0) | (a >= codebook_size))
+    if len(wrong):
+        i, j = (int(x) for x in wrong[0])
+        raise bad("codes", f"code {a[i, j]} at [{i}][{j}] is outside 0..{codebook_size - 1}")
+
+
+def _codes_job(st: State, inp: SynthesisInput) -> Job:
+    s, m = st.settings, st.model
+    assert inp.codes is not None
+    if inp.text:
+        raise bad(inp.text_field, f"send either {inp.text_field} or codes, not both")
+    check_codes(inp.codes, m.n_codebooks, m.codebook_size)
+    voice = _known_voice(m, inp.voice)
+    if inp.language is not None and m.has_talker:
+        _resolve(m.catalog.resolve_language, inp.language)
+    arr = np.asarray(inp.codes, dtype=np.int32)
+    if arr.shape[1] > m.frames(s.max_audio_seconds):
+        raise bad("codes", f"{arr.shape[1]} frames ({arr.shape[1] / m.frame_rate:g} s) exceed "
+                  f"the server limit of {s.max_audio_seconds:g} s", code="too_long")
+    limit_s = min(inp.max_seconds or s.max_audio_seconds, s.max_audio_seconds)
+    return Job(id=st.pool.new_job_id(), kind="codes", codes=arr, voice=voice,
+               max_frames=max(1, m.frames(limit_s)), chunk_max_frames=s.chunk_max_frames)
+
+
+def _text_job(st: State, inp: SynthesisInput, sampling: dict[str, Any]) -> Job:
+    s, m = st.settings, st.model
+    text, text_field = inp.text, inp.text_field
+    if text is None or not text.strip():
+        raise bad(text_field, f"is empty: give text to speak (or codes [{m.n_codebooks}][T])",
+                  code="empty")
+    if len(text) > s.max_text_chars:
+        raise bad(text_field, f"{len(text)} characters; the limit is {s.max_text_chars}",
+                  code="too_long")
+    if not m.has_talker:
+        raise bad(text_field, "this model has no talker (decoder-only GGUF); send codes",
+                  status=422, code="no_talker")
+    if not m.text_ready:
+        raise bad(text_field, "text synthesis is not available in this build yet (the "
+                  "engine has no text pipeline); send codes", status=422,
+                  code="text_unavailable")
+    cat = m.catalog
+    # a named voice first, then the language and instruction, and a missing voice last: the
+    # error names the field the client got wrong rather than the one it left out
+    voice = _known_voice(m, inp.voice)
+    language = _resolve(cat.resolve_language, inp.language)
+    instruct = _resolve(cat.resolve_instruct, inp.instruct, inp.instruct_field)
+    voice = _resolve(cat.resolve_voice, voice)
+    # the engine's text-length budget applies; a client's max_seconds can only lower it
+    limit = max(1, m.frames(inp.max_seconds)) if inp.max_seconds is not None else None
+    return Job(id=st.pool.new_job_id(), kind="text", text=text, voice=voice,
+               language=None if inp.language is None else language, instruct=instruct,
+               sampling=sampling, frame_limit=limit, chunk_max_frames=s.chunk_max_frames)
+
+
+def _known_voice(m: ModelInfo, voice: str | None) -> str | None:
+    """A named voice the model has (lower case), checked when the model names voices."""
+    if voice is None or not m.voices:
+        return voice
+    try:
+        return m.catalog.named_voice(voice)
+    except InputError as e:
+        raise bad(e.field, e.problem, code=e.code) from None
+
+
+def _resolve(rule: Callable[[str | None], T], value: str | None, field: str | None = None) -> T:
+    """Apply one of the engine's request rules; its ``InputError`` becomes a 400 naming
+    ``field`` (the body's name for it) or the engine's name."""
+    try:
+        return rule(value)
+    except InputError as e:
+        raise bad(field or e.field, e.problem, code=e.code) from None
