@@ -10,6 +10,12 @@
 # locked dependencies, then native/ alone (a .py edit does not rebuild ggml), then the app,
 # built into a wheel and installed from it (not editable; no source tree in the image).
 # docs/deploy.md has the details.
+#
+# The image is portable (QTTS_PORTABLE=1): ggml's CPU backend is built once per x86-64 ISA level
+# (GGML_BACKEND_DL + GGML_CPU_ALL_VARIANTS, the best one loaded at start) and qtts's kernels per
+# ISA level behind one runtime dispatch, so it runs on any x86-64 CPU whatever the build host.
+# --build-arg QTTS_PORTABLE=0 builds for the build host's CPU only (-march=native), and
+# --build-arg QTTS_CPU_VARIANTS=haswell,sapphirerapids builds fewer ggml CPU variants (faster).
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm@sha256:2e32f7d302adc1c37428355c1e646897c0c53f4fd60b6a551245fb90ee129f91
 
@@ -38,6 +44,8 @@ RUN python3 -m venv /opt/qtts/venv \
 # 2. the native layer (`make native`): only native/ is in this layer's inputs
 COPY native/ native/
 ARG QTTS_GGML_BACKENDS=blas
+ARG QTTS_PORTABLE=1
+ARG QTTS_CPU_VARIANTS=all
 RUN mkdir -p engine/ggml \
  && /opt/qtts/venv/bin/python native/build.py \
  && rm -rf "$QTTS_CACHE_DIR/downloads" "$QTTS_CACHE_DIR/src"

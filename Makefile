@@ -9,13 +9,14 @@ DEFAULT_MODEL := $(CACHE)/models/synthetic-full-q4_0-seed0/model.gguf
 MODEL := $(or $(QTTS_MODEL),$(DEFAULT_MODEL))
 PYTEST_ARGS ?=
 
-.PHONY: run test native venv sysdeps parity-env model lint bench clean cuda-check deploy-tools
+.PHONY: run test native native-portable venv sysdeps test-sysdeps parity-env model lint bench \
+	clean cuda-check deploy-tools
 
 run: native model
 	QTTS_MODEL=$(MODEL) $(QTTS) serve
 
-test: native parity-env deploy-tools
-	$(PY) -m pytest $(PYTEST_ARGS)
+test: native native-portable parity-env deploy-tools test-sysdeps
+	QTTS_CPU_VARIANTS=$(PORTABLE_CPU_VARIANTS) $(PY) -m pytest $(PYTEST_ARGS)
 
 # Prometheus and busybox (Debian) and the npm schema validators the deploy tests use.
 deploy-tools: venv
@@ -37,8 +38,35 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
+# `make native` keeps native tuning (-march=native: this machine's instruction sets only); the
+# portable build (QTTS_PORTABLE=1, any x86-64 CPU, what the Docker image ships) is cached apart.
 native: sysdeps venv
 	$(PY) native/build.py
+
+# Warms the cache with the portable build for the emulated-CPU test (binding left as it is):
+# ggml's CPU backend as the x64 baseline, haswell (what the test's emulated CPU loads) and one
+# AVX-512 variant, not all 14 (the Docker image builds all). tests/engine/test_portable_build.py uses
+# the same QTTS_CPU_VARIANTS, so keep the two in step.
+PORTABLE_CPU_VARIANTS ?= haswell,sapphirerapids
+native-portable: sysdeps venv
+	QTTS_PORTABLE=1 QTTS_CPU_VARIANTS=$(PORTABLE_CPU_VARIANTS) $(PY) native/build.py --no-binding
+
+# The test suite's system tools (Debian): chromium for the playground's browser test (driven by
+# Playwright's Python package, never its own browser download) and qemu-user, which runs the
+# portable build on an emulated CPU without AVX-512.
+test-sysdeps:
+	@missing=""; \
+	command -v chromium >/dev/null || missing="$$missing chromium"; \
+	command -v qemu-x86_64 >/dev/null || missing="$$missing qemu-user"; \
+	if [ -n "$$missing" ]; then \
+		if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+			echo "installing$$missing (Debian)"; \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+				$$missing >/dev/null; \
+		else \
+			echo "cannot install$$missing here (needs root and apt-get): their tests skip"; \
+		fi; \
+	fi
 
 # The official PyTorch reference (qwen-tts) for parity tests and benchmarks. qwen-tts itself
 # goes in without its dependencies: they would pull a CUDA torch; the extra pins the CPU wheel.

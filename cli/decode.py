@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from engine.errors import InputError
+from engine.options import EngineOptions
 
 
 def load_codes(path: str, n_quantizers: int) -> np.ndarray[Any, Any]:
@@ -28,7 +29,7 @@ def load_codes(path: str, n_quantizers: int) -> np.ndarray[Any, Any]:
 
 
 def run_decode(model_path: str, codes_path: str, out_path: str, stream_chunk: int,
-               precision: str) -> int:
+               precision: str, options: EngineOptions) -> int:
     """Decode and write the WAV; returns the exit status."""
     import soundfile as sf
 
@@ -44,7 +45,7 @@ def run_decode(model_path: str, codes_path: str, out_path: str, stream_chunk: in
                            cfg.codebook_size)
     if not Path(out_path).parent.exists():
         raise InputError("out", f"{out_path}: folder does not exist")
-    dec = DecoderModel.load(model, BackendSet.from_env(), precision)  # type: ignore[arg-type]
+    dec = DecoderModel.load(model, BackendSet.from_options(options), precision)  # type: ignore[arg-type]
     started = time.perf_counter()
     if stream_chunk > 0:
         sd = StreamingDecoder(dec)
@@ -53,7 +54,8 @@ def run_decode(model_path: str, codes_path: str, out_path: str, stream_chunk: in
         audio = np.concatenate(pieces)
     else:
         audio, timings = decode(dec, codes)
-        timings.report("decode")
+        if options.profile:
+            timings.report("decode")
     elapsed = time.perf_counter() - started
     sf.write(out_path, audio, dec.sample_rate, subtype="FLOAT")
     seconds = audio.size / dec.sample_rate

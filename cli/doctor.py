@@ -7,7 +7,6 @@ initialised is listed with its error instead of aborting the report.
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
@@ -17,6 +16,7 @@ from engine.backend import BackendSet, list_devices, register_rpc_servers
 from engine.decoder import DecoderModel, decode
 from engine.errors import QttsError
 from engine.gguf_model import open_model
+from engine.options import EngineOptions
 
 
 @dataclass
@@ -34,7 +34,7 @@ class DoctorRow:
     error: str = ""
 
 
-def run_doctor(model_path: str, frames: int = 4, threads: str | None = None,
+def run_doctor(model_path: str, options: EngineOptions, frames: int = 4,
                precision: str = "exact") -> list[DoctorRow]:
     """Decode ``frames`` seeded random frames on every device; the CPU result is the baseline."""
     model = open_model(model_path)
@@ -42,17 +42,14 @@ def run_doctor(model_path: str, frames: int = 4, threads: str | None = None,
     cfg = model.decoder_config
     assert cfg is not None
     codes = np.random.default_rng(0).integers(0, cfg.codebook_size, (cfg.num_quantizers, frames))
-    env = dict(os.environ)
-    if threads:
-        env["QTTS_THREADS"] = threads
-    register_rpc_servers(env.get("QTTS_RPC_SERVERS"))
+    register_rpc_servers(options.rpc_servers)
     rows: list[DoctorRow] = []
     baseline: np.ndarray | None = None
     devices = sorted(list_devices(), key=lambda d: d.backend != "cpu")  # CPU first: baseline
     for dev in devices:
-        env.update(QTTS_BACKEND=dev.backend, QTTS_DEVICE=str(dev.index))
         try:
-            bs = BackendSet.from_env(env)
+            bs = BackendSet.from_options(options.replace(backend=dev.backend,
+                                                         device=str(dev.index)))
             bs.placement_log = []
             dec = DecoderModel.load(model, bs, precision)  # type: ignore[arg-type]
             started = time.perf_counter()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-import os
+from pathlib import Path
 from typing import Any
 
 from engine.backend import BackendSet, built_backends, list_devices
 from engine.errors import BackendError
-from engine.ggml import ffi, lib, native_info
+from engine.ggml import custom_ops, ffi, lib, native_info
+from engine.ggml.native import loaded_from
+from engine.options import EngineOptions
 
 
 def backend_features(reg_name: str) -> list[tuple[str, str]]:
@@ -27,7 +29,38 @@ def backend_features(reg_name: str) -> list[tuple[str, str]]:
     return out
 
 
-def info_lines(env: dict[str, str] | None = None) -> list[str]:
+def flavour(info: dict[str, Any]) -> str:
+    """Which of native/build.py's two builds this is, in words."""
+    if info.get("portable"):
+        cpu = info.get("cpu_variants", "all")
+        names = cpu if isinstance(cpu, str) else ", ".join(cpu)
+        return (f"portable (QTTS_PORTABLE=1; ggml CPU variants: {names}; the best variant this "
+                "CPU runs is chosen at load)")
+    return "native (-march=native: only for CPUs with the build machine's instruction sets)"
+
+
+def cpu_backend_file() -> str | None:
+    """The file ggml's CPU backend was loaded from: in the portable build, the variant ggml
+    chose for this CPU (libggml-cpu-haswell.so, ...)."""
+    reg = lib.ggml_backend_reg_by_name(b"CPU")
+    if reg == ffi.NULL:
+        return None
+    path = loaded_from(reg)
+    return None if path is None else Path(path).name
+
+
+def kernel_lines() -> list[str]:
+    """The qtts kernels' variant and what each op runs in it."""
+    if not custom_ops.available():
+        return ["qtts kernels: not built (stock ggml ops only)"]
+    lines = [f"qtts kernels: {custom_ops.variant()} "
+             f"(built: {', '.join(custom_ops.variants())})"]
+    for op, path in custom_ops.kernel_paths().items():
+        lines.append(f"  {op}: {path}")
+    return lines
+
+
+def info_lines(options: EngineOptions) -> list[str]:
     """Human-readable lines: ggml version and options, devices, the chosen backend, threads."""
     info: dict[str, Any] = native_info()
     lines = [
@@ -36,18 +69,19 @@ def info_lines(env: dict[str, str] | None = None) -> list[str]:
         f"  build: {info['prefix']}",
         f"  options: {' '.join(o for o in info['cmake_options'] if not o.startswith('-DCMAKE_'))}",
         f"  backends built: {', '.join(built_backends())}",
-        f"  fused qtts kernels: {'yes' if info.get('ops_lib') else 'no'}",
+        f"  flavour: {flavour(info)}",
         "devices:",
     ]
     for d in list_devices():
         lines.append(f"  {d.backend}:{d.index}  {d.name}  ({d.description})")
+    lines.append(f"CPU backend: {cpu_backend_file() or 'unknown'}")
     cpu = [name for name, value in backend_features("CPU") if value == "1"]
     lines.append(f"CPU features: {' '.join(cpu)}")
-    e = dict(os.environ) if env is None else env
+    lines += kernel_lines()
     try:
-        bs = BackendSet.from_env(e)
+        bs = BackendSet.from_options(options)
         chosen = f"{bs.name}:{bs.choice.device.index} ({bs.choice.device.description})"
-        lines.append(f"chosen backend: {chosen}  [QTTS_BACKEND={e.get('QTTS_BACKEND', 'auto')}]")
+        lines.append(f"chosen backend: {chosen}  [QTTS_BACKEND={options.backend}]")
         lines.append(f"threads: {bs.threads}")
         bs.close()
     except BackendError as exc:

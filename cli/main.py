@@ -2,7 +2,8 @@
 
 Each subcommand is two small functions: ``_add_<name>(subparsers)`` declares its arguments and
 ``_cmd_<name>(args) -> int`` runs it. ``main`` maps every ``QttsError`` to one line
-``qtts: <message>`` on stderr and exit status 2 — never a traceback.
+``qtts: <message>`` on stderr and exit status 2 — never a traceback. The commands that run the
+engine read its options from the environment here (``EngineOptions.from_env``), once.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from engine.errors import QttsError
+from engine.options import EngineOptions
 
 Handler = Callable[[argparse.Namespace], int]
 SubParsers = Any  # argparse._SubParsersAction (private type)
@@ -118,7 +120,7 @@ def _add_info(sub: SubParsers) -> None:
 def _cmd_info(args: argparse.Namespace) -> int:
     from cli.info import info_lines
 
-    print("\n".join(info_lines()))
+    print("\n".join(info_lines(EngineOptions.from_env())))
     return 0
 
 
@@ -150,7 +152,8 @@ def _add_decode(sub: SubParsers) -> None:
 def _cmd_decode(args: argparse.Namespace) -> int:
     from cli.decode import run_decode
 
-    return run_decode(args.model, args.codes, args.out, args.stream_chunk, args.precision)
+    return run_decode(args.model, args.codes, args.out, args.stream_chunk, args.precision,
+                      EngineOptions.from_env())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,7 +171,7 @@ def _add_doctor(sub: SubParsers) -> None:
 def _cmd_doctor(args: argparse.Namespace) -> int:
     from cli.doctor import doctor_table, run_doctor
 
-    rows = run_doctor(args.model, frames=args.frames)
+    rows = run_doctor(args.model, EngineOptions.from_env(), frames=args.frames)
     print(doctor_table(rows))
     return 1 if any(r.error or r.nan or r.inf for r in rows) else 0
 
@@ -193,7 +196,7 @@ def _add_synth(sub: SubParsers) -> None:
 def _cmd_synth(args: argparse.Namespace) -> int:
     from cli.synth import run_synth
 
-    return run_synth(args)
+    return run_synth(args, EngineOptions.from_env())
 
 
 def _add_voices(sub: SubParsers) -> None:

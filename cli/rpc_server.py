@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import argparse
 
-from engine.backend import list_devices
-from engine.ggml import ffi, lib
+from engine.backend import list_devices, rpc_function
+from engine.ggml import ffi
 
 
 def main() -> None:
@@ -25,7 +25,11 @@ def main() -> None:
     devices = ffi.new("ggml_backend_dev_t[]", cpu)
     endpoint = f"{args.host}:{args.port}".encode()
     print(f"rpc server on {endpoint.decode()}", flush=True)
-    lib.ggml_backend_rpc_start_server(endpoint, ffi.NULL, args.threads, len(cpu), devices)
+    start_server = rpc_function(
+        "ggml_backend_rpc_start_server",
+        "void (*)(const char *, const char *, size_t, size_t, ggml_backend_dev_t *)",
+    )
+    start_server(endpoint, ffi.NULL, args.threads, len(cpu), devices)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from engine.errors import InputError
+from engine.options import EngineOptions
 
 
 def add_synth_arguments(p: argparse.ArgumentParser) -> None:
@@ -34,7 +35,7 @@ def add_synth_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk", type=int, default=8, help="largest chunk of the ramp, in frames")
 
 
-def run_synth(args: argparse.Namespace) -> int:
+def run_synth(args: argparse.Namespace, options: EngineOptions) -> int:
     """Synthesize, write the WAV (and codes), print a one-line summary; returns exit status."""
     import soundfile as sf
 
@@ -49,7 +50,7 @@ def run_synth(args: argparse.Namespace) -> int:
         raise InputError("save_codes", f"{args.save_codes}: folder does not exist")
     model = open_model(args.model)
     model.require("talker")
-    backends = BackendSet.from_env()
+    backends = BackendSet.from_options(options)
     pipe = Pipeline(model, backends, precision=args.precision, kv_type=args.kv_type,
                     chunk_max_frames=args.chunk)
     req = SynthesisRequest(text=args.text, voice=args.voice, language=args.language,

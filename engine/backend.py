@@ -5,21 +5,8 @@ the CPU), keeps the CPU backend as the fallback for ops the primary cannot run, 
 in the primary's buffer type and runs every graph through one ``ggml_backend_sched`` whose
 allocator is guarded by a mutex. ``execute`` is the one door to compute.
 
-Environment (read by ``BackendSet.from_env``):
-  QTTS_BACKEND           auto | cpu | blas | rpc | cuda | vulkan | metal | hexagon (default auto)
-  QTTS_BACKEND_FALLBACK  auto order, comma list (default: every GPU-class backend the build
-                         has, then cpu). ``blas`` is never chosen by default: it only runs large
-                         F32 matmuls and converts every other weight type on each call.
-  QTTS_DEVICE            device index within the chosen backend (default 0)
-  QTTS_RPC_SERVERS       comma list of host:port of ggml RPC servers (``python -m
-                         cli.rpc_server``); each adds one ``rpc`` device
-  QTTS_THREADS           CPU threads (default: the CPUs this process may run on)
-  QTTS_DEBUG_BACKEND=1   print per-graph placement: nodes per backend, op types on the CPU
-  QTTS_MAX_MATMUL_ROWS   split matmuls whose src1 has more rows (default: per backend, e.g.
-                         1024 for hexagon; none elsewhere) so they stay on the accelerator
-  QTTS_OP_LOG, QTTS_OP_FILTER, QTTS_CHECK_DETERMINISM   see engine/diagnostics.py
-  QTTS_CUSTOM_OPS=0      do not use qtts's own CPU kernels (native/ops): stock ggml ops only,
-                         e.g. to rule them out when bisecting a wrong result
+Its settings come from ``EngineOptions`` (engine/options.py, which lists the ``QTTS_*``
+variables); the BackendSet keeps them as ``options`` for everything built on it.
 """
 
 from __future__ import annotations
@@ -30,17 +17,18 @@ import threading
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
 
 from engine.diagnostics import (
     DeterminismError,
-    DiagnosticSettings,
     EvalHook,
     OpLog,
     first_difference,
 )
+from engine.dtypes import f32_to_bf16
 from engine.errors import BackendError
 from engine.ggml import Tensor, ffi, lib, native_info
 from engine.ggml.graph import (
@@ -48,9 +36,11 @@ from engine.ggml.graph import (
     ggml_type_of,
     name_of,
     new_tensor,
+    no_alloc_context,
     numpy_dtype_of,
     set_name,
 )
+from engine.options import EngineOptions
 
 # Our names for backends and the name their ggml registry reports.
 REGISTRY_NAMES: dict[str, str] = {
@@ -80,11 +70,25 @@ class DeviceInfo:
     handle: Any = field(repr=False, compare=False)
 
 
+@lru_cache(maxsize=1)
 def _registry_loaded() -> None:
-    # Backends built as loadable modules (GGML_BACKEND_DL) live beside libggml; statically
-    # registered ones are already there, and loading twice is harmless.
+    # Backends built as loadable modules (GGML_BACKEND_DL, the portable build) live beside
+    # libggml; ggml loads the best-scoring CPU variant there. Once per process: each call would
+    # open every variant again to score it. Statically registered backends are already there.
     lib_dir = native_info()["lib_dir"].encode()
     lib.ggml_backend_load_all_from_path(lib_dir)
+
+
+def rpc_function(name: str, ctype: str) -> Any:
+    """A function of ggml's RPC backend, through its registry: found whether the backend is
+    linked into libggml (native build) or a module loaded at run time (portable build)."""
+    _registry_loaded()
+    reg = lib.ggml_backend_reg_by_name(b"RPC")
+    fn = ffi.NULL if reg == ffi.NULL else lib.ggml_backend_reg_get_proc_address(reg, name.encode())
+    if fn == ffi.NULL:
+        raise BackendError(f"this ggml build has no rpc backend ({name} not found); rebuild "
+                           "with QTTS_GGML_BACKENDS=blas,rpc make native")
+    return ffi.cast(ctype, fn)
 
 
 _RPC_REGISTERED: set[str] = set()
@@ -101,7 +105,9 @@ def register_rpc_servers(endpoints: str | None) -> None:
         host, _, port = ep.rpartition(":")
         if not host or not port.isdigit():
             raise BackendError(f"QTTS_RPC_SERVERS: {ep!r} is not host:port")
-        reg = lib.ggml_backend_rpc_add_server(ep.encode())
+        add_server = rpc_function("ggml_backend_rpc_add_server",
+                                  "ggml_backend_reg_t (*)(const char *)")
+        reg = add_server(ep.encode())
         if reg == ffi.NULL or lib.ggml_backend_reg_dev_count(reg) == 0:
             raise BackendError(f"QTTS_RPC_SERVERS: no ggml rpc server answers at {ep}")
         lib.ggml_backend_register(reg)
@@ -268,11 +274,7 @@ class WeightStore:
 
     def __init__(self, backends: BackendSet, max_tensors: int = 4096) -> None:
         self._backends = backends
-        params = ffi.new("struct ggml_init_params *")
-        params.mem_size = lib.ggml_tensor_overhead() * max_tensors
-        params.mem_buffer = ffi.NULL
-        params.no_alloc = True
-        self.ctx = lib.ggml_init(params[0])
+        self.ctx = no_alloc_context(max_tensors, what="a weight store")
         self._tensors: dict[str, Tensor] = {}
         self._mapped: list[tuple[Tensor, int]] = []  # (tensor, offset in the map)
         self._arrays: list[tuple[Tensor, np.ndarray[Any, Any]]] = []
@@ -311,7 +313,7 @@ class WeightStore:
         if ggml_type == lib.GGML_TYPE_BF16:
             if src.dtype != np.float32:  # uint16 bits would be converted as numbers
                 raise TypeError(f"{name}: BF16 weights are given as float32, got {src.dtype}")
-            src = _to_bf16(src)
+            src = f32_to_bf16(src)
         elif ggml_type == lib.GGML_TYPE_F16 and src.dtype == np.float32:
             src = src.astype(np.float16)
         elif ggml_type is None:
@@ -380,28 +382,18 @@ def _backend_name(b: Any) -> str:
     return str(ffi.string(lib.ggml_backend_name(b)).decode()) if b != ffi.NULL else "none"
 
 
-def _to_bf16(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-    """float32 -> bfloat16 bits (round to nearest even), as uint16."""
-    f = np.ascontiguousarray(a, dtype=np.float32)
-    out = np.empty(f.shape, dtype=np.uint16)
-    lib.ggml_fp32_to_bf16_row(
-        ffi.cast("float *", ffi.from_buffer(f)), ffi.cast("ggml_bf16_t *", ffi.from_buffer(out)),
-        f.size,
-    )
-    return out
-
-
 class BackendSet:
     """Primary backend + CPU fallback, one scheduler, one locked allocator."""
 
-    def __init__(self, choice: BackendChoice, graph_size: int = DEFAULT_GRAPH_SIZE,
-                 debug: bool = False, diagnostics: DiagnosticSettings | None = None,
-                 max_matmul_rows: int | None = None, custom_ops: bool = True) -> None:
+    def __init__(self, choice: BackendChoice, options: EngineOptions | None = None,
+                 graph_size: int = DEFAULT_GRAPH_SIZE) -> None:
         self.choice = choice
-        self.debug = debug
-        self.custom_ops = custom_ops
-        self.diagnostics = diagnostics or DiagnosticSettings()
-        self.max_matmul_rows = (max_matmul_rows if max_matmul_rows is not None
+        self.options = options if options is not None else EngineOptions()
+        self.debug = self.options.debug_backend
+        self.custom_ops = self.options.custom_ops
+        self.diagnostics = self.options.diagnostics
+        self.max_matmul_rows = (self.options.max_matmul_rows
+                                if self.options.max_matmul_rows is not None
                                 else MAX_MATMUL_ROWS.get(choice.device.backend))
         self.last_op_log: OpLog | None = None
         # When a list, every execute appends where its nodes ran (used by `qtts doctor`).
@@ -429,22 +421,17 @@ class BackendSet:
         self.last_placement: Placement | None = None
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **kwargs: Any) -> BackendSet:
-        """Build from the QTTS_BACKEND* variables (see the module docstring)."""
-        e = os.environ if env is None else env
-        choice = choose_backend(
-            e.get("QTTS_BACKEND", "auto"),
-            e.get("QTTS_BACKEND_FALLBACK"),
-            e.get("QTTS_DEVICE"),
-            e.get("QTTS_THREADS"),
-            e.get("QTTS_RPC_SERVERS"),
-        )
-        rows = e.get("QTTS_MAX_MATMUL_ROWS")
-        if rows not in (None, ""):
-            kwargs.setdefault("max_matmul_rows", _parse_int("QTTS_MAX_MATMUL_ROWS", rows, 1))
-        kwargs.setdefault("custom_ops", e.get("QTTS_CUSTOM_OPS", "1") != "0")
-        return cls(choice, debug=e.get("QTTS_DEBUG_BACKEND", "") == "1",
-                   diagnostics=DiagnosticSettings.from_env(e), **kwargs)
+    def from_options(cls, options: EngineOptions | None = None) -> BackendSet:
+        """Choose and initialise the backends ``options`` name (defaults: an empty environment)."""
+        o = options if options is not None else EngineOptions()
+        choice = choose_backend(o.backend, o.backend_fallback, o.device, o.threads, o.rpc_servers)
+        return cls(choice, o)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> BackendSet:
+        """From a mapping of ``QTTS_*`` variables (tests, benches): the same as
+        ``from_options(EngineOptions.from_env(env))``."""
+        return cls.from_options(EngineOptions.from_env(env))
 
     def _set_threads(self, backend: Any, dev: Any) -> None:
         reg = lib.ggml_backend_dev_backend_reg(dev)

@@ -8,14 +8,14 @@
 * ``QTTS_CHECK_DETERMINISM=1`` — every graph runs twice; per-node output hashes are compared and
   the first node that differs is reported.
 
-They hook into ``BackendSet.execute``; nothing here runs unless its variable is set.
+They hook into ``BackendSet.execute``; nothing here runs unless its option is on
+(``EngineOptions.diagnostics``, read from the variables at the edge).
 """
 
 from __future__ import annotations
 
 import hashlib
 import sys
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,36 +146,6 @@ class EvalHook:
         finally:
             self._index += 1
         return True  # keep computing
-
-
-def parse_op_filter(raw: str | None) -> set[str]:
-    """QTTS_OP_FILTER: comma list of ggml op names (as ggml_op_desc spells them)."""
-    if not raw:
-        return set()
-    return {p.strip().upper() for p in raw.split(",") if p.strip()}
-
-
-@dataclass
-class DiagnosticSettings:
-    """Which diagnostics are on (read once from the environment)."""
-
-    op_log: bool = False
-    op_filter: set[str] = field(default_factory=set)
-    check_determinism: bool = False
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> DiagnosticSettings:
-        """QTTS_OP_LOG, QTTS_OP_FILTER, QTTS_CHECK_DETERMINISM."""
-        return cls(
-            op_log=env.get("QTTS_OP_LOG", "") == "1",
-            op_filter=parse_op_filter(env.get("QTTS_OP_FILTER")),
-            check_determinism=env.get("QTTS_CHECK_DETERMINISM", "") == "1",
-        )
-
-    @property
-    def any_hook(self) -> bool:
-        """Whether an eval callback is needed."""
-        return self.op_log or self.check_determinism
 
 
 class DeterminismError(RuntimeError):

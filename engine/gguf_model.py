@@ -28,9 +28,9 @@ from typing import Any, NamedTuple, TypeVar
 import numpy as np
 import numpy.typing as npt
 from gguf import GGMLQuantizationType
-from gguf import quants as gguf_quants
 from gguf.constants import GGML_QUANT_SIZES
 
+from engine.dtypes import to_f32
 from engine.errors import ModelFileError
 from engine.gguf_schema import (
     ALL_PARTS,
@@ -304,15 +304,7 @@ class GgufModel:
     def tensor_f32(self, name: str) -> npt.NDArray[np.float32]:
         """A float32 copy of a tensor (dequantised), PyTorch-order shape."""
         info = self.tensor_info(name)
-        data = self.tensor(name)
-        if info.ggml_type == GGML_F32:
-            return np.array(data, dtype=np.float32)
-        if info.ggml_type == GGML_F16:
-            return data.astype(np.float32)
-        if info.ggml_type == GGML_BF16:
-            return (data.astype(np.uint32) << np.uint32(16)).view(np.float32)
-        out = gguf_quants.dequantize(np.asarray(data), GGMLQuantizationType(info.ggml_type))
-        return np.asarray(out, dtype=np.float32).reshape(tuple(reversed(info.ne)))
+        return to_f32(self.tensor(name), info.ggml_type, tuple(reversed(info.ne)))
 
     def require(self, part: str) -> None:
         """Raise a clear ``ModelFileError`` unless the file has ``part`` ("decoder"/"talker")."""

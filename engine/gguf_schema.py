@@ -325,7 +325,7 @@ SPECIAL_KEYS = _ks(
 
 @dataclass(frozen=True)
 class GenerationDefaults:
-    """Sampling defaults (``generation_config.json``; spec §3.7 values where a key is absent)."""
+    """Sampling defaults (``generation_config.json``; the released values where a key is absent)."""
 
     do_sample: bool = True
     temperature: float = 0.9

@@ -49,7 +49,7 @@ from engine.talker.prompt import PromptBuilder
 from engine.talker.sampling import SamplingParams, make_rng
 from engine.timings import StageTimings
 
-# 16: the ramp then costs <= 1.1x an offline decode (bench/decoder.py); 8 costs ~1.12x in fast mode
+# 16: the ramp then costs little more than an offline decode (docs/performance.md, Decoder)
 DEFAULT_CHUNK_MAX_FRAMES = 16
 Cancel = threading.Event | Callable[[], bool] | None
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import asdict, dataclass, fields
 
@@ -38,7 +37,6 @@ class StageTimings:
                                for f in fields(self)})
 
     def report(self, label: str = "") -> None:
-        """Print one line to stderr when QTTS_PROFILE=1."""
-        if os.environ.get("QTTS_PROFILE") == "1":
-            parts = " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in asdict(self).items() if v)
-            print(f"[qtts profile]{' ' + label if label else ''} {parts}", file=sys.stderr)
+        """Print the stages that took time as one line to stderr (``EngineOptions.profile``)."""
+        parts = " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in asdict(self).items() if v)
+        print(f"[qtts profile]{' ' + label if label else ''} {parts}", file=sys.stderr)

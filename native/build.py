@@ -5,9 +5,18 @@ Steps, each skipped when its result is already cached:
   1. fetch the sdist named in native/ggml.lock from the package registry and verify its sha256;
   2. CMake Release build of ggml (CPU always; BLAS/CUDA/Vulkan/Metal/Hexagon by
      QTTS_GGML_BACKENDS) into a prefix under the cache, keyed by (version, options, compiler);
-  3. compile native/ops (our own fused kernels) against that prefix;
+  3. compile native/ops (our own fused kernels) against that prefix: once per ISA variant into
+     one library that picks the best variant the CPU runs when it is loaded (ops/dispatch.c);
   4. preprocess the installed headers and write the out-of-line ABI cffi module
      engine/ggml/_ggml_cffi.py plus engine/ggml/_native.json (where the libraries are).
+
+Two flavours, cached apart (the options are part of the key):
+  * native (default, `make native`): ggml with GGML_NATIVE and the kernels with -march=native:
+    the fastest code for this machine, and only for machines with the same instruction sets;
+  * portable (QTTS_PORTABLE=1, the Docker image): ggml's CPU backend built once per x86-64 ISA
+    level as loadable modules (GGML_BACKEND_DL + GGML_CPU_ALL_VARIANTS, ggml loads the best one
+    the CPU runs) and the kernels as AVX-512 BF16/VNNI, AVX-512, AVX2 and baseline variants
+    behind one runtime dispatch: runs on any x86-64 CPU.
 
 The cache lives in $QTTS_CACHE_DIR (default ~/.cache/qtts) so every clone on a machine shares one
 compiled ggml. Nothing here runs at inference time and nothing is downloaded at run time.
@@ -20,6 +29,7 @@ import fcntl
 import hashlib
 import json
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -28,11 +38,19 @@ import tarfile
 import tempfile
 import time
 import tomllib
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 NATIVE = Path(__file__).resolve().parent
 REPO = NATIVE.parent
 GGML_PKG = REPO / "engine" / "ggml"
+
+# ggml's x86-64 CPU backend variants under GGML_CPU_ALL_VARIANTS (ggml/src/CMakeLists.txt of the
+# pinned version), oldest first.
+X86_CPU_VARIANTS = ["x64", "sse42", "sandybridge", "ivybridge", "piledriver", "haswell",
+                    "skylakex", "cannonlake", "cascadelake", "icelake", "cooperlake", "zen4",
+                    "alderlake", "sapphirerapids"]
 
 # Names a user may put in QTTS_GGML_BACKENDS, and the CMake switch each one turns on.
 BACKEND_OPTIONS: dict[str, list[str]] = {
@@ -86,7 +104,7 @@ def fetch_sdist(lock: dict[str, str]) -> Path:
     if not archive.exists():
         log(f"fetching {lock['name']}=={lock['version']} (sdist) from the package registry")
         # With the build tools present and isolation off, pip saves the sdist in ~2 s instead of
-        # building a throwaway isolated environment first (measured in the research note).
+        # building a throwaway isolated environment first (measured when this was written).
         subprocess.run(
             [sys.executable, "-m", "pip", "install", "-q",
              "scikit-build-core~=1.0.0", "setuptools-scm~=10.2"],
@@ -122,6 +140,31 @@ def unpack(archive: Path, lock: dict[str, str]) -> Path:
 def compiler_id() -> str:
     out = subprocess.run(["cc", "--version"], capture_output=True, text=True, check=True).stdout
     return out.splitlines()[0]
+
+
+def portable_requested() -> bool:
+    raw = os.environ.get("QTTS_PORTABLE", "0").strip().lower()
+    if raw not in ("0", "1", "", "false", "true", "no", "yes"):
+        fail(f"QTTS_PORTABLE={raw!r}: use 1 (portable build, any CPU) or 0 (native build)")
+    return raw in ("1", "true", "yes")
+
+
+def requested_cpu_variants(portable: bool) -> list[str] | None:
+    """QTTS_CPU_VARIANTS: a subset of ggml's CPU variants for the portable build (None: all).
+
+    All 14 x86-64 variants take ~14 times the CPU backend's compile time; a machine that builds
+    for itself and a few others (a developer's, the test suite's) may name fewer. The baseline
+    variant (x64 on x86-64) is always added so that the build still runs on any CPU.
+    """
+    raw = os.environ.get("QTTS_CPU_VARIANTS", "").strip().lower()
+    if not portable or not raw or raw == "all":  # the native build has one CPU backend
+        return None
+    names = sorted({n.strip() for n in raw.split(",") if n.strip()})
+    unknown = [n for n in names if n not in X86_CPU_VARIANTS]
+    if unknown or platform.machine().lower() not in ("x86_64", "amd64"):
+        fail(f"QTTS_CPU_VARIANTS: unknown variant(s) {', '.join(unknown) or raw} (x86-64 only); "
+             f"known: all, {', '.join(X86_CPU_VARIANTS)}")
+    return sorted({"x64", *names}, key=X86_CPU_VARIANTS.index)
 
 
 def requested_backends() -> list[str]:
@@ -194,16 +237,24 @@ def cublas_from_pypi() -> list[str]:
     ]
 
 
-def cmake_options(backends: list[str]) -> list[str]:
+def cmake_options(backends: list[str], portable: bool) -> list[str]:
     opts = [
         "-DCMAKE_BUILD_TYPE=Release",
         "-DBUILD_SHARED_LIBS=ON",
         "-DGGML_BUILD_TESTS=OFF",
         "-DGGML_BUILD_EXAMPLES=OFF",
-        "-DGGML_LLAMAFILE=ON",  # 1.4-3.8x faster matmul convs here (research note §4)
+        "-DGGML_LLAMAFILE=ON",  # tiled GEMM: faster matmul convs (docs/performance.md)
         "-DGGML_CCACHE=OFF",
         "-DCMAKE_INSTALL_RPATH=$ORIGIN",  # libggml.so must find libggml-cpu.so.0 beside it
     ]
+    if portable:
+        # No GGML_NATIVE: every backend a loadable module beside libggml (installed into lib/,
+        # so their $ORIGIN rpath finds libggml-base), the CPU one once per ISA level where ggml
+        # has a list of levels (x86-64, arm64); ggml_backend_load_all picks the best at load.
+        opts += ["-DGGML_NATIVE=OFF", "-DGGML_BACKEND_DL=ON",
+                 "-DCMAKE_INSTALL_LIBDIR=lib", "-DCMAKE_INSTALL_BINDIR=lib"]
+        if platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64"):
+            opts.append("-DGGML_CPU_ALL_VARIANTS=ON")
     for name in backends:
         opts += BACKEND_OPTIONS[name]
     if "cuda" in backends:
@@ -221,31 +272,69 @@ def ops_sources() -> list[Path]:
     return sorted((NATIVE / "ops").glob("*.[ch]"))
 
 
-def build_key(lock: dict[str, str], opts: list[str]) -> str:
+def build_key(lock: dict[str, str], opts: list[str], cpu_variants: list[str] | None) -> str:
     h = hashlib.sha256()
     h.update(lock["sha256"].encode())
     h.update("\0".join(opts).encode())
+    if cpu_variants is not None:
+        h.update(("\0cpu-variants=" + ",".join(cpu_variants)).encode())
     h.update(compiler_id().encode())
     return h.hexdigest()[:12]
 
 
-def build_ggml(source: Path, prefix: Path, opts: list[str]) -> float:
-    """Configure, build and install ggml into prefix; returns the seconds it took."""
+def _cmake_build(build_dir: Path, targets: list[str]) -> None:
+    cmd = ["cmake", "--build", str(build_dir), "-j", str(os.cpu_count() or 2)]
+    if targets:
+        cmd += ["--target", *targets]
+    build = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if build.returncode != 0:
+        print(build.stdout[-20000:], file=sys.stderr)
+        fail(f"ggml build failed (exit {build.returncode}); its output is above")
+
+
+def _install_subset(source: Path, build_dir: Path, prefix: Path) -> None:
+    """`cmake --install` wants every variant's file; with a subset built, copy what was: the
+    libraries (their rpath is already $ORIGIN: CMAKE_BUILD_WITH_INSTALL_RPATH) and headers."""
+    (prefix / "lib").mkdir(parents=True)
+    (prefix / "include").mkdir()
+    for lib in sorted(build_dir.rglob("libggml*.so*")):
+        if "CMakeFiles" in lib.parts:
+            continue
+        dest = prefix / "lib" / lib.name
+        if lib.is_symlink():
+            dest.symlink_to(os.readlink(lib))
+        else:
+            shutil.copy2(lib, dest)
+    for header in sorted((source / "include").glob("*.h")):
+        shutil.copy2(header, prefix / "include" / header.name)
+
+
+def build_ggml(source: Path, prefix: Path, opts: list[str],
+               cpu_variants: list[str] | None = None, backends: Sequence[str] = ()) -> float:
+    """Configure, build and install ggml into prefix; returns the seconds it took. With
+    ``cpu_variants``, only those CPU-backend variants are compiled (portable build)."""
     started = time.perf_counter()
     build_dir = prefix.parent / (prefix.name + ".build")
     if build_dir.exists():
         shutil.rmtree(build_dir)
-    jobs = str(os.cpu_count() or 2)
     log(f"building ggml into {prefix} (this happens once per machine and option set)")
+    if cpu_variants is not None:
+        log(f"CPU backend variants: {', '.join(cpu_variants)} (QTTS_CPU_VARIANTS)")
+        opts = [*opts, "-DCMAKE_BUILD_WITH_INSTALL_RPATH=ON"]
     subprocess.run(["cmake", "-S", str(source), "-B", str(build_dir), "-Wno-dev", *opts,
                     f"-DCMAKE_INSTALL_PREFIX={prefix}"],
                    check=True, stdout=subprocess.DEVNULL)
-    build = subprocess.run(["cmake", "--build", str(build_dir), "-j", jobs],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    if build.returncode != 0:
-        print(build.stdout[-20000:], file=sys.stderr)
-        fail(f"ggml build failed (exit {build.returncode}); its output is above")
-    subprocess.run(["cmake", "--install", str(build_dir)], check=True, stdout=subprocess.DEVNULL)
+    if cpu_variants is None:
+        _cmake_build(build_dir, [])
+        subprocess.run(["cmake", "--install", str(build_dir)], check=True,
+                       stdout=subprocess.DEVNULL)
+    else:
+        # the chosen modules, then libggml alone ("ggml/fast": without the dependency on every
+        # backend module that GGML_BACKEND_DL gives it)
+        _cmake_build(build_dir, ["ggml-base", *(f"ggml-cpu-{v}" for v in cpu_variants),
+                                 *(f"ggml-{b}" for b in backends)])
+        _cmake_build(build_dir, ["ggml/fast"])
+        _install_subset(source, build_dir, prefix)
     shutil.rmtree(build_dir)
     return time.perf_counter() - started
 
@@ -258,29 +347,87 @@ def lib_dir(prefix: Path) -> Path:
     raise AssertionError  # unreachable; fail() exits
 
 
-def build_ops(prefix: Path) -> Path | None:
-    """Compile native/ops/*.c into libqtts_ops.so next to libggml (cached by source hash)."""
-    sources = [p for p in ops_sources() if p.suffix == ".c"]
-    if not sources:
-        return None
+# The kernels' ISA variants in the portable build, best first: (name, compiler flags). The
+# library's dispatcher (ops/dispatch.c) runs the first one whose instructions the CPU and the OS
+# support; the names and their order are dispatch.c's too.
+X86_OPS_VARIANTS: list[tuple[str, list[str]]] = [
+    ("avx512_bf16", ["-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"]),
+    ("avx512_vnni", ["-march=x86-64-v4", "-mavx512vnni"]),
+    ("avx512", ["-march=x86-64-v4"]),
+    ("avx2", ["-march=x86-64-v3"]),
+    ("scalar", ["-march=x86-64"]),
+]
+OPS_FLAGS = ["-O3", "-fPIC", "-fopenmp", "-std=c11", "-Wall", "-Wextra"]
+DISPATCH = NATIVE / "ops" / "dispatch.c"
+
+
+def ops_variants(portable: bool) -> list[tuple[str, list[str]]]:
+    """The variants the kernels are compiled as: all ISA levels, or this machine's alone."""
+    if not portable:
+        return [("native", ["-march=native"])]
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        return X86_OPS_VARIANTS
+    return [("generic", [])]  # other CPUs: the portable C paths at the compiler's baseline
+
+
+def compile_ops(prefix: Path, variants: list[tuple[str, list[str]]], out: Path) -> None:
+    """Link native/ops into ``out``: every kernel source once per variant (its symbols suffixed
+    by qtts_variant.h) plus the dispatcher, compiled for the baseline, that forwards to one."""
+    ops_dir = NATIVE / "ops"
     libs = lib_dir(prefix)
+    kernels = [p for p in sorted(ops_dir.glob("*.c")) if p != DISPATCH]
+    inc = [f"-I{prefix / 'include'}", f"-I{ops_dir}"]
+    with tempfile.TemporaryDirectory() as tmp:
+        jobs: list[list[str]] = []
+        objs: list[str] = []
+        for name, flags in variants:
+            for src in kernels:
+                obj = f"{tmp}/{src.stem}.{name}.o"
+                jobs.append(["cc", *OPS_FLAGS, *flags, *inc, "-include",
+                             str(ops_dir / "qtts_variant.h"), f"-DQTTS_VARIANT={name}",
+                             "-c", str(src), "-o", obj])
+                objs.append(obj)
+        obj = f"{tmp}/dispatch.o"
+        jobs.append(["cc", *OPS_FLAGS, *inc, *(f"-DQTTS_OPS_HAVE_{n}" for n, _ in variants),
+                     "-c", str(DISPATCH), "-o", obj])
+        objs.append(obj)
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+            for proc in pool.map(lambda cmd: subprocess.run(cmd, capture_output=True, text=True),
+                                 jobs):
+                if proc.returncode != 0:
+                    print(proc.stderr[-20000:], file=sys.stderr)
+                    fail(f"compiling {proc.args[-3]} failed; the compiler's output is above")
+        link = subprocess.run(["cc", "-shared", "-fopenmp", *objs, f"-L{libs}", "-lggml-base",
+                               "-lggml", "-lm", "-Wl,-rpath,$ORIGIN", "-o", str(out)],
+                              capture_output=True, text=True)
+        if link.returncode != 0:
+            print(link.stderr[-20000:], file=sys.stderr)
+            fail("linking libqtts_ops failed (a new external function missing from "
+                 "native/ops/qtts_variant.h shows as a multiple definition); output above")
+
+
+def build_ops(prefix: Path, portable: bool) -> Path | None:
+    """Compile native/ops/*.c into libqtts_ops next to libggml (cached by sources, variants and
+    compiler)."""
+    if not any(p != DISPATCH for p in ops_sources() if p.suffix == ".c"):
+        return None
+    variants = ops_variants(portable)
     h = hashlib.sha256()
     for p in ops_sources():
         h.update(p.name.encode())
         h.update(p.read_bytes())
-    out = libs / f"libqtts_ops.{h.hexdigest()[:12]}.so"
+    h.update(repr((variants, OPS_FLAGS, compiler_id())).encode())
+    out = lib_dir(prefix) / f"libqtts_ops.{h.hexdigest()[:12]}.so"
     if not out.exists():
-        log(f"compiling {', '.join(p.name for p in sources)}")
-        cmd = ["cc", "-O3", "-march=native", "-fPIC", "-shared", "-fopenmp", "-std=c11",
-               "-Wall", "-Wextra", f"-I{prefix / 'include'}", f"-I{NATIVE / 'ops'}",
-               *map(str, sources), f"-L{libs}", "-lggml-base", "-lggml", "-lm",
-               "-Wl,-rpath,$ORIGIN", "-o", str(out)]
-        subprocess.run(cmd, check=True)
+        log(f"compiling native/ops as {', '.join(n for n, _ in variants)}")
+        tmp_out = out.with_suffix(".tmp")
+        compile_ops(prefix, variants, tmp_out)
+        tmp_out.rename(out)
     return out
 
 
 # ---------------------------------------------------------------------------------------------
-# cffi binding from the real headers (research note §2.1)
+# cffi binding from the real headers
 
 FAKE_LIBC = ["stdbool.h", "stddef.h", "stdint.h", "stdio.h", "stdarg.h", "stdlib.h", "string.h"]
 
@@ -309,7 +456,8 @@ def preprocess(include_dir: Path, extra_headers: list[Path], backends: list[str]
 
 
 def clean_declarations(decls: str, macros: str) -> str:
-    """Make the preprocessed headers digestible for cffi (the five fixes of the research note)."""
+    """Make the preprocessed headers digestible for cffi: no ``extern``, no ``sizeof`` in constant
+    expressions, no typedef declared twice, and the integer macros as ``#define`` lines."""
     decls = re.sub(r"\bextern\s+", "", decls)
     decls = decls.replace("sizeof(int32_t)", "4")
     decls = re.sub(r"static const size_t GGML_TENSOR_SIZE = sizeof\(struct ggml_tensor\);", "",
@@ -336,7 +484,8 @@ def clean_declarations(decls: str, macros: str) -> str:
 
 
 def write_binding(prefix: Path, ops_lib: Path | None, opts: list[str], key: str,
-                  build_seconds: float | None, backends: list[str]) -> None:
+                  build_seconds: float | None, backends: list[str], portable: bool,
+                  cpu_variants: list[str] | None) -> None:
     import cffi
 
     extra = [OPS_HEADER] if ops_lib is not None and OPS_HEADER.exists() else []
@@ -359,6 +508,9 @@ def write_binding(prefix: Path, ops_lib: Path | None, opts: list[str], key: str,
         "libggml": str(lib_dir(prefix) / "libggml.so"),
         "ops_lib": str(ops_lib) if ops_lib else None,
         "backends": ["cpu", *backends],
+        "portable": portable,
+        "cpu_variants": (cpu_variants or "all") if portable else "native",
+        "ops_variants": [n for n, _ in ops_variants(portable)] if ops_lib else [],
         "cmake_options": opts,
         "build_seconds": build_seconds,
     }
@@ -368,6 +520,9 @@ def write_binding(prefix: Path, ops_lib: Path | None, opts: list[str], key: str,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--force", action="store_true", help="rebuild ggml even if cached")
+    parser.add_argument("--no-binding", action="store_true",
+                        help="only build (or find cached) ggml and the kernels; leave "
+                             "engine/ggml's binding as it is (warms the cache)")
     args = parser.parse_args()
 
     # Two builds on one machine (parallel CI jobs, a developer and a test) must not share a
@@ -375,15 +530,17 @@ def main() -> None:
     cache_root().mkdir(parents=True, exist_ok=True)
     with open(cache_root() / ".build.lock", "w") as lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)
-        _build(args.force)
+        _build(args.force, not args.no_binding)
 
 
-def _build(force: bool) -> None:
+def _build(force: bool, binding: bool) -> None:
     lock = read_lock()
+    portable = portable_requested()
     backends = requested_backends()
     check_prerequisites(backends)
-    opts = cmake_options(backends)
-    key = build_key(lock, opts)
+    opts = cmake_options(backends, portable)
+    cpu_variants = requested_cpu_variants(portable)
+    key = build_key(lock, opts, cpu_variants)
     prefix = cache_root() / "ggml" / f"{lock['ggml_version']}-{key}"
     done = prefix / ".complete"
     build_seconds: float | None = None
@@ -391,7 +548,7 @@ def _build(force: bool) -> None:
         source = unpack(fetch_sdist(lock), lock)
         if prefix.exists():
             shutil.rmtree(prefix)
-        build_seconds = build_ggml(source, prefix, opts)
+        build_seconds = build_ggml(source, prefix, opts, cpu_variants, backends)
         done.write_text(json.dumps({"seconds": round(build_seconds, 1)}) + "\n")
         log(f"ggml built in {build_seconds:.1f} s")
     else:
@@ -399,9 +556,13 @@ def _build(force: bool) -> None:
         log(f"ggml {lock['ggml_version']} cached at {prefix}")
     if "cuda" in backends:
         link_cublas(prefix)
-    ops_lib = build_ops(prefix)
-    write_binding(prefix, ops_lib, opts, key, build_seconds, backends)
-    log(f"binding written to {GGML_PKG / '_ggml_cffi.py'}")
+    ops_lib = build_ops(prefix, portable)
+    if not binding:
+        log(f"{'portable' if portable else 'native'} build ready at {prefix}")
+        return
+    write_binding(prefix, ops_lib, opts, key, build_seconds, backends, portable, cpu_variants)
+    log(f"binding written to {GGML_PKG / '_ggml_cffi.py'} "
+        f"({'portable: any CPU of this architecture' if portable else 'native: this CPU'})")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ from starlette.types import Receive, Scope, Send
 from service.audio import CONTENT_TYPES, Encoder, TimeStretch, encode_whole, make_encoder
 from service.errors import ApiError
 from service.handles import Ticket
+from service.logs import round_or_none
 from service.pool import PoolDraining, PoolFull, PoolNotReady
 from service.protocol import (
     Chunk,
@@ -56,11 +57,26 @@ def sse_delta(payload: bytes) -> bytes:
     return _sse({"type": "speech.audio.delta", "audio": base64.b64encode(payload).decode()})
 
 
-def sse_done(syn: Synthesis) -> bytes:
-    """OpenAI's closing ``speech.audio.done`` event: characters in, codec frames out."""
-    return _sse({"type": "speech.audio.done", "usage": {
-        "input_tokens": syn.chars, "output_tokens": syn.frames,
-        "total_tokens": syn.chars + syn.frames}})
+def sse_done(syn: Synthesis, frame_rate: float) -> bytes:
+    """OpenAI's closing ``speech.audio.done`` event: characters in, codec frames out; and under
+    ``qtts`` this request's own numbers (queue, first audio, synthesis time, real-time factor,
+    seconds per engine stage), which the playground page shows."""
+    gen_seconds = syn.frames / frame_rate
+    rtf = syn.synth_seconds / gen_seconds if syn.synth_seconds and gen_seconds > 0 else None
+    return _sse({
+        "type": "speech.audio.done",
+        "usage": {"input_tokens": syn.chars, "output_tokens": syn.frames,
+                  "total_tokens": syn.chars + syn.frames},
+        "qtts": {
+            "request_id": syn.request_id, "frames": syn.frames,
+            "audio_seconds": round(syn.audio_seconds_out, 4),
+            "queue_seconds": round_or_none(syn.queue_seconds),
+            "ttfa_seconds": round_or_none(syn.ttfa),
+            "synth_seconds": round_or_none(syn.synth_seconds),
+            "rtf": round_or_none(rtf),
+            "stages": {k: round(v, 6) for k, v in sorted(syn.stages.items())},
+        },
+    })
 
 
 class SynthesisResponse(Response):
@@ -178,6 +194,9 @@ class SynthesisResponse(Response):
         """Observe a chunk's stage timings; return its audio."""
         self.st.metrics.observe_stages(ev.timings, ev.frames)
         self.syn.frames += ev.frames
+        for stage, seconds in ev.timings.items():
+            if seconds >= 0:
+                self.syn.stages[stage] = self.syn.stages.get(stage, 0.0) + float(seconds)
         return np.asarray(ev.audio, dtype=np.float32)
 
     def _encode(self, encoder: Encoder, audio: np.ndarray[Any, Any], final: bool) -> bytes:
@@ -245,9 +264,9 @@ class SynthesisResponse(Response):
             tail = stretch.flush() if stretch is not None else np.zeros(0, np.float32)
             payload = self._encode(encoder, tail, final=True)
             body = sse_delta(payload) if syn.sse and payload else payload
-            if syn.sse:
-                body += sse_done(syn)
             self._finished(ev)
+            if syn.sse:
+                body += sse_done(syn, st.model.frame_rate)
             if ev.finish is Finish.CANCELLED:
                 raise _Abort
             self._first_audio()
@@ -279,7 +298,8 @@ class SynthesisResponse(Response):
         st.metrics.stage_seconds.labels(stage="encode").observe(time.perf_counter() - t0)
         ctype = CONTENT_TYPES[syn.fmt]
         if syn.sse:
-            data = sse_delta(data) + sse_done(syn)
+            syn.audio_seconds_out = len(audio) / st.model.sample_rate
+            data = sse_delta(data) + sse_done(syn, st.model.frame_rate)
             ctype = SSE_CONTENT_TYPE
         await send({"type": "http.response.start", "status": 200,
                     "headers": self._head(ctype, len(data))})

@@ -70,6 +70,7 @@ class Synthesis:
     outcome: str = "ok"
     status: int = 200
     gaps: int = 0
+    stages: dict[str, float] = field(default_factory=dict)  # seconds per engine stage, summed
     extra: dict[str, Any] = field(default_factory=dict)
 
 

@@ -16,8 +16,9 @@ import signal
 import sys
 import time
 import traceback
-from collections.abc import Callable, Generator, Mapping
-from typing import Any
+from collections.abc import Callable, Generator
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -34,20 +35,24 @@ from service.protocol import (
     WorkerOptions,
 )
 
+if TYPE_CHECKING:
+    from engine.options import EngineOptions
+
 Piece = tuple[np.ndarray[Any, Any], dict[str, float], int]
 
 
 class Synthesizer:
     """The model, its backends, its decoder and the engine's Pipeline (text and codes)."""
 
-    def __init__(self, opts: WorkerOptions, env: Mapping[str, str]) -> None:
+    def __init__(self, opts: WorkerOptions, options: EngineOptions) -> None:
         from engine.backend import BackendSet
         from engine.decoder import DecoderModel
         from engine.gguf_model import open_model
         from engine.pipeline import DEFAULT_CHUNK_MAX_FRAMES, Pipeline
 
         self.model = open_model(opts.model_path)
-        self.backends = BackendSet.from_env(env)
+        self.options = options
+        self.backends = BackendSet.from_options(options)
         self.decoder = DecoderModel.load(self.model, self.backends, precision=opts.precision)
         self.pipeline = Pipeline(
             self.model, self.backends, self.decoder, max_frames_cap=opts.max_frames_cap,
@@ -57,7 +62,7 @@ class Synthesizer:
     def backend_name(self) -> str:
         return str(getattr(self.backends, "name", "unknown"))
 
-    def warm_up(self, frames: int, pin_prefixes: bool) -> float:
+    def warm_up(self, frames: int) -> float:
         """Decode a few frames and build the talker's cached graphs, so the first request does
         not pay graph building and page faults."""
         from engine.decoder import StreamingDecoder
@@ -71,7 +76,7 @@ class Synthesizer:
             sd.push(codes[:, :1])
             if frames > 1:
                 sd.push(codes[:, 1:])
-        self.pipeline.warm_up(pin_prefixes=pin_prefixes)
+        self.pipeline.warm_up(pin_prefixes=self.options.pin_prefixes)
         return time.perf_counter() - t0
 
     def stream(self, job: Job, cancelled: Callable[[], bool]) -> Generator[Piece, None, Finish]:
@@ -108,15 +113,19 @@ def worker_main(conn: Any, cancel: Any, opts: WorkerOptions) -> None:
     # SIGTERM (e.g. systemd signalling the whole group while the front end drains): an idle
     # worker exits at once, a busy one finishes its request first.
     signal.signal(signal.SIGTERM, _on_sigterm)
-    os.environ.update(opts.env)
+    from engine.options import EngineOptions
     from service.logs import setup_logging
 
     setup_logging(opts.env.get("QTTS_LOG_FORMAT", "text"), opts.env.get("QTTS_LOG_LEVEL", "info"))
     try:
         t0 = time.perf_counter()
-        synth = Synthesizer(opts, os.environ)
+        # the engine's options: its own QTTS_* variables with what the settings decided (threads,
+        # prefix pinning) on top; read here, once, and passed down
+        options = replace(EngineOptions.from_env({**os.environ, **opts.env}),
+                          pin_prefixes=opts.pin_prefixes)
+        synth = Synthesizer(opts, options)
         load = time.perf_counter() - t0
-        warm = synth.warm_up(opts.warmup_frames, opts.pin_prefixes)
+        warm = synth.warm_up(opts.warmup_frames)
         conn.send(Ready(pid=os.getpid(), index=opts.index, backend=synth.backend_name,
                         load_seconds=load, warmup_seconds=warm))
     except Exception as e:

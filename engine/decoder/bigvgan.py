@@ -1,4 +1,6 @@
-"""Stage 5, the BigVGAN-style wave generator: decoder.0 .. decoder.6 (spec §2.3.5-7).
+"""Stage 5, the BigVGAN-style wave generator: decoder.0 .. decoder.6.
+
+Math: docs/architecture.md, Wave generator.
 
 conv_in (k7) -> four blocks [snake -> transposed conv (x8, x5, x4, x3) -> residual units with
 dilation 1, 3, 9] -> snake -> conv_out (k7, 96 -> 1) -> clamp to [-1, 1].

@@ -49,8 +49,8 @@ class StageGraph(Graph):
         into one full-size tensor by a chain of SET_ROWS (each writes into the result of the
         previous one), so every row is copied once; the full-size tensor itself comes from a
         REPEAT of one row (its values are all overwritten), the cheapest stock op that makes
-        one (a PAD of the first chunk costs 3x as much on the CPU). A tree of concats copied
-        each row log2(chunks) times (1.23x the unsplit decode on the CPU). REPEAT and SET_ROWS
+        one (a PAD of the first chunk costs more on the CPU). A tree of concats copied each row
+        log2(chunks) times (docs/performance.md, Figures behind the code). REPEAT and SET_ROWS
         are ops every backend with a row limit has, unlike SET.
         """
         t = int(x.ne[1]) if n_rows is None else n_rows

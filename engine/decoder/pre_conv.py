@@ -1,4 +1,7 @@
-"""Stage 2, pre_conv: causal conv k3, 512 -> 1024 (spec §2.3.2)."""
+"""Stage 2, pre_conv: causal conv k3, 512 -> 1024.
+
+Math: docs/architecture.md, Pre-conv.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Stage 3, pre-transformer: 8 pre-norm layers with sliding-window causal attention (spec §2.3.3).
+"""Stage 3, pre-transformer: 8 pre-norm layers with sliding-window causal attention.
+
+Math: docs/architecture.md, Pre-transformer.
 
 Streaming: every layer carries the RoPE'd keys and the values of its last ``window-1``
 positions, so a chunk's queries see exactly the keys a single pass would show them. Positions
@@ -7,14 +9,14 @@ keep counting across chunks; carried slots before position 0 are masked out.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 
 from engine.decoder.blocks import StageGraph, linear
 from engine.decoder.weights import DecoderWeights, Linear, PreTransformerLayer
-from engine.ggml import NULL, Tensor, lib
+from engine.ggml import Tensor, lib
+from engine.transformer import attend, rms_norm, rope, swiglu
 
 
 def attention_mask(pos0: int, n_new: int, window: int) -> np.ndarray[Any, np.dtype[np.float32]]:
@@ -24,11 +26,6 @@ def attention_mask(pos0: int, n_new: int, window: int) -> np.ndarray[Any, np.dty
     k_pos = pos0 - n_cache + np.arange(n_cache + n_new)[None, :]
     visible = (k_pos <= q_pos) & (k_pos > q_pos - window) & (k_pos >= 0)
     return np.where(visible, 0.0, -np.inf).astype(np.float32)
-
-
-def rms_norm(g: StageGraph, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """``w * x / sqrt(mean(x^2) + eps)`` over channels."""
-    return lib.ggml_mul(g.ctx, lib.ggml_rms_norm(g.ctx, x, eps), weight)
 
 
 def self_attention(g: StageGraph, w: DecoderWeights, il: int, x: Tensor, pos: Tensor,
@@ -41,23 +38,13 @@ def self_attention(g: StageGraph, w: DecoderWeights, il: int, x: Tensor, pos: Te
     def heads(proj: Linear) -> Tensor:
         return lib.ggml_reshape_3d(ctx, linear(g, x, proj), d_head, n_head, t)
 
-    def rope(h: Tensor) -> Tensor:
-        return lib.ggml_rope_ext(ctx, h, pos, NULL, d_head,
-                                 lib.GGML_ROPE_TYPE_NEOX, 0, cfg.rope_theta, 1.0, 0.0, 1.0,
-                                 0.0, 0.0)
-
-    q = rope(heads(lw.q))
-    k_all = _windowed(g, f"pretr.{il}.k", rope(heads(lw.k)), n_cache)
+    q = rope(ctx, heads(lw.q), pos, d_head, cfg.rope_theta)
+    k_all = _windowed(g, f"pretr.{il}.k", rope(ctx, heads(lw.k), pos, d_head, cfg.rope_theta),
+                      n_cache)
     v_all = _windowed(g, f"pretr.{il}.v", heads(lw.v), n_cache)
-    qp = lib.ggml_permute(ctx, q, 0, 2, 1, 3)  # [d, T, H]
     kp = lib.ggml_permute(ctx, k_all, 0, 2, 1, 3)  # [d, Tk, H]
-    scores = lib.ggml_mul_mat(ctx, kp, qp)  # [Tk, T, H]
-    probs = lib.ggml_soft_max_ext(ctx, scores, mask, 1.0 / math.sqrt(d_head), 0.0)
     vt = lib.ggml_cont(ctx, lib.ggml_permute(ctx, v_all, 1, 2, 0, 3))  # [Tk, d, H]
-    out = lib.ggml_mul_mat(ctx, vt, probs)  # [d, T, H]
-    out = lib.ggml_cont(ctx, lib.ggml_permute(ctx, out, 0, 2, 1, 3))  # [d, H, T]
-    out = lib.ggml_reshape_2d(ctx, out, d_head * n_head, t)
-    return linear(g, out, lw.o)
+    return linear(g, attend(ctx, q, kp, vt, mask), lw.o)
 
 
 def _windowed(g: StageGraph, key: str, h: Tensor, n_cache: int) -> Tensor:
@@ -74,18 +61,16 @@ def _windowed(g: StageGraph, key: str, h: Tensor, n_cache: int) -> Tensor:
 
 def mlp(g: StageGraph, x: Tensor, lw: PreTransformerLayer) -> Tensor:
     """SwiGLU: ``down(silu(gate x) * up x)``."""
-    ctx = g.ctx
-    gate = lib.ggml_silu(ctx, linear(g, x, lw.gate))
-    return linear(g, lib.ggml_mul(ctx, gate, linear(g, x, lw.up)), lw.down)
+    return linear(g, swiglu(g.ctx, linear(g, x, lw.gate), linear(g, x, lw.up)), lw.down)
 
 
 def layer(g: StageGraph, w: DecoderWeights, il: int, h: Tensor, pos: Tensor, mask: Tensor
           ) -> Tensor:
     """``h += s_attn * Attn(RMSNorm(h)); h += s_mlp * MLP(RMSNorm(h))``."""
     ctx, lw, eps = g.ctx, w.layers[il], w.cfg.rms_norm_eps
-    a = self_attention(g, w, il, rms_norm(g, h, lw.attn_norm, eps), pos, mask)
+    a = self_attention(g, w, il, rms_norm(ctx, h, lw.attn_norm, eps), pos, mask)
     h = lib.ggml_add(ctx, h, lib.ggml_mul(ctx, a, lw.attn_scale))
-    m = mlp(g, rms_norm(g, h, lw.ffn_norm, eps), lw)
+    m = mlp(g, rms_norm(ctx, h, lw.ffn_norm, eps), lw)
     return g.tap(lib.ggml_add(ctx, h, lib.ggml_mul(ctx, m, lw.ffn_scale)), f"dec.pretr.blk{il}")
 
 
@@ -98,6 +83,6 @@ def build(g: StageGraph, w: DecoderWeights, x: Tensor) -> Tensor:
     h = linear(g, x, w.in_proj)
     for il in range(len(w.layers)):
         h = layer(g, w, il, h, pos, mask)
-    h = rms_norm(g, h, w.final_norm, w.cfg.rms_norm_eps)
+    h = rms_norm(g.ctx, h, w.final_norm, w.cfg.rms_norm_eps)
     return g.tap(linear(g, h, w.out_proj), "dec.pretr.out")
 

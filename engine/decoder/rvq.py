@@ -1,4 +1,7 @@
-"""Stage 1, RVQ dequantisation: 16 codebook lookups -> [T, 512] (spec §2.3.1)."""
+"""Stage 1, RVQ dequantisation: 16 codebook lookups -> [T, 512].
+
+Math: docs/architecture.md, RVQ dequantisation.
+"""
 
 from __future__ import annotations
 

@@ -81,7 +81,8 @@ class StreamingDecoder:
         wav = self._stage(tm, "bigvgan", lambda g: bigvgan.build(g, w, g.input("x", x.shape)),
                           x=x)
         self.frames += n
-        tm.report(f"push {n} frame(s)")
+        if m.backends.options.profile:
+            tm.report(f"push {n} frame(s)")
         return wav.reshape(-1), tm
 
     def _stage(self, tm: StageTimings, name: str, build: Callable[[StageGraph], Tensor],

@@ -1,4 +1,7 @@
-"""Stage 4, upsampler: twice (transposed conv k2 s2 -> ConvNeXt block), 12.5 -> 50 Hz (§2.3.4)."""
+"""Stage 4, upsampler: twice (transposed conv k2 s2 -> ConvNeXt block), 12.5 -> 50 Hz.
+
+Math: docs/architecture.md, Upsampler.
+"""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Activations in the decoder graphs are time-major: a ggml tensor ne = [C, T] (numpy [T, C]), so
 every conv tap, transposed-conv phase and linear layer is one ``mul_mat(W, x)`` with W = [out, in]
 and its rows contiguous. This module turns the GGUF's PyTorch-layout tensors into that form once
-at load and folds the constants the spec allows:
+at load and folds the constants:
 
 * codebooks: ``E_q = embed_sum_q / max(usage_q, eps)``;
 * SnakeBeta: ``exp(alpha)`` and ``1 / (exp(beta) + 1e-9)``;
@@ -14,13 +14,12 @@ On the CPU with qtts's native ops, convs, transposed convs (as 1-2 tap convs of 
 and linear layers (as 1-tap convs) are instead packed for the direct conv kernels.
 
 Precision: ``exact`` keeps every weight F32 (parity mode); ``fast`` stores the weights of the
-wave generator (decoder.0-6) and the upsampler's pointwise layers as BF16 (~2x the F32
-throughput here); everything else stays F32.
+wave generator (decoder.0-6) and the upsampler's pointwise layers as BF16 (the BF16 kernel's
+throughput is in docs/performance.md); everything else stays F32.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -35,25 +34,6 @@ from engine.gguf_schema import DecoderConfig
 Precision = Literal["exact", "fast"]
 PRECISIONS: tuple[str, ...] = ("exact", "fast")
 SNAKE_EPS = 1e-9
-
-
-def tensor_f32(model: Any, name: str) -> np.ndarray[Any, np.dtype[np.float32]]:
-    """A GGUF tensor as float32 in its PyTorch-order shape, whatever its stored type."""
-    gtype, ne, _offset, _nbytes = model.tensor_info(name)
-    shape = tuple(reversed(ne))
-    raw = model.tensor(name)
-    if gtype == lib.GGML_TYPE_F32:
-        return np.asarray(raw, dtype=np.float32).reshape(shape)
-    if gtype == lib.GGML_TYPE_F16:
-        return np.asarray(raw, dtype=np.float16).astype(np.float32).reshape(shape)
-    if gtype == lib.GGML_TYPE_BF16:
-        bits = np.asarray(raw).view(np.uint16).astype(np.uint32) << 16
-        return bits.view(np.float32).reshape(shape)
-    from gguf.constants import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    flat = dequantize(np.asarray(raw).view(np.uint8), GGMLQuantizationType(gtype))
-    return np.asarray(flat, dtype=np.float32).reshape(shape)
 
 
 @dataclass
@@ -103,7 +83,7 @@ class Snake:
 @dataclass
 class Linear:
     """y = W x (+ b): a ggml mul_mat of ``weight``, or (``conv``) a 1-tap conv on qtts's direct
-    kernel, ~1.4-2x ggml's matmul at the decoder's few-dozen-row inputs (bench/kernels.py)."""
+    kernel, faster than ggml's matmul at the decoder's few-dozen-row inputs (bench/kernels.py)."""
 
     weight: Tensor | None
     bias: Tensor | None
@@ -174,38 +154,36 @@ class DecoderWeights:
         self.precision = precision
         self.backends = backends
         self.store: WeightStore = backends.weight_store()
-        # qtts's own direct conv kernels beat ggml's K mul_mats 1.4-2.9x (F32) and 1.8-2.4x
-        # (BF16) on this CPU (bench/kernels.py); they run on the CPU backend only, so
-        # accelerators keep the mul_mat form.
+        # qtts's own direct conv kernels beat ggml's K mul_mats on the CPU (bench/kernels.py);
+        # they run on the CPU backend only, so accelerators keep the mul_mat form.
         self.use_custom_ops = (backends.custom_ops and backends.name in ("cpu", "blas")
                                and custom_ops.available())
         self._bf16_kernel = self.use_custom_ops and custom_ops.bf16_available()
-        # Fast mode: BF16 only in the wave generator (decoder.0-6, ~97 % of the FLOPs). The
-        # pre-transformer and upsampler are a few % of the time but, in BF16, cost ~3 dB of SNR
-        # against the F32 reference (34.1 vs 37.0 dB measured on the full random model; 38.1 dB
-        # as configured here).
+        # Fast mode: BF16 only in the wave generator (decoder.0-6, nearly all of the FLOPs). The
+        # pre-transformer and upsampler are a few % of the time but, in BF16, cost SNR against
+        # the F32 reference out of proportion (docs/performance.md, Figures behind the code).
         self._bulk_type = lib.GGML_TYPE_BF16 if precision == "fast" else lib.GGML_TYPE_F32
-        # Fast mode's K = 7 convs by Winograd F(2,3) (1.15-1.35x the direct BF16 kernel on the
-        # decoder's shapes) and K = 2 ones (the transposed convs' polyphase form) by F(2,2);
-        # 1-2 dB less SNR per conv (native/ops/conv1d_wino_bf16.c).
-        self._winograd = self._bf16_kernel and os.environ.get("QTTS_WINOGRAD", "1") != "0"
+        # Fast mode's K = 7 convs by Winograd F(2,3) and K = 2 ones (the transposed convs'
+        # polyphase form) by F(2,2): faster than the direct BF16 kernel for a little SNR per conv
+        # (native/ops/conv1d_wino_bf16.c; docs/performance.md, Figures behind the code).
+        self._winograd = self._bf16_kernel and backends.options.winograd
         cfg = self.cfg
         eps = cfg.codebook_eps
         self.codebooks = []
         for q in range(cfg.num_quantizers):
-            emb = tensor_f32(model, f"dec.rvq.cb.{q}.embed_sum")
-            usage = tensor_f32(model, f"dec.rvq.cb.{q}.usage")
+            emb = model.tensor_f32(f"dec.rvq.cb.{q}.embed_sum")
+            usage = model.tensor_f32(f"dec.rvq.cb.{q}.usage")
             self.codebooks.append(self._f32(f"dec.rvq.cb.{q}.table",
                                             emb / np.maximum(usage, eps)[:, None]))
         self.first_proj = self._f32("dec.rvq.first_proj.weight",
-                                    tensor_f32(model, "dec.rvq.first_proj.weight"))
+                                    model.tensor_f32("dec.rvq.first_proj.weight"))
         self.rest_proj = self._f32("dec.rvq.rest_proj.weight",
-                                   tensor_f32(model, "dec.rvq.rest_proj.weight"))
+                                   model.tensor_f32("dec.rvq.rest_proj.weight"))
         self.pre_conv = self._conv("dec.pre_conv")
         self.in_proj = self._linear("dec.pretr.in_proj")
         self.layers = [self._pretr_layer(i) for i in range(cfg.num_hidden_layers)]
         self.final_norm = self._f32("dec.pretr.norm.weight",
-                                    tensor_f32(model, "dec.pretr.norm.weight"))
+                                    model.tensor_f32("dec.pretr.norm.weight"))
         self.out_proj = self._linear("dec.pretr.out_proj")
         self.upsample = [
             (self._tconv(f"dec.up.{i}.tconv", r), self._convnext(f"dec.up.{i}"))
@@ -236,8 +214,8 @@ class DecoderWeights:
                          f"{name}.{j}") for j in range(k)]
 
     def _conv(self, prefix: str, bulk: bool = False) -> Conv:
-        w = tensor_f32(self.model, f"{prefix}.weight")
-        bias = self._f32(f"{prefix}.bias", tensor_f32(self.model, f"{prefix}.bias"))
+        w = self.model.tensor_f32(f"{prefix}.weight")
+        bias = self._f32(f"{prefix}.bias", self.model.tensor_f32(f"{prefix}.bias"))
         return self._conv_from(prefix, w, bias, bulk)
 
     def _conv_from(self, prefix: str, w: np.ndarray[Any, Any], bias: Tensor, bulk: bool
@@ -259,7 +237,7 @@ class DecoderWeights:
         return Conv(taps, None, bias, k, i, o)
 
     def _tconv(self, prefix: str, stride: int, bulk: bool = False) -> TConv:
-        w = tensor_f32(self.model, f"{prefix}.weight")  # [I, O, K]
+        w: np.ndarray[Any, Any] = self.model.tensor_f32(f"{prefix}.weight")  # [I, O, K]
         i, o, k = w.shape
         if k not in (stride, 2 * stride):
             raise ModelFileError(str(self.model.path),
@@ -270,7 +248,7 @@ class DecoderWeights:
 
         cur = phase(slice(0, stride))
         prev = phase(slice(stride, 2 * stride)) if k == 2 * stride else None
-        bias_np = tensor_f32(self.model, f"{prefix}.bias")
+        bias_np = self.model.tensor_f32(f"{prefix}.bias")
         if self.use_custom_ops:
             # y[t] (all s phases) = W_prev x[t-1] + W_cur x[t]: a causal conv with k/s taps.
             taps = [cur] if prev is None else [prev, cur]
@@ -283,14 +261,14 @@ class DecoderWeights:
                      None, self._f32(f"{prefix}.bias", bias_np), stride, i, o)
 
     def _snake(self, prefix: str) -> Snake:
-        alpha = tensor_f32(self.model, f"{prefix}.alpha").astype(np.float64)
-        beta = tensor_f32(self.model, f"{prefix}.beta").astype(np.float64)
+        alpha = self.model.tensor_f32(f"{prefix}.alpha").astype(np.float64)
+        beta = self.model.tensor_f32(f"{prefix}.beta").astype(np.float64)
         return Snake(self._f32(f"{prefix}.exp_alpha", np.exp(alpha)),
                      self._f32(f"{prefix}.inv_beta", 1.0 / (np.exp(beta) + SNAKE_EPS)))
 
     def _linear(self, prefix: str, bias: bool = True, bulk: bool = False) -> Linear:
-        w_np = tensor_f32(self.model, f"{prefix}.weight")
-        b = self._f32(f"{prefix}.bias", tensor_f32(self.model, f"{prefix}.bias")) if bias else None
+        w_np = self.model.tensor_f32(f"{prefix}.weight")
+        b = self._f32(f"{prefix}.bias", self.model.tensor_f32(f"{prefix}.bias")) if bias else None
         if self.use_custom_ops:  # the kernel always adds a bias: zeros when the layer has none
             b_conv = b if b is not None else self._f32(f"{prefix}.zero_bias",
                                                        np.zeros(w_np.shape[0], np.float32))
@@ -301,7 +279,7 @@ class DecoderWeights:
         p = f"dec.pretr.blk.{i}"
 
         def f(n: str) -> Tensor:
-            return self._f32(f"{p}.{n}", tensor_f32(self.model, f"{p}.{n}"))
+            return self._f32(f"{p}.{n}", self.model.tensor_f32(f"{p}.{n}"))
 
         def w(n: str) -> Linear:
             return self._linear(f"{p}.{n}", bias=False)
@@ -313,18 +291,18 @@ class DecoderWeights:
         )
 
     def _convnext(self, p: str) -> ConvNeXt:
-        dw = tensor_f32(self.model, f"{p}.dwconv.weight")  # [C, 1, K]
+        dw = self.model.tensor_f32(f"{p}.dwconv.weight")  # [C, 1, K]
         c, _, k = dw.shape
         dw_t = self._f32(f"{p}.dwconv.taps", dw[:, 0, :].T)  # [K, C]
         return ConvNeXt(
             dw_taps=[set_name(lib.ggml_view_1d(self.store.ctx, dw_t, c, j * dw_t.nb[1]),
                               f"{p}.dwconv.taps.{j}") for j in range(k)],
-            dw_bias=self._f32(f"{p}.dwconv.bias", tensor_f32(self.model, f"{p}.dwconv.bias")),
-            norm_w=self._f32(f"{p}.norm.weight", tensor_f32(self.model, f"{p}.norm.weight")),
-            norm_b=self._f32(f"{p}.norm.bias", tensor_f32(self.model, f"{p}.norm.bias")),
+            dw_bias=self._f32(f"{p}.dwconv.bias", self.model.tensor_f32(f"{p}.dwconv.bias")),
+            norm_w=self._f32(f"{p}.norm.weight", self.model.tensor_f32(f"{p}.norm.weight")),
+            norm_b=self._f32(f"{p}.norm.bias", self.model.tensor_f32(f"{p}.norm.bias")),
             pw1=self._linear(f"{p}.pwconv1", bulk=True),
             pw2=self._linear(f"{p}.pwconv2", bulk=True),
-            gamma=self._f32(f"{p}.gamma", tensor_f32(self.model, f"{p}.gamma")),
+            gamma=self._f32(f"{p}.gamma", self.model.tensor_f32(f"{p}.gamma")),
         )
 
     def _block(self, b: int, rate: int) -> DecoderBlock:

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.dtypes import bf16_to_f32, f32_to_bf16
 from engine.errors import NativeBuildError
 from engine.ggml.graph import Tensor
 from engine.ggml.native import ffi, lib, ops
@@ -72,8 +73,32 @@ def available() -> bool:
 
 
 def simd_isa(library: Any | None = None) -> str:
-    """The SIMD path libqtts_ops was compiled with: ``"avx512"``, ``"avx2"`` or ``"scalar"``."""
+    """The SIMD path of the variant in use: ``"avx512"``, ``"avx2"`` or ``"scalar"``."""
     return ISA_NAMES.get(int(_library(library).qtts_ops_isa()), "unknown")
+
+
+def variant(library: Any | None = None) -> str:
+    """The ISA variant of the kernels this process runs, chosen when libqtts_ops was loaded:
+    the best of ``variants()`` the CPU supports (``"native"`` in a -march=native build)."""
+    return str(ffi.string(_library(library).qtts_ops_variant()).decode())
+
+
+def variants(library: Any | None = None) -> list[str]:
+    """The ISA variants built into libqtts_ops, best first."""
+    return str(ffi.string(_library(library).qtts_ops_variants()).decode()).split(",")
+
+
+def kernel_paths(library: Any | None = None) -> dict[str, str]:
+    """What each op runs in the variant in use: the SIMD path, or "portable C"."""
+    isa = simd_isa(library)
+    bf16 = has_fast_path(library, "qtts_conv1d_tm_bf16_fast")
+    i8 = has_fast_path(library, "qtts_gemm_i8_fast")
+    return {
+        "snake": isa,
+        "conv1d_tm": f"{isa} (block {conv_block(library)})",
+        "conv1d_tm_bf16, conv1d_wino_bf16": "avx512_bf16" if bf16 else "portable C",
+        "gemm_i8": "avx512_vnni" if i8 else "portable C",
+    }
 
 
 def _check_f32(t: Tensor, what: str) -> None:
@@ -240,10 +265,10 @@ CONV_BF16_BLOCK = 32  # QTTS_CONV_BF16_BLOCK: output channels per packed block, 
 
 
 def bf16_available(library: Any | None = None) -> bool:
-    """Whether ``conv1d_tm_bf16`` has its AVX512_BF16 kernel (VDPBF16PS, ~2x the F32 kernel's
-    throughput). False when libqtts_ops is missing, predates the op, or was compiled without
-    AVX512_BF16: the op then still runs, on a portable C path that is correct but slow, so keep
-    the F32 ``conv1d_tm`` there."""
+    """Whether ``conv1d_tm_bf16`` has its AVX512_BF16 kernel (VDPBF16PS: two BF16 products per
+    lane and instruction; docs/performance.md, Figures behind the code). False when libqtts_ops
+    is missing, predates the op, or was compiled without AVX512_BF16: the op then still runs, on
+    a portable C path that is correct but slow, so keep the F32 ``conv1d_tm`` there."""
     return has_fast_path(library, "qtts_conv1d_tm_bf16_fast")
 
 
@@ -261,19 +286,13 @@ def has_fast_path(library: Any | None, probe: str) -> bool:
 def round_bf16(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     """float32 -> float32 holding the nearest BF16 value, as the kernel rounds its input
     (VCVTNEPS2BF16): round to nearest even, zero and subnormals to signed zero, NaN quieted."""
-    f = np.asarray(a, dtype=np.float32)
-    u = np.ascontiguousarray(f).view(np.uint32).reshape(f.shape)
-    r = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) & np.uint32(0xFFFF0000)
-    r = np.where((u & np.uint32(0x7F800000)) == 0, u & np.uint32(0x80000000), r)
-    nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
-    r = np.where(nan, (u | np.uint32(0x00400000)) & np.uint32(0xFFFF0000), r)
-    return np.asarray(r, dtype=np.uint32).view(np.float32)
+    return bf16_to_f32(bf16_bits(a))
 
 
 def bf16_bits(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     """The BF16 bit patterns (uint16) of ``round_bf16(a)``: what a GGML_TYPE_BF16 tensor holds
     (for uploading a packed weight as a graph input rather than through ``add_array``)."""
-    return (round_bf16(a).view(np.uint32) >> np.uint32(16)).astype(np.uint16)
+    return f32_to_bf16(np.asarray(a, dtype=np.float32), flush_subnormals=True)
 
 
 def pack_conv_weight_bf16(w: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
@@ -384,8 +403,8 @@ def conv1d_wino_bf16(ctx: Any, xp: Tensor, w: Tensor, bias: Tensor, dilation: in
 
     Same arguments and result as ``conv1d_tm_bf16`` except ``w``, from
     ``pack_conv_weight_wino_bf16`` (its slot count gives K); the value differs from it by
-    rounding only (the transformed inputs and weights are rounded to BF16: ~2 dB less SNR per
-    conv on random data).
+    rounding only (the transformed inputs and weights are rounded to BF16, which costs a little
+    SNR per conv; docs/performance.md, Figures behind the code).
     """
     return _bf16_conv("conv1d_wino_bf16", "qtts_conv1d_wino_bf16_op", ctx, xp, w, bias,
                       dilation, hist, snake, residual, library)

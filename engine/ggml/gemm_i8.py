@@ -1,10 +1,11 @@
 """qtts's INT8 GEMM custom op (native/ops/gemm_i8.c): ``y = W x`` in W8A8 for prefills.
 
 A prompt's prefill multiplies every talker matrix by tens to hundreds of rows at once, which is
-compute-bound; ggml's Q4_0 GEMM rescales every 32-element block in F32 and runs at ~255 GFLOP/s
-here. This op keeps an int8 copy of the weight, rounded per (output channel, 256 inputs), rounds
-the input the same way per (row, 256 inputs) inside the op, and sums with AVX512-VNNI (64 int8
-MACs per instruction). Single-row steps stay on ggml's Q4_0 ``mul_mat``, which reads fewer bytes.
+compute-bound; ggml's Q4_0 GEMM rescales every 32-element block in F32, which caps its rate
+(docs/performance.md, Figures behind the code). This op keeps an int8 copy of the weight, rounded
+per (output channel, 256 inputs), rounds the input the same way per (row, 256 inputs) inside the
+op, and sums with AVX512-VNNI (64 int8 MACs per instruction). Single-row steps stay on ggml's Q4_0
+``mul_mat``, which reads fewer bytes.
 
 ``pack`` turns an F32 ``[N, K]`` matrix into the op's three arrays; ``I8Matrix`` holds them as
 ggml tensors; ``gemm_i8`` adds the op to a graph; ``reference`` is the exact numpy model of it.

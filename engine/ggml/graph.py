@@ -67,21 +67,28 @@ def name_of(t: Tensor) -> str:
     return str(ffi.string(lib.ggml_get_name(t)).decode())
 
 
+def no_alloc_context(n_tensors: int, graph_nodes: int = 0, what: str = "tensor metadata"
+                     ) -> Any:
+    """A ggml context that holds tensor descriptions only (their data lives in backend buffers):
+    room for ``n_tensors`` tensors and, with ``graph_nodes``, one graph of that many nodes."""
+    params = ffi.new("struct ggml_init_params *")
+    params.mem_size = lib.ggml_tensor_overhead() * n_tensors
+    if graph_nodes:
+        params.mem_size += lib.ggml_graph_overhead_custom(graph_nodes, False)
+    params.mem_buffer = ffi.NULL
+    params.no_alloc = True
+    ctx = lib.ggml_init(params[0])
+    if ctx == ffi.NULL:
+        raise MemoryError(f"ggml_init failed for {what}")
+    return ctx
+
+
 class Graph:
     """One compute graph under construction: its metadata context, inputs and outputs."""
 
     def __init__(self, max_nodes: int = 8192) -> None:
         self.max_nodes = max_nodes
-        mem = lib.ggml_tensor_overhead() * max_nodes + lib.ggml_graph_overhead_custom(
-            max_nodes, False
-        )
-        params = ffi.new("struct ggml_init_params *")
-        params.mem_size = mem
-        params.mem_buffer = ffi.NULL
-        params.no_alloc = True
-        self.ctx = lib.ggml_init(params[0])
-        if self.ctx == ffi.NULL:
-            raise MemoryError("ggml_init failed for a graph context")
+        self.ctx = no_alloc_context(max_nodes, max_nodes, "a graph context")
         self.gf = lib.ggml_new_graph_custom(self.ctx, max_nodes, False)
         self.inputs: dict[str, Tensor] = {}
         self.outputs: dict[str, Tensor] = {}

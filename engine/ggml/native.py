@@ -45,6 +45,35 @@ def _load() -> tuple[Any, Any, Any]:
 
 ffi, lib, ops = _load()
 
+
+def _dladdr() -> Any:
+    import cffi
+
+    dl = cffi.FFI()
+    dl.cdef("typedef struct { const char * dli_fname; void * dli_fbase; const char * dli_sname;"
+            " void * dli_saddr; } Dl_info; int dladdr(const void * addr, Dl_info * info);")
+    for name in (None, "libdl.so.2"):  # glibc >= 2.34 has dladdr in libc itself
+        try:
+            libdl = dl.dlopen(name)
+            libdl.dladdr  # noqa: B018  (raises AttributeError when the symbol is absent)
+            return dl, libdl
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
+def loaded_from(address: Any) -> str | None:
+    """The file of the loaded shared library that holds ``address`` (a cffi pointer), e.g.
+    which CPU-backend variant ggml chose; None where the platform cannot tell."""
+    found = _dladdr()
+    if found is None or address == ffi.NULL:
+        return None
+    dl, libdl = found
+    info = dl.new("Dl_info *")
+    if libdl.dladdr(dl.cast("void *", int(ffi.cast("uintptr_t", address))), info) == 0:
+        return None
+    return str(dl.string(info.dli_fname).decode()) if info.dli_fname != dl.NULL else None
+
 NULL = ffi.NULL
 
 _log = logging.getLogger("qtts.ggml")

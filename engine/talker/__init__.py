@@ -1,4 +1,6 @@
-"""Talker LLM, code predictor, KV cache, sampling, and the text prompt (spec §3).
+"""Talker LLM, code predictor, KV cache, sampling, and the text prompt.
+
+Math: docs/architecture.md, Talker and code predictor.
 
 Public names: ``TalkerModel`` (weights + graphs), ``PromptBuilder`` / ``Prompt`` (text side),
 ``VoiceCatalog`` (voices, languages, instructions a request may ask for),

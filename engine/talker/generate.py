@@ -1,6 +1,6 @@
 """The frame loop: prefill, then per frame sample codebook 0, run the code predictor, step.
 
-Order of one utterance (spec §3.6)::
+Order of one utterance (docs/architecture.md, Generation loop)::
 
     logits, h = prefill(prompt)
     k = 0

@@ -23,7 +23,6 @@ Sampling is the caller's (``engine.talker.generate``): every graph returns float
 
 from __future__ import annotations
 
-import os
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -49,6 +48,7 @@ from engine.talker.qwen3 import (
 )
 from engine.talker.runner import BuildStats, CachedGraph, execute_timed
 from engine.talker.weights import TalkerWeights
+from engine.transformer import rms_norm
 
 F32 = npt.NDArray[np.float32]
 I32 = npt.NDArray[np.int32]
@@ -58,8 +58,8 @@ STEP_BUCKET = 64  # talker-step graphs are rebuilt when the cache prefix crosses
 SHRINK_BYTES = 64 << 20  # a talker cache over this size shrinks when 4x bigger than needed
 PREFIX_CACHE_ENTRIES = 32  # prompt prefixes (voice x language x instruction) kept, LRU
 # Talker cache positions reserved at warm-up and never given back: a 55-token sentence with its
-# default frame budget needs ~770, so typical requests never allocate (which cost ~40 ms of the
-# first request's time to first audio); 117 MB at 0.6B with the F16 cache.
+# default frame budget needs ~770, so typical requests never allocate (an allocation is paid in
+# the first request's time to first audio; docs/performance.md, Figures behind the code).
 WARM_POSITIONS = 1024
 PIN_BATCH_POSITIONS = 512  # prompt-prefix rows computed together by pin_prefixes
 # (prefixes pinned by ``pin_prefixes`` at warm-up are kept apart and never evicted)
@@ -83,7 +83,7 @@ class TalkerModel:
     the cache memory and bandwidth) or "f32" (parity with the F32 reference to ~1e-5).
     ``repack``: Q4_0 matrices in ggml's CPU_REPACK layout (see ``engine.talker.weights``).
     ``int8_prefill``: int8 copies of a Q8_0/Q4_0 talker's matrices for prefills (ibid.); None:
-    on unless the environment says ``QTTS_INT8_PREFILL=0``.
+    as the BackendSet's options say (``EngineOptions.int8_prefill``).
     """
 
     def __init__(self, model: Any, backends: BackendSet, kv_type: str = "f16",
@@ -91,7 +91,7 @@ class TalkerModel:
         if kv_type not in KV_TYPES:
             raise ValueError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {kv_type!r}")
         if int8_prefill is None:
-            int8_prefill = os.environ.get("QTTS_INT8_PREFILL", "1") != "0"
+            int8_prefill = backends.options.int8_prefill
         self.backends = backends
         self.weights = TalkerWeights(model, backends, repack, int8_prefill)
         self.cfg = model.talker_config
@@ -209,7 +209,8 @@ class TalkerModel:
                 a.prefix_v = _as_f32(ctx, g.input("prefix_v", (n_layers, n_pre, kv), kv_np))
             # Only the last position feeds the head; capture keeps every position (taps).
             x = stack(b, w.layers, x, a, cache, last_only=not capture)
-            x = b.cb(b.rms_norm(last_column(b, x), w.output_norm, w.talker_shape.eps), "out_norm")
+            x = b.cb(rms_norm(ctx, last_column(b, x), w.output_norm, w.talker_shape.eps),
+                     "out_norm")
             g.output(x, "hidden")
             g.output(lib.ggml_mul_mat(ctx, w.codec_head, x), "logits")
 
@@ -377,7 +378,7 @@ class TalkerModel:
             x = b.cb(lib.ggml_add(ctx, x, text_add), "inp_embd")
             a = attn_inputs(g, cache, 1, n_kv, masked=True)
             x = stack(b, w.layers, x, a, cache)
-            x = b.cb(b.rms_norm(x, w.output_norm, w.talker_shape.eps), "out_norm")
+            x = b.cb(rms_norm(b.ctx, x, w.output_norm, w.talker_shape.eps), "out_norm")
             g.output(x, "hidden")
             g.output(lib.ggml_mul_mat(ctx, w.codec_head, x), "logits")
 
@@ -397,7 +398,7 @@ class TalkerModel:
             return b.cb(b.linear(x, w.cp_mtp_w, w.cp_mtp_b), "mtp_proj")
 
         def head(b: Builder, g: Graph, x: Tensor, j: int) -> None:
-            x = b.cb(b.rms_norm(last_column(b, x), w.cp_output_norm, shape.eps), "out_norm")
+            x = b.cb(rms_norm(b.ctx, last_column(b, x), w.cp_output_norm, shape.eps), "out_norm")
             g.output(lib.ggml_mul_mat(b.ctx, w.cp_heads[j], x), "logits")
 
         def first(g: Graph) -> None:

@@ -1,4 +1,6 @@
-"""The text side of synthesis: request validation and the talker prompt (spec §3.4-3.5) as ids.
+"""The text side of synthesis: request validation and the talker prompt as ids.
+
+Layout: docs/talker.md, Prompt.
 
 A prompt is described by ids only; the embeddings are computed in the prefill graph, because the
 text embedding table (151936 x 2048) and the text projection live with the weights. Every
@@ -39,7 +41,7 @@ from engine.talker.voices import VoiceCatalog
 TextMode = Literal["full", "stream"]
 TEXT_MODES: tuple[str, ...] = ("full", "stream")
 
-# The reference relies on these token counts (spec §3.4); they hold for the Qwen2 tokenizer.
+# The reference relies on these token counts; they hold for the Qwen2 tokenizer.
 ROLE_TOKENS = 3  # "<|im_start|>", "assistant", "\n"
 TAIL_TOKENS = 5  # "<|im_end|>", "\n", "<|im_start|>", "assistant", "\n"
 

@@ -1,9 +1,11 @@
-"""The one Qwen3 decoder block builder shared by the talker and the code predictor (spec §3.3).
+"""The one Qwen3 decoder block builder shared by the talker and the code predictor.
+
+Math: docs/architecture.md, Qwen3 block.
 
 llama.cpp style: ``layer`` reads top to bottom like the paper, from small shared pieces
 (``rms_norm``, ``attention``, ``ffn``), and every intermediate is named through ``Builder.cb``:
 ``talk.blk3.attn_out``, ``cp.blk0.ffn_out``, ... so op logs and placement reports read like the
-spec. Shapes below are ggml ``ne`` order (fastest first): activations are ``[hidden, T]``.
+math. Shapes below are ggml ``ne`` order (fastest first): activations are ``[hidden, T]``.
 
 Attention with a KV cache in a persistent backend buffer (``KVCache``):
 
@@ -23,7 +25,6 @@ Attention with a KV cache in a persistent backend buffer (``KVCache``):
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,10 +33,11 @@ import numpy.typing as npt
 
 from engine.backend import BackendSet
 from engine.errors import BackendError
-from engine.ggml import NULL, Graph, Tensor, ffi, lib
+from engine.ggml import NULL, Graph, Tensor, lib
 from engine.ggml.gemm_i8 import gemm_i8
-from engine.ggml.graph import new_tensor, set_name
+from engine.ggml.graph import new_tensor, no_alloc_context, set_name
 from engine.talker.weights import LayerWeights, StackShape
+from engine.transformer import attend, rms_norm, rope, swiglu
 
 _NAMES: dict[tuple[str, int, str], bytes] = {}
 KV_READ_PAD = 16  # see prefill_n_kv
@@ -71,15 +73,11 @@ class Builder:
             self.g.output(lib.ggml_cont(self.ctx, t), f"tap.{self.shape.prefix}.{il}.{name}")
         return t
 
-    def rms_norm(self, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        """``weight * x / sqrt(mean(x^2) + eps)`` over ``ne0`` (per head for q/k norms)."""
-        return lib.ggml_mul(self.ctx, lib.ggml_rms_norm(self.ctx, x, eps), weight)
-
     def matmul(self, lw: LayerWeights, field: str, x: Tensor) -> Tensor:
         """``W x`` for the layer matrix ``field`` (``"q"`` ... ``"down"``).
 
         Several rows (a prefill) with int8 copies present: the W8A8 ``gemm_i8`` (compute-bound
-        work at ~3x ggml's Q4_0 GEMM); one row (a step): ggml's ``mul_mat`` on the stored
+        work, where it beats ggml's Q4_0 GEMM); one row (a step): ggml's ``mul_mat`` on the stored
         matrix, which is memory-bound and reads fewer bytes that way.
         """
         if lw.i8 is not None and int(x.ne[1]) >= I8_MIN_ROWS:
@@ -123,13 +121,7 @@ class KVCache:
     def __init__(self, backends: BackendSet, n_layers: int, kv_dim: int, n_ctx: int,
                  ggml_type: int, name: str) -> None:
         self.n_layers, self.kv_dim, self.n_ctx, self.type = n_layers, kv_dim, n_ctx, ggml_type
-        params = ffi.new("struct ggml_init_params *")
-        params.mem_size = lib.ggml_tensor_overhead() * (2 * n_layers + 4)
-        params.mem_buffer = NULL
-        params.no_alloc = True
-        self.ctx = lib.ggml_init(params[0])
-        if self.ctx == NULL:
-            raise MemoryError("ggml_init failed for a KV cache context")
+        self.ctx = no_alloc_context(2 * n_layers + 4, what="a KV cache context")
         self.k: list[Tensor] = []
         self.v: list[Tensor] = []
         for il in range(n_layers):
@@ -208,8 +200,8 @@ def prefill_n_kv(n_positions: int, n_ctx: int) -> int:
     The padding is masked out (those rows hold zeros or older rows: finite, weighted 0); it
     lets both attention matmuls take ggml's tiled llamafile GEMM, which needs ``n_kv`` (the
     rows of ``K``, the inner size of ``softmax(QK) V``) a multiple of 16 for F16/F32 on
-    AVX-512, instead of one dot product per output: measured 1.7x faster attention for a
-    66-position prompt. ``n_ctx`` is a multiple of 64, so the read never leaves the cache.
+    AVX-512, instead of one dot product per output (docs/performance.md, Figures behind the
+    code). ``n_ctx`` is a multiple of 64, so the read never leaves the cache.
     """
     return min(-(-n_positions // KV_READ_PAD) * KV_READ_PAD, n_ctx)
 
@@ -234,10 +226,10 @@ def attention(b: Builder, lw: LayerWeights, il: int, x: Tensor, a: AttnInputs,
     q = lib.ggml_reshape_3d(ctx, b.matmul(lw, "q", xq), d, n_head, tq)
     k = lib.ggml_reshape_3d(ctx, b.matmul(lw, "k", x), d, n_kv_head, t)
     v = b.cb(b.matmul(lw, "v", x), "v", il)  # [kv_dim, T]
-    q = b.cb(b.rms_norm(q, lw.q_norm, s.eps), "q_norm", il)
-    k = b.cb(b.rms_norm(k, lw.k_norm, s.eps), "k_norm", il)
-    q = b.cb(_rope(ctx, q, pos_q, d, s.rope_theta), "q_rope", il)
-    k = b.cb(_rope(ctx, k, a.pos, d, s.rope_theta), "k_rope", il)
+    q = b.cb(rms_norm(b.ctx, q, lw.q_norm, s.eps), "q_norm", il)
+    k = b.cb(rms_norm(b.ctx, k, lw.k_norm, s.eps), "k_norm", il)
+    q = b.cb(rope(ctx, q, pos_q, d, s.rope_theta), "q_rope", il)
+    k = b.cb(rope(ctx, k, a.pos, d, s.rope_theta), "k_rope", il)
 
     k_rows = lib.ggml_reshape_2d(ctx, k, s.kv_dim, t)
     if a.snapshot:
@@ -259,13 +251,8 @@ def attention(b: Builder, lw: LayerWeights, il: int, x: Tensor, a: AttnInputs,
     kk = lib.ggml_permute(ctx, kk, 0, 2, 1, 3)  # [d, n_kv, H_kv]
     vv = lib.ggml_view_3d(ctx, v_w, n_kv, d, n_kv_head, cache.n_ctx * es,
                           d * cache.n_ctx * es, 0)  # [n_kv, d, H_kv]
-    qp = lib.ggml_permute(ctx, q, 0, 2, 1, 3)  # [d, T, H]
-    kq = b.cb(lib.ggml_mul_mat(ctx, kk, qp), "kq", il)  # [n_kv, T, H]
-    kq = b.cb(lib.ggml_soft_max_ext(ctx, kq, mask_q if mask_q is not None else NULL,
-                                    1.0 / math.sqrt(d), 0.0), "kq_soft_max", il)
-    kqv = lib.ggml_mul_mat(ctx, vv, kq)  # [d, T, H]
-    merged = lib.ggml_cont_2d(ctx, lib.ggml_permute(ctx, kqv, 0, 2, 1, 3), s.q_dim, tq)
-    b.cb(merged, "kqv_merged", il)
+    merged = b.cb(attend(ctx, q, kk, vv, mask_q, lambda t, name: b.cb(t, name, il)),
+                  "kqv_merged", il)
     return b.cb(b.matmul(lw, "o", merged), "attn_out", il)
 
 
@@ -305,19 +292,11 @@ def _layer_rows(ctx: Any, rows: Tensor, il: int) -> Tensor:
                             il * rows.nb[2])
 
 
-def _rope(ctx: Any, x: Tensor, pos: Tensor, n_dims: int, theta: float) -> Tensor:
-    # NeoX (rotate-half) over the whole head; with identical position rows the talker's
-    # interleaved M-RoPE is exactly this 1-D RoPE (spec §3.3).
-    return lib.ggml_rope_ext(ctx, x, pos, NULL, n_dims, lib.GGML_ROPE_TYPE_NEOX, 0, theta, 1.0,
-                             0.0, 1.0, 0.0, 0.0)
-
-
 def ffn(b: Builder, lw: LayerWeights, il: int, x: Tensor) -> Tensor:
     """SwiGLU: ``down(silu(gate x) * up x)``."""
     gate = b.cb(b.matmul(lw, "gate", x), "ffn_gate", il)
     up = b.cb(b.matmul(lw, "up", x), "ffn_up", il)
-    # one fused GLU op instead of silu + mul: one node (and one thread barrier) less per layer
-    par = b.cb(lib.ggml_swiglu_split(b.ctx, gate, up), "ffn_swiglu", il)
+    par = b.cb(swiglu(b.ctx, gate, up), "ffn_swiglu", il)
     return b.cb(b.matmul(lw, "down", par), "ffn_out", il)
 
 
@@ -328,12 +307,12 @@ def layer(b: Builder, lw: LayerWeights, il: int, x: Tensor, a: AttnInputs,
     ``last_only``: output the last position only (``[hidden, 1]``; K/V still cover every one).
     """
     ctx, eps = b.ctx, b.shape.eps
-    h = b.cb(b.rms_norm(x, lw.attn_norm, eps), "attn_norm", il)
+    h = b.cb(rms_norm(b.ctx, x, lw.attn_norm, eps), "attn_norm", il)
     attn = attention(b, lw, il, h, a, cache, last_only)
     if last_only:
         x = last_column(b, x)
     x = b.cb(lib.ggml_add(ctx, x, attn), "attn_res", il)
-    h = b.cb(b.rms_norm(x, lw.ffn_norm, eps), "ffn_norm", il)
+    h = b.cb(rms_norm(b.ctx, x, lw.ffn_norm, eps), "ffn_norm", il)
     return b.cb(lib.ggml_add(ctx, x, ffn(b, lw, il, h)), "l_out", il)
 
 

@@ -1,4 +1,6 @@
-"""Token sampling in numpy, in exactly the order of the reference's HF ``generate`` (spec §3.7).
+"""Token sampling in numpy, in exactly the order of the reference's HF ``generate``.
+
+Order: docs/architecture.md, Sampling.
 
 Talker (codebook 0, vocabulary 3072), processors then warpers, as transformers 4.57 applies them:
 
@@ -36,7 +38,7 @@ _SPEC = GenerationDefaults()
 class SamplingParams:
     """Sampling settings of one request (defaults come from the GGUF's generation config)."""
 
-    # defaults: the spec's generation_config values, kept in one place (GenerationDefaults)
+    # defaults: the released generation_config values, kept in one place (GenerationDefaults)
     do_sample: bool = _SPEC.do_sample
     temperature: float = _SPEC.temperature
     top_k: int = _SPEC.top_k

@@ -7,13 +7,13 @@ accelerator backend gets one upload). Names are the GGUF names (``engine.gguf_sc
 
 One exception, on the CPU backend only: Q4_0 matrix weights go to ggml's ``CPU_REPACK`` buffer
 type, which re-lays them out at load into interleaved 8-row blocks (``q4_0_8x8``) for its AVX2 /
-AVX-512 GEMV kernels: measured 1.6x the plain Q4_0 matrix-vector rate here. That costs a private
+AVX-512 GEMV kernels (faster than plain Q4_0 GEMV; docs/performance.md). That costs a private
 copy (the Q4_0 matrices of the talker and code predictor, ~0.3 GB for 0.6B) instead of shared
 file pages; ``repack=False`` keeps everything zero-copy.
 
 And for the prefill of a quantised (Q8_0/Q4_0) talker on the CPU, an int8 copy of its layers'
-seven matrices for ``engine.ggml.gemm_i8`` (W8A8 with AVX512-VNNI, measured ~3x ggml's Q4_0
-GEMM at a prompt's 57 rows): 1 byte per weight (0.44 GB at 0.6B), made at load from the
+seven matrices for ``engine.ggml.gemm_i8`` (W8A8 with AVX512-VNNI, several times ggml's Q4_0
+GEMM at a prompt's rows; docs/performance.md): 1 byte per weight, made at load from the
 dequantised weights. Steps (one row) keep the Q4_0/Q8_0 matrices, which read fewer bytes.
 """
 
@@ -22,12 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from engine.backend import BackendSet, WeightStore
 from engine.errors import BackendError
 from engine.ggml import NULL, Tensor, ffi, gemm_i8, lib
-from engine.ggml.graph import new_tensor, set_name
+from engine.ggml.graph import new_tensor, no_alloc_context, set_name
 from engine.gguf_schema import GGML_Q4_0, GGML_Q8_0, PART_TALKER, talker_tensor_specs
 
 # Matrix weights (mul_mat src0) that the repack buffer may hold; never embedding tables.
@@ -154,7 +152,7 @@ class TalkerWeights:
         out: dict[str, gemm_i8.I8Matrix] = {}
         for field_name, suffix in I8_MATRICES.items():
             name = prefix + suffix
-            p = gemm_i8.pack(dequantize(model, name))
+            p = gemm_i8.pack(model.tensor_f32(name))
             wq = self.store.add_array(f"{name}.i8q", p.wq)
             ws = self.store.add_array(f"{name}.i8s", p.ws)
             wc = self.store.add_array(f"{name}.i8c", p.wc)
@@ -189,11 +187,7 @@ class _Repacked:
 
     def __init__(self, backends: BackendSet, max_tensors: int) -> None:
         self.buft = cpu_repack_buffer_type(backends)
-        params = ffi.new("struct ggml_init_params *")
-        params.mem_size = lib.ggml_tensor_overhead() * (max_tensors + 4)
-        params.mem_buffer = NULL
-        params.no_alloc = True
-        self.ctx = lib.ggml_init(params[0])
+        self.ctx = no_alloc_context(max_tensors + 4, what="repacked weights")
         self.buffer: Any = None
         self._pending: list[tuple[Tensor, Any]] = []
         self.nbytes = 0
@@ -253,21 +247,6 @@ def int8_prefill_possible(model: Any, backends: BackendSet) -> bool:
         return False
     name = "talk.blk.0.attn_q.weight"
     return name in model.tensor_names() and model.tensor_info(name).ggml_type in I8_TYPES
-
-
-def dequantize(model: Any, name: str) -> Any:
-    """A matrix of the GGUF as float32 ``[N, K]`` (ggml's own row converter)."""
-    info = model.tensor_info(name)
-    n_k = int(info.ne[0])
-    n = int(np.prod(info.ne)) // n_k
-    out = np.empty((n, n_k), np.float32)
-    raw = model.mmap[info.offset: info.offset + info.nbytes]
-    traits = lib.ggml_get_type_traits(info.ggml_type)
-    if info.ggml_type == lib.GGML_TYPE_F32:
-        out[:] = raw.view(np.float32).reshape(n, n_k)
-    else:
-        traits.to_float(ffi.from_buffer(raw), ffi.cast("float *", ffi.from_buffer(out)), n * n_k)
-    return out
 
 
 def _layer(w: dict[str, Tensor], g: str) -> LayerWeights:

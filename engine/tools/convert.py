@@ -1,6 +1,6 @@
 """``qtts convert``: a released Qwen3-TTS checkpoint folder -> one qtts GGUF file.
 
-Input layouts (spec §4):
+Input layouts (docs/architecture.md, The model file):
 
 * a full model folder (``config.json`` with ``model_type = "qwen3_tts"``): the talker and code
   predictor come from ``model.safetensors``, the decoder from ``speech_tokenizer/``, the text
@@ -46,6 +46,7 @@ from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 from gguf import quants as gguf_quants
 from gguf.constants import GGML_QUANT_SIZES
 
+from engine.dtypes import bf16_to_f32, f32_to_bf16
 from engine.errors import ConversionError
 from engine.gguf_schema import (
     ALL_PARTS,
@@ -153,22 +154,6 @@ class StEntry:
     end: int
 
 
-def bf16_bits_to_f32(bits: npt.NDArray[np.uint16]) -> npt.NDArray[np.float32]:
-    """Widen raw bf16 bit patterns to float32 (exact)."""
-    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
-
-
-def f32_to_bf16_bits(x: npt.NDArray[np.float32]) -> npt.NDArray[np.uint16]:
-    """Round float32 to bf16 (nearest even, NaN kept quiet) and return the raw bit patterns."""
-    n = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    nan = (n & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
-    rounded = n.astype(np.uint64) + (np.uint64(0x7FFF) + ((n >> np.uint32(16)) & np.uint32(1)))
-    out = (rounded >> np.uint64(16)).astype(np.uint16)
-    if nan.any():
-        out[nan] = ((n[nan] >> np.uint32(16)) | np.uint32(0x40)).astype(np.uint16)
-    return out
-
-
 class SafetensorsFile:
     """Header of a safetensors file plus chunked reads as float32. Raises ``ConversionError``."""
 
@@ -241,7 +226,7 @@ class SafetensorsFile:
         np_dtype, item = _ST_DTYPES[e.dtype]
         raw = self._read(e.begin + start * item, count, np_dtype)
         if e.dtype == "BF16":
-            return bf16_bits_to_f32(raw.astype(np.uint16, copy=False))
+            return bf16_to_f32(raw.astype(np.uint16, copy=False))
         return raw.astype(np.float32, copy=False)
 
     def read_bf16_bits(self, name: str, start: int, count: int) -> npt.NDArray[np.uint16]:
@@ -878,7 +863,7 @@ def _convert_chunk(p: _Planned, start_row: int, rows: int, row_len: int) -> npt.
             )
         return y
     if p.ggml_type == GGML_BF16:
-        return f32_to_bf16_bits(x)
+        return f32_to_bf16(x)
     q = gguf_quants.quantize(x.reshape(rows, row_len), GGMLQuantizationType(p.ggml_type))
     return np.asarray(q)
 

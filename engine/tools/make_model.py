@@ -1,16 +1,17 @@
 """``qtts make-model``: a deterministic random-weight checkpoint in the released HF layout.
 
-``make_checkpoint`` writes the folder a released Qwen3-TTS CustomVoice model has (spec §4):
-root ``config.json`` / ``generation_config.json`` / ``model.safetensors`` (talker, bf16) / Qwen2
-BPE tokenizer files, and ``speech_tokenizer/`` with ``config.json`` and ``model.safetensors``
-(decoder, f32; the Mimi ``encoder.*`` tensors are omitted). ``make_model`` then converts it with
-the same code path as ``qtts convert`` into ``OUT_DIR/model.gguf`` and, unless asked to keep it,
-removes the checkpoint (serving reads the GGUF alone).
+``make_checkpoint`` writes the folder a released Qwen3-TTS CustomVoice model has
+(docs/architecture.md, The model file): root ``config.json`` / ``generation_config.json`` /
+``model.safetensors`` (talker, bf16) / Qwen2 BPE tokenizer files, and ``speech_tokenizer/`` with
+``config.json`` and ``model.safetensors`` (decoder, f32; the Mimi ``encoder.*`` tensors are
+omitted). ``make_model`` then converts it with the same code path as ``qtts convert`` into
+``OUT_DIR/model.gguf`` and, unless asked to keep it, removes the checkpoint (serving reads the
+GGUF alone).
 
 Sizes:
 
-* ``full`` — released dims of the 0.6B CustomVoice model (talker §3.1/3.2, decoder §2.1/2.2),
-  text vocabulary 151936 with the Qwen3 added tokens at their released ids (§3.4).
+* ``full`` — released dims of the 0.6B CustomVoice model (docs/architecture.md, Dimensions
+  and Decoder stages), text vocabulary 151936 with the Qwen3 added tokens at their released ids.
 * ``tiny`` — small dims for fast tests; the codec side keeps the released ids (codebooks of
   2048, talker vocabulary 3072, same control/language/speaker ids), the text vocabulary is 512
   with the same 33 added tokens appended after a small learned BPE vocabulary, and the text
@@ -40,6 +41,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from engine.dtypes import f32_to_bf16
 from engine.errors import ConversionError
 from engine.gguf_schema import (
     DECODER_SKIPPED_HF,
@@ -53,7 +55,6 @@ from engine.tools.convert import (
     ConversionReport,
     SafetensorsWriter,
     convert,
-    f32_to_bf16_bits,
     parse_decoder_config,
     parse_talker_config,
 )
@@ -100,7 +101,7 @@ QWEN3_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
 )
 _ADDED_INDEX = {c: i for i, (c, _) in enumerate(QWEN3_ADDED_TOKENS)}
 
-# Codec control / language / speaker ids of the released 0.6B CustomVoice config (spec §3.4).
+# Codec control / language / speaker ids of the released 0.6B CustomVoice config.
 CODEC_IDS = {
     "codec_pad_id": 2148,
     "codec_bos_id": 2149,
@@ -189,7 +190,7 @@ The model reads the text, thinks about the language, and then it speaks the word
 time, eighty milliseconds per frame, until it reaches the end of speech token.
 """
 # Chat-template words must be single tokens: the prompt code relies on
-# "<|im_start|>assistant\n" being exactly 3 tokens (spec §3.4).
+# "<|im_start|>assistant\n" being exactly 3 tokens (engine/talker/prompt.py).
 _CORPUS += "system\nuser\nassistant\nuser\nassistant\n" * 40
 
 
@@ -480,7 +481,7 @@ def _write_safetensors(
     try:
         for name, shape in ordered:
             for chunk in generate_tensor(seed, name, shape):
-                data = f32_to_bf16_bits(chunk) if dtype == "BF16" else chunk
+                data = f32_to_bf16(chunk) if dtype == "BF16" else chunk
                 w.write(data)
                 bar.update(data.nbytes)
     finally:

@@ -10,7 +10,15 @@
 
 #include "ggml.h"
 
-/* Which SIMD path the library was compiled with (chosen at compile time by -march). */
+/* The library holds the kernels compiled once per ISA variant (native/build.py) and forwards
+ * every function below to one of them, chosen when it is loaded (dispatch.c): the best variant
+ * this CPU runs. qtts_ops_variant() names it ("avx512_bf16", "avx512_vnni", "avx512", "avx2",
+ * "scalar"; "native" in a -march=native build; "generic" off x86); qtts_ops_variants() lists the
+ * variants built in, best first, comma-separated. */
+const char * qtts_ops_variant(void);
+const char * qtts_ops_variants(void);
+
+/* Which SIMD path the variant in use was compiled with. */
 #define QTTS_ISA_SCALAR 0
 #define QTTS_ISA_AVX2 2
 #define QTTS_ISA_AVX512 5

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from service.routes import docs, health, openai, tts
+from service.routes import docs, health, openai, playground, tts
 
-ROUTERS: tuple[APIRouter, ...] = (health.router, docs.router, tts.router, openai.router)
+ROUTERS: tuple[APIRouter, ...] = (health.router, docs.router, tts.router, openai.router,
+                                  playground.router)

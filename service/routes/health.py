@@ -41,4 +41,5 @@ async def metrics(st: StateDep) -> Response:
 
 @router.get("/", include_in_schema=False)
 async def root() -> PlainTextResponse:
-    return PlainTextResponse("qtts: POST /tts, POST /v1/audio/speech; docs at /docs\n")
+    return PlainTextResponse("qtts: POST /tts, POST /v1/audio/speech; docs at /docs; "
+                             "try it in a browser at /playground\n")

@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 
 from cli.main import main
-from engine import convert as convert_mod
 from engine.errors import ConversionError, ModelFileError
 from engine.gguf_model import open_model
 from engine.gguf_schema import (
@@ -24,6 +23,7 @@ from engine.gguf_schema import (
     decoder_tensor_specs,
     talker_tensor_specs,
 )
+from engine.tools import convert as convert_mod
 from engine.tools.convert import (
     DTYPES,
     SafetensorsFile,

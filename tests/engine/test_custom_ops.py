@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import platform
 import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -684,22 +684,20 @@ def test_conv_hist_rejects_what_the_kernel_cannot_take(op: str) -> None:
 # The other ISA paths (AVX2 and scalar), compiled here from the same sources
 
 
-def _build_variant(tmp: Path, march_flags: list[str], name: str) -> Any:
-    info = native_info()
+def _build_variant(tmp: Path, name: str) -> Any:
+    """libqtts_ops with the one ISA variant ``name``, built as native/build.py builds it."""
+    spec = importlib.util.spec_from_file_location("qtts_native_build",
+                                                  REPO / "native" / "build.py")
+    assert spec is not None and spec.loader is not None
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
     out = tmp / f"libqtts_ops_{name}.so"
-    sources = sorted(str(p) for p in (REPO / "native" / "ops").glob("*.c"))
-    cmd = ["cc", "-O2", *march_flags, "-fPIC", "-shared", "-std=c11",
-           f"-I{info['prefix']}/include", f"-I{REPO / 'native' / 'ops'}", *sources,
-           f"-L{info['lib_dir']}", "-lggml-base", "-lggml", "-lm",
-           f"-Wl,-rpath,{info['lib_dir']}", "-o", str(out)]
-    subprocess.run(cmd, check=True, capture_output=True)
+    build.compile_ops(Path(native_info()["prefix"]), [(name, dict(build.X86_OPS_VARIANTS)[name])],
+                      out)
     return ffi.dlopen(str(out))
 
 
-VARIANTS = {
-    "avx2": (["-march=x86-64-v3", "-mno-avx512f"], "avx2"),
-    "scalar": (["-march=x86-64"], "scalar"),
-}
+VARIANTS = {"avx2": "avx2", "scalar": "scalar"}  # variant -> its SIMD path
 
 
 @needs_ops
@@ -708,8 +706,9 @@ VARIANTS = {
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_other_isa_paths(cpu1: BackendSet, cpu2: BackendSet, tmp_path: Path,
                          variant: str) -> None:
-    flags, isa = VARIANTS[variant]
-    library = _build_variant(tmp_path, flags, variant)
+    isa = VARIANTS[variant]
+    library = _build_variant(tmp_path, variant)
+    assert co.variant(library) == variant and co.variants(library) == [variant]
     assert co.simd_isa(library) == isa
     assert co.conv_block(library) == {"avx2": 16, "scalar": 64}[isa]
     rng = np.random.default_rng(21)

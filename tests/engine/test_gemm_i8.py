@@ -194,7 +194,8 @@ def test_int8_prefill_only_for_quantised_cpu_talkers(tiny_gguf: Path, q4_model: 
     stock = BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "2",
                                  "QTTS_CUSTOM_OPS": "0"})
     assert not int8_prefill_possible(q4_model, stock)
-    monkeypatch.setenv("QTTS_INT8_PREFILL", "0")
-    t = TalkerModel(q4_model, cpu2, kv_type="f32")
+    no_i8 = BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "2",
+                                 "QTTS_INT8_PREFILL": "0"})
+    t = TalkerModel(q4_model, no_i8, kv_type="f32")
     assert not t.weights.int8_prefill
     t.close()

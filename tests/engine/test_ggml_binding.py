@@ -60,7 +60,7 @@ def test_conv1d_im2col_f32_is_exact(cpu: BackendSet) -> None:
         g.ctx, y, 8, 50))), "y")
     out = cpu.execute(g, {"x": x, "w": w})["y"]
     np.testing.assert_allclose(out, _conv1d_numpy(x, w, 3), rtol=1e-5, atol=2e-5)
-    # and ggml's own conv_1d agrees to its F16 im2col precision (research note §3)
+    # and ggml's own conv_1d agrees to its F16 im2col precision (its im2col intermediate is F16)
     g2 = Graph()
     tx, tw = g2.input("x", x.shape), g2.input("w", w.shape)
     xp = lib.ggml_pad_ext(g2.ctx, tx, 6, 0, 0, 0, 0, 0, 0, 0)

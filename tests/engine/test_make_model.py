@@ -111,7 +111,7 @@ def test_dtype_option_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 
 
 def test_full_dims_match_the_released_model() -> None:
-    """Released 0.6B CustomVoice + tokenizer dims (spec §2.1/2.2/3.1/3.2), without writing."""
+    """Released 0.6B CustomVoice + tokenizer dims (docs/architecture.md), without writing."""
     root, st_cfg = _full_configs()
     dec = parse_decoder_config(st_cfg)
     talker, cp, special, voices = parse_talker_config(root, has_mtp_tensor=False)

@@ -138,7 +138,7 @@ def test_frame_budget_formula_and_caps() -> None:
 
 
 def test_every_intermediate_is_named(talker: TalkerModel, model: Any) -> None:
-    """Graphs read like the spec: talk.blk0.attn_out, cp.blk1.ffn_out, ..."""
+    """Graphs read like the math: talk.blk0.attn_out, cp.blk1.ffn_out, ..."""
     run(talker, model, "Hi.", 2)
     assert talker._step is not None
     step_names = {name_of(n) for n in talker._step[1].graph.nodes()}

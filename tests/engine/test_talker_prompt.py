@@ -1,4 +1,4 @@
-"""The text side: tokenizer from the GGUF and the prompt layout of spec §3.4-3.5."""
+"""The text side: tokenizer from the GGUF and the prompt layout of docs/talker.md."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def test_non_streaming_layout(pb: PromptBuilder, model: Any) -> None:
     p = pb.build("Hello world.", "Ryan", "English")
     words = pb.encode(assistant_text("Hello world."))[3:-5]
     n = len(words)
-    assert p.length == 11 + n  # spec §3.5 example: CustomVoice, language, speaker, full text
+    assert p.length == 11 + n  # CustomVoice, language, speaker, full text
     role = pb.encode("<|im_start|>assistant\n")
     codec = [i["think"], i["tbos"], model.languages["english"], i["teos"], model.speakers["ryan"],
              i["pad"]]

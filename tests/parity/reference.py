@@ -6,7 +6,7 @@ the ``parity`` extra plus the reference package itself::
     pip install -e '.[parity]'
     pip install --no-deps qwen-tts==0.1.1
 
-What it provides (see spec §2 and §5):
+What it provides (docs/architecture.md describes the model):
 
 * :func:`import_reference` -- imports the official speech-tokenizer classes (with empty stand-in
   modules for ``torchaudio``, ``sox`` and ``onnxruntime``, which only the unused 25 Hz tokenizer
@@ -183,7 +183,7 @@ def import_reference() -> ReferenceModules:
 def decoder_config(size: str) -> dict[str, Any]:
     """The ``decoder_config`` block of ``speech_tokenizer/config.json`` for ``size``.
 
-    ``"full"`` is the released configuration (spec §2.1), field for field; ``"tiny"`` keeps the
+    ``"full"`` is the released configuration, field for field; ``"tiny"`` keeps the
     structure (16 codebooks of 2048, upsample rates 8·5·4·3·2·2 = 1920) with small widths.
     """
     full: dict[str, Any] = {
@@ -540,7 +540,7 @@ def reference_decode(model: Any, codes: np.ndarray) -> np.ndarray:
     """One forward pass of the reference decoder over all T frames -> float32 ``[T*1920]``.
 
     Equals the official ``decode`` for T <= 300 (which chunks at 300 frames with 25 frames of
-    left context, spec §2.4); clamped to [-1, 1] by the reference itself.
+    left context); clamped to [-1, 1] by the reference itself.
     """
     torch = import_reference().torch
     model = _unwrap(model)

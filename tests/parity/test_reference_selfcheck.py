@@ -1,8 +1,9 @@
 """Self-checks of the official PyTorch reference fixtures (tests/parity/reference.py).
 
 These tests check the *fixture generator and the reference*, not the ggml engine: the saved
-layout matches spec §2.2, loading is reproducible, the decode has the right length and is causal
-(spec §2.4). They need the parity extra (``make parity-env``) and are skipped loudly without it.
+layout matches the released decoder tensor table, loading is reproducible, the decode has the
+right length and is causal. They need the parity extra (``make parity-env``) and are skipped
+loudly without it.
 Fixtures are cached under ``$QTTS_FIXTURE_CACHE`` (default ``~/.cache/qtts/fixtures``).
 """
 
@@ -39,11 +40,11 @@ pytestmark = [
 
 
 # ------------------------------------------------------------------------------------------
-# spec §2.2, written out from the table
+# the released decoder tensor table (speech_tokenizer/model.safetensors), written out
 
 
 def expected_decoder_tensors(c: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Decoder tensor names/shapes per spec §2.2 for decoder config ``c`` (prefix included)."""
+    """Decoder tensor names/shapes of the released table for config ``c`` (prefix included)."""
     cs, cd = c["codebook_size"], c["codebook_dim"]
     cb = cd // 2
     lat, hid, inter = c["latent_dim"], c["hidden_size"], c["intermediate_size"]
@@ -150,11 +151,11 @@ def tiny_model(tiny_dir: Path) -> Any:
 
 
 def test_full_decoder_tensors_match_spec_table() -> None:
-    """Config-built (meta device, not run) `full` model: decoder names/shapes = spec §2.2."""
+    """Config-built (meta device, not run) `full` model: decoder names/shapes = released table."""
     shapes = ref.state_dict_shapes("full")
     dec = {k: v for k, v in shapes.items() if k.startswith("decoder.")}
     assert dec == expected_decoder_tensors(ref.decoder_config("full"))
-    # literal rows of the spec table, independent of the generator above
+    # literal rows of the released table, independent of the generator above
     assert dec["decoder.quantizer.rvq_first.vq.layers.0._codebook.embedding_sum"] == (2048, 256)
     assert dec["decoder.quantizer.rvq_rest.output_proj.weight"] == (512, 256, 1)
     assert dec["decoder.pre_conv.conv.weight"] == (1024, 512, 3)
@@ -170,7 +171,7 @@ def test_full_decoder_tensors_match_spec_table() -> None:
     assert dec["decoder.decoder.4.block.4.conv1.conv.weight"] == (96, 96, 7)
     assert dec["decoder.decoder.5.alpha"] == (96,)
     assert dec["decoder.decoder.6.conv.weight"] == (1, 96, 7)
-    # counts quoted in spec §2.1/§2.2
+    # counts of the released speech_tokenizer/model.safetensors
     assert len(dec) == 271
     assert sum(int(np.prod(s)) for s in dec.values()) == 114_323_137
     assert len(shapes) == 496
@@ -179,7 +180,7 @@ def test_full_decoder_tensors_match_spec_table() -> None:
 
 
 def test_tiny_saved_layout(tiny_dir: Path) -> None:
-    """The saved tiny folder: released file set, f32 safetensors with the spec's names/shapes."""
+    """The saved tiny folder: released file set, f32 safetensors with the released names/shapes."""
     assert tiny_dir.name == "speech_tokenizer"
     assert {"config.json", "model.safetensors", "preprocessor_config.json"} <= {
         p.name for p in tiny_dir.iterdir()
@@ -282,7 +283,7 @@ def test_tiny_decode_finite_length_level(tiny_model: Any) -> None:
 
 
 def test_tiny_official_decode_equals_one_pass(tiny_model: Any) -> None:
-    """For T <= 300 the official chunked `decode` is the single forward pass (spec §2.4)."""
+    """For T <= 300 the official chunked `decode` is the single forward pass."""
     codes = ref.random_codes(40, seed=2)
     np.testing.assert_array_equal(
         ref.reference_decode_official(tiny_model, codes), ref.reference_decode(tiny_model, codes)
@@ -323,7 +324,7 @@ def test_tiny_stage_outputs(tiny_model: Any) -> None:
     np.testing.assert_array_equal(st["wav"], ref.reference_decode(tiny_model, codes))
     np.testing.assert_array_equal(st["wav"], np.clip(st["conv_out"], -1, 1))
 
-    # `quant` = spec §2.3 step 1, recomputed in numpy from the state dict
+    # `quant` = the RVQ stage (docs/architecture.md), recomputed in numpy from the state dict
     sd = {k: v.numpy().astype(np.float64) for k, v in tiny_model.state_dict().items()}
     q = "decoder.quantizer"
 

@@ -1,0 +1,57 @@
+"""The float formats of qtts's GGUF files, converted once for everyone.
+
+* ``bf16_to_f32`` / ``f32_to_bf16``: BF16 bit patterns (uint16) <-> float32, numpy only, so the
+  converter (engine/tools) uses them without the native layer. ``f32_to_bf16`` rounds like
+  ggml's reference converter (nearest even, NaN kept quiet); ``flush_subnormals`` rounds like
+  the AVX512-BF16 instruction our conv kernels use (zero and subnormals to signed zero).
+* ``to_f32``: any stored tensor (F32, F16, BF16 or a ggml block type) as float32; the block
+  types go through ggml's own row converter, the one the compute kernels agree with.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from engine.gguf_schema import GGML_BF16, GGML_F16, GGML_F32
+
+
+def bf16_to_f32(bits: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
+    """Widen raw BF16 bit patterns to float32 (exact), same shape."""
+    return (np.asarray(bits).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def f32_to_bf16(x: npt.NDArray[Any], flush_subnormals: bool = False) -> npt.NDArray[np.uint16]:
+    """Round float32 to BF16, nearest even, NaN kept quiet; the raw bit patterns (uint16)."""
+    f = np.asarray(x, dtype=np.float32)
+    u = np.ascontiguousarray(f).reshape(-1).view(np.uint32)
+    rounded = (u.astype(np.uint64) + (np.uint64(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))
+               ) >> np.uint64(16)
+    out = rounded.astype(np.uint16)
+    if flush_subnormals:
+        tiny = (u & np.uint32(0x7F800000)) == 0
+        out[tiny] = (u[tiny] >> np.uint32(16)) & np.uint32(0x8000)
+    nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    if nan.any():
+        out[nan] = ((u[nan] >> np.uint32(16)) | np.uint32(0x40)).astype(np.uint16)
+    return out.reshape(f.shape)
+
+
+def to_f32(raw: npt.NDArray[Any], ggml_type: int, shape: tuple[int, ...]
+           ) -> npt.NDArray[np.float32]:
+    """A stored tensor's bytes (or its typed view) as a new float32 array of ``shape``."""
+    if ggml_type == GGML_F32:
+        return np.array(np.asarray(raw).view(np.float32).reshape(shape), dtype=np.float32)
+    if ggml_type == GGML_F16:
+        return np.asarray(raw).view(np.float16).reshape(shape).astype(np.float32)
+    if ggml_type == GGML_BF16:
+        return bf16_to_f32(np.asarray(raw).view(np.uint16).reshape(shape))
+    from engine.ggml import ffi, lib  # block types only: the converter stays native-free
+
+    src = np.ascontiguousarray(np.asarray(raw).view(np.uint8))
+    out = np.empty(shape, np.float32)
+    lib.ggml_get_type_traits(ggml_type).to_float(
+        ffi.from_buffer(src), ffi.cast("float *", ffi.from_buffer(out)), out.size)
+    return out

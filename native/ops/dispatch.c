@@ -1,0 +1,147 @@
+/* Runtime dispatch of libqtts_ops: the kernels are compiled once per ISA variant (native/build.py
+ * passes -DQTTS_OPS_HAVE_<name> for each one linked in; qtts_variant.h suffixes their symbols)
+ * and the public functions of qtts_ops.h forward to one variant, chosen once when the library is
+ * loaded: the first, in the order below, whose instructions this CPU and OS support. This file is
+ * compiled for the baseline of the architecture, so loading never executes anything newer.
+ *
+ * The variants are whole: one variant's block sizes and packed-weight layouts are used by every
+ * op, so a weight packed through this library always meets the kernel that reads it. */
+#include <stddef.h>
+#include <stdint.h>
+
+#include "qtts_ops.h"
+
+/* X(variant, return type, name, parameters, arguments): every forwarded function. */
+#define QTTS_VALUE_FUNCS(X, v)                                                                   \
+    X(v, int, qtts_ops_isa, (void), ())                                                          \
+    X(v, int, qtts_conv1d_tm_block, (void), ())                                                  \
+    X(v, int, qtts_conv1d_tm_bf16_fast, (void), ())                                              \
+    X(v, int, qtts_gemm_i8_fast, (void), ())
+
+#define QTTS_OP_ARGS (struct ggml_tensor * dst, int ith, int nth, void * userdata)
+#define QTTS_VOID_FUNCS(X, v)                                                                    \
+    X(v, void, qtts_snake_beta_op,                                                               \
+      (struct ggml_tensor * dst, const struct ggml_tensor * a, const struct ggml_tensor * b,     \
+       const struct ggml_tensor * c, int ith, int nth, void * userdata),                         \
+      (dst, a, b, c, ith, nth, userdata))                                                        \
+    X(v, void, qtts_conv1d_tm_op, QTTS_OP_ARGS, (dst, ith, nth, userdata))                       \
+    X(v, void, qtts_conv1d_tm_bf16_op, QTTS_OP_ARGS, (dst, ith, nth, userdata))                  \
+    X(v, void, qtts_conv1d_wino_bf16_op, QTTS_OP_ARGS, (dst, ith, nth, userdata))                \
+    X(v, void, qtts_gemm_i8_op, QTTS_OP_ARGS, (dst, ith, nth, userdata))                         \
+    X(v, void, qtts_gemm_i8_pack,                                                                \
+      (const float * W, int64_t N, int64_t K, int8_t * wq, float * ws, int32_t * wc),            \
+      (W, N, K, wq, ws, wc))
+
+#define QTTS_FUNCS(X, v) QTTS_VALUE_FUNCS(X, v) QTTS_VOID_FUNCS(X, v)
+
+#define QTTS_PROTO(v, ret, name, params, args) ret name##__##v params;
+#define QTTS_FIELD(v, ret, name, params, args) ret(*name) params;
+#define QTTS_INIT(v, ret, name, params, args) name##__##v,
+
+struct qtts_ops_table {
+    QTTS_FUNCS(QTTS_FIELD, _)
+};
+
+typedef struct {
+    const char * name;
+    int (*usable)(void);
+    struct qtts_ops_table fns;
+} qtts_ops_variant_t;
+
+#if defined(__x86_64__) || defined(__i386__)
+/* __builtin_cpu_supports checks the CPUID bits and that the OS saves the registers (XCR0). */
+static int cpu_v4(void) { return __builtin_cpu_supports("x86-64-v4"); }
+static int cpu_avx512_vnni(void) { return cpu_v4() && __builtin_cpu_supports("avx512vnni"); }
+static int cpu_avx512_bf16(void) {
+    return cpu_avx512_vnni() && __builtin_cpu_supports("avx512bf16");
+}
+static int cpu_avx2(void) { return __builtin_cpu_supports("x86-64-v3"); }
+#endif
+/* The baseline variants, and "native": built with -march=native for the machine it runs on. */
+static int cpu_any(void) { return 1; }
+
+#define QTTS_VARIANT_ENTRY(v, check) {#v, check, {QTTS_FUNCS(QTTS_INIT, v)}},
+
+#ifdef QTTS_OPS_HAVE_native
+QTTS_FUNCS(QTTS_PROTO, native)
+#endif
+#ifdef QTTS_OPS_HAVE_avx512_bf16
+QTTS_FUNCS(QTTS_PROTO, avx512_bf16)
+#endif
+#ifdef QTTS_OPS_HAVE_avx512_vnni
+QTTS_FUNCS(QTTS_PROTO, avx512_vnni)
+#endif
+#ifdef QTTS_OPS_HAVE_avx512
+QTTS_FUNCS(QTTS_PROTO, avx512)
+#endif
+#ifdef QTTS_OPS_HAVE_avx2
+QTTS_FUNCS(QTTS_PROTO, avx2)
+#endif
+#ifdef QTTS_OPS_HAVE_scalar
+QTTS_FUNCS(QTTS_PROTO, scalar)
+#endif
+#ifdef QTTS_OPS_HAVE_generic
+QTTS_FUNCS(QTTS_PROTO, generic)
+#endif
+
+/* Best first. */
+static const qtts_ops_variant_t variants[] = {
+#ifdef QTTS_OPS_HAVE_native
+    QTTS_VARIANT_ENTRY(native, cpu_any)
+#endif
+#ifdef QTTS_OPS_HAVE_avx512_bf16
+    QTTS_VARIANT_ENTRY(avx512_bf16, cpu_avx512_bf16)
+#endif
+#ifdef QTTS_OPS_HAVE_avx512_vnni
+    QTTS_VARIANT_ENTRY(avx512_vnni, cpu_avx512_vnni)
+#endif
+#ifdef QTTS_OPS_HAVE_avx512
+    QTTS_VARIANT_ENTRY(avx512, cpu_v4)
+#endif
+#ifdef QTTS_OPS_HAVE_avx2
+    QTTS_VARIANT_ENTRY(avx2, cpu_avx2)
+#endif
+#ifdef QTTS_OPS_HAVE_scalar
+    QTTS_VARIANT_ENTRY(scalar, cpu_any)
+#endif
+#ifdef QTTS_OPS_HAVE_generic
+    QTTS_VARIANT_ENTRY(generic, cpu_any)
+#endif
+};
+#define N_VARIANTS (sizeof(variants) / sizeof(variants[0]))
+
+static const qtts_ops_variant_t * chosen = &variants[N_VARIANTS - 1];
+static char variant_list[256];
+
+/* At load, before cffi or ggml can call anything here. */
+__attribute__((constructor)) static void qtts_ops_select(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init(); /* constructors may run before libgcc's own */
+#endif
+    size_t n = 0;
+    for (size_t i = 0; i < N_VARIANTS; i++) {
+        for (const char * p = variants[i].name; *p && n + 2 < sizeof(variant_list); p++) {
+            variant_list[n++] = *p;
+        }
+        if (i + 1 < N_VARIANTS && n + 2 < sizeof(variant_list)) variant_list[n++] = ',';
+    }
+    variant_list[n] = '\0';
+    for (size_t i = 0; i < N_VARIANTS; i++) {
+        if (variants[i].usable()) {
+            chosen = &variants[i];
+            return;
+        }
+    }
+}
+
+const char * qtts_ops_variant(void) { return chosen->name; }
+
+const char * qtts_ops_variants(void) { return variant_list; }
+
+#define QTTS_FORWARD_VALUE(v, ret, name, params, args)                                           \
+    ret name params { return chosen->fns.name args; }
+#define QTTS_FORWARD_VOID(v, ret, name, params, args)                                            \
+    ret name params { chosen->fns.name args; }
+
+QTTS_VALUE_FUNCS(QTTS_FORWARD_VALUE, _)
+QTTS_VOID_FUNCS(QTTS_FORWARD_VOID, _)

@@ -1,0 +1,33 @@
+/* Force-included (cc -include) into every kernel source when native/build.py compiles it once
+ * per ISA variant (-DQTTS_VARIANT=avx2, ...): each external symbol gets the variant's suffix,
+ * e.g. qtts_snake_beta_op__avx2, so that the copies link into one library side by side and
+ * dispatch.c forwards the public names to the variant the CPU runs.
+ *
+ * A new external function (public or hidden) belongs here, and a public one in dispatch.c's
+ * list too: without its line here the link fails with "multiple definition". */
+#pragma once
+
+#ifndef QTTS_VARIANT
+#error "qtts_variant.h: compile with -DQTTS_VARIANT=<name>"
+#endif
+
+#define QTTS_VCAT2(a, b) a##__##b
+#define QTTS_VCAT(a, b) QTTS_VCAT2(a, b)
+#define QTTS_V(name) QTTS_VCAT(name, QTTS_VARIANT)
+
+/* public (qtts_ops.h) */
+#define qtts_ops_isa QTTS_V(qtts_ops_isa)
+#define qtts_snake_beta_op QTTS_V(qtts_snake_beta_op)
+#define qtts_conv1d_tm_op QTTS_V(qtts_conv1d_tm_op)
+#define qtts_conv1d_tm_block QTTS_V(qtts_conv1d_tm_block)
+#define qtts_conv1d_tm_bf16_op QTTS_V(qtts_conv1d_tm_bf16_op)
+#define qtts_conv1d_tm_bf16_fast QTTS_V(qtts_conv1d_tm_bf16_fast)
+#define qtts_conv1d_wino_bf16_op QTTS_V(qtts_conv1d_wino_bf16_op)
+#define qtts_gemm_i8_op QTTS_V(qtts_gemm_i8_op)
+#define qtts_gemm_i8_pack QTTS_V(qtts_gemm_i8_pack)
+#define qtts_gemm_i8_fast QTTS_V(qtts_gemm_i8_fast)
+
+/* hidden, shared between the sources of one variant */
+#define qtts_scratch_get QTTS_V(qtts_scratch_get)
+#define qtts_conv_srcs_get QTTS_V(qtts_conv_srcs_get)
+#define qtts_snake_row QTTS_V(qtts_snake_row)

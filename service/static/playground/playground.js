@@ -1,0 +1,567 @@
+// qtts playground: plain JavaScript, no build step, no third-party code.
+//
+// Synthesis goes through POST /v1/audio/speech with stream_format "sse" and response_format
+// "pcm": every event carries a chunk of 16-bit PCM (24 kHz mono) that is scheduled on the Web
+// Audio graph as it arrives, so the first audio plays while the server still synthesizes; the
+// last event carries the request's timings (qtts extension of speech.audio.done).
+"use strict";
+
+const SAMPLE_RATE = 24000;
+const KEY_STORE = "qtts.apiKey"; // sessionStorage: the key lives as long as this tab
+const $ = (id) => document.getElementById(id);
+
+// What the page did, in numbers (read by the browser test through window.qttsPlayground).
+const state = {
+  model: null,
+  running: null,          // {controller} while a synthesis runs
+  chunks: [],             // Float32Array pieces of the last result
+  nSamples: 0,
+  seed: null,
+  request: null,          // the body of the last synthesis request
+  t0: 0,                  // performance.now() at submit
+  firstAudioAt: null,     // ... when the first samples were scheduled
+  ttfaShownAt: null,      // ... when the first-audio time was written on the page
+  responseEndAt: null,    // ... when the response's last byte arrived
+  done: null,             // the speech.audio.done event
+  meter: { frames: 0, nonzero: 0, peak: 0 },
+  scheduled: 0,           // samples handed to the audio graph
+  errors: [],
+};
+window.qttsPlayground = state;
+
+// ---- API access ------------------------------------------------------------------------------
+
+function authHeaders() {
+  const key = sessionStorage.getItem(KEY_STORE);
+  return key ? { Authorization: "Bearer " + key } : {};
+}
+
+function api(path, init = {}) {
+  const headers = Object.assign({}, init.headers || {}, authHeaders());
+  return fetch(path, Object.assign({}, init, { headers }));
+}
+
+// The API's JSON error ({"error": {"message", "field", ...}}) in words.
+async function describeError(resp) {
+  let message = resp.statusText || "request failed";
+  let field = null;
+  try {
+    const body = await resp.json();
+    if (body && body.error) {
+      message = body.error.message || message;
+      field = body.error.field || body.error.param || null;
+    } else if (body && body.detail) {
+      message = typeof body.detail === "string" ? body.detail : JSON.stringify(body.detail);
+    }
+  } catch (e) {
+    // not JSON: keep the status text
+  }
+  return `Error ${resp.status}: ${message}` + (field ? ` (field: ${field})` : "");
+}
+
+function showError(text) {
+  const el = $("error");
+  el.textContent = text;
+  el.hidden = false;
+  state.errors.push(text);
+}
+
+function clearError() {
+  $("error").hidden = true;
+  $("error").textContent = "";
+}
+
+function setStatus(text) {
+  $("status").textContent = text;
+}
+
+// ---- API key prompt ----------------------------------------------------------------------------
+
+function askKey(why) {
+  const dialog = $("key-dialog");
+  $("key-why").textContent = why ||
+    "This server asks for an API key (QTTS_API_KEY). It is kept in this tab's session only.";
+  $("key-input").value = sessionStorage.getItem(KEY_STORE) || "";
+  return new Promise((resolve) => {
+    const form = $("key-form");
+    const finish = (ok) => {
+      form.removeEventListener("submit", onSubmit);
+      $("key-cancel").removeEventListener("click", onCancel);
+      dialog.removeEventListener("cancel", onCancel);
+      if (dialog.open) dialog.close();
+      resolve(ok);
+    };
+    const onSubmit = (ev) => {
+      ev.preventDefault();
+      const key = $("key-input").value.trim();
+      if (!key) return;
+      sessionStorage.setItem(KEY_STORE, key);
+      finish(true);
+    };
+    const onCancel = (ev) => {
+      ev.preventDefault();
+      finish(false);
+    };
+    form.addEventListener("submit", onSubmit);
+    $("key-cancel").addEventListener("click", onCancel);
+    dialog.addEventListener("cancel", onCancel); // Esc
+    dialog.showModal();
+    $("key-input").focus();
+  });
+}
+
+// GET that asks for the key on 401 and tries again.
+async function getJson(path) {
+  for (;;) {
+    const resp = await api(path);
+    if (resp.status === 401) {
+      const text = await describeError(resp);
+      if (await askKey(text + ". Enter the server's API key:")) continue;
+      throw new Error(text);
+    }
+    if (!resp.ok) throw new Error(await describeError(resp));
+    return resp.json();
+  }
+}
+
+// ---- model, voices, languages ------------------------------------------------------------------
+
+function fillSelect(select, values, preferred) {
+  select.textContent = "";
+  for (const v of values) {
+    const opt = document.createElement("option");
+    opt.value = v;
+    opt.textContent = v;
+    select.appendChild(opt);
+  }
+  if (preferred && values.includes(preferred)) select.value = preferred;
+}
+
+async function loadModel() {
+  try {
+    const models = await getJson("/v1/models");
+    state.model = models.data[0];
+    const voices = await getJson("/v1/audio/voices");
+    fillSelect($("voice"), voices.voices);
+    fillSelect($("language"), ["auto", ...voices.languages], "auto");
+    const note = state.model.synthetic ? " (synthetic test model: its audio is noise)" : "";
+    setStatus(`Model ${state.model.id}${note}: ready.`);
+    if (!state.model.text) {
+      setStatus(`Model ${state.model.id} cannot speak text in this build (decoder only).`);
+    }
+  } catch (e) {
+    showError(e.message);
+    setStatus("Could not load the model's voices.");
+  }
+}
+
+// ---- audio graph -------------------------------------------------------------------------------
+
+let ctx = null;
+let sink = null;       // the meter worklet, or the speakers where worklets are unavailable
+let nextTime = 0;
+let sources = [];
+
+async function audioGraph() {
+  if (!ctx) {
+    ctx = new AudioContext({ sampleRate: SAMPLE_RATE });
+    sink = ctx.destination;
+    if (ctx.audioWorklet) { // secure contexts only (https, or loopback)
+      try {
+        await ctx.audioWorklet.addModule("/playground/meter.js");
+        const meter = new AudioWorkletNode(ctx, "qtts-meter");
+        meter.port.onmessage = (ev) => {
+          state.meter = ev.data;
+        };
+        meter.connect(ctx.destination);
+        sink = meter;
+      } catch (e) {
+        sink = ctx.destination;
+      }
+    }
+  }
+  if (ctx.state === "suspended") await ctx.resume();
+}
+
+function play(samples) {
+  const buf = ctx.createBuffer(1, samples.length, SAMPLE_RATE);
+  buf.copyToChannel(samples, 0);
+  const src = ctx.createBufferSource();
+  src.buffer = buf;
+  src.connect(sink);
+  const at = Math.max(nextTime, ctx.currentTime + 0.05);
+  src.start(at);
+  nextTime = at + samples.length / SAMPLE_RATE;
+  sources.push(src);
+  src.onended = () => {
+    sources = sources.filter((s) => s !== src);
+  };
+  state.scheduled += samples.length;
+}
+
+function stopAudio() {
+  for (const s of sources) {
+    try { s.stop(); } catch (e) { /* not started yet */ }
+  }
+  sources = [];
+  nextTime = 0;
+}
+
+// ---- PCM -----------------------------------------------------------------------------------------
+
+let carry = null; // an odd byte left over between events
+
+function pcmToFloat(bytes) {
+  if (carry !== null) {
+    const joined = new Uint8Array(bytes.length + 1);
+    joined[0] = carry;
+    joined.set(bytes, 1);
+    bytes = joined;
+    carry = null;
+  }
+  if (bytes.length % 2) {
+    carry = bytes[bytes.length - 1];
+    bytes = bytes.subarray(0, bytes.length - 1);
+  }
+  const view = new DataView(bytes.buffer, bytes.byteOffset, bytes.length);
+  const out = new Float32Array(bytes.length / 2);
+  for (let i = 0; i < out.length; i++) out[i] = view.getInt16(2 * i, true) / 32768;
+  return out;
+}
+
+function base64Bytes(b64) {
+  const bin = atob(b64);
+  const out = new Uint8Array(bin.length);
+  for (let i = 0; i < bin.length; i++) out[i] = bin.charCodeAt(i);
+  return out;
+}
+
+function allSamples() {
+  const out = new Float32Array(state.nSamples);
+  let o = 0;
+  for (const c of state.chunks) {
+    out.set(c, o);
+    o += c.length;
+  }
+  return out;
+}
+
+function wavBlob(samples) {
+  const n = samples.length;
+  const buf = new ArrayBuffer(44 + 2 * n);
+  const v = new DataView(buf);
+  const str = (o, s) => { for (let i = 0; i < s.length; i++) v.setUint8(o + i, s.charCodeAt(i)); };
+  str(0, "RIFF"); v.setUint32(4, 36 + 2 * n, true); str(8, "WAVE");
+  str(12, "fmt "); v.setUint32(16, 16, true); v.setUint16(20, 1, true); v.setUint16(22, 1, true);
+  v.setUint32(24, SAMPLE_RATE, true); v.setUint32(28, 2 * SAMPLE_RATE, true);
+  v.setUint16(32, 2, true); v.setUint16(34, 16, true);
+  str(36, "data"); v.setUint32(40, 2 * n, true);
+  for (let i = 0; i < n; i++) {
+    const s = Math.max(-1, Math.min(1, samples[i]));
+    v.setInt16(44 + 2 * i, Math.round(s * 32767), true);
+  }
+  return new Blob([buf], { type: "audio/wav" });
+}
+
+function pcmBlob(samples) {
+  const out = new Int16Array(samples.length);
+  for (let i = 0; i < samples.length; i++) {
+    out[i] = Math.round(Math.max(-1, Math.min(1, samples[i])) * 32767);
+  }
+  return new Blob([out.buffer], { type: "audio/pcm" });
+}
+
+// ---- waveform --------------------------------------------------------------------------------------
+
+let drawPending = false;
+
+function drawWave() {
+  if (drawPending) return;
+  drawPending = true;
+  requestAnimationFrame(() => {
+    drawPending = false;
+    const canvas = $("wave");
+    const w = Math.max(1, Math.round(canvas.clientWidth * (window.devicePixelRatio || 1)));
+    const h = Math.max(1, Math.round(canvas.clientHeight * (window.devicePixelRatio || 1)));
+    if (canvas.width !== w) canvas.width = w;
+    if (canvas.height !== h) canvas.height = h;
+    const g = canvas.getContext("2d");
+    g.fillStyle = "#0f1722";
+    g.fillRect(0, 0, w, h);
+    g.fillStyle = "#58a6ff";
+    const total = state.nSamples;
+    if (!total) return;
+    const per = total / w;
+    let col = 0;
+    let lo = 1;
+    let hi = -1;
+    let seen = 0;
+    let next = per;
+    for (const c of state.chunks) {
+      for (let i = 0; i < c.length; i++) {
+        const s = c[i];
+        if (s < lo) lo = s;
+        if (s > hi) hi = s;
+        seen++;
+        if (seen >= next) {
+          const y0 = (1 - hi) * h / 2;
+          const y1 = (1 - lo) * h / 2;
+          g.fillRect(col, y0, 1, Math.max(1, y1 - y0));
+          col++;
+          next += per;
+          lo = 1;
+          hi = -1;
+        }
+      }
+    }
+  });
+}
+
+// ---- timings -------------------------------------------------------------------------------------
+
+const fmtMs = (s) => `${Math.round(s * 1000)} ms`;
+
+function showTimings() {
+  const total = (state.responseEndAt - state.t0) / 1000;
+  const audio = state.nSamples / SAMPLE_RATE;
+  $("stat-total").textContent = fmtMs(total);
+  $("stat-audio").textContent = `${audio.toFixed(2)} s`;
+  const q = (state.done && state.done.qtts) || null;
+  if (q && q.ttfa_seconds != null && state.firstAudioAt !== null) {
+    $("stat-ttfa").textContent =
+      `${fmtMs((state.firstAudioAt - state.t0) / 1000)} (server ${fmtMs(q.ttfa_seconds)})`;
+  }
+  if (q && q.rtf != null) {
+    $("stat-rtf").textContent = `${q.rtf.toFixed(3)} (wall ${(total / Math.max(audio, 1e-9)).toFixed(3)})`;
+  } else if (audio > 0) {
+    $("stat-rtf").textContent = `${(total / audio).toFixed(3)} (wall)`;
+  }
+  const table = $("stages");
+  const body = table.tBodies[0];
+  body.textContent = "";
+  const rows = q && q.stages ? Object.entries(q.stages) : [];
+  if (q) {
+    if (q.queue_seconds != null) rows.unshift(["queue", q.queue_seconds]);
+    if (q.synth_seconds != null) rows.push(["synthesis (all stages)", q.synth_seconds]);
+  }
+  for (const [name, seconds] of rows) {
+    const tr = document.createElement("tr");
+    const a = document.createElement("td");
+    const b = document.createElement("td");
+    a.textContent = name;
+    b.textContent = Number(seconds).toFixed(4);
+    tr.append(a, b);
+    body.appendChild(tr);
+  }
+  table.hidden = rows.length === 0;
+}
+
+function resetResult() {
+  state.chunks = [];
+  state.nSamples = 0;
+  state.firstAudioAt = null;
+  state.ttfaShownAt = null;
+  state.responseEndAt = null;
+  state.done = null;
+  state.scheduled = 0;
+  carry = null;
+  for (const id of ["stat-ttfa", "stat-rtf", "stat-audio", "stat-total"]) $(id).textContent = "–";
+  $("stages").hidden = true;
+  drawWave();
+}
+
+// ---- synthesis ---------------------------------------------------------------------------------------
+
+function requestBody() {
+  const seedText = $("seed").value.trim();
+  let seed;
+  if (seedText === "") {
+    seed = crypto.getRandomValues(new Uint32Array(1))[0];
+  } else {
+    seed = Number(seedText); // the server checks the range and says which field is wrong
+  }
+  const body = {
+    model: state.model ? state.model.id : "qtts",
+    input: $("text").value,
+    voice: $("voice").value || "default",
+    response_format: "pcm",
+    stream_format: "sse",
+    speed: Number($("speed").value),
+    seed,
+  };
+  const language = $("language").value;
+  if (language && language !== "auto") body.language = language;
+  const instruct = $("instruct").value.trim();
+  if (instruct) body.instructions = instruct;
+  const maxSeconds = $("max-seconds").value.trim();
+  if (maxSeconds !== "") body.max_seconds = Number(maxSeconds);
+  return body;
+}
+
+function handleEvent(block) {
+  for (const line of block.split("\n")) {
+    if (!line.startsWith("data:")) continue;
+    const ev = JSON.parse(line.slice(5).trim());
+    if (ev.type === "speech.audio.delta") {
+      const samples = pcmToFloat(base64Bytes(ev.audio));
+      if (!samples.length) continue;
+      state.chunks.push(samples);
+      state.nSamples += samples.length;
+      play(samples);
+      if (state.firstAudioAt === null) {
+        state.firstAudioAt = performance.now();
+        $("stat-ttfa").textContent = fmtMs((state.firstAudioAt - state.t0) / 1000);
+        state.ttfaShownAt = performance.now();
+        setStatus("Playing while the server synthesizes…");
+      }
+      drawWave();
+    } else if (ev.type === "speech.audio.done") {
+      state.done = ev;
+    }
+  }
+}
+
+async function synthesize() {
+  if (state.running) return;
+  clearError(); // the server checks the input and says which field is wrong
+  await audioGraph();
+  stopAudio();
+  resetResult();
+  const body = requestBody();
+  state.seed = body.seed;
+  state.request = body;
+  const controller = new AbortController();
+  state.running = { controller };
+  $("go").disabled = true;
+  $("stop").disabled = false;
+  $("download").disabled = true;
+  setStatus(`Synthesizing (seed ${body.seed})…`);
+  state.t0 = performance.now();
+  try {
+    const resp = await api("/v1/audio/speech", {
+      method: "POST",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify(body),
+      signal: controller.signal,
+    });
+    if (!resp.ok) {
+      const text = await describeError(resp);
+      showError(text);
+      setStatus("The server refused the request.");
+      if (resp.status === 401 && await askKey(text + ". Enter the server's API key:")) {
+        finishRun();
+        return synthesize();
+      }
+      return;
+    }
+    const reader = resp.body.getReader();
+    const decoder = new TextDecoder();
+    let pending = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      pending += decoder.decode(value, { stream: true });
+      let cut;
+      while ((cut = pending.indexOf("\n\n")) >= 0) {
+        handleEvent(pending.slice(0, cut));
+        pending = pending.slice(cut + 2);
+      }
+    }
+    state.responseEndAt = performance.now();
+    if (!state.done) {
+      showError("The stream ended before the audio was complete (the server or the connection " +
+        "dropped it); what arrived is kept.");
+    }
+    showTimings();
+    setStatus(`Done: ${(state.nSamples / SAMPLE_RATE).toFixed(2)} s of audio, seed ${body.seed}.`);
+  } catch (e) {
+    if (e.name === "AbortError") {
+      setStatus("Stopped.");
+    } else {
+      showError(`The request failed: ${e.message}`);
+      setStatus("Failed.");
+    }
+  } finally {
+    finishRun();
+  }
+}
+
+function finishRun() {
+  state.running = null;
+  $("go").disabled = false;
+  $("stop").disabled = true;
+  $("download").disabled = state.nSamples === 0;
+}
+
+function stop() {
+  if (state.running) state.running.controller.abort();
+  stopAudio();
+}
+
+async function download() {
+  if (!state.nSamples) return;
+  clearError();
+  const fmt = $("format").value;
+  let blob;
+  if (fmt === "wav") {
+    blob = wavBlob(allSamples());
+  } else if (fmt === "pcm") {
+    blob = pcmBlob(allSamples());
+  } else {
+    // Compressed formats come from the server: the same request (same seed) as one file.
+    setStatus(`Encoding as ${fmt} on the server (same request, seed ${state.seed})…`);
+    const body = Object.assign({}, state.request, {
+      response_format: fmt, stream_format: "audio", stream: false,
+    });
+    const resp = await api("/v1/audio/speech", {
+      method: "POST",
+      headers: { "Content-Type": "application/json" },
+      body: JSON.stringify(body),
+    });
+    if (!resp.ok) {
+      showError(await describeError(resp));
+      setStatus("Download failed.");
+      return;
+    }
+    blob = await resp.blob();
+  }
+  const a = document.createElement("a");
+  a.href = URL.createObjectURL(blob);
+  a.download = `qtts-${state.seed}.${fmt}`;
+  document.body.appendChild(a);
+  a.click();
+  a.remove();
+  setTimeout(() => URL.revokeObjectURL(a.href), 60000);
+  setStatus(`Saved ${a.download}.`);
+}
+
+// ---- wiring --------------------------------------------------------------------------------------------
+
+document.addEventListener("DOMContentLoaded", () => {
+  $("form").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    synthesize();
+  });
+  $("text").addEventListener("keydown", (ev) => {
+    if (ev.key === "Enter" && (ev.ctrlKey || ev.metaKey)) {
+      ev.preventDefault();
+      synthesize();
+    }
+  });
+  document.addEventListener("keydown", (ev) => {
+    if (ev.key === "Escape" && state.running && !$("key-dialog").open) stop();
+  });
+  $("stop").addEventListener("click", stop);
+  $("download").addEventListener("click", download);
+  $("key-button").addEventListener("click", async () => {
+    if (await askKey()) {
+      clearError();
+      loadModel();
+    }
+  });
+  $("speed").addEventListener("input", () => {
+    $("speed-out").textContent = Number($("speed").value).toFixed(2);
+  });
+  window.addEventListener("resize", drawWave);
+  loadModel();
+});

@@ -1,0 +1,219 @@
+"""The playground page (GET /playground) in a real browser: Debian's ``chromium`` driven by
+Playwright's Python package against a real ``qtts serve`` on loopback, tiny model.
+
+The browser comes from the system (``make test`` installs it: the Makefile's test-sysdeps);
+Playwright's own browser download is never used. Screenshots go to
+``$QTTS_TEST_ARTIFACTS`` (default ``build/test-artifacts``).
+"""
+
+from __future__ import annotations
+
+import os
+import wave
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.service.helpers import ROOT, Server
+
+CHROMIUM = Path(os.environ.get("QTTS_CHROMIUM", "/usr/bin/chromium"))
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--no-first-run"]
+ARTIFACTS = Path(os.environ.get("QTTS_TEST_ARTIFACTS") or ROOT / "build" / "test-artifacts")
+KEY = "playground-test-key"
+SAMPLE_RATE = 24000
+
+sync_api = pytest.importorskip(
+    "playwright.sync_api",
+    reason="SKIPPED LOUDLY: the playwright package is missing: pip install -e '.[dev]'",
+)
+if not CHROMIUM.exists():
+    pytest.skip(f"SKIPPED LOUDLY: no browser at {CHROMIUM}: apt-get install chromium "
+                "(make test does this through deploy/ci/install-tools.sh) or set QTTS_CHROMIUM",
+                allow_module_level=True)
+
+# What the page recorded (window.qttsPlayground) without its audio arrays.
+STATE = """() => {
+  const s = window.qttsPlayground;
+  return {running: s.running !== null, nChunks: s.chunks.length, nSamples: s.nSamples,
+          scheduled: s.scheduled, seed: s.seed, t0: s.t0, firstAudioAt: s.firstAudioAt,
+          ttfaShownAt: s.ttfaShownAt, responseEndAt: s.responseEndAt, done: s.done,
+          meter: s.meter, errors: s.errors};
+}"""
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(CHROMIUM), args=FLAGS)
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+@pytest.fixture(scope="module")
+def open_server(service_model: Path, tmp_path_factory: pytest.TempPathFactory
+                ) -> Iterator[Server]:
+    s = Server(service_model, tmp_path_factory.mktemp("playground"), workers=1)
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def keyed_server(service_model: Path, tmp_path_factory: pytest.TempPathFactory
+                 ) -> Iterator[Server]:
+    s = Server(service_model, tmp_path_factory.mktemp("playground-key"), workers=1, api_key=KEY)
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop()
+
+
+def _text_ready(server: Server) -> bool:
+    headers = {"Authorization": f"Bearer {KEY}"}
+    return bool(httpx.get(server.url + "/v1/models", headers=headers).json()["data"][0]["text"])
+
+
+def _page(browser: Any, **context: Any) -> Any:
+    """A page whose console errors are kept in ``page.qtts_console``. The page's own
+    Content-Security-Policy applies to the test too: wait_for_function takes arrow functions
+    (a bare expression would be eval'ed, which the policy forbids)."""
+    ctx = browser.new_context(accept_downloads=True, **context)
+    page = ctx.new_page()
+    page.set_default_timeout(60_000)
+    page.qtts_console = []
+    page.on("console", lambda m: page.qtts_console.append(m.text) if m.type == "error" else None)
+    return page
+
+
+def _open(page: Any, server: Server) -> None:
+    page.goto(server.url + "/playground")
+    page.wait_for_function("() => document.getElementById('status').textContent.includes('ready')")
+
+
+def _synthesize_and_wait(page: Any) -> dict[str, Any]:
+    page.wait_for_function("() => { const s = window.qttsPlayground; "
+                           "return s.running === null && s.responseEndAt !== null; }")
+    return dict(page.evaluate(STATE))
+
+
+def test_the_page_and_its_files_are_served_from_the_package(open_server: Server) -> None:
+    r = httpx.get(open_server.url + "/playground")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
+    assert "default-src 'self'" in r.headers["content-security-policy"]
+    assert "playground" in httpx.get(open_server.url + "/").text
+    for name, ctype in [("playground.js", "text/javascript"), ("playground.css", "text/css"),
+                        ("meter.js", "text/javascript")]:
+        a = httpx.get(f"{open_server.url}/playground/{name}")
+        assert a.status_code == 200 and a.headers["content-type"].startswith(ctype), name
+        assert "http://" not in a.text and "https://" not in a.text, f"{name} links elsewhere"
+    missing = httpx.get(open_server.url + "/playground/../settings.py")
+    assert missing.status_code == 404
+    assert httpx.get(open_server.url + "/playground/index.py").status_code == 404
+
+
+def test_a_synthesis_streams_into_the_audio_graph(browser: Any, open_server: Server) -> None:
+    if not _text_ready(open_server):
+        pytest.skip("the engine has no text pipeline")
+    page = _page(browser)
+    requests: list[str] = []
+    page.on("request", lambda req: requests.append(req.url))
+    _open(page, open_server)
+    assert [v for v in page.eval_on_selector_all("#voice option", "os => os.map(o => o.value)")]
+    page.fill("#text", "Hello from the playground test.")
+    page.fill("#max-seconds", "2")
+    page.fill("#seed", "11")
+    page.click("#go")
+    s = _synthesize_and_wait(page)
+
+    assert s["errors"] == [] and page.is_hidden("#error")
+    assert s["done"] is not None, "the stream ended without speech.audio.done"
+    q = s["done"]["qtts"]
+    # streamed: more than one chunk, all of it scheduled on the audio graph
+    assert s["nChunks"] >= 2 and s["nSamples"] > 0 and s["scheduled"] == s["nSamples"]
+    assert s["nSamples"] == round(q["audio_seconds"] * SAMPLE_RATE)
+    # the first audio was scheduled and its time shown before the response ended
+    assert s["t0"] < s["firstAudioAt"] <= s["ttfaShownAt"] < s["responseEndAt"]
+    assert page.text_content("#stat-ttfa").strip().endswith(")")  # "N ms (server M ms)"
+    # the samples reached the audio graph: the worklet behind the sources heard them
+    page.wait_for_function("() => window.qttsPlayground.meter.nonzero > 0")
+    meter = page.evaluate("window.qttsPlayground.meter")
+    assert meter["peak"] > 0 and meter["frames"] >= meter["nonzero"] > 0
+    # the request's own numbers: RTF and per-stage timings from the server
+    assert q["rtf"] is not None and q["rtf"] > 0 and q["synth_seconds"] > 0
+    assert {"prefill", "talker_step", "code_predictor"} <= set(q["stages"])
+    assert page.is_visible("#stages")
+    stage_rows = page.eval_on_selector_all("#stages tbody tr td:first-child",
+                                           "tds => tds.map(t => t.textContent)")
+    assert "talker_step" in stage_rows
+    assert "(wall" in page.text_content("#stat-rtf")
+    # nothing but this server was asked for anything, and nothing broke the page's policy
+    assert all(u.startswith(open_server.url) for u in requests), requests
+    assert not [m for m in page.qtts_console if "Content Security Policy" in m], page.qtts_console
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "playground.png"), full_page=True)
+
+    # download: the WAV is the audio that played
+    with page.expect_download() as dl:
+        page.click("#download")
+    path = Path(dl.value.path())
+    with wave.open(str(path)) as w:
+        assert (w.getframerate(), w.getnchannels(), w.getsampwidth()) == (SAMPLE_RATE, 1, 2)
+        assert w.getnframes() == s["nSamples"]
+    assert dl.value.suggested_filename == "qtts-11.wav"
+    page.context.close()
+
+
+def test_bad_input_shows_the_api_error_in_words(browser: Any, open_server: Server) -> None:
+    page = _page(browser)
+    _open(page, open_server)
+    page.fill("#text", "   ")
+    page.click("#go")
+    page.wait_for_selector("#error", state="visible")
+    text = page.text_content("#error")
+    assert "Error 400" in text and "is empty" in text and "(field: input)" in text, text
+    page.fill("#text", "hello")
+    page.fill("#max-seconds", "100000")
+    page.click("#go")
+    page.wait_for_function(
+        "() => document.getElementById('error').textContent.includes('max_seconds')")
+    assert "above the server limit" in page.text_content("#error")
+    page.context.close()
+
+
+def test_the_key_prompt_keeps_the_key_in_the_session(browser: Any, keyed_server: Server
+                                                     ) -> None:
+    page = _page(browser, viewport={"width": 390, "height": 844})  # a phone
+    page.goto(keyed_server.url + "/playground")
+    dialog = page.locator("#key-dialog")
+    dialog.wait_for(state="visible")
+    assert "invalid API key" in page.text_content("#key-why")
+    page.fill("#key-input", "wrong")
+    page.keyboard.press("Enter")
+    page.wait_for_function("() => document.getElementById('key-dialog').open && "
+                           "document.getElementById('key-input').value === 'wrong'")
+    page.fill("#key-input", KEY)
+    page.click("#key-save")
+    page.wait_for_function("() => document.getElementById('status').textContent.includes('ready')")
+    assert page.evaluate("sessionStorage.getItem('qtts.apiKey')") == KEY
+    assert page.evaluate("localStorage.length") == 0
+    # readable on a phone: nothing wider than the screen
+    assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
+    if _text_ready(keyed_server):
+        # keyboard only: Ctrl+Enter in the text box synthesizes, with the key
+        page.fill("#max-seconds", "1")
+        page.focus("#text")
+        page.keyboard.press("Control+Enter")
+        s = _synthesize_and_wait(page)
+        assert s["errors"] == [] and s["done"] is not None and s["nSamples"] > 0
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "playground-phone.png"), full_page=True)
+    page.context.close()
