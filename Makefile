@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 QTTS := $(VENV)/bin/qtts
 CACHE := $(or $(QTTS_CACHE_DIR),$(HOME)/.cache/qtts)
-DEFAULT_MODEL := $(CACHE)/models/synthetic-full-f16-seed0-v2/model.gguf
+DEFAULT_MODEL := $(CACHE)/models/synthetic-full-q4_0-seed0-v2/model.gguf
 MODEL := $(or $(QTTS_MODEL),$(DEFAULT_MODEL))
 PYTEST_ARGS ?=
 
@@ -96,9 +96,10 @@ $(VOCAB): | venv
 vocab: $(VOCAB)
 
 # The default model: a deterministic synthetic model of the released architecture (noise) with
-# the real text vocabulary.
+# the real text vocabulary, at Q4_0: the weight type that serves in real time on 2 cores
+# (README, "Choosing weights").
 $(DEFAULT_MODEL): | venv $(VOCAB)
-	$(QTTS) make-model $(dir $(DEFAULT_MODEL)) --size full --dtype f16 --seed 0
+	$(QTTS) make-model $(dir $(DEFAULT_MODEL)) --size full --dtype q4_0 --seed 0
 
 model: native
 	@if [ -z "$(QTTS_MODEL)" ]; then $(MAKE) --no-print-directory $(DEFAULT_MODEL); fi
@@ -118,6 +119,7 @@ bench: native parity-env model
 	$(PY) bench/decoder.py
 	$(PY) bench/talker.py
 	$(PY) bench/load.py --model $(MODEL)
+	$(PY) bench/weights.py
 	$(PY) bench/memory.py --dtypes f16,q8_0,q4_0 --workers 2 --threads 2
 
 clean:

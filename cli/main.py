@@ -76,8 +76,9 @@ def _add_make_model(sub: SubParsers) -> None:
         "make-model",
         help="write a deterministic random-weight model (HF layout + model.gguf) for tests",
         description=(
-            "Write a random-weight checkpoint in the released HF layout into OUT_DIR and convert "
-            "it to OUT_DIR/model.gguf. Its audio is noise, not speech."
+            "Write a random-weight checkpoint in the released HF layout and convert it to "
+            "OUT_DIR/model.gguf (the checkpoint is removed unless --keep-checkpoint). Its audio "
+            "is noise, not speech."
         ),
     )
     p.add_argument("out_dir", help="output folder")
@@ -96,6 +97,10 @@ def _add_make_model(sub: SubParsers) -> None:
     )
     p.add_argument("--decoder-dtype", choices=list(DTYPES), default="f32",
                    help="decoder weight type (f32)")
+    p.add_argument(
+        "--keep-checkpoint", action="store_true",
+        help="also keep the HF-layout checkpoint in OUT_DIR (as large again; for qtts convert)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_make_model)
 
@@ -111,6 +116,7 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         progress=not args.no_progress,
         decoder_dtype=args.decoder_dtype,
+        keep_checkpoint=args.keep_checkpoint,
     )
     for line in report.summary_lines():
         print(f"qtts: {line}", file=sys.stderr)

@@ -15,7 +15,7 @@ from engine.tools.make_model import make_model
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random-weight checkpoint (HF layout) with its ``model.gguf`` (f32), made once."""
     folder = tmp_path_factory.mktemp("tiny_model")
-    make_model(folder, size="tiny", seed=0, progress=False)
+    make_model(folder, size="tiny", seed=0, progress=False, keep_checkpoint=True)
     return folder
 
 

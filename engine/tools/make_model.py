@@ -5,7 +5,8 @@
 bf16) / Qwen2 BPE tokenizer files, and ``speech_tokenizer/`` with ``config.json`` and
 ``model.safetensors`` (Mimi ``encoder.*`` and ``decoder.*``, f32). ``make_model`` then converts it
 with the same code path as ``qtts convert`` into ``OUT_DIR/model.gguf`` (docs/architecture.md,
-The model file).
+The model file) and, unless asked to keep it, removes the checkpoint (serving reads the GGUF
+alone).
 
 Variants: ``custom_voice`` (named speakers), ``base`` (voice cloning: speaker encoder, no named
 speakers), ``voice_design`` (no speakers; the instruction describes the voice).
@@ -36,6 +37,8 @@ import itertools
 import json
 import math
 import os
+import shutil
+import tempfile
 import zlib
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -626,11 +629,30 @@ def make_model(
     progress: bool = True,
     overrides: dict[str, dict[str, Any]] | None = None,
     decoder_dtype: str = "f32",
+    keep_checkpoint: bool = False,
 ) -> ConversionReport:
-    """Write the checkpoint and convert it to ``OUT_DIR/model.gguf`` (talker f16 full, f32
-    tiny; decoder ``decoder_dtype``)."""
-    folder = make_checkpoint(out_dir, size, seed, variant, overrides, progress)
+    """Convert a synthetic checkpoint to ``OUT_DIR/model.gguf`` (talker f16 at released size,
+    f32 tiny; decoder ``decoder_dtype``).
+
+    Serving needs the GGUF alone; the HF-layout checkpoint it is converted from (as large
+    again) stays in ``OUT_DIR`` only with ``keep_checkpoint``, else it is written to a
+    temporary folder inside ``OUT_DIR`` and removed.
+    """
     if dtype is None:
         dtype = "f32" if size == "tiny" else "f16"
-    return convert(folder, folder / "model.gguf", dtype=dtype, progress=progress,
-                   decoder_dtype=decoder_dtype)
+    out = Path(out_dir)
+    if keep_checkpoint:
+        folder = make_checkpoint(out, size, seed, variant, overrides, progress)
+        return convert(folder, folder / "model.gguf", dtype=dtype, progress=progress,
+                       decoder_dtype=decoder_dtype)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=".checkpoint-", dir=out))
+    except OSError as exc:
+        raise ConversionError(str(out), f"cannot create ({exc.strerror or exc})") from None
+    try:
+        make_checkpoint(scratch, size, seed, variant, overrides, progress)
+        return convert(scratch, out / "model.gguf", dtype=dtype, progress=progress,
+                       decoder_dtype=decoder_dtype)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
