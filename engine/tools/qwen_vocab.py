@@ -25,6 +25,7 @@ import zipfile
 from pathlib import Path
 
 from engine.errors import ConversionError
+from engine.options import qtts_cache_dir
 from engine.tokenizer_gguf import bytes_to_unicode
 
 WHEEL_REQUIREMENT = "dashscope==1.20.0"
@@ -39,8 +40,7 @@ TIKTOKEN_SHA256_FILE = "qwen.tiktoken.sha256"
 
 def cache_dir() -> Path:
     """``$QTTS_CACHE_DIR/vocab`` (default ``~/.cache/qtts/vocab``)."""
-    base = os.environ.get("QTTS_CACHE_DIR") or "~/.cache/qtts"
-    return Path(base).expanduser() / "vocab"
+    return qtts_cache_dir() / "vocab"
 
 
 def tiktoken_path(cache: Path | None = None) -> Path:
