@@ -60,6 +60,10 @@ RUN /opt/qtts/venv/bin/python -m pip wheel -q --no-deps --no-build-isolation -w 
  && /opt/qtts/venv/bin/python -m compileall -q /opt/qtts/venv/lib \
  && /opt/qtts/venv/bin/qtts info
 
+# 4. the Qwen2 text vocabulary (make-model writes the synthetic default model's vocab.json +
+# merges.txt from it): the pinned dashscope wheel, fetched by pip with its sha256 required
+RUN /opt/qtts/venv/bin/python -m engine.tools.qwen_vocab
+
 # ---------------------------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS runtime
 
@@ -88,6 +92,8 @@ RUN apt-get update \
 
 # the virtual environment (qtts installed from its wheel) and the native build's cache
 COPY --from=builder /opt/qtts /opt/qtts
+# the vocabulary where make-model looks for it as the qtts user: nothing is downloaded at start
+COPY --from=builder --chown=10001:10001 /opt/qtts/cache/vocab /home/qtts/.cache/qtts/vocab
 COPY --chmod=0755 deploy/docker/entrypoint.sh /usr/local/bin/qtts-entrypoint
 COPY --chmod=0644 deploy/docker/healthcheck.py /usr/local/lib/qtts/healthcheck.py
 

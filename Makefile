@@ -5,18 +5,22 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 QTTS := $(VENV)/bin/qtts
 CACHE := $(or $(QTTS_CACHE_DIR),$(HOME)/.cache/qtts)
-DEFAULT_MODEL := $(CACHE)/models/synthetic-full-f16-seed0/model.gguf
+DEFAULT_MODEL := $(CACHE)/models/synthetic-full-q4_0-seed0-v2/model.gguf
 MODEL := $(or $(QTTS_MODEL),$(DEFAULT_MODEL))
 PYTEST_ARGS ?=
 
-.PHONY: run test native native-portable venv sysdeps test-sysdeps parity-env model lint bench \
+VOCAB := $(CACHE)/vocab/qwen2/source.sha256
+
+.PHONY: run test native native-portable venv sysdeps test-sysdeps parity-env model vocab lint bench \
 	clean cuda-check deploy-tools
 
 run: native model
 	QTTS_MODEL=$(MODEL) $(QTTS) serve
 
-test: native native-portable parity-env deploy-tools test-sysdeps
-	QTTS_CPU_VARIANTS=$(PORTABLE_CPU_VARIANTS) $(PY) -m pytest $(PYTEST_ARGS)
+# Random test order: pytest-randomly prints its seed, `PYTEST_ARGS=--randomly-seed=N` repeats an
+# order. A skip that tests/allowed_skips.py does not list fails the run (QTTS_STRICT_SKIPS).
+test: native native-portable parity-env deploy-tools test-sysdeps vocab
+	QTTS_STRICT_SKIPS=1 QTTS_CPU_VARIANTS=$(PORTABLE_CPU_VARIANTS) $(PY) -m pytest -p randomly $(PYTEST_ARGS)
 
 # Prometheus and busybox (Debian) and the npm schema validators the deploy tests use.
 deploy-tools: venv
@@ -84,9 +88,18 @@ $(VENV)/.parity: $(VENV)/.installed
 
 parity-env: $(VENV)/.parity
 
-# The default model: a deterministic synthetic model of the released architecture (noise).
-$(DEFAULT_MODEL): | venv
-	$(QTTS) make-model $(dir $(DEFAULT_MODEL)) --size full --dtype f16 --seed 0
+# The real Qwen2 text vocabulary: the pinned dashscope wheel, fetched once by pip (sha256
+# checked) into the cache; make-model writes vocab.json + merges.txt from it. Never at run time.
+$(VOCAB): | venv
+	$(PY) -m engine.tools.qwen_vocab
+
+vocab: $(VOCAB)
+
+# The default model: a deterministic synthetic model of the released architecture (noise) with
+# the real text vocabulary, at Q4_0: the weight type that serves in real time on 2 cores
+# (README, "Choosing weights").
+$(DEFAULT_MODEL): | venv $(VOCAB)
+	$(QTTS) make-model $(dir $(DEFAULT_MODEL)) --size full --dtype q4_0 --seed 0
 
 model: native
 	@if [ -z "$(QTTS_MODEL)" ]; then $(MAKE) --no-print-directory $(DEFAULT_MODEL); fi
@@ -106,6 +119,7 @@ bench: native parity-env model
 	$(PY) bench/decoder.py
 	$(PY) bench/talker.py
 	$(PY) bench/load.py --model $(MODEL)
+	$(PY) bench/weights.py
 	$(PY) bench/memory.py --dtypes f16,q8_0,q4_0 --workers 2 --threads 2
 
 clean:

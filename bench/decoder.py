@@ -7,6 +7,11 @@ minimum of each is reported. Prints per-stage times, RTF (compute seconds / audi
 the ratio (reference time / our time: > 1 means we are faster), then streaming costs.
 
     python bench/decoder.py [--frames 31 125] [--threads 2] [--reps 3] [--size full]
+        [--recipe default|stress] [--seed 0] [--all-bf16]
+
+``--recipe stress`` benches the decoder whose every stage is O(1) (tests/parity/reference.py),
+where fast mode's precision is measured; ``--all-bf16`` adds a fast-mode row without the layers
+fast mode keeps in F32 (engine/decoder/precision.py), to show what they cost and buy.
 """
 
 from __future__ import annotations
@@ -142,14 +147,21 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=None, help="offline push size (frames)")
     ap.add_argument("--stream", type=int, nargs="*", default=[1, 4])
     ap.add_argument("--backend", default="cpu", help="QTTS_BACKEND for our decoder (cpu, cuda)")
+    ap.add_argument("--recipe", default="default", choices=ref.RECIPES,
+                    help="random-weight recipe (stress: every stage O(1))")
+    ap.add_argument("--seed", type=int, default=0, help="weight seed")
+    ap.add_argument("--all-bf16", action="store_true",
+                    help="also bench fast mode with every layer in BF16")
     args = ap.parse_args()
 
     import torch
 
     torch.set_num_threads(args.threads)
-    print(f"# decoder benchmark: {args.size} random weights, {args.threads} threads, "
-          f"min of {args.reps}; load average at start {os.getloadavg()[0]:.2f}")
-    folder = ref.make_reference_tokenizer_dir(ref.default_cache_dir(), args.size, seed=0)
+    print(f"# decoder benchmark: {args.size} random weights ({args.recipe}, seed {args.seed}), "
+          f"{args.threads} threads, min of {args.reps}; load average at start "
+          f"{os.getloadavg()[0]:.2f}")
+    folder = ref.make_reference_tokenizer_dir(ref.default_cache_dir(), args.size, args.seed,
+                                              args.recipe)
     ref_model = ref.load_reference_decoder(folder)
     with tempfile.TemporaryDirectory() as tmp:
         gguf = Path(tmp) / "decoder.gguf"
@@ -158,6 +170,9 @@ def main() -> None:
         backends = BackendSet.from_env({"QTTS_BACKEND": args.backend,
                                         "QTTS_THREADS": str(args.threads)})
         models = {p: DecoderModel.load(model, backends, p) for p in ("exact", "fast")}  # type: ignore[arg-type]
+        if args.all_bf16:
+            models["fast all-BF16"] = DecoderModel.load(model, backends, "fast",
+                                                        f32_layers=frozenset())
         from engine.decoder.streaming import DEFAULT_OFFLINE_CHUNK
 
         chunk = args.chunk or DEFAULT_OFFLINE_CHUNK
@@ -165,7 +180,7 @@ def main() -> None:
             codes = ref.random_codes(t, seed=1)
             bench_offline(models, ref_model, codes, args.reps, chunk)
         codes = ref.random_codes(max(args.frames), seed=1)
-        for m in models.values():
+        for m in (models["exact"], models["fast"]):
             bench_streaming(m, codes, args.stream, max(1, args.reps - 1), chunk)
         bench_row_split(model, args.threads, ref.random_codes(min(args.frames), seed=1),
                         args.reps)

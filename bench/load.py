@@ -14,7 +14,7 @@ pcm), read to the end, repeat. Printed per run:
 Requests are text requests (``--frames`` caps their audio via ``max_seconds``) when the model
 has a talker, else ``codes`` requests of ``--frames`` random codec frames (``--mode``).
 
-  python bench/load.py --model ~/.cache/qtts/models/synthetic-full-f16-seed0/model.gguf \
+  python bench/load.py --model ~/.cache/qtts/models/synthetic-full-q4_0-seed0-v2/model.gguf \
       --workers 1,2 --clients 4 --seconds 30 --frames 50
   python bench/load.py --url http://127.0.0.1:8000 --clients 8      # an already running server
 """
@@ -179,7 +179,7 @@ def main() -> int:
     ap.add_argument("--url", default=None, help="bench this running server instead")
     ap.add_argument("--workers", default="1,2", help="comma list of worker counts (1,2)")
     ap.add_argument("--threads", type=int, default=0,
-                    help="threads per worker (0: the server's default, (CPUs - 1) / workers)")
+                    help="threads per worker (0: the server's default, CPUs / workers)")
     ap.add_argument("--clients", type=int, default=4, help="concurrent streaming clients (4)")
     ap.add_argument("--seconds", type=float, default=20.0, help="load duration per run (20)")
     ap.add_argument("--frames", type=int, default=50, help="codec frames per request (50 = 4 s)")

@@ -141,7 +141,7 @@ def peak_under_load(url: str, front_pid: int, pids: list[int], body: dict, n: in
 
 def synthetic_model(size: str, dtype: str) -> Path:
     cache = Path(os.environ.get("QTTS_CACHE_DIR") or Path.home() / ".cache" / "qtts")
-    out = cache.expanduser() / "models" / f"synthetic-{size}-{dtype}-seed0"
+    out = cache.expanduser() / "models" / f"synthetic-{size}-{dtype}-seed0-v2"
     model = out / "model.gguf"
     if not model.exists():
         print(f"# making {model}", file=sys.stderr, flush=True)

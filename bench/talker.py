@@ -2,7 +2,8 @@
 """Talker benchmark: text -> audio through our pipeline vs the official PyTorch reference.
 
 Released 0.6B CustomVoice dimensions with the deterministic random weights of
-``qtts make-model --size full`` (the Makefile's default model), stored F16, Q8_0 and Q4_0.
+``qtts make-model --size full`` (``make run``'s default model is the Q4_0 one), stored F16, Q8_0
+and Q4_0.
 For each: per-frame time split into talker step and code predictor, prefill, decoder time,
 time to first audio (full-text and streaming-text prompts), RTF of text -> audio, the Python
 share of graph time, and the memory-bandwidth bound per frame (weight bytes one frame reads /
@@ -30,34 +31,23 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.models import synthetic_checkpoint, synthetic_gguf
 from engine.backend import BackendSet
 from engine.gguf_model import open_model
 from engine.pipeline import Pipeline, StreamInfo, SynthesisRequest
 from engine.talker.prompt import assistant_text
-from engine.tools.convert import convert
-from engine.tools.make_model import make_model
 
 FRAME_S = 0.08
 TEXT = ("Hello there! This is a short test of the streaming speech engine, "
         "reading one sentence aloud.")
-# The synthetic tokenizer has few merges, so TEXT takes ~55 tokens (the released Qwen2 tokenizer
-# would need ~20); SHORT takes about as many synthetic tokens as TEXT would take real ones.
+# The default model has the real Qwen2 vocabulary: TEXT is 19 text tokens, SHORT 7 (before
+# v2 the synthetic tokenizer made TEXT ~55 tokens and SHORT stood in for a real sentence).
 SHORT = "Hello, how are you today?"
 
 
 def model_paths(dtypes: list[str]) -> tuple[Path, dict[str, Path]]:
-    """The synthetic full checkpoint (made if missing) and one GGUF per dtype (converted)."""
-    cache = Path(os.environ.get("QTTS_CACHE_DIR") or "~/.cache/qtts").expanduser() / "models"
-    ckpt = cache / "synthetic-full-f16-seed0"
-    if not (ckpt / "model.gguf").is_file():
-        make_model(ckpt, size="full", seed=0, dtype="f16", progress=False)
-    out = {}
-    for d in dtypes:
-        path = ckpt / "model.gguf" if d == "f16" else cache / f"synthetic-full-{d}-seed0.gguf"
-        if not path.is_file():
-            convert(ckpt, path, dtype=d, progress=False)
-        out[d] = path
-    return ckpt, out
+    """The synthetic full checkpoint and one GGUF per dtype (made once, cached)."""
+    return synthetic_checkpoint("full"), {d: synthetic_gguf(d, "full") for d in dtypes}
 
 
 def dram_bandwidth(threads: int, mib: int = 512) -> float:

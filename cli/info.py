@@ -87,3 +87,31 @@ def info_lines(options: EngineOptions) -> list[str]:
     except BackendError as exc:
         lines.append(f"chosen backend: none: {exc}")
     return lines
+
+
+def decoder_precision_lines(model_path: str, target_db: float,
+                            options: EngineOptions | None = None) -> list[str]:
+    """`qtts info --model`: what fast mode measures on this model's decoder, against exact mode,
+    and which layers the calibration keeps in F32 to hold ``target_db``."""
+    from engine.decoder.precision import CALIBRATION_FRAMES, calibrate, default_f32
+    from engine.gguf_model import open_model
+
+    model = open_model(model_path)
+    try:
+        model.require("decoder")
+        bs = BackendSet.from_options(options)
+        try:
+            default = default_f32(model)
+            cal = calibrate(model, bs, target_db)
+        finally:
+            bs.close()
+    finally:
+        model.close()
+    extra = sorted(cal.f32_layers - default)
+    return [
+        f"decoder fast mode ({model_path}): SNR {cal.snr_db:.1f} dB against exact mode on "
+        f"{CALIBRATION_FRAMES} frames of random codes (target {target_db:g}: "
+        f"{'met' if cal.met else 'NOT met'}; measured in {cal.seconds:.1f} s)",
+        f"  layers kept in F32: {len(cal.f32_layers)} ({len(default)} by default"
+        + (f"; calibration adds {', '.join(extra)}" if extra else "") + ")",
+    ]

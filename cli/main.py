@@ -1,4 +1,5 @@
-"""The ``qtts`` command line: convert, make-model, info, decode, synth, clone-voice, serve.
+"""The ``qtts`` command line: convert, make-model, info, decode, synth, clone-voice, tokenize,
+serve.
 
 Each subcommand is two small functions: ``_add_<name>(subparsers)`` declares its arguments and
 ``_cmd_<name>(args) -> int`` runs it. ``main`` maps every ``QttsError`` to one line
@@ -38,7 +39,11 @@ def _add_convert(sub: SubParsers) -> None:
     )
     p.add_argument("model_dir", help="HF checkpoint folder (or its speech_tokenizer/ folder)")
     p.add_argument("out", help="output .gguf path")
-    p.add_argument("--dtype", choices=list(DTYPES), default="f16", help="weight type (f16)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="f16",
+                   help="talker weight type (f16)")
+    p.add_argument("--decoder-dtype", choices=list(DTYPES), default="f32",
+                   help="decoder weight type (f32; others cost waveform SNR, the report says how "
+                   "much)")
     p.add_argument(
         "--parts", default=None, help="comma list of parts: decoder,talker (default: all present)"
     )
@@ -50,7 +55,8 @@ def _cmd_convert(args: argparse.Namespace) -> int:
     from engine.tools.convert import convert
 
     report = convert(
-        args.model_dir, args.out, dtype=args.dtype, parts=args.parts, progress=not args.no_progress
+        args.model_dir, args.out, dtype=args.dtype, parts=args.parts, progress=not args.no_progress,
+        decoder_dtype=args.decoder_dtype,
     )
     for line in report.summary_lines():
         print(f"qtts: {line}", file=sys.stderr)
@@ -70,8 +76,9 @@ def _add_make_model(sub: SubParsers) -> None:
         "make-model",
         help="write a deterministic random-weight model (HF layout + model.gguf) for tests",
         description=(
-            "Write a random-weight checkpoint in the released HF layout into OUT_DIR and convert "
-            "it to OUT_DIR/model.gguf. Its audio is noise, not speech."
+            "Write a random-weight checkpoint in the released HF layout and convert it to "
+            "OUT_DIR/model.gguf (the checkpoint is removed unless --keep-checkpoint). Its audio "
+            "is noise, not speech."
         ),
     )
     p.add_argument("out_dir", help="output folder")
@@ -85,7 +92,14 @@ def _add_make_model(sub: SubParsers) -> None:
         help="custom_voice (named speakers), base (voice cloning) or voice_design",
     )
     p.add_argument(
-        "--dtype", choices=list(DTYPES), default=None, help="GGUF weight type (f16 full, f32 tiny)"
+        "--dtype", choices=list(DTYPES), default=None,
+        help="GGUF talker weight type (f16 full, f32 tiny)"
+    )
+    p.add_argument("--decoder-dtype", choices=list(DTYPES), default="f32",
+                   help="decoder weight type (f32)")
+    p.add_argument(
+        "--keep-checkpoint", action="store_true",
+        help="also keep the HF-layout checkpoint in OUT_DIR (as large again; for qtts convert)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_make_model)
@@ -101,6 +115,8 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
         variant=args.variant,
         dtype=args.dtype,
         progress=not args.no_progress,
+        decoder_dtype=args.decoder_dtype,
+        keep_checkpoint=args.keep_checkpoint,
     )
     for line in report.summary_lines():
         print(f"qtts: {line}", file=sys.stderr)
@@ -114,13 +130,20 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
 
 def _add_info(sub: SubParsers) -> None:
     p = sub.add_parser("info", help="ggml version and build options, devices, chosen backend")
+    p.add_argument("--model", default=None,
+                   help="also measure this model's fast-mode decoder SNR against exact mode")
+    p.add_argument("--target", type=float, default=35.0,
+                   help="fast-mode SNR target for --model, dB (35)")
     p.set_defaults(func=_cmd_info)
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    from cli.info import info_lines
+    from cli.info import decoder_precision_lines, info_lines
 
     print("\n".join(info_lines(EngineOptions.from_env())))
+    if args.model is not None:
+        print("\n".join(decoder_precision_lines(args.model, args.target,
+                                                 EngineOptions.from_env())))
     return 0
 
 
@@ -233,6 +256,21 @@ def _cmd_voices(args: argparse.Namespace) -> int:
     return run_voices(args.model)
 
 
+def _add_tokenize(sub: SubParsers) -> None:
+    p = sub.add_parser("tokenize", help="a prompt's text token ids (and pieces) under a model")
+    p.add_argument("--model", required=True, help="a qtts GGUF with the talker part")
+    p.add_argument("text", nargs="?", default=None, help="the text (default: read stdin)")
+    p.add_argument("--json", action="store_true", help='one JSON object {"count", "ids"}')
+    p.add_argument("--tokens", action="store_true", help="the piece of text each id stands for")
+    p.set_defaults(func=_cmd_tokenize)
+
+
+def _cmd_tokenize(args: argparse.Namespace) -> int:
+    from cli.tokenize import run_tokenize
+
+    return run_tokenize(args.model, args.text, args.json, args.tokens)
+
+
 # ---------------------------------------------------------------------------------------------
 # serve           (the HTTP service lives in service/; the engine never imports it)
 # ---------------------------------------------------------------------------------------------
@@ -259,6 +297,7 @@ SUBCOMMANDS: list[Callable[[SubParsers], None]] = [
     _add_synth,
     _add_clone_voice,
     _add_voices,
+    _add_tokenize,
     _add_doctor,
     _add_serve,
 ]

@@ -85,8 +85,12 @@ def run_synth(args: argparse.Namespace, options: EngineOptions) -> int:
           f"(RTF {rtf}, first audio {first * 1e3:.0f} ms, seed {info.seed}, {info.outcome})",
           file=sys.stderr)
     if info.outcome == "truncated_no_eos":
+        # a synthetic model's random weights never pick end-of-speech: more frames would only
+        # be more noise, so the advice is for real models alone
+        advice = ("the model has random weights and never ends by itself" if model.synthetic
+                  else "the audio is truncated (raise --max-frames)")
         print(f"qtts: warning: the frame budget ({info.budget} frames) ran out before the model "
-              "ended the speech; the audio is truncated (raise --max-frames)", file=sys.stderr)
+              f"ended the speech; {advice}", file=sys.stderr)
     pipe.close()
     return 0
 

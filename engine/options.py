@@ -38,9 +38,17 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from engine.errors import BackendError
+
+
+def qtts_cache_dir(env: Mapping[str, str] | None = None) -> Path:
+    """``$QTTS_CACHE_DIR`` (default ``~/.cache/qtts``): where native builds, models and the
+    vocabulary are cached. Read here, with the engine's other variables."""
+    e = os.environ if env is None else env
+    return Path(e.get("QTTS_CACHE_DIR") or "~/.cache/qtts").expanduser()
 
 
 def parse_op_filter(raw: str | None) -> frozenset[str]:

@@ -11,6 +11,11 @@ as soon as the codec allows:
   ffmpeg's encoders through PyAV, muxed into a sink that cannot seek, so each chunk's packets go
   out at once (FLAC waits for a full 4096-sample block; MP3/AAC hold one codec frame).
 
+FLAC is sent as a whole file unless the client asks for a stream (``stream: true`` given
+explicitly, ``stream_wanted``): a streamed FLAC cannot know its length when it starts, so its
+STREAMINFO says total_samples = 0 ("unknown", legal FLAC that ffmpeg and browsers play) and
+libsndfile (python-soundfile) refuses it. The whole file carries the count and the MD5.
+
 ``speed`` other than 1 is done by ffmpeg's ``atempo`` filter (WSOLA time-scale modification:
 tempo changes, pitch does not), chained for factors outside 0.5..2, streaming too.
 """
@@ -32,6 +37,19 @@ CONTENT_TYPES = {
     "opus": "audio/ogg",
     "aac": "audio/aac",
 }
+
+# Formats sent as a whole file unless the client explicitly asks for a stream: their streamed
+# form is not readable by every common decoder (see the module docstring).
+WHOLE_UNLESS_ASKED = frozenset({"flac"})
+
+
+def stream_wanted(fmt: str, stream: bool, stream_given: bool) -> bool:
+    """Whether to stream a response: as asked, except that a format in ``WHOLE_UNLESS_ASKED``
+    streams only when ``stream`` was given explicitly (the request default is to stream)."""
+    if fmt in WHOLE_UNLESS_ASKED and not stream_given:
+        return False
+    return stream
+
 
 # format -> (container, codec, bit rate)
 _AV = {

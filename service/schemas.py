@@ -57,7 +57,8 @@ class TTSRequest(Sampling):
     language: Text | None = Field(default=None, description="language name, e.g. english")
     instruct: Text | None = Field(default=None, description="style instruction (text requests)")
     format: AudioFormat = Field(default="wav", description="wav | pcm | flac | mp3 | opus | aac")
-    stream: bool = Field(default=True, description="chunked streaming (true) or one file")
+    stream: bool = Field(default=True, description="chunked streaming (true) or one file; "
+                         "flac: one file unless true is sent")
     speed: float = Field(default=1.0, ge=0.25, le=4.0, description="playback speed 0.25..4")
     text_mode: Literal["full", "stream"] = Field(
         default="full", description="full: whole text in the prompt; stream: one text token "
@@ -85,7 +86,8 @@ class SpeechRequest(Sampling):
     # qtts extensions (send with the openai client's extra_body)
     codes: Codes = Field(default=None, description="qtts: frames [codebooks][T]")
     language: Text | None = Field(default=None, description="qtts: language name")
-    stream: bool = Field(default=True, description="qtts: false = one file with Content-Length")
+    stream: bool = Field(default=True, description="qtts: false = one file with Content-Length; "
+                         "flac: one file unless true is sent")
     max_seconds: float | None = Field(default=None, gt=0, description="qtts: cap on audio")
 
     @property

@@ -20,20 +20,29 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="QTTS_", extra="ignore", frozen=True)
 
-    model: Path = Field(
-        default=Path("model.gguf"), description="path of the qtts GGUF model (QTTS_MODEL)"
-    )
+    model: Path = Field(default=Path("model.gguf"), description="the qtts GGUF to serve")
     host: str = Field(default="127.0.0.1", description="address to listen on")
     port: int = Field(default=8000, ge=0, le=65535, description="TCP port (0 = any free port)")
-    workers: int = Field(default=1, ge=1, le=64, description="worker processes")
+    workers: int = Field(
+        default=1, ge=1, le=64, description="worker processes (each serves one request at a time)"
+    )
     threads_per_worker: int = Field(
-        default=0, ge=0, le=256,
-        description="CPU threads per worker (0 = (usable CPUs - 1) / workers, at least 1)",
+        default=0,
+        ge=0,
+        le=256,
+        description=(
+            "CPU threads per worker; 0 = `QTTS_THREADS` if set, else usable CPUs / workers, at "
+            "least 1 (never more threads than CPUs: ggml's threads spin-wait, and an "
+            "oversubscribed worker slows down many times over)"
+        ),
     )
     queue_size: int = Field(
-        default=8, ge=0, le=10000, description="requests allowed to wait for a worker"
+        default=8,
+        ge=0,
+        le=10000,
+        description="requests that may wait for a worker; one more gets 503 at once",
     )
-    max_text_chars: int = Field(default=4096, ge=1, description="longest accepted text")
+    max_text_chars: int = Field(default=4096, ge=1, description="longest text, in characters")
     max_text_tokens: int = Field(
         default=2048, ge=1, description="longest accepted text in tokens (what costs)"
     )
@@ -52,21 +61,40 @@ class Settings(BaseSettings):
         default=300.0, gt=0, description="seconds a request may take, queue wait included"
     )
     max_audio_seconds: float = Field(
-        default=120.0, gt=0, description="longest audio one request may produce"
+        default=120.0,
+        gt=0,
+        description=(
+            "cap on the audio of one request: a text request stops at the talker's text-length "
+            "budget or here, whichever is first (`max_seconds` lowers it); longer codes are refused"
+        ),
     )
-    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024, description="request body cap")
+    max_body_bytes: int = Field(
+        default=4 * 1024 * 1024, ge=1024, description="request body cap (413 above)"
+    )
     api_key: str | None = Field(
-        default=None, description="when set, /tts and /v1/* need 'Authorization: Bearer KEY'"
+        default=None,
+        description=(
+            "when set, `/tts` and `/v1/*` need `Authorization: Bearer KEY` (or `X-API-Key`)"
+        ),
     )
-    log_format: Literal["text", "json"] = Field(default="text", description="request log style")
+    log_format: Literal["text", "json"] = Field(
+        default="text", description="`text` or `json` (one object per line)"
+    )
     log_level: str = Field(default="info", description="python logging level")
-    precision: Literal["fast", "exact"] = Field(default="fast", description="decoder precision")
+    precision: Literal["fast", "exact"] = Field(
+        default="fast", description="decoder precision `fast` (BF16 kernels) or `exact` (F32)"
+    )
     chunk_max_frames: int | None = Field(
-        default=None, ge=1, le=256,
-        description="largest decoder chunk of the 1,2,4,.. ramp (unset: the engine's default)",
+        default=None,
+        ge=1,
+        le=256,
+        description=(
+            "largest chunk of the decoder ramp 1, 2, 4, 8, 16, 16, ... frames (unset: the "
+            "engine's default, 16)"
+        ),
     )
     drain_seconds: float = Field(
-        default=30.0, ge=0, description="on SIGTERM: how long in-flight requests may finish"
+        default=30.0, ge=0, description="on SIGTERM, how long in-flight requests may finish"
     )
     shutdown_delay_seconds: float = Field(
         default=5.0, ge=0,
@@ -83,36 +111,52 @@ class Settings(BaseSettings):
         default=5, ge=1, description="an idle keep-alive connection is closed after this"
     )
     cancel_grace_seconds: float = Field(
-        default=10.0, gt=0, description="a worker that ignores a cancel this long is killed"
+        default=10.0,
+        gt=0,
+        description="a worker that ignores a cancel this long is killed and replaced",
     )
     worker_start_timeout: float = Field(
         default=600.0, gt=0, description="load + warm-up time allowed to a worker"
     )
-    warmup_frames: int = Field(default=4, ge=0, le=64, description="frames decoded at warm-up")
+    warmup_frames: int = Field(
+        default=4, ge=0, le=64, description="frames decoded once at worker start"
+    )
     pin_prefixes: bool = Field(
         default=True,
-        description="at warm-up, precompute every voice x language prompt prefix (~1 MB each)",
+        description=(
+            "at warm-up, precompute every voice x language prompt prefix (~1 MB each), so the "
+            "first request of a built-in voice prefills only its text"
+        ),
     )
-    retry_after_seconds: int = Field(default=1, ge=1, description="Retry-After on a 503")
-    model_name: str = Field(default="qtts", description="model id shown by /v1/models")
-    # WS /v1/tts/realtime (docs/service.md, Realtime)
-    realtime_idle_seconds: float = Field(
-        default=60.0, gt=0, description="realtime: close a session idle this long")
-    realtime_max_seconds: float = Field(
-        default=1800.0, gt=0, description="realtime: longest session")
-    realtime_max_chars: int = Field(
-        default=20000, ge=1, description="realtime: most text characters per session")
+    retry_after_seconds: int = Field(default=1, ge=1, description="`Retry-After` on a 503")
+    model_name: str = Field(
+        default="qtts", description="the model id in `/v1/models` and `qtts_build_info`"
+    )
+    # WS /v1/tts/realtime (docs/service.md)
     realtime_min_tokens: int = Field(
         default=5, ge=1, le=64,
-        description="realtime default start policy: speak once this many text tokens (or a "
-        "punctuation mark) are buffered")
+        description="realtime default start policy: speak once this many text tokens, or a "
+        "punctuation mark, are buffered")
+    realtime_idle_seconds: float = Field(
+        default=60.0, gt=0,
+        description="realtime: close a session idle (no message, nothing speaking) this long")
+    realtime_max_seconds: float = Field(
+        default=1800.0, gt=0, description="realtime: close a session open this long")
+    realtime_max_chars: int = Field(
+        default=20000, ge=1, description="realtime: text characters per session")
     realtime_max_buffered_seconds: float = Field(
         default=30.0, gt=0,
-        description="realtime: audio not yet taken by a slow client before the session closes")
-    # server-side caps for per-request sampling overrides (text requests)
-    max_temperature: float = Field(default=2.0, gt=0)
-    max_top_k: int = Field(default=2048, ge=1)
-    max_repetition_penalty: float = Field(default=2.0, ge=1.0)
+        description="realtime: audio a slow client has not read yet before the session is "
+        "closed (1008)")
+    max_temperature: float = Field(
+        default=2.0, gt=0, description="highest `temperature` a text request may ask for"
+    )
+    max_top_k: int = Field(
+        default=2048, ge=1, description="highest `top_k` a text request may ask for"
+    )
+    max_repetition_penalty: float = Field(
+        default=2.0, ge=1.0, description="highest `repetition_penalty` a text request may ask for"
+    )
 
     @field_validator("log_level")
     @classmethod
@@ -141,6 +185,7 @@ class Settings(BaseSettings):
             cpus = len(os.sched_getaffinity(0))
         except AttributeError:  # not Linux
             cpus = os.cpu_count() or 1
-        # one CPU stays with the front end (HTTP, encoding): ggml's threads spin-wait, and an
-        # oversubscribed worker slows down many times over
-        return max(1, (cpus - 1) // self.workers)
+        # every CPU computes: the front end's HTTP and encoding are light next to synthesis
+        # (measured in docs/performance.md, "Threads per worker"); more threads than CPUs
+        # would make ggml's spin-waiting threads preempt each other
+        return max(1, cpus // self.workers)

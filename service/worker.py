@@ -155,7 +155,12 @@ def worker_main(conn: Any, cancel: Any, opts: WorkerOptions) -> None:
     from service.logs import setup_logging
 
     setup_logging(opts.env.get("QTTS_LOG_FORMAT", "text"), opts.env.get("QTTS_LOG_LEVEL", "info"))
+    from service import faults
+
     try:
+        fault = faults.from_env()
+        if fault is not None:
+            fault.hit("start")
         t0 = time.perf_counter()
         # the engine's options: its own QTTS_* variables with what the settings decided (threads,
         # prefix pinning) on top; read here, once, and passed down
@@ -186,7 +191,7 @@ def worker_main(conn: Any, cancel: Any, opts: WorkerOptions) -> None:
             case RunJob(job=job):
                 _STATE["busy"] = True
                 try:
-                    _run_job(conn, cancel, synth, job)
+                    _run_job(conn, cancel, synth, job, fault)
                 except (BrokenPipeError, EOFError, ConnectionResetError):
                     return  # front end gone mid-request
                 finally:
@@ -202,13 +207,14 @@ def _on_sigterm(signum: int, frame: Any) -> None:
         raise SystemExit(0)
 
 
-def _run_job(conn: Any, cancel: Any, synth: Synthesizer, job: Job) -> None:
+def _run_job(conn: Any, cancel: Any, synth: Synthesizer, job: Job,
+             fault: Any = None) -> None:
     from engine.errors import InputError, QttsError
 
     def cancelled() -> bool:
         return bool(cancel.value == job.id)
 
-    frames = 0
+    frames = sent = 0
     t0 = time.perf_counter()
     gen = synth.stream(job, cancelled)
     try:
@@ -218,6 +224,9 @@ def _run_job(conn: Any, cancel: Any, synth: Synthesizer, job: Job) -> None:
             except StopIteration as stop:
                 finish = stop.value
                 break
+            if fault is not None:  # QTTS_TEST_FAULT (tests only)
+                fault.hit("chunk", sent)
+            sent += 1
             frames += n
             conn.send(Chunk(job.id, audio, timings, n))
         conn.send(Done(job.id, finish, frames, time.perf_counter() - t0))

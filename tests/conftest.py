@@ -15,7 +15,7 @@ from engine.tools.make_model import make_model
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random-weight checkpoint (HF layout) with its ``model.gguf`` (f32), made once."""
     folder = tmp_path_factory.mktemp("tiny_model")
-    make_model(folder, size="tiny", seed=0, progress=False)
+    make_model(folder, size="tiny", seed=0, progress=False, keep_checkpoint=True)
     return folder
 
 
@@ -43,3 +43,54 @@ def cpu2() -> BackendSet:
 def cpu1() -> BackendSet:
     """The CPU backend with 1 thread."""
     return BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "1"})
+
+
+# ---------------------------------------------------------------------------------------------
+# Skips: under `make test` (QTTS_STRICT_SKIPS=1) or CI, a skip not in tests/allowed_skips.py
+# fails the session, so a missing dependency or a native library that did not load cannot turn
+# hundreds of tests into silent skips.
+
+_SKIPS: list[tuple[str, str]] = []
+
+
+def _strict_skips() -> bool:
+    flag = os.environ.get("QTTS_STRICT_SKIPS")
+    if flag is not None:
+        return flag not in ("", "0")
+    return bool(os.environ.get("CI"))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.skipped and not hasattr(report, "wasxfail"):
+        longrepr = report.longrepr
+        reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+        _SKIPS.append((report.nodeid, reason.removeprefix("Skipped: ")))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    from tests.allowed_skips import unlisted
+
+    bad = unlisted(_SKIPS)
+    if not bad or not _strict_skips():
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    lines = [f"{len(bad)} test(s) skipped that tests/allowed_skips.py does not allow "
+             "(QTTS_STRICT_SKIPS / CI): install what they need, or list them with a reason"]
+    lines += [f"  {nodeid}: {reason}" for nodeid, reason in bad]
+    if reporter is not None:
+        reporter.write_sep("=", "UNLISTED SKIPS", red=True)
+        for line in lines:
+            reporter.write_line(line)
+    if session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture
+def native_ops() -> object:
+    """The native ops library (native/ops): it is part of the repository, so failing to load
+    it is a failure of the build, never a reason to skip."""
+    from engine.ggml import ops
+
+    if ops is None:
+        pytest.fail("libqtts_ops did not load: run `make native` (python native/build.py)")
+    return ops

@@ -5,11 +5,11 @@
 #   else $QTTS_MODELS_DIR/model.gguf   -> used (a volume you mounted at /models)
 #   else the synthetic default model   -> made once, as `make run` does: a deterministic
 #        random-weight model of the released architecture; its audio is NOISE, not speech.
-#        It goes to $QTTS_MODELS_DIR/synthetic-<size>-<dtype>-seed0/ when that folder is
+#        It goes to $QTTS_MODELS_DIR/synthetic-<size>-<dtype>-seed0-v2/ when that folder is
 #        writable (a volume keeps it across restarts), else under $QTTS_CACHE_DIR or ~/.cache.
 #
 # QTTS_MODELS_DIR      where to look for model.gguf (default /models)
-# QTTS_SYNTHETIC_SIZE  full (default: the released 0.6B shape, ~2 GB f16, ~40 s to make) | tiny
+# QTTS_SYNTHETIC_SIZE  full (default: the released 0.6B shape, a 1.2 GB Q4_0 GGUF) | tiny
 set -eu
 
 log() { printf 'qtts-entrypoint: %s\n' "$*" >&2; }
@@ -23,7 +23,7 @@ if [ -z "${QTTS_MODEL:-}" ]; then
     else
         size="${QTTS_SYNTHETIC_SIZE:-full}"
         case "$size" in
-            full) dtype=f16 ;;
+            full) dtype=q4_0 ;;
             tiny) dtype=f32 ;;
             *) log "QTTS_SYNTHETIC_SIZE must be full or tiny, not '$size'"; exit 2 ;;
         esac
@@ -32,7 +32,7 @@ if [ -z "${QTTS_MODEL:-}" ]; then
         else
             base="${QTTS_CACHE_DIR:-${HOME:-/tmp}/.cache/qtts}/models"
         fi
-        dir="$base/synthetic-$size-$dtype-seed0"
+        dir="$base/synthetic-$size-$dtype-seed0-v2"  # v2: real text vocabulary, F32 decoder
         if [ ! -f "$dir/model.gguf" ]; then
             log "no model given (QTTS_MODEL unset, no $models_dir/model.gguf): making the" \
                 "synthetic $size model in $dir -- its audio is NOISE, not speech"
@@ -44,8 +44,8 @@ if [ -z "${QTTS_MODEL:-}" ]; then
                 exit 1
             fi
             mkdir -p "$dir"
-            # keep only the GGUF (the HF-layout checkpoint beside it is as large again);
-            # a rename within one file system is atomic, so a concurrent start sees all or none
+            # made aside, then renamed: a rename within one file system is atomic, so a
+            # concurrent start sees all or none
             mv "$tmp/model.gguf" "$dir/model.gguf"
             rm -rf "$tmp"
         fi

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.backend import BackendSet
+from engine.decoder.precision import Calibration, calibrate
 from engine.decoder.weights import DecoderWeights, Precision
 
 
@@ -19,13 +20,27 @@ class DecoderModel:
         # Our fused CPU kernels only pay where the graph runs on the CPU; on an accelerator they
         # would split every block back to the host (and an rpc server cannot run them at all).
         self.use_custom_ops = weights.use_custom_ops
+        self.calibration: Calibration | None = None  # set by load(calibrate_db=...)
 
     @classmethod
-    def load(cls, model: Any, backends: BackendSet, precision: Precision = "fast"
+    def load(cls, model: Any, backends: BackendSet, precision: Precision = "fast",
+             f32_layers: frozenset[str] | None = None, calibrate_db: float | None = None
              ) -> DecoderModel:
-        """Load the decoder of a validated GgufModel onto ``backends``."""
+        """Load the decoder of a validated GgufModel onto ``backends``.
+
+        ``f32_layers``: fast mode's layers kept in F32 (GGUF prefixes; default
+        ``precision.default_f32``). ``calibrate_db``: in fast mode, first measure fast against
+        exact on a few frames and promote layers until that SNR holds (``precision.calibrate``;
+        the result is ``self.calibration``).
+        """
         model.require("decoder")
-        return cls(DecoderWeights(model, backends, precision))
+        calibration = None
+        if precision == "fast" and calibrate_db is not None:
+            calibration = calibrate(model, backends, calibrate_db, start=f32_layers)
+            f32_layers = calibration.f32_layers
+        dm = cls(DecoderWeights(model, backends, precision, f32_layers))
+        dm.calibration = calibration
+        return dm
 
     @property
     def samples_per_frame(self) -> int:

@@ -14,8 +14,9 @@ On the CPU with qtts's native ops, convs, transposed convs (as 1-2 tap convs of 
 and linear layers (as 1-tap convs) are instead packed for the direct conv kernels.
 
 Precision: ``exact`` keeps every weight F32 (parity mode); ``fast`` stores the weights of the
-wave generator (decoder.0-6) and the upsampler's pointwise layers as BF16 (the BF16 kernel's
-throughput is in docs/performance.md); everything else stays F32.
+wave generator (decoder.0-6) and the upsampler's pointwise layers as BF16 (~2x the F32
+throughput here), except the layers ``f32_layers`` keeps in F32 (by default the first ones,
+whose rounding the rest amplifies: engine/decoder/precision.py); everything else stays F32.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any, Literal
 import numpy as np
 
 from engine.backend import BackendSet, WeightStore
+from engine.decoder.precision import default_f32
 from engine.errors import ModelFileError
 from engine.ggml import Tensor, custom_ops, lib
 from engine.ggml.graph import set_name
@@ -146,12 +148,16 @@ RES_DILATIONS = (1, 3, 9)
 class DecoderWeights:
     """Every decoder weight on one BackendSet, grouped by stage."""
 
-    def __init__(self, model: Any, backends: BackendSet, precision: Precision = "fast") -> None:
+    def __init__(self, model: Any, backends: BackendSet, precision: Precision = "fast",
+                 f32_layers: frozenset[str] | None = None) -> None:
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         self.model = model
         self.cfg: DecoderConfig = model.decoder_config
         self.precision = precision
+        # Fast mode's layers kept in F32 (GGUF prefixes, e.g. "dec.blk.1.tconv"): the ones
+        # whose BF16 rounding the rest of the stack amplifies (engine/decoder/precision.py).
+        self.f32_layers = default_f32(model) if f32_layers is None else f32_layers
         self.backends = backends
         self.store: WeightStore = backends.weight_store()
         # qtts's own direct conv kernels beat ggml's K mul_mats on the CPU (bench/kernels.py);
@@ -213,7 +219,12 @@ class DecoderWeights:
         return [set_name(lib.ggml_view_2d(self.store.ctx, t, i, o, t.nb[1], j * t.nb[2]),
                          f"{name}.{j}") for j in range(k)]
 
+    def _bulk(self, prefix: str, bulk: bool) -> bool:
+        """Whether layer ``prefix`` runs in BF16 in fast mode (not when kept in F32)."""
+        return bulk and prefix not in self.f32_layers
+
     def _conv(self, prefix: str, bulk: bool = False) -> Conv:
+        bulk = self._bulk(prefix, bulk)
         w = self.model.tensor_f32(f"{prefix}.weight")
         bias = self._f32(f"{prefix}.bias", self.model.tensor_f32(f"{prefix}.bias"))
         return self._conv_from(prefix, w, bias, bulk)
@@ -237,6 +248,7 @@ class DecoderWeights:
         return Conv(taps, None, bias, k, i, o)
 
     def _tconv(self, prefix: str, stride: int, bulk: bool = False) -> TConv:
+        bulk = self._bulk(prefix, bulk)
         w: np.ndarray[Any, Any] = self.model.tensor_f32(f"{prefix}.weight")  # [I, O, K]
         i, o, k = w.shape
         if k not in (stride, 2 * stride):
@@ -267,6 +279,7 @@ class DecoderWeights:
                      self._f32(f"{prefix}.inv_beta", 1.0 / (np.exp(beta) + SNAKE_EPS)))
 
     def _linear(self, prefix: str, bias: bool = True, bulk: bool = False) -> Linear:
+        bulk = self._bulk(prefix, bulk)
         w_np = self.model.tensor_f32(f"{prefix}.weight")
         b = self._f32(f"{prefix}.bias", self.model.tensor_f32(f"{prefix}.bias")) if bias else None
         if self.use_custom_ops:  # the kernel always adds a bias: zeros when the layer has none

@@ -19,8 +19,11 @@ safetensors are parsed here (F32, F16 and BF16 payloads) with plain file reads.
 
 Precision policy (see ``engine.gguf_schema``): 1-D tensors, codebooks, norms, biases, snake
 parameters and layer scales stay F32; embeddings follow ``--dtype`` but never below F16; other
-weights follow ``--dtype``; a quantised type that does not fit a tensor's row length falls back to
-F16 for that tensor and is reported.
+talker weights follow ``--dtype``; decoder weights follow ``--decoder-dtype``, F32 unless asked
+(the decoder's rounding errors are amplified by its snakes: BF16 decoder weights leave ~30 dB
+of waveform SNR on O(1) weights, see docs/performance.md; fast mode rounds the layers it runs in
+BF16 at load anyway, so F32 costs only file size); a quantised type that does not fit a
+tensor's row length falls back to F16 for that tensor and is reported.
 
 Documented error of a stored type against the F32 source (``max_abs_error``):
 
@@ -932,26 +935,50 @@ def _convert_chunk(p: _Planned, start_row: int, rows: int, row_len: int) -> npt.
     return np.asarray(q)
 
 
+# What a decoder weight type costs: waveform SNR against the F32 reference, exact mode, on the
+# stress decoder (tests/parity, released size, 31 frames; docs/performance.md).
+DECODER_DTYPE_COST = {
+    "f16": "waveform SNR ~48 dB",
+    "bf16": "waveform SNR ~30 dB (audible)",
+    "q8_0": "waveform SNR not measured (quantised: expect less than BF16's ~30 dB)",
+    "q4_0": "waveform SNR not measured (quantised: expect much less than BF16's ~30 dB)",
+}
+
+
 def convert(
     model_dir: str | os.PathLike[str],
     out_path: str | os.PathLike[str],
     dtype: str = "f16",
     parts: str | Sequence[str] | None = None,
     progress: bool = True,
+    decoder_dtype: str = "f32",
 ) -> ConversionReport:
-    """Convert a checkpoint folder into one GGUF. Raises ``ConversionError`` with one line."""
+    """Convert a checkpoint folder into one GGUF. Raises ``ConversionError`` with one line.
+
+    ``dtype`` is the talker's weight type, ``decoder_dtype`` the decoder's (F32 by default: any
+    other type costs waveform precision, and the report says how much).
+    """
     t0 = time.perf_counter()
     if dtype not in DTYPES:
         raise ConversionError("--dtype", f"{dtype!r} is not one of {', '.join(DTYPES)}")
+    if decoder_dtype not in DTYPES:
+        raise ConversionError("--decoder-dtype",
+                              f"{decoder_dtype!r} is not one of {', '.join(DTYPES)}")
     want = DTYPES[dtype]
+    want_dec = DTYPES[decoder_dtype]
     mdir, out = Path(model_dir), Path(out_path)
     if not out.parent.is_dir():
         raise ConversionError(str(out), "output folder does not exist")
     src = read_checkpoint(mdir, parts)
     report = ConversionReport(out, src.parts, dtype, synthetic=src.synthetic, notes=src.notes)
+    if decoder_dtype != "f32" and PART_DECODER in src.parts:
+        report.notes.append(
+            f"decoder weights stored {decoder_dtype.upper()}: "
+            f"{DECODER_DTYPE_COST[decoder_dtype]} against F32 weights on O(1) weights "
+            "(--decoder-dtype f32 keeps them exact; fast mode makes its own BF16 copies at load)")
     plan: list[_Planned] = []
     for spec, st in src.tensors:
-        gtype, fb = _plan_type(spec, want)
+        gtype, fb = _plan_type(spec, want_dec if spec.part == PART_DECODER else want)
         if fb:
             report.fallbacks.append(fb)
             log.debug("%s", fb)

@@ -5,7 +5,8 @@
 bf16) / Qwen2 BPE tokenizer files, and ``speech_tokenizer/`` with ``config.json`` and
 ``model.safetensors`` (Mimi ``encoder.*`` and ``decoder.*``, f32). ``make_model`` then converts it
 with the same code path as ``qtts convert`` into ``OUT_DIR/model.gguf`` (docs/architecture.md,
-The model file).
+The model file) and, unless asked to keep it, removes the checkpoint (serving reads the GGUF
+alone).
 
 Variants: ``custom_voice`` (named speakers), ``base`` (voice cloning: speaker encoder, no named
 speakers), ``voice_design`` (no speakers; the instruction describes the voice).
@@ -13,9 +14,11 @@ speakers), ``voice_design`` (no speakers; the instruction describes the voice).
 Sizes:
 
 * ``0.6b`` (alias ``full``) — released dims of the 0.6B models (talker, decoder, Mimi encoder,
-  speaker encoder), text vocabulary 151936 with the Qwen3 added tokens at their released ids.
+  speaker encoder), the real Qwen2 text vocabulary (``engine/tools/qwen_vocab.py``: fetched
+  once through pip by pinned hash, cached) with the Qwen3 added tokens at their released ids:
+  151936.
 * ``1.7b`` — the 1.7B talker (hidden 2048, intermediate 6144; code predictor 1024 wide, so the
-  ``small_to_mtp_projection`` exists) with the same decoder and encoders.
+  ``small_to_mtp_projection`` exists) with the same decoder, encoders and vocabulary.
 * ``tiny`` — small dims for fast tests; the codec side keeps the released ids (codebooks of
   2048, talker vocabulary 3072, same control/language/speaker ids), the text vocabulary is 512
   with the same 33 added tokens appended after a small learned BPE vocabulary, and the text
@@ -34,6 +37,8 @@ import itertools
 import json
 import math
 import os
+import shutil
+import tempfile
 import zlib
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -54,6 +59,7 @@ from engine.gguf_schema import (
 )
 from engine.speaker.schema import parse_speaker_config, speaker_tensor_specs
 from engine.tokenizer_gguf import bytes_to_unicode, qwen2_pre_tokenizer
+from engine.tools import qwen_vocab
 from engine.tools.convert import (
     SYNTHETIC_MARKER,
     ConversionReport,
@@ -251,17 +257,9 @@ def _learn_merges(n_merges: int) -> list[tuple[str, str]]:
     return merges
 
 
-def write_tokenizer_files(folder: Path, text_vocab_size: int) -> dict[str, int]:
-    """Write vocab.json / merges.txt / tokenizer_config.json; return the text special ids.
-
-    The BPE vocabulary (256 byte symbols, learned merges, then filler tokens) has exactly
-    ``text_vocab_size - 33`` entries for tiny and 151643 for full, so the 33 added tokens follow
-    it contiguously — which is how ``Qwen2TokenizerFast`` assigns their ids.
-    """
-    n_added = len(QWEN3_ADDED_TOKENS)
-    base = 151643 if text_vocab_size >= 151643 + n_added else text_vocab_size - n_added
-    if base < 256:
-        raise ConversionError(str(folder), f"text_vocab_size {text_vocab_size} is too small")
+def _write_synthetic_vocab(folder: Path, base: int) -> None:
+    """A small vocabulary of exactly ``base`` entries: 256 byte symbols, merges learned from
+    ``_CORPUS``, then filler tokens."""
     vocab: dict[str, int] = {}
     for ch in bytes_to_unicode().values():
         vocab[ch] = len(vocab)
@@ -277,6 +275,26 @@ def write_tokenizer_files(folder: Path, text_vocab_size: int) -> dict[str, int]:
     (folder / "merges.txt").write_text(
         "#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in merges), encoding="utf-8"
     )
+
+
+def write_tokenizer_files(folder: Path, text_vocab_size: int) -> dict[str, int]:
+    """Write vocab.json / merges.txt / tokenizer_config.json; return the text special ids.
+
+    ``full`` (151936): the real Qwen2 vocabulary (engine/tools/qwen_vocab.py), 151643 ranked
+    tokens. ``tiny``: a small learned vocabulary of ``text_vocab_size - 33`` entries. Either
+    way the 33 added tokens follow it contiguously — which is how ``Qwen2TokenizerFast``
+    assigns their ids.
+    """
+    n_added = len(QWEN3_ADDED_TOKENS)
+    base = 151643 if text_vocab_size >= 151643 + n_added else text_vocab_size - n_added
+    if base < 256:
+        raise ConversionError(str(folder), f"text_vocab_size {text_vocab_size} is too small")
+    if base == qwen_vocab.N_RANKS:
+        # The released vocabulary itself (fetched once through pip, cached): prompts tokenize
+        # exactly as with a real checkpoint, so prompt lengths and timings are the real ones.
+        qwen_vocab.write_vocab_files(folder)
+    else:
+        _write_synthetic_vocab(folder, base)
     added = {
         str(base + k): {
             "content": content,
@@ -610,9 +628,31 @@ def make_model(
     dtype: str | None = None,
     progress: bool = True,
     overrides: dict[str, dict[str, Any]] | None = None,
+    decoder_dtype: str = "f32",
+    keep_checkpoint: bool = False,
 ) -> ConversionReport:
-    """Write the checkpoint and convert it to ``OUT_DIR/model.gguf`` (f16 full, f32 tiny)."""
-    folder = make_checkpoint(out_dir, size, seed, variant, overrides, progress)
+    """Convert a synthetic checkpoint to ``OUT_DIR/model.gguf`` (talker f16 at released size,
+    f32 tiny; decoder ``decoder_dtype``).
+
+    Serving needs the GGUF alone; the HF-layout checkpoint it is converted from (as large
+    again) stays in ``OUT_DIR`` only with ``keep_checkpoint``, else it is written to a
+    temporary folder inside ``OUT_DIR`` and removed.
+    """
     if dtype is None:
         dtype = "f32" if size == "tiny" else "f16"
-    return convert(folder, folder / "model.gguf", dtype=dtype, progress=progress)
+    out = Path(out_dir)
+    if keep_checkpoint:
+        folder = make_checkpoint(out, size, seed, variant, overrides, progress)
+        return convert(folder, folder / "model.gguf", dtype=dtype, progress=progress,
+                       decoder_dtype=decoder_dtype)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=".checkpoint-", dir=out))
+    except OSError as exc:
+        raise ConversionError(str(out), f"cannot create ({exc.strerror or exc})") from None
+    try:
+        make_checkpoint(scratch, size, seed, variant, overrides, progress)
+        return convert(scratch, out / "model.gguf", dtype=dtype, progress=progress,
+                       decoder_dtype=decoder_dtype)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from service.audio import CONTENT_TYPES
+from service.audio import CONTENT_TYPES, stream_wanted
 from service.openapi import ERRORS_GET_API, ERRORS_SYNTH
 from service.routes.context import request_context
 from service.schemas import SpeechRequest
@@ -57,7 +57,8 @@ async def speech(body: SpeechRequest, request: Request, st: StateDep) -> Respons
     inp = SynthesisInput(
         route="/v1/audio/speech", request_id=rid, arrival=arrival, text=body.input,
         text_field="input", codes=body.codes, voice=body.voice_name, language=body.language,
-        instruct=body.instructions, fmt=body.response_format, stream=body.stream,
+        instruct=body.instructions, fmt=body.response_format,
+        stream=stream_wanted(body.response_format, body.stream, "stream" in body.model_fields_set),
         sse=body.stream_format == "sse", speed=body.speed, max_seconds=body.max_seconds,
         sampling=body, instruct_field="instructions",
     )

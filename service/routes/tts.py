@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
-from service.audio import CONTENT_TYPES
+from service.audio import CONTENT_TYPES, stream_wanted
 from service.openapi import ERRORS_SYNTH
 from service.routes.context import request_context
 from service.schemas import TTSRequest
@@ -31,7 +31,9 @@ async def tts(body: TTSRequest, request: Request,
     inp = SynthesisInput(
         route="/tts", request_id=rid, arrival=arrival, text=body.text, text_field="text",
         codes=body.codes, voice=body.voice, language=body.language, instruct=body.instruct,
-        fmt=body.format, stream=body.stream, sse=False, speed=body.speed,
+        fmt=body.format,
+        stream=stream_wanted(body.format, body.stream, "stream" in body.model_fields_set),
+        sse=False, speed=body.speed,
         max_seconds=body.max_seconds, sampling=body, text_mode=body.text_mode,
     )
     return SynthesisResponse(st, validate(st, inp))

@@ -46,7 +46,7 @@ def load_yaml_all(path: Path) -> list[Any]:
 
 def _missing(what: str, installable: bool) -> None:
     msg = f"{what} not found: {INSTALL_HINT}"
-    if installable or os.environ.get("CI"):
+    if installable or os.environ.get("CI") or os.environ.get("QTTS_STRICT_SKIPS", "0") != "0":
         pytest.fail(msg)
     print(f"\n*** DEPLOY TEST SKIPPED: {msg} ***", file=sys.stderr)
     pytest.skip(f"*** {msg} (cannot be installed on this machine) ***")

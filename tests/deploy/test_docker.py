@@ -118,7 +118,7 @@ def test_multi_stage_non_root_healthcheck_labels() -> None:
     args = {a.split("=")[0]: a.split("=", 1)[1] for i, a in runtime_all
             if i == "ARG" and "=" in a}
     assert args["VERSION"] == project["version"]
-    assert f'licenses="{project["license"]["text"]}"' in labels
+    assert f'licenses="{project["license"]}"' in labels  # an SPDX expression
 
 
 def _makefile_recipes() -> dict[str, list[str]]:
@@ -371,12 +371,12 @@ def test_entrypoint_makes_the_synthetic_default_once(tmp_path: Path) -> None:
     env = {"QTTS_MODELS_DIR": str(tmp_path), "QTTS_SYNTHETIC_SIZE": "tiny"}
     p = _entrypoint(env, *_print_model())
     assert p.returncode == 0, p.stderr
-    model = tmp_path / "synthetic-tiny-f32-seed0" / "model.gguf"
+    model = tmp_path / "synthetic-tiny-f32-seed0-v2" / "model.gguf"
     assert p.stdout == str(model)
     assert model.read_bytes()[:4] == b"GGUF"
     assert "NOISE, not speech" in p.stderr
     # only the GGUF is kept, no temporary folder is left
-    assert sorted(x.name for x in tmp_path.iterdir()) == ["synthetic-tiny-f32-seed0"]
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["synthetic-tiny-f32-seed0-v2"]
     assert [x.name for x in model.parent.iterdir()] == ["model.gguf"]
     mtime = model.stat().st_mtime_ns
     p = _entrypoint(env, *_print_model())
@@ -389,7 +389,7 @@ def test_entrypoint_falls_back_to_the_cache_when_models_is_read_only(tmp_path: P
            "QTTS_CACHE_DIR": str(tmp_path / "cache")}
     p = _entrypoint(env, *_print_model())
     assert p.returncode == 0, p.stderr
-    assert p.stdout == str(tmp_path / "cache" / "models" / "synthetic-tiny-f32-seed0" /
+    assert p.stdout == str(tmp_path / "cache" / "models" / "synthetic-tiny-f32-seed0-v2" /
                            "model.gguf")
 
 

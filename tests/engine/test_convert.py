@@ -76,7 +76,7 @@ def source_tensor(folder: Path, spec: Any) -> np.ndarray:
 @pytest.mark.parametrize("dtype", list(DTYPES))
 def test_round_trip_every_tensor(tiny_model_dir: Path, tmp_path: Path, dtype: str) -> None:
     out = tmp_path / f"model-{dtype}.gguf"
-    report = convert(tiny_model_dir, out, dtype=dtype, progress=False)
+    report = convert(tiny_model_dir, out, dtype=dtype, progress=False, decoder_dtype=dtype)
     want = DTYPES[dtype]
     with open_model(out) as m:
         assert m.decoder_config is not None
@@ -111,6 +111,26 @@ def test_round_trip_every_tensor(tiny_model_dir: Path, tmp_path: Path, dtype: st
         assert any("fall" in line or "kept at F16" in line for line in report.summary_lines())
     else:
         assert not report.fallbacks
+
+
+def test_decoder_weights_stay_f32_unless_asked(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The default keeps decoder weights exact whatever the talker's type; another decoder
+    type is allowed but the report says what it costs."""
+    out = tmp_path / "default.gguf"
+    report = convert(tiny_model_dir, out, dtype="bf16", progress=False)
+    with open_model(out) as m:
+        assert m.decoder_config is not None and m.talker_config is not None
+        for s in decoder_tensor_specs(m.decoder_config):
+            assert m.tensor_info(s.name).ggml_type == GGML_F32, s.name
+        talk = talker_tensor_specs(m.talker_config, m.code_predictor_config)
+        assert any(m.tensor_info(s.name).ggml_type == DTYPES["bf16"] for s in talk)
+    assert not any("decoder weights" in line for line in report.summary_lines())
+    report = convert(tiny_model_dir, tmp_path / "bf16.gguf", dtype="bf16", progress=False,
+                     decoder_dtype="bf16")
+    assert any("decoder weights stored BF16: waveform SNR ~30 dB" in line
+               for line in report.summary_lines())
+    with pytest.raises(ConversionError, match="--decoder-dtype"):
+        convert(tiny_model_dir, tmp_path / "x.gguf", decoder_dtype="f8", progress=False)
 
 
 def test_conversion_streams_in_chunks(
@@ -239,7 +259,8 @@ def test_cli_convert(
     tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "cli.gguf"
-    code = main(["convert", str(tiny_model_dir), str(out), "--dtype", "q8_0", "--no-progress"])
+    code = main(["convert", str(tiny_model_dir), str(out), "--dtype", "q8_0", "--decoder-dtype",
+                 "q8_0", "--no-progress"])
     err = capsys.readouterr().err
     assert code == 0, err
     assert "kept at F16 instead of Q8_0" in err and "wrote" in err and "synthetic" in err

@@ -90,11 +90,15 @@ def test_tiny_layout_and_weights(tiny_model_dir: Path) -> None:
 
 
 def test_deterministic_and_seeded(tmp_path: Path) -> None:
-    a = make_model(tmp_path / "a", "tiny", seed=7, progress=False)
-    b = make_model(tmp_path / "b", "tiny", seed=7, progress=False)
+    a = make_model(tmp_path / "a", "tiny", seed=7, progress=False, keep_checkpoint=True)
+    b = make_model(tmp_path / "b", "tiny", seed=7, progress=False, keep_checkpoint=True)
     c = make_model(tmp_path / "c", "tiny", seed=8, progress=False)
-    assert a.out_path.read_bytes() == b.out_path.read_bytes()
+    d = make_model(tmp_path / "d", "tiny", seed=7, progress=False)  # checkpoint not kept
+    assert a.out_path.read_bytes() == b.out_path.read_bytes() == d.out_path.read_bytes()
     assert a.out_path.read_bytes() != c.out_path.read_bytes()
+    # by default the folder keeps only what serving reads
+    assert [p.name for p in (tmp_path / "d").iterdir()] == ["model.gguf"]
+    assert (tmp_path / "a" / "model.safetensors").is_file()
     for rel in ("model.safetensors", "speech_tokenizer/model.safetensors", "vocab.json"):
         assert (tmp_path / "a" / rel).read_bytes() == (tmp_path / "b" / rel).read_bytes()
 
@@ -105,6 +109,7 @@ def test_dtype_option_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     err = capsys.readouterr().err
     assert code == 0, err
     assert "synthetic" in err
+    assert [p.name for p in (tmp_path / "m").iterdir()] == ["model.gguf"]
     with open_model(tmp_path / "m" / "model.gguf") as m:
         assert m.synthetic
         assert m.tensor_info("talk.blk.0.ffn_up.weight").ggml_type == 2  # Q4_0
@@ -216,7 +221,7 @@ def test_full_model(qtts_cache_dir: Path) -> None:
     """Makes (once, cached) the released-size synthetic model at f16 and validates it."""
     if not os.environ.get("QTTS_RUN_SLOW"):
         pytest.skip("set QTTS_RUN_SLOW=1 to build the 2.5 GB full-size synthetic model")
-    folder = qtts_cache_dir / "models" / "synthetic-full-f16-seed0"
+    folder = qtts_cache_dir / "models" / "synthetic-full-f16-seed0-v2"
     if not (folder / "model.gguf").is_file():
         make_model(folder, "full", seed=0, dtype="f16", progress=False)
     with open_model(folder / "model.gguf") as m:

@@ -191,6 +191,8 @@ def test_cli_synth_and_voices(tiny_gguf: Path, tmp_path: Path,
     assert np.load(npy).shape == (16, 3)
     err = capsys.readouterr().err
     assert "3 frames" in err and "truncated_no_eos" in err and "warning" in err
+    # the tiny model is synthetic: no advice to raise a budget it would fill with noise
+    assert "random weights" in err and "raise --max-frames" not in err
     assert main(["synth", "x", "--model", str(tiny_gguf), "--voice", "bob", "-o", str(wav)]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("qtts: voice: unknown voice 'bob'; choose one of: aiden")

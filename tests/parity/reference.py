@@ -277,6 +277,15 @@ _RES_CONV2_GAIN = 0.3
 _TCONV_GAIN = 0.7
 _OUT_CONV_GAIN = 0.25
 
+#: Weight recipes. ``default``: the gains above (residual branches moderate, snake near identity).
+#: ``stress``: every stage O(1), as trained weights are: layer scales U(0.2, 0.6), snake
+#: log-alpha/beta ~ N(0, 0.3), conv weights N(0, gain^2 / fan_in) with gain 1 except the residual
+#: units' second conv (0.3) and the final conv (0.1), codebooks N(0, 1) with zero-usage ids.
+#: Fast-mode precision is measured on it (its rounding errors are amplified, not damped).
+RECIPES = ("default", "stress")
+_STRESS_SNAKE_STD = 0.3
+_STRESS_OUT_CONV_GAIN = 0.1
+
 
 def _gen(seed: int, name: str) -> Any:
     """A torch generator seeded from (seed, tensor name): order-independent and stable."""
@@ -289,9 +298,11 @@ def _normal(shape: tuple[int, ...], std: float, g: Any, mean: float = 0.0) -> An
     return torch.randn(shape, generator=g, dtype=torch.float32) * std + mean
 
 
-def _decoder_tensor(name: str, shape: tuple[int, ...], cfg: dict[str, Any], g: Any) -> Any:
+def _decoder_tensor(name: str, shape: tuple[int, ...], cfg: dict[str, Any], g: Any,
+                    recipe: str = "default") -> Any:
     """Value of decoder tensor ``name`` (relative to ``decoder.``) under the fixture recipe."""
     torch = import_reference().torch
+    stress = recipe == "stress"
     n_rest = cfg["num_quantizers"] - 1
     leaf = name.rsplit(".", 1)[-1]
 
@@ -305,7 +316,9 @@ def _decoder_tensor(name: str, shape: tuple[int, ...], cfg: dict[str, Any], g: A
         # including the clamped rows (a port that divides by 0 or by the raw usage is off).
         raise AssertionError("embedding_sum is built together with its cluster_usage")
     if leaf in ("alpha", "beta"):  # SnakeBeta log-parameters
-        return _normal(shape, 0.1, g)
+        return _normal(shape, _STRESS_SNAKE_STD if stress else 0.1, g)
+    if stress and leaf in ("scale", "gamma"):  # LayerScale, ConvNeXt scale
+        return torch.rand(shape, generator=g, dtype=torch.float32) * 0.4 + 0.2
     if leaf == "scale":  # LayerScale
         return _normal(shape, 0.1, g, mean=0.5)
     if leaf == "gamma":  # ConvNeXt scale
@@ -324,7 +337,7 @@ def _decoder_tensor(name: str, shape: tuple[int, ...], cfg: dict[str, Any], g: A
     if transposed:  # ConvTranspose1d [in, out, k]; an output sees in * k/stride taps
         c_in, _, k = shape
         stride = k if name.startswith("upsample.") else k // 2
-        gain = _TCONV_GAIN if name.startswith("decoder.") else 1.0
+        gain = _TCONV_GAIN if name.startswith("decoder.") and not stress else 1.0
         return _normal(shape, gain * (c_in * k / stride) ** -0.5, g)
     if name.endswith("output_proj.weight") and name.startswith("quantizer."):
         fan_in = shape[1] * (n_rest if "rvq_rest" in name else 1)
@@ -334,7 +347,7 @@ def _decoder_tensor(name: str, shape: tuple[int, ...], cfg: dict[str, Any], g: A
         if name.endswith(".conv2.conv.weight"):
             gain = _RES_CONV2_GAIN
         elif name == f"decoder.{len(cfg['upsample_rates']) + 2}.conv.weight":
-            gain = _OUT_CONV_GAIN
+            gain = _STRESS_OUT_CONV_GAIN if stress else _OUT_CONV_GAIN
         return _normal(shape, gain * (shape[1] * shape[2]) ** -0.5, g)
     if len(shape) == 2:  # Linear [out, in]
         return _normal(shape, shape[1] ** -0.5, g)
@@ -356,7 +369,7 @@ def _encoder_tensor(name: str, shape: tuple[int, ...], g: Any) -> Any:
     return torch.zeros(shape)
 
 
-def _fill_weights(model: Any, cfg: dict[str, Any], seed: int) -> None:
+def _fill_weights(model: Any, cfg: dict[str, Any], seed: int, recipe: str = "default") -> None:
     """Overwrite every float tensor of the state dict with the seeded recipe."""
     torch = import_reference().torch
     state = model.state_dict()
@@ -370,7 +383,7 @@ def _fill_weights(model: Any, cfg: dict[str, Any], seed: int) -> None:
                 rel = name[len("decoder.") :]
                 if rel.endswith("embedding_sum"):
                     continue
-                value = _decoder_tensor(rel, shape, cfg, g)
+                value = _decoder_tensor(rel, shape, cfg, g, recipe)
             else:
                 value = _encoder_tensor(name, shape, g)
             t.copy_(value)
@@ -397,12 +410,32 @@ def default_cache_dir() -> Path:
     return Path(base).expanduser() / "fixtures"
 
 
-def fixture_key(size: str, seed: int) -> str:
+def reference_versions() -> str:
+    """The versions that make the reference's outputs: part of every cache key, so upgrading
+    qwen-tts, transformers or torch rebuilds the cached fixtures and their outputs."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    parts = []
+    for dist, tag in (("qwen-tts", "qt"), ("transformers", "tf"), ("torch", "pt")):
+        try:
+            parts.append(f"{tag}{version(dist)}")
+        except PackageNotFoundError:
+            parts.append(f"{tag}none")
+    return "-".join(parts).replace("+", "_")
+
+
+def fixture_key(size: str, seed: int, recipe: str = "default") -> str:
     """Cache key of a reference tokenizer fixture."""
-    return f"ref-tokenizer-{size}-seed{seed}-v{GENERATOR_VERSION}"
+    tag = "" if recipe == "default" else f"-{recipe}"
+    return f"ref-tokenizer-{size}{tag}-seed{seed}-v{GENERATOR_VERSION}-{reference_versions()}"
 
 
-def build_reference_model(size: str, seed: int) -> Any:
+def _check_recipe(recipe: str) -> None:
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown weight recipe {recipe!r}; expected one of {RECIPES}")
+
+
+def build_reference_model(size: str, seed: int, recipe: str = "default") -> Any:
     """Instantiate ``Qwen3TTSTokenizerV2Model`` for ``size`` with the seeded fixture weights.
 
     Deterministic for a given (size, seed): every tensor is drawn from a generator seeded by
@@ -412,11 +445,13 @@ def build_reference_model(size: str, seed: int) -> Any:
     config = ref.Qwen3TTSTokenizerV2Config(**tokenizer_config(size))
     with ref.no_init_weights():
         model = ref.Qwen3TTSTokenizerV2Model(config)
-    _fill_weights(model, decoder_config(size), seed)
+    _check_recipe(recipe)
+    _fill_weights(model, decoder_config(size), seed, recipe)
     return model.eval()
 
 
-def make_reference_tokenizer_dir(out_dir: str | os.PathLike[str], size: str, seed: int) -> Path:
+def make_reference_tokenizer_dir(out_dir: str | os.PathLike[str], size: str, seed: int,
+                                 recipe: str = "default") -> Path:
     """Build (or reuse) a random-weight ``speech_tokenizer/`` folder and return its path.
 
     Layout: ``out_dir/<fixture_key>/speech_tokenizer/{config.json, model.safetensors,
@@ -427,17 +462,19 @@ def make_reference_tokenizer_dir(out_dir: str | os.PathLike[str], size: str, see
     """
     if size not in SIZES:
         raise ValueError(f"unknown fixture size {size!r}; expected one of {SIZES}")
-    root = Path(out_dir) / fixture_key(size, seed)
+    _check_recipe(recipe)
+    key = fixture_key(size, seed, recipe)
+    root = Path(out_dir) / key
     target = root / "speech_tokenizer"
     if (target / "model.safetensors").is_file():
         return target
     ref = import_reference()
     Path(out_dir).mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{fixture_key(size, seed)}.", dir=out_dir))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=out_dir))
     tmp.chmod(0o755)
     try:
         st = tmp / "speech_tokenizer"
-        model = build_reference_model(size, seed)
+        model = build_reference_model(size, seed, recipe)
         model.save_pretrained(st, safe_serialization=True)
         fe = ref.EncodecFeatureExtractor(
             feature_size=1, sampling_rate=SAMPLE_RATE, padding_value=0.0, return_attention_mask=True
@@ -446,6 +483,7 @@ def make_reference_tokenizer_dir(out_dir: str | os.PathLike[str], size: str, see
         meta = {
             "size": size,
             "seed": seed,
+            "recipe": recipe,
             "generator_version": GENERATOR_VERSION,
             "zero_usage_ids": list(ZERO_USAGE_IDS),
             "tiny_usage_ids": list(TINY_USAGE_IDS),

@@ -231,7 +231,9 @@ def _bias_eos(model: Any, base: dict[str, np.ndarray], step: int) -> None:
 
 def fixture_key(seed: int) -> str:
     """Cache key of the talker fixture."""
-    return f"ref-talker-tiny-seed{seed}-v{TALKER_GENERATOR_VERSION}"
+    from tests.parity.reference import reference_versions
+
+    return f"ref-talker-tiny-seed{seed}-v{TALKER_GENERATOR_VERSION}-{reference_versions()}"
 
 
 def _save(model: Any, folder: Path, root_files: Path, gen: dict[str, Any], st_dir: Path) -> None:

@@ -67,7 +67,7 @@ class Case:
     def model(self, dtype: str) -> Any:
         if dtype not in self._gguf:
             out = self.tmp / f"{self.size}-{dtype}.gguf"
-            convert(self.dir, out, dtype=dtype, progress=False)
+            convert(self.dir, out, dtype=dtype, decoder_dtype=dtype, progress=False)
             self._gguf[dtype] = open_model(out)
         return self._gguf[dtype]
 
@@ -126,6 +126,7 @@ def test_stock_ops_match(case: Case, max_rows: str) -> None:
     assert np.abs(wav - case.wav).max() <= 1e-4
 
 
+@pytest.mark.consistency
 @pytest.mark.parametrize("chunking", ["1", "2", "3", "5", "8", "random"])
 def test_streaming_equals_offline(case: Case, chunking: str) -> None:
     dec = case.decoder("f32", "exact")
@@ -151,6 +152,7 @@ def test_prefix_is_causal(case: Case) -> None:
     assert np.abs(head - case.wav[: k * 1920]).max() <= 1e-4
 
 
+@pytest.mark.consistency
 def test_reset_starts_a_new_utterance(case: Case) -> None:
     dec = case.decoder("f32", "exact")
     sd = StreamingDecoder(dec)

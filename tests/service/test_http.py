@@ -57,11 +57,9 @@ def test_streaming_is_real(server: Server) -> None:
             arrivals.append((time.monotonic() - t0, len(piece)))
     total = sum(b for _, b in arrivals)
     assert total == n * FRAME_SAMPLES * 2
-    first_t, first_b = arrivals[0]
-    end_t = arrivals[-1][0]
-    # the first frame (1 of 400) is out long before synthesis ends, as its own small chunk
-    assert first_b < total / 4
-    assert first_t < 0.25 * end_t, arrivals[:5]
+    # the first frame (1 of 400) is out as its own small chunk, the rest in many more (how
+    # early it comes is a speed claim: bench/ measures time to first audio)
+    assert arrivals[0][1] < total / 4
     assert len(arrivals) >= 5
 
 
@@ -205,9 +203,7 @@ def test_text_errors_from_the_pipeline_name_the_field(server: Server) -> None:
     # this tiny CustomVoice model does not honour instructions: the worker's pipeline says so
     r = httpx.post(server.url + "/tts", json={"text": "hi", "voice": "ryan", "instruct": "whisper"},
                    timeout=60)
-    if r.status_code == 200:
-        pytest.skip("this model honours instruct")
-    assert r.status_code == 400
+    assert r.status_code == 400, "this CustomVoice model must refuse instruct"
     assert r.json()["error"]["field"] == "instruct"
 
 
@@ -216,7 +212,6 @@ BAD = [
     ("/tts", {}, 400, "text", "empty"),
     ("/tts", {"text": "   "}, 400, "text", "empty"),
     ("/tts", {"text": "x" * 5000}, 400, "text", "limit is 4096"),
-    ("/tts", {"text": "hello"}, 422, "text", "send codes"),
     ("/tts", {"text": "hi", "voice": "nobody"}, 400, "voice", "ryan"),
     ("/tts", {"text": "hi", "language": "klingon"}, 400, "language", "english"),
     ("/tts", {"text": "hi", "format": "ogg"}, 400, "format", "wav"),
@@ -247,8 +242,6 @@ BAD = [
 @pytest.mark.parametrize(("route", "body", "status", "field", "fragment"), BAD)
 def test_bad_input_is_a_4xx_naming_the_field(server: Server, route: str, body: dict,
                                             status: int, field: str, fragment: str) -> None:
-    if status == 422 and httpx.get(server.url + "/v1/models").json()["data"][0]["text"]:
-        pytest.skip("this engine has a text pipeline: text is valid input now")
     r = httpx.post(server.url + route, json=body, timeout=10)
     assert r.status_code == status, r.text
     err = r.json()["error"]
@@ -302,9 +295,8 @@ def test_disconnect_mid_stream_frees_the_worker(server: Server, kind: str) -> No
             arrivals.append(time.monotonic())
         assert metric(server.metrics(), "qtts_requests_running") >= 1
     t_close = time.monotonic()
-    chunk_time = max(b - a for a, b in zip(arrivals[-3:], arrivals[-2:], strict=False))
     freed = None
-    while time.monotonic() - t_close < 5:
+    while time.monotonic() - t_close < 60:  # a bound for a hang, not a speed claim
         ms = server.metrics()
         if (metric(ms, "qtts_requests_running") == 0
                 and metric(ms, "qtts_requests_total", route="/tts", outcome="client_gone")
@@ -313,56 +305,75 @@ def test_disconnect_mid_stream_frees_the_worker(server: Server, kind: str) -> No
             break
         time.sleep(0.02)
     assert freed is not None, "the worker still runs the abandoned request"
-    # freed within about one decoder chunk (8 frames; the longest push), with polling slack
-    assert freed < max(1.0, 3 * chunk_time), (freed, chunk_time)
     assert all(w["state"] == "idle" for w in server.workers())
 
 
 def test_metrics_after_requests(server: Server) -> None:
-    """The metrics move with this test's own traffic (the tests run in any order)."""
+    """Counters move by exactly this test's own traffic (the tests run in any order)."""
     before = server.metrics()
-
-    def delta(ms: dict[str, float], name: str, **labels: str) -> float:
-        return metric(ms, name, **labels) - metric(before, name, **labels)
-
-    n = 10
-    for i in range(n):  # 13 frames = 1.04 s of audio each
-        r = httpx.post(server.url + "/tts", json={"codes": codes(13, seed=i), "format": "mp3"},
-                       timeout=60)
+    ok0 = metric(before, "qtts_requests_total", route="/tts", outcome="ok")
+    rej0 = metric(before, "qtts_requests_total", route="/tts", outcome="rejected")
+    inv0 = metric(before, "qtts_rejections_total", reason="invalid")
+    audio0 = metric(before, "qtts_audio_seconds_total")
+    counts0 = {h: metric(before, h + "_count") for h in HISTOGRAMS}
+    for fmt in ("mp3", "pcm"):  # every histogram gets observations of its own
+        r = httpx.post(server.url + "/tts", json={"codes": codes(12), "format": fmt}, timeout=60)
         assert r.status_code == 200
-        bad = httpx.post(server.url + "/tts", json={"text": "hi", "format": "ogg"}, timeout=10)
-        assert bad.status_code == 400
-    if _text_ready(server):
-        r = httpx.post(server.url + "/tts", timeout=60, json={
-            "text": "Hi.", "voice": "ryan", "format": "pcm", "seed": 1, "max_seconds": 0.5})
+    for _ in range(3):
+        assert httpx.post(server.url + "/tts", json={"text": ""}, timeout=10).status_code == 400
+    oks, served, audio = 2, 2, 24 * FRAME_S  # ok outcomes, 200 responses, audio seconds
+    text = _text_ready(server)
+    if text:  # random weights rarely end by themselves: often "truncated" at max_seconds
+        r = httpx.post(server.url + "/tts", timeout=60, headers={"X-Request-Id": "metrics-text"},
+                       json={"text": "Hi.", "voice": "ryan", "format": "pcm", "seed": 1,
+                             "max_seconds": 0.5})
         assert r.status_code == 200
-    ok = metric(before, "qtts_requests_total", route="/tts", outcome="ok") + n
-    ms = wait_metric(server, "qtts_requests_total", ok, route="/tts", outcome="ok")
+        served, audio = 3, audio + len(r.content) / 2 / 24000
+        line = wait_log_line(server, "metrics-text")
+        oks += line["outcome"] == "ok"
+    ms = wait_metric(server, "qtts_request_duration_seconds_count",
+                     counts0["qtts_request_duration_seconds"] + served)
     assert metric(ms, "qtts_workers_alive") == 2
     assert metric(ms, "qtts_capacity") == 2  # the autoscaler's denominator: 2 workers x 1
     assert metric(ms, "qtts_requests_waiting") == 0
     assert metric(ms, "qtts_requests_running") == 0
-    assert delta(ms, "qtts_requests_total", route="/tts", outcome="ok") >= n
-    assert delta(ms, "qtts_requests_total", route="/tts", outcome="rejected") >= n
-    assert delta(ms, "qtts_audio_seconds_total") > n
+    assert metric(ms, "qtts_requests_total", route="/tts", outcome="ok") == ok0 + oks
+    assert metric(ms, "qtts_requests_total", route="/tts", outcome="rejected") == rej0 + 3
+    assert metric(ms, "qtts_rejections_total", reason="invalid") == inv0 + 3
+    assert metric(ms, "qtts_audio_seconds_total") - audio0 == pytest.approx(audio, abs=1e-3)
     assert metric(ms, "qtts_worker_restarts_total") == 0
-    assert metric(ms, "qtts_stream_gaps_total") >= 0
+    # the gap counter is the sum of the gaps the request log lines report
+    gaps = sum(rec["stream_gaps"] for rec in server.request_lines() if "stream_gaps" in rec)
+    assert metric(ms, "qtts_stream_gaps_total") == gaps
     assert metric(ms, "qtts_build_info", version="0.1.0", backend="cpu", model="qtts") == 1
     for stage in ("quant", "preconv", "pretr", "upsample", "bigvgan", "encode"):
         assert metric(ms, "qtts_stage_seconds_count", stage=stage) > 0, stage
         assert metric(ms, "qtts_stage_seconds_sum", stage=stage) > 0, stage
-    if _text_ready(server):  # a text request ran above
+    if text:  # the text request above
         for stage in ("prefill", "talker_step", "code_predictor"):
             assert metric(ms, "qtts_stage_seconds_count", stage=stage) > 0
-    for h in ("qtts_time_to_first_audio_seconds", "qtts_request_queue_seconds",
-              "qtts_request_duration_seconds", "qtts_rtf"):
-        count, total = metric(ms, h + "_count"), metric(ms, h + "_sum")
-        assert count > 0 and total >= 0, h
-    # tiny model on one thread: faster than real time, first audio well under a second
-    assert 0 < metric(ms, "qtts_rtf_sum") / metric(ms, "qtts_rtf_count") < 1.0
-    assert (metric(ms, "qtts_time_to_first_audio_seconds_sum")
-            / metric(ms, "qtts_time_to_first_audio_seconds_count")) < 1.0
-    assert delta(ms, "qtts_rejections_total", reason="invalid") >= n
+    for h in HISTOGRAMS:
+        assert metric(ms, h + "_count") == counts0[h] + served, h
+        assert metric(ms, h + "_sum") > 0, h
+        # the +Inf bucket holds every observation
+        assert metric(ms, h + "_bucket", le="+Inf") == metric(ms, h + "_count"), h
+    assert (metric(ms, "qtts_request_queue_seconds_sum")
+            <= metric(ms, "qtts_request_duration_seconds_sum"))
+
+
+def wait_log_line(server: Server, rid: str) -> dict:
+    """The request's log line (written just after its last byte)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        lines = [rec for rec in server.request_lines() if rec.get("id") == rid]
+        if lines:
+            return lines[0]
+        time.sleep(0.05)
+    raise AssertionError(f"no request log line for {rid}")
+
+
+HISTOGRAMS = ("qtts_time_to_first_audio_seconds", "qtts_request_queue_seconds",
+              "qtts_request_duration_seconds", "qtts_rtf")
 
 
 def test_one_structured_log_line_per_request(server: Server) -> None:

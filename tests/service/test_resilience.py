@@ -37,6 +37,20 @@ def _wait_ready(server: Any, timeout: float = 30.0) -> None:
     raise AssertionError("server did not get ready again")
 
 
+def _wait_draining(server: Any, timeout: float = 30.0) -> None:
+    """Until the front end stops being ready (503 or its listener closed): the event that
+    SIGTERM was handled, instead of a sleep."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(server.url + "/readyz", timeout=2).status_code != 200:
+                return
+        except httpx.HTTPError:
+            return
+        time.sleep(0.02)
+    raise AssertionError("SIGTERM never made the server stop being ready")
+
+
 def test_overload_rejects_at_once_and_accepted_ones_complete(make_server: Any) -> None:
     server = make_server(workers=1, queue_size=1, retry_after_seconds=2)
     n = 300  # long enough that a running request outlasts any refusal, even on a busy machine
@@ -130,7 +144,7 @@ def test_sigterm_drains_in_flight_work(make_server: Any) -> None:
         body += next(it)
         # like systemd: SIGTERM to the whole process group, front end and workers alike
         os.killpg(server.proc.pid, signal.SIGTERM)
-        time.sleep(0.2)
+        _wait_draining(server)
         # no new work once draining: the listener is closed (or a 503 on a live connection)
         with pytest.raises(httpx.HTTPError):
             rr = httpx.post(server.url + "/tts", headers=auth,
@@ -179,7 +193,10 @@ def test_api_key(make_server: Any) -> None:
 def test_not_ready_before_warm_up_and_request_timeout(service_model: Any, tmp_path: Any) -> None:
     from tests.service.helpers import Server
 
-    server = Server(service_model, tmp_path, warmup_frames=64, request_timeout=0.3)
+    # a slow worker (0.1 s per chunk, service/faults.py) outlives the 0.3 s timeout on any
+    # hardware; 1000 frames alone might not
+    server = Server(service_model, tmp_path, warmup_frames=64, request_timeout=0.3,
+                    test_fault="sleep=0.1@chunk")
     try:
         seen: list[tuple[int, str]] = []
         deadline = time.monotonic() + 60

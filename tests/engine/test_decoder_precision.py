@@ -1,0 +1,85 @@
+"""Fast mode's per-layer precision: the default F32 set, the calibration and `qtts info`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cli.main import main
+from engine.backend import BackendSet
+from engine.decoder import DecoderModel, decode
+from engine.decoder.precision import (
+    bf16_layers,
+    calibrate,
+    calibration_codes,
+    default_f32,
+    promotion_order,
+)
+from engine.gguf_model import open_model
+
+
+@pytest.fixture(scope="module")
+def model(tiny_gguf: Path):  # type: ignore[no-untyped-def]
+    m = open_model(tiny_gguf)
+    yield m
+    m.close()
+
+
+def test_layer_sets(model) -> None:  # type: ignore[no-untyped-def]
+    every = bf16_layers(model)
+    assert len(every) == len(set(every)) == 4 + 1 + 4 * 7 + 1
+    default = default_f32(model)
+    assert default <= set(every) and "dec.conv_in" in default and "dec.blk.1.tconv" in default
+    promoted = [x for g in promotion_order(model) for x in g]
+    assert not set(promoted) & default and set(promoted) | default <= set(every)
+    assert promoted[0] == "dec.blk.1.res.0.conv1"  # earliest (most amplified) first
+    assert {f"dec.blk.{b}.tconv" for b in range(1, 5)} <= default
+
+
+def test_f32_layers_are_f32(model, cpu2: BackendSet) -> None:  # type: ignore[no-untyped-def]
+    """A promoted layer really runs in F32: with every layer promoted, fast equals exact."""
+    codes = calibration_codes(model, 6)
+    exact = DecoderModel.load(model, cpu2, "exact")
+    everything = DecoderModel.load(model, cpu2, "fast", f32_layers=frozenset(bf16_layers(model)))
+    bf16 = DecoderModel.load(model, cpu2, "fast", f32_layers=frozenset())
+    try:
+        a, _ = decode(exact, codes)
+        b, _ = decode(everything, codes)
+        c, _ = decode(bf16, codes)
+    finally:
+        for m in (exact, everything, bf16):
+            m.close()
+    assert np.abs(a - b).max() <= 1e-5
+    assert np.abs(a - c).max() > 1e-4
+
+
+def test_calibration(model, cpu2: BackendSet) -> None:  # type: ignore[no-untyped-def]
+    easy = calibrate(model, cpu2, target_db=10.0, frames=6)
+    assert easy.met and easy.steps == 0 and easy.f32_layers == default_f32(model)
+    assert 5 < easy.snr_db < 150  # the make-model decoder clips most samples: a low SNR
+    hard = calibrate(model, cpu2, target_db=500.0, frames=6, max_steps=2)
+    assert not hard.met and hard.steps == 2 and hard.f32_layers > easy.f32_layers
+    assert hard.snr_db > easy.snr_db
+    assert "NOT" not in easy.summary() and f"{easy.snr_db:.1f} dB" in easy.summary()
+
+
+def test_load_with_calibration(model, cpu2: BackendSet) -> None:  # type: ignore[no-untyped-def]
+    dec = DecoderModel.load(model, cpu2, "fast", calibrate_db=10.0)
+    try:
+        assert dec.calibration is not None and dec.calibration.met
+        assert dec.weights.f32_layers == dec.calibration.f32_layers
+    finally:
+        dec.close()
+    dec = DecoderModel.load(model, cpu2, "exact", calibrate_db=10.0)
+    assert dec.calibration is None  # nothing to calibrate: exact is all F32
+    dec.close()
+
+
+def test_info_reports_the_measured_snr(tiny_gguf: Path, capsys: pytest.CaptureFixture[str]
+                                       ) -> None:
+    assert main(["info", "--model", str(tiny_gguf), "--target", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "decoder fast mode" in out and "dB against exact mode" in out and "met" in out
+    assert "layers kept in F32: 9 (9 by default)" in out

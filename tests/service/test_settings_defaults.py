@@ -1,0 +1,24 @@
+"""Out-of-the-box settings: how many threads a worker computes with."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from service.settings import Settings
+
+
+def test_one_worker_computes_on_every_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("QTTS_THREADS", raising=False)
+    cpus = len(os.sched_getaffinity(0))
+    assert Settings(workers=1).threads_for_workers() == cpus
+    assert Settings(workers=2).threads_for_workers() == max(1, cpus // 2)
+    assert Settings(workers=cpus + 1).threads_for_workers() == 1  # never below one
+
+
+def test_explicit_threads_win(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QTTS_THREADS", "3")
+    assert Settings(workers=1).threads_for_workers() == 3
+    assert Settings(workers=1, threads_per_worker=5).threads_for_workers() == 5
+    assert Settings(workers=1, threads_per_worker=5).worker_env()["QTTS_THREADS"] == "5"
