@@ -144,6 +144,24 @@ def _test_config(port: int) -> dict[str, Any]:
     return cfg  # type: ignore[no-any-return]
 
 
+def _realtime_utterance(url: str) -> None:
+    """One utterance over WS /v1/tts/realtime (traffic.py speaks HTTP only)."""
+    from websockets.sync.client import connect
+
+    with connect(url.replace("http://", "ws://") + "/v1/tts/realtime") as ws:
+        assert json.loads(ws.recv())["type"] == "session.started"
+        ws.send(json.dumps({"type": "session", "voice": "ryan", "seed": 1}))
+        assert json.loads(ws.recv())["type"] == "session.updated"
+        for word in ("Hello", " from", " the", " dashboard."):
+            ws.send(json.dumps({"type": "text", "text": word}))
+        ws.send(json.dumps({"type": "end"}))
+        while True:
+            msg = ws.recv(timeout=60)
+            if isinstance(msg, str) and json.loads(msg)["type"] in ("done", "error"):
+                assert json.loads(msg)["type"] == "done", msg
+                return
+
+
 @pytest.fixture(scope="module")
 def stack(tiny_gguf: Path, prometheus_bin: str, promtool: str,
           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
@@ -171,6 +189,7 @@ def stack(tiny_gguf: Path, prometheus_bin: str, promtool: str,
             capture_output=True, text=True, timeout=120,
         )
         assert p.returncode == 0, f"traffic.py failed:\n{p.stdout}{p.stderr}\n{server.log()}"
+        _realtime_utterance(server.url)  # the dashboard's realtime row
         traffic_end = time.time()
         bad = urllib.request.Request(server.url + "/tts", data=b'{"codes": [[1]]}',
                                      headers={"content-type": "application/json"})
