@@ -96,6 +96,11 @@ def timed_protocol(header_timeout: float) -> type[H11Protocol]:
     return TimedH11Protocol
 
 
+# between the drain deadline and cutting the connections still streaming: enough for the
+# sockets of finished responses to flush
+CUT_GRACE_SECONDS = 1
+
+
 class QttsServer(uvicorn.Server):
     """uvicorn's server with the drain of the module docstring."""
 
@@ -148,7 +153,8 @@ def make_server(app: Any, settings: Settings) -> QttsServer:
         app, host=settings.host, port=settings.port, log_config=None, access_log=False,
         lifespan="on", http=timed_protocol(settings.header_timeout),
         timeout_keep_alive=settings.keepalive_timeout,
-        # what is left once the drain is over: requests past the deadline are cut
-        timeout_graceful_shutdown=5,
+        # once the drain is over, requests past the deadline are cut: uvicorn cancels them
+        # after this grace (a stream at its deadline must not run on for seconds)
+        timeout_graceful_shutdown=CUT_GRACE_SECONDS,
     )
     return QttsServer(config, settings, app)
