@@ -59,7 +59,9 @@ def timed_protocol(header_timeout: float) -> type[H11Protocol]:
         def handle_events(self) -> None:
             cycle = self.cycle
             super().handle_events()
-            if self.cycle is not cycle:  # a request's headers are complete
+            # a request's headers are complete, or they were a WebSocket upgrade (the
+            # connection now belongs to the WebSocket protocol: no cycle, no response here)
+            if self.cycle is not cycle or self.transport.get_protocol() is not self:
                 self._disarm()
 
         def on_response_complete(self) -> None:

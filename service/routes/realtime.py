@@ -51,6 +51,7 @@ router = APIRouter()
 log = logging.getLogger("qtts.realtime")
 SUBPROTOCOL = "qtts.v1"
 CLOSE_RESTART = 1012  # the server is restarting: reconnect
+FLUSH_SECONDS = 5.0  # a closing session's last events, then its close frame, wait this long each
 _BEARER = "bearer."
 
 
@@ -95,27 +96,40 @@ class Session:
         self.utt: Utterance | None = None
         self.ticket: Ticket | None = None
         self.backlog: list[TextDelta | Control] = []  # text for the next utterance
-        self.out: asyncio.Queue[str | bytes | None] = asyncio.Queue()
-        self.out_bytes = 0
+        # events, audio (with the event that announces it: dropped together) and the end
+        self.out: asyncio.Queue[str | tuple[str | None, bytes] | None] = asyncio.Queue()
+        self.out_bytes = 0  # audio queued for the sender, not yet handed to the socket
         self.sample_rate = st.model.sample_rate
+        self.max_waiting = st.settings.realtime_max_buffered_seconds * self.sample_rate * 2
+        self.too_slow = False
         self.encoder: Encoder = make_encoder("pcm", self.sample_rate)
 
     # ---- output ------------------------------------------------------------------------------
     def emit(self, event: dict[str, Any]) -> None:
         self.out.put_nowait(json.dumps(event))
 
-    def emit_audio(self, pcm: bytes) -> None:
+    def emit_audio(self, pcm: bytes, event: dict[str, Any] | None = None) -> None:
+        # Judged when more audio arrives, on what still waits behind the socket: one chunk
+        # larger than the cap (16 frames are 1.28 s) is not a slow client, audio the sender
+        # could not hand to the socket since the last chunk is.
+        if self.out_bytes > self.max_waiting:
+            self.too_slow = True
         self.out_bytes += len(pcm)
-        self.out.put_nowait(pcm)
+        self.out.put_nowait((json.dumps(event) if event is not None else None, pcm))
 
     async def _sender(self) -> None:
         while True:
             item = await self.out.get()
             if item is None:
                 return
-            if isinstance(item, bytes):
-                await self.ws.send_bytes(item)
-                self.out_bytes -= len(item)
+            if isinstance(item, tuple):
+                # handed to the socket: uvicorn's send waits while its transport buffer is
+                # full, so what a client does not read piles up in self.out
+                announce, pcm = item
+                self.out_bytes -= len(pcm)
+                if announce is not None:
+                    await self.ws.send_text(announce)
+                await self.ws.send_bytes(pcm)
             else:
                 await self.ws.send_text(item)
 
@@ -168,7 +182,7 @@ class Session:
                         close = (0, "")
                         break
                     self._on_client(msg)
-                if self.out_bytes > s.realtime_max_buffered_seconds * self.sample_rate * 2:
+                if self.too_slow:
                     self._cancel()
                     while not self.out.empty():  # what the client did not read is dropped
                         self.out.get_nowait()
@@ -177,6 +191,8 @@ class Session:
                                "message": "the client did not read its audio: more than "
                                f"{s.realtime_max_buffered_seconds:g} s were waiting"})
                     close = (CLOSE_POLICY, "client reads too slowly")
+                    log.warning("realtime session closed: the client reads too slowly (more "
+                                "than %g s of audio waiting)", s.realtime_max_buffered_seconds)
                     break
         except ProtocolError as e:
             self.emit(e.event())
@@ -195,11 +211,14 @@ class Session:
         self.out.put_nowait(None)
         if close[0] and not sender.done():
             with contextlib.suppress(asyncio.TimeoutError, Exception):
-                await asyncio.wait_for(sender, 5.0)
+                await asyncio.wait_for(sender, FLUSH_SECONDS)
         sender.cancel()
         if close[0] and self.ws.client_state is WebSocketState.CONNECTED:
-            with contextlib.suppress(Exception):
-                await self.ws.close(code=close[0], reason=close[1])
+            # the close frame waits, like audio, for a client that does not read: bounded, so
+            # such a client cannot hold the session (then the socket just closes)
+            with contextlib.suppress(asyncio.TimeoutError, Exception):
+                await asyncio.wait_for(self.ws.close(code=close[0], reason=close[1]),
+                                       FLUSH_SECONDS)
 
     # ---- client messages -----------------------------------------------------------------------
     def _on_client(self, msg: dict[str, Any]) -> None:
@@ -303,12 +322,14 @@ class Session:
                 utt.samples += int(audio.shape[0])
                 utt.chunks += 1
                 self.st.metrics.observe_stages(timings, frames)
-                self.emit({"type": "audio", "id": utt.job_id, "seq": utt.chunks - 1,
-                           "frames": frames, "samples": int(audio.shape[0]),
-                           "timings_ms": {k: round(v * 1000, 2) for k, v in timings.items()}})
+                announce = {"type": "audio", "id": utt.job_id, "seq": utt.chunks - 1,
+                            "frames": frames, "samples": int(audio.shape[0]),
+                            "timings_ms": {k: round(v * 1000, 2) for k, v in timings.items()}}
                 data = self.encoder.encode(np.asarray(audio, dtype=np.float32))
                 if data:
-                    self.emit_audio(data)
+                    self.emit_audio(data, announce)
+                else:  # an encoder that holds the audio back (Ogg pages)
+                    self.emit(announce)
                 self.st.metrics.audio_seconds.inc(audio.shape[0] / self.sample_rate)
                 return
             case Done(finish=finish):

@@ -8,6 +8,7 @@ import asyncio
 import json
 import random
 import signal
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -267,6 +268,25 @@ def test_idle_session_is_closed(make_server: Any) -> None:
     assert code == 1000 and reason == "idle_timeout"
 
 
+def test_a_session_outlives_the_header_timeout(make_server: Any) -> None:
+    """QTTS_HEADER_TIMEOUT bounds an HTTP request's headers; a WebSocket's upgrade request is
+    complete, so the timer must not cut the session later (it used to, writing a 408 into
+    the WebSocket stream)."""
+    s: Server = make_server(header_timeout=1, shutdown_delay_seconds=0)
+
+    async def go() -> list[dict[str, Any]]:
+        async with connect(ws_url(s)) as ws:
+            await ws.recv()
+            await asyncio.sleep(2)  # the elapsed time is the point: past the header timeout
+            await send(ws, type="session", voice="ryan", seed=4)
+            await ws.recv()
+            await send(ws, type="text", text="Still here.")
+            await send(ws, type="end")
+            return (await collect(ws))[0]
+
+    assert run(go())[-1]["type"] == "done"
+
+
 def test_sigterm_lets_a_speaking_session_finish(make_server: Any) -> None:
     """Drain: an utterance in flight when SIGTERM arrives still takes text and ends with done;
     then the session closes 1012 (service restart) and the server exits."""
@@ -312,3 +332,76 @@ def test_opus_utterance_is_one_ogg_stream(rt_server: Server) -> None:
     seconds = events[-1]["usage"]["audio_seconds"]
     assert abs(decoded_seconds(audio, "opus") - seconds) < 0.1
 
+
+
+def test_a_client_that_stops_reading_is_cut_off(make_server: Any) -> None:
+    """Backpressure: a client that stops reading is not buffered without bound. Once the audio
+    waiting on the server passes QTTS_REALTIME_MAX_BUFFERED_SECONDS its utterance is cancelled;
+    when the client reads again it finds the audio sent before, a ``client_too_slow`` error
+    and the close 1008, and the worker is free for the next session.
+
+    The client's socket keeps a small receive buffer and no compression (the synthetic model's
+    clipped audio deflates ~6x), so what the kernel holds is the server's send buffer (up to
+    ``tcp_wmem``'s maximum): utterances are queued until the audio overflows it and the cap.
+    """
+    s: Server = make_server(realtime_max_buffered_seconds=1, realtime_max_chars=10**6,
+                               realtime_idle_seconds=5, shutdown_delay_seconds=0)
+    wmem_max = int(Path("/proc/sys/net/ipv4/tcp_wmem").read_text().split()[2])
+    text = "The quick brown fox jumps over the lazy dog, then rests in the sun. " * 30
+    cut = "client reads too slowly"
+
+    async def go() -> tuple[list[dict[str, Any]], int, int | None, str | None]:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", s.port))
+        async with connect(ws_url(s), sock=sock, max_queue=1, compression=None,
+                           max_size=None) as ws:
+            await ws.recv()
+            await send(ws, type="session", voice="ryan", start="immediate", seed=1)
+            await ws.recv()
+            # what the kernel can hold, in utterances of at least ~8 s of audio each
+            for _ in range(4 + wmem_max // (8 * 48000)):
+                await send(ws, type="text", text=text)
+                await send(ws, type="end")
+            # stop reading until the server cuts the session off (it logs it), or, were there
+            # no cap, the session ends on its idle timeout once every utterance is spoken
+            while cut not in s.log() and metric(s.metrics(), "qtts_realtime_sessions") > 0:
+                await asyncio.sleep(0.1)
+            assert cut in s.log()
+            # read again, with a window that drains the kernel's megabytes in well under the
+            # server's flush grace (a 4 KiB window crawls at one delayed ACK per segment)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+            events, audio = [], 0
+            with pytest.raises(ConnectionClosed):
+                async for msg in ws:
+                    if isinstance(msg, bytes):
+                        audio += len(msg)
+                    else:
+                        events.append(json.loads(msg))
+            return events, audio, ws.close_code, ws.close_reason
+
+    events, audio, code, reason = run(go())
+    assert (code, reason) == (1008, cut)
+    assert events[-1]["type"] == "error" and events[-1]["code"] == "client_too_slow"
+    # what was announced before the cut arrived whole: the dropped audio was never announced
+    announced = sum(e["samples"] for e in events if e["type"] == "audio")
+    assert audio == 2 * announced > 0
+    ms = s.metrics()
+    assert metric(ms, "qtts_realtime_sessions") == 0
+    assert metric(ms, "qtts_requests_running") == 0
+
+    async def again() -> tuple[list[dict[str, Any]], bytes]:
+        async with connect(ws_url(s)) as ws:
+            await ws.recv()
+            await send(ws, type="session", voice="ryan", start="immediate", seed=1)
+            await ws.recv()
+            await send(ws, type="text", text=text)
+            await send(ws, type="end")
+            return await collect(ws)
+
+    # the worker is free, and a client that reads is never cut, though one chunk of the ramp
+    # (16 frames, 1.28 s) is larger than the cap
+    events, pcm = run(again())
+    assert events[-1]["type"] == "done" and events[-1]["usage"]["outcome"] == "ok"
+    assert max(e["frames"] for e in events if e["type"] == "audio") == 16
+    assert len(pcm) == 2 * 1920 * events[-1]["usage"]["frames"]
