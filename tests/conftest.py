@@ -94,3 +94,21 @@ def native_ops() -> object:
     if ops is None:
         pytest.fail("libqtts_ops did not load: run `make native` (python native/build.py)")
     return ops
+
+
+@pytest.fixture(scope="session")
+def stress_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model on the ``stress`` weight recipe (engine/tools/make_model.py): every stage
+    O(1), the waveform O(0.3) and unclipped, the talker's logits peaked, so a broken stage
+    changes the audio (the default recipe's decoder clips and its pre-transformer is about the
+    identity). Checkpoint kept (the reference loads it)."""
+    folder = tmp_path_factory.mktemp("stress_model")
+    make_model(folder, size="tiny", seed=0, progress=False, keep_checkpoint=True,
+               recipe="stress")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def stress_gguf(stress_model_dir: Path) -> Path:
+    """Path of the stress model's ``model.gguf``."""
+    return stress_model_dir / "model.gguf"

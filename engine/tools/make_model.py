@@ -71,6 +71,7 @@ from engine.tools.convert import (
 
 SIZES = ("tiny", "0.6b", "1.7b", "full")  # "full" = "0.6b" (the name older tests use)
 VARIANTS = ("custom_voice", "base", "voice_design")
+RECIPES = ("default", "stress")  # weight recipes: see generate_tensor / _stress
 
 # The 33 added tokens of the Qwen3 tokenizer, in id order from <|endoftext|> (151643 released).
 # (content, special)
@@ -500,11 +501,68 @@ def _std(name: str, shape: Sequence[int]) -> float:
     return 0.02
 
 
+def _stress(name: str, shape: Sequence[int], rng: np.random.Generator,
+            n_upsample: int) -> npt.NDArray[np.float32] | None:
+    """The ``stress`` recipe's value of a decoder or talker tensor (None: as ``default``).
+
+    Every stage O(1), as trained weights are (the recipe of the parity fixtures,
+    tests/parity/reference.py): decoder layer scales and ConvNeXt gammas U(0.2, 0.6), snake
+    log-alpha/beta N(0, 0.3), unit-gain linears and convs (the residual units' second conv 0.3,
+    the final conv 0.1, so the waveform is O(0.3) and barely clipped); talker and code predictor
+    linears N(0, 1/fan_in) and embeddings N(0, 1), so logits are peaked and every layer moves
+    the residual stream.
+    """
+    leaf = name.rsplit(".", 1)[-1]
+    shp = tuple(shape)
+
+    def normal(std: float, mean: float = 0.0) -> npt.NDArray[np.float32]:
+        return (rng.standard_normal(shp, dtype=np.float32) * np.float32(std)
+                + np.float32(mean))
+
+    if name.startswith("decoder."):
+        if "cluster_usage" in name or "embedding_sum" in name or name.endswith(".initialized"):
+            return None
+        if leaf in ("alpha", "beta"):
+            return normal(0.3)
+        if leaf in ("scale", "gamma"):
+            return rng.uniform(0.2, 0.6, shp).astype(np.float32)
+        if ".norm." in f".{name}" or "layernorm" in name or leaf == "bias":
+            return normal(0.1, 1.0) if leaf == "weight" else normal(0.05)
+        if ("upsample." in name and name.endswith(".0.conv.weight")) or (
+                name.startswith("decoder.decoder.") and ".block.1.conv.weight" in name):
+            c_in, _, k = shp  # transposed conv [in, out, k]
+            stride = k if "upsample." in name else k // 2
+            return normal((c_in * k / stride) ** -0.5)
+        if name.endswith("output_proj.weight") and ".quantizer." in f".{name}":
+            return normal((shp[1] * (15 if "rvq_rest" in name else 1)) ** -0.5)
+        if len(shp) == 3:
+            gain = 1.0
+            if name.endswith(".conv2.conv.weight"):
+                gain = 0.3
+            elif name == f"decoder.decoder.{n_upsample + 2}.conv.weight":
+                gain = 0.1
+            return normal(gain * (shp[1] * shp[2]) ** -0.5)
+        if len(shp) == 2:
+            return normal(shp[1] ** -0.5)
+        return None
+    if name.startswith("talker.") and name.endswith(".weight") and len(shp) == 2:
+        if "embedding" in name:
+            return normal(1.0)
+        return normal(shp[1] ** -0.5)
+    return None
+
+
 def generate_tensor(
-    seed: int, name: str, shape: Sequence[int]
+    seed: int, name: str, shape: Sequence[int], recipe: str = "default", n_upsample: int = 4
 ) -> Iterator[npt.NDArray[np.float32]]:
-    """Yield float32 chunks (flat, in order) of the deterministic init of tensor ``name``."""
+    """Yield float32 chunks (flat, in order) of the deterministic init of tensor ``name``
+    (``recipe``: ``default`` or ``stress``, see ``_stress``)."""
     n = math.prod(shape)
+    if recipe == "stress":
+        value = _stress(name, shape, _rng(seed, name), n_upsample)
+        if value is not None:
+            yield value.reshape(-1)
+            return
     if name.endswith("cluster_usage"):
         yield _usage(seed, name, n)
         return
@@ -530,13 +588,14 @@ def generate_tensor(
 
 
 def _write_safetensors(
-    path: Path, tensors: Sequence[tuple[str, Sequence[int]]], dtype: str, seed: int, bar: Any
+    path: Path, tensors: Sequence[tuple[str, Sequence[int]]], dtype: str, seed: int, bar: Any,
+    recipe: str = "default", n_upsample: int = 4,
 ) -> None:
     ordered = sorted(tensors)
     w = SafetensorsWriter(path, [(n, dtype, s) for n, s in ordered])
     try:
         for name, shape in ordered:
-            for chunk in generate_tensor(seed, name, shape):
+            for chunk in generate_tensor(seed, name, shape, recipe, n_upsample):
                 data = f32_to_bf16(chunk) if dtype == "BF16" else chunk
                 w.write(data)
                 bar.update(data.nbytes)
@@ -565,9 +624,13 @@ def make_checkpoint(
     variant: str = "custom_voice",
     overrides: dict[str, dict[str, Any]] | None = None,
     progress: bool = True,
+    recipe: str = "default",
 ) -> Path:
     """Write a random-weight checkpoint folder in the released HF layout; return its path."""
     from tqdm import tqdm
+
+    if recipe not in RECIPES:
+        raise ConversionError("--recipe", f"{recipe!r} is not one of {', '.join(RECIPES)}")
 
     out = Path(out_dir)
     root, st_cfg, gen = build_configs(size, variant, overrides)
@@ -611,10 +674,13 @@ def make_checkpoint(
             total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="make-model",
             disable=None if progress else True, leave=False,  # None: only on a TTY
         ) as bar:  # fmt: skip
+            n_up = len(st_cfg["decoder_config"]["upsample_rates"])
             _write_safetensors(
-                out / "speech_tokenizer" / "model.safetensors", dec_tensors, "F32", seed, bar
+                out / "speech_tokenizer" / "model.safetensors", dec_tensors, "F32", seed, bar,
+                recipe, n_up,
             )
-            _write_safetensors(out / "model.safetensors", talk_tensors, "BF16", seed, bar)
+            _write_safetensors(out / "model.safetensors", talk_tensors, "BF16", seed, bar,
+                               recipe, n_up)
     except OSError as exc:
         raise ConversionError(str(out), f"cannot write ({exc.strerror or exc})") from None
     return out
@@ -630,6 +696,7 @@ def make_model(
     overrides: dict[str, dict[str, Any]] | None = None,
     decoder_dtype: str = "f32",
     keep_checkpoint: bool = False,
+    recipe: str = "default",
 ) -> ConversionReport:
     """Convert a synthetic checkpoint to ``OUT_DIR/model.gguf`` (talker f16 at released size,
     f32 tiny; decoder ``decoder_dtype``).
@@ -642,7 +709,7 @@ def make_model(
         dtype = "f32" if size == "tiny" else "f16"
     out = Path(out_dir)
     if keep_checkpoint:
-        folder = make_checkpoint(out, size, seed, variant, overrides, progress)
+        folder = make_checkpoint(out, size, seed, variant, overrides, progress, recipe)
         return convert(folder, folder / "model.gguf", dtype=dtype, progress=progress,
                        decoder_dtype=decoder_dtype)
     try:
@@ -651,7 +718,7 @@ def make_model(
     except OSError as exc:
         raise ConversionError(str(out), f"cannot create ({exc.strerror or exc})") from None
     try:
-        make_checkpoint(scratch, size, seed, variant, overrides, progress)
+        make_checkpoint(scratch, size, seed, variant, overrides, progress, recipe)
         return convert(scratch, out / "model.gguf", dtype=dtype, progress=progress,
                        decoder_dtype=decoder_dtype)
     finally:
