@@ -5,6 +5,7 @@ that PCM (correlation), and time-stretch keeping the sound (not silence of the r
 from __future__ import annotations
 
 import io
+import os
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,16 @@ import pytest
 from tests.service.helpers import FRAME_SAMPLES, Server, codes
 
 N = 24  # frames: the ramp 1, 2, 4, 8 and one 9-frame chunk (QTTS_CHUNK_MAX_FRAMES=16)
+
+
+@pytest.fixture(scope="module")
+def service_model(stress_gguf: Path) -> Path:
+    """This module's server runs the stress model (tests/conftest.py): its audio is O(0.3) and
+    unclipped, so a wrong scale, a clipped or offset sample, or a codec that mangles the signal
+    shows (the default tiny model clips ~94 % of its samples at full scale).
+    ``$QTTS_TEST_MODEL`` still wins."""
+    given = os.environ.get("QTTS_TEST_MODEL")
+    return Path(given) if given else stress_gguf
 
 
 @pytest.fixture(scope="module")
@@ -64,12 +75,13 @@ def test_pcm_is_the_decoder_output_sample_for_sample(
 
 
 def _assert_same_pcm(got: np.ndarray[Any, Any], want: np.ndarray[Any, Any], what: object) -> None:
-    """Equal but for one step of rounding on a rare sample: the fast decoder's BF16 rounding
-    of a value that falls on a rounding boundary can differ between two processes (seen: one
-    sample in 11,520, off by 1). A wrong scale, offset or order moves almost every sample."""
+    """Equal but for one step of rounding on rare samples: the fast decoder's BF16 rounding
+    of a value that falls on a rounding boundary can differ between two processes (seen on the
+    unclipped stress model: 13 samples in 46,080, off by 1; on the clipped default model one
+    in 11,520). A wrong scale, offset or order moves almost every sample."""
     assert got.shape == want.shape
     diff = np.abs(got.astype(np.int32) - want.astype(np.int32))
-    assert diff.max() <= 1 and np.count_nonzero(diff) <= 4, (
+    assert diff.max() <= 1 and np.count_nonzero(diff) <= max(4, got.size // 1000), (
         what, int(diff.max()), int(np.count_nonzero(diff)))
 
 
