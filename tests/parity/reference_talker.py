@@ -310,3 +310,59 @@ def load_cases(fixture_dir: Path) -> dict[str, dict[str, np.ndarray]]:
             name, _, item = key.partition(".")
             out.setdefault(name, {})[item] = z[key]
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# the released-size fixture: a few greedy frames of the 0.6B talker, F32
+
+#: The case the released-size fixture runs (few frames: at 0.9 B parameters, F32, each costs).
+FULL_CASE = Case("full_size", "Hello there, how are you today?", "ryan", "english", "stream",
+                 frames=3)
+
+
+def full_fixture_key(seed: int) -> str:
+    """Cache key of the released-size talker fixture."""
+    from tests.parity.reference import reference_versions
+
+    return f"ref-talker-0.6b-seed{seed}-v{TALKER_GENERATOR_VERSION}-{reference_versions()}"
+
+
+def make_full_talker_fixture(out_dir: str | os.PathLike[str], seed: int = 0) -> Path:
+    """Build (or reuse) the released-size fixture: ``<key>/model/`` (the 0.6B CustomVoice
+    talker and code predictor at their released dims, the real Qwen2 vocabulary, F32, seeded
+    like the tiny fixture; the tiny decoder as ``speech_tokenizer/``) and ``<key>/cases.npz``
+    with :data:`FULL_CASE` run greedily through the official ``generate``."""
+    root_dir = Path(out_dir) / full_fixture_key(seed)
+    if (root_dir / "cases.npz").is_file():
+        return root_dir
+    r = ref.import_reference()
+    r.torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    st_dir = ref.make_reference_tokenizer_dir(out_dir, "tiny", seed)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{full_fixture_key(seed)}.", dir=out_dir))
+    tmp.chmod(0o755)
+    try:
+        base_dir = tmp / "model"
+        base_dir.mkdir()
+        root, _st_cfg, gen = build_configs("0.6b")
+        root = copy.deepcopy(root)
+        root.pop("qtts_synthetic", None)
+        root.update(write_tokenizer_files(base_dir, int(root["talker_config"]["text_vocab_size"])))
+        gen = {**gen, "max_new_tokens": 8192}
+        model = build_reference_talker(root, seed)
+        _save(model, base_dir, base_dir, gen, st_dir)
+        res = run_case(model, hf_tokenizer(base_dir), FULL_CASE)
+        del model
+        np.savez(tmp / "cases.npz", **{f"{FULL_CASE.name}.{k}": v for k, v in res.items()})
+        (tmp / "fixture.json").write_text(json.dumps(
+            {"seed": seed, "version": TALKER_GENERATOR_VERSION, "size": "0.6b",
+             "frames": int(res["codes"].shape[1])}, indent=2) + "\n")
+        try:
+            tmp.rename(root_dir)
+        except OSError:
+            if not (root_dir / "cases.npz").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return root_dir
