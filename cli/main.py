@@ -70,7 +70,7 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 def _add_make_model(sub: SubParsers) -> None:
     from engine.tools.convert import DTYPES
-    from engine.tools.make_model import SIZES, VARIANTS
+    from engine.tools.make_model import RECIPES, SIZES, VARIANTS
 
     p = sub.add_parser(
         "make-model",
@@ -98,6 +98,11 @@ def _add_make_model(sub: SubParsers) -> None:
     p.add_argument("--decoder-dtype", choices=list(DTYPES), default="f32",
                    help="decoder weight type (f32)")
     p.add_argument(
+        "--recipe", choices=RECIPES, default="default",
+        help="weight recipe: default (small residual branches), or stress (every stage O(1): "
+        "loud unclipped output, working attention; what tests use to see a broken stage)",
+    )
+    p.add_argument(
         "--keep-checkpoint", action="store_true",
         help="also keep the HF-layout checkpoint in OUT_DIR (as large again; for qtts convert)",
     )
@@ -117,6 +122,7 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
         decoder_dtype=args.decoder_dtype,
         keep_checkpoint=args.keep_checkpoint,
+        recipe=args.recipe,
     )
     for line in report.summary_lines():
         print(f"qtts: {line}", file=sys.stderr)

@@ -230,3 +230,27 @@ def test_full_model(qtts_cache_dir: Path) -> None:
         assert m.tensor("dec.blk.1.tconv.weight").shape == (1536, 768, 16)
         tok = m.tokenizer()
         assert tok.encode("<|im_start|>assistant\n").ids[0] == 151644
+
+
+def test_stress_recipe_is_loud_and_unclipped(stress_gguf: Path, tiny_gguf: Path,
+                                                     tmp_path: Path, cpu1: Any) -> None:
+    """The stress recipe's decoder output is O(0.3) and unclipped (the default recipe's
+    clips), and an unknown recipe is refused naming the option."""
+    from engine.decoder import DecoderModel, decode
+    from engine.errors import ConversionError
+
+    codes = np.random.default_rng(3).integers(0, 2048, (16, 24)).astype(np.int32)
+
+    def wav(path: Path) -> np.ndarray[Any, Any]:
+        dec = DecoderModel.load(open_model(path), cpu1, "exact")
+        y, _ = decode(dec, codes)
+        dec.close()
+        return y
+
+    stress, default = wav(stress_gguf), wav(tiny_gguf)
+    assert 0.1 < float(np.std(stress)) < 0.6
+    assert float(np.mean(np.abs(stress) >= 0.999)) < 0.01
+    assert float(np.mean(np.abs(default) >= 0.999)) > 0.5
+    with pytest.raises(ConversionError) as err:
+        make_model(tmp_path, size="tiny", recipe="loud", progress=False)
+    assert "--recipe" in str(err.value)
