@@ -200,3 +200,36 @@ def test_cli_synth_and_voices(tiny_gguf: Path, tmp_path: Path,
     out = capsys.readouterr().out
     assert "ryan" in out and "eric  (speaks sichuan_dialect" in out
     assert "languages: auto, chinese" in out and "instructions: not supported" in out
+
+
+@pytest.fixture(scope="module")
+def stress_pipe(stress_gguf: Path, backends: BackendSet) -> Pipeline:
+    return Pipeline(open_model(stress_gguf), backends, precision="exact", kv_type="f32",
+                    chunk_max_frames=4)
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_stress_model_stream_is_the_whole_decode(stress_pipe: Pipeline, seed: int) -> None:
+    """On the stress model (unclipped O(0.3) audio, every decoder stage O(1)) the streamed
+    chunks equal one decode of the same codes to float rounding: a chunk-boundary bug in any
+    stage's carried state (conv history, attention cache, upsampler overlap) moves samples
+    that the default model's clipped output hides."""
+    req = SynthesisRequest("Hello world, how are you?", "ryan", "english", seed=seed,
+                           max_frames=20)
+    chunks, _, info = collect(stress_pipe, req)
+    assert [c.frames for c in chunks] == [1, 2, 4, 4, 4, 4, 1]
+    audio = np.concatenate([c.audio for c in chunks])
+    assert 0.1 < float(np.std(audio)) < 0.6
+    assert float(np.mean(np.abs(audio) >= 0.999)) < 0.01
+    whole, _ = decode(stress_pipe.decoder, np.concatenate(info.codes, axis=1), chunk=100)
+    assert np.abs(audio - whole).max() <= 1e-5
+
+
+def test_stress_model_seeds_give_different_speech(stress_pipe: Pipeline) -> None:
+    def codes(seed: int) -> np.ndarray[Any, Any]:
+        req = SynthesisRequest("Hello world.", "ryan", "english", seed=seed, max_frames=6)
+        return np.concatenate(collect(stress_pipe, req)[2].codes, axis=1)
+
+    a, b = codes(1), codes(2)
+    assert np.array_equal(a, codes(1))
+    assert np.mean(a != b) > 0.5
