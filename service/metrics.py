@@ -114,6 +114,19 @@ class Metrics:
             "Realtime: from the end of an utterance's text to its last audio frame sent.",
             buckets=DURATION_BUCKETS, registry=r,
         )
+        self.voice_clone_seconds = Histogram(
+            "qtts_voice_clone_seconds",
+            "Creating a cloned voice, per stage: decode (reference audio), encode (x-vector and "
+            "codes, in a worker), store (the database write), total (the whole request).",
+            ["stage"], buckets=QUEUE_BUCKETS, registry=r,
+        )
+        self.voices_stored = Gauge(
+            "qtts_voices_stored", "Cloned voices in the store (every owner).", registry=r)
+        self.voice_store_errors = Counter(
+            "qtts_voice_store_errors_total",
+            "Voice-store operations that failed because the database was unreachable.",
+            registry=r,
+        )
         self.running = Gauge(
             "qtts_requests_running", "Requests a worker is synthesizing now.", registry=r
         )
