@@ -80,7 +80,7 @@ class GateMiddleware:
             await gate.reject(err, "invalid")
             return
         body = await gate.read_body(headers.get("content-length"), limit,
-                                    "file" if upload else "body")
+                                    "file" if upload else "body", s.max_reference_bytes)
         if body is None:
             return
         if path == "/tts" and ctype == "multipart/form-data":
@@ -133,12 +133,13 @@ class _Gate:
             log_rejected(self.route, self.rid, err)
         await err.response(self.rid)(self.scope, self.receive, self.send)
 
-    async def read_body(self, declared: str | None, limit: int, field: str = "body"
-                        ) -> bytes | None:  # fmt: skip
+    async def read_body(self, declared: str | None, limit: int, field: str = "body",
+                        file_cap: int = 0) -> bytes | None:  # fmt: skip
         """The whole body, or None when it was refused (413, 408) or the client left."""
-        what = "request body" if field == "body" else "upload (QTTS_MAX_REFERENCE_BYTES)"
-        too_big = ApiError(413, f"{field}: {what} is larger than {limit} bytes", field=field,
-                           code="body_too_large")
+        what = (f"request body is larger than {limit} bytes" if field == "body" else
+                f"the upload is larger than the reference cap ({file_cap} bytes, "
+                "QTTS_MAX_REFERENCE_BYTES)")
+        too_big = ApiError(413, f"{field}: {what}", field=field, code="body_too_large")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             await self.reject(too_big, "invalid")
             return None

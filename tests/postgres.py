@@ -37,6 +37,7 @@ class Postgres:
             pytest.skip("PostgreSQL is not installed (run `make test-sysdeps`)")
         self.bin = bin_dir
         self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
         self.data = folder / "pgdata"
         self.port = free_port()
         self.url = f"postgresql://qtts@127.0.0.1:{self.port}/qtts"
@@ -55,6 +56,11 @@ class Postgres:
                   "--no-sync")
         self.start()
         self._run("createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", "qtts", "qtts")
+
+    def new_database(self, name: str) -> str:
+        """A fresh empty database on this server; its URL."""
+        self._run("createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", "qtts", name)
+        return f"postgresql://qtts@127.0.0.1:{self.port}/{name}"
 
     def _run(self, tool: str, *args: str) -> None:
         subprocess.run([*self._as, str(self.bin / tool), *args], check=True,

@@ -129,7 +129,8 @@ async def create(request: Request, st: StateDep) -> dict[str, Any]:
                        code="invalid_value")
     if transcript is None or not transcript.strip():
         x_only, transcript = True, None  # no transcript: the x-vector is all there is
-    ref = Reference(audio=audio, transcript=None if x_only else transcript, x_vector_only=x_only)
+    ref = Reference(audio=audio, transcript=None if x_only else transcript, x_vector_only=x_only,
+                    field=field)
     voice = await create_voice(st, request_owner(request), name, ref, rid)
     return voice_object(voice)
 

@@ -27,8 +27,6 @@ audit = logging.getLogger("qtts.audit")
 T = TypeVar("T")
 ID_PREFIX = "voice_"
 COUNT_EVERY = 30.0  # seconds between refreshes of the stored-voice gauge (other replicas write)
-# the engine's names for a reference's fields -> the upload form's
-FORM_FIELDS = {"ref_audio": "file", "ref_text": "transcript"}
 
 
 def retry_after(st: State) -> dict[str, str]:
@@ -96,6 +94,7 @@ class Reference:
     audio: bytes
     transcript: str | None
     x_vector_only: bool
+    field: str = "file"  # the form's name of the audio (errors name what the client sent)
 
 
 async def run_clone(st: State, ref: Reference, request_id: str) -> Cloned:
@@ -121,7 +120,9 @@ async def run_clone(st: State, ref: Reference, request_id: str) -> Cloned:
         case Cloned():
             return ev
         case Failed():
-            field = FORM_FIELDS.get(ev.field or "", ev.field)
+            # (the engine's names for the reference's fields -> the upload form's)
+            field = {"ref_audio": ref.field, "ref_text": "transcript"}.get(ev.field or "",
+                                                                          ev.field)
             message = ev.message
             if ev.field and message.startswith(ev.field) and field != ev.field:
                 message = f"{field}{message[len(ev.field):]}"

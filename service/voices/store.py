@@ -299,6 +299,7 @@ class PostgresStore(VoiceStore):
         if isinstance(exc, pg.errors.UniqueViolation):
             return DuplicateName(str(exc))
         if isinstance(exc, pg.Error):
+            self.close()  # kept connections are as likely broken (a restarted server)
             return StoreUnavailable(f"voice database {self.describe()}: "
                                     f"{str(exc).strip().splitlines()[0] if str(exc) else exc}")
         return None
