@@ -34,6 +34,7 @@ OUTCOMES = (
     "truncated_no_eos",
     "worker_died",
 )
+CLONE_STAGES = ("decode", "encode", "store", "total")
 REJECT_REASONS = ("queue_full", "draining", "invalid", "unauthorized", "not_ready")
 
 # 1 ms .. 10 s: per-chunk stage costs (a talker step is ~ms, a big decoder chunk ~s)
@@ -151,6 +152,8 @@ class Metrics:
                 self.requests.labels(route=route, outcome=o)
         for reason in REJECT_REASONS:
             self.rejections.labels(reason=reason)
+        for stage in CLONE_STAGES:  # series from the start: the dashboard's panel has them
+            self.voice_clone_seconds.labels(stage=stage)
         for route in (*ROUTES, "other"):  # service/guard.py's route labels
             self.internal_errors.labels(route=route)
 

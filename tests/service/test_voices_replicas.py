@@ -39,8 +39,8 @@ def _serve(model: Path, folder: Path, **env: Any) -> Server:
     return s
 
 
-def test_two_replicas_share_one_postgresql_database(postgres: Postgres, base_gguf: Path,
-                                                    tmp_path: Path, ref: bytes) -> None:  # fmt: skip
+def test_two_replicas_share_one_postgresql_database(
+        postgres: Postgres, base_gguf: Path, tmp_path: Path, ref: bytes) -> None:
     url = postgres.new_database(f"replicas{next(_DB)}")
     a = _serve(base_gguf, tmp_path, voice_db=url)
     try:
