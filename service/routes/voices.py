@@ -66,8 +66,28 @@ async def list_voices(request: Request, st: StateDep) -> dict[str, Any]:
             "dialects": m.dialects}
 
 
+_FORM = {
+    "type": "object", "required": ["audio_sample", "name"],
+    "properties": {
+        "audio_sample": {"type": "string", "format": "binary",
+                         "description": "the reference audio (also accepted as `file`, `files`)"},
+        "name": {"type": "string", "description": "the voice's name, unique per owner"},
+        "transcript": {"type": "string", "description": "what the reference says (in-context "
+                       "cloning); without it the voice is x-vector only"},
+        "x_vector_only": {"type": "boolean", "description": "ignore the transcript"},
+        "consent": {"type": "string", "description": "OpenAI's consent id: accepted, not used"},
+        "type": {"type": "string", "enum": ["audio_sample"]},
+    },
+}
+# (the path parameter is read from the request, so FastAPI adds no 422 of its own: a bad id is
+# a 404 like an unknown one)
+_ID_PARAM = {"parameters": [{"name": "voice_id", "in": "path", "required": True,
+                             "schema": {"type": "string"}}]}
+
+
 @router.post("/v1/audio/voices", summary="Clone a voice from reference audio (multipart form)",
-             responses=ERRORS_CREATE)
+             responses=ERRORS_CREATE, openapi_extra={"requestBody": {
+                 "required": True, "content": {"multipart/form-data": {"schema": _FORM}}}})
 async def create(request: Request, st: StateDep) -> dict[str, Any]:
     """Form fields: the reference as ``audio_sample`` (OpenAI; also ``file`` or ElevenLabs'
     ``files``), ``name``, optional ``transcript`` of the reference (in-context cloning, the
@@ -136,17 +156,27 @@ async def create(request: Request, st: StateDep) -> dict[str, Any]:
 
 
 @router.get("/v1/audio/voices/{voice_id}", summary="One of the caller's cloned voices",
-            responses=ERRORS_ONE)
-async def get_voice(voice_id: str, request: Request, st: StateDep) -> dict[str, Any]:
+            responses=ERRORS_ONE, openapi_extra=_ID_PARAM)
+async def get_voice(request: Request, st: StateDep) -> dict[str, Any]:
+    voice_id = _voice_id(request, st)
     return voice_object(await stored_voice(st, request_owner(request), voice_id, "voice_id"))
 
 
 @router.delete("/v1/audio/voices/{voice_id}", summary="Delete one of the caller's cloned voices",
-               responses=ERRORS_ONE)
-async def delete(voice_id: str, request: Request, st: StateDep) -> dict[str, Any]:
+               responses=ERRORS_ONE, openapi_extra=_ID_PARAM)
+async def delete(request: Request, st: StateDep) -> dict[str, Any]:
     rid, _ = request_context(request)
-    gone = await delete_voice(st, request_owner(request), voice_id, rid)
+    gone = await delete_voice(st, request_owner(request), _voice_id(request, st), rid)
     return {"id": gone.id, "object": "audio.voice.deleted", "deleted": True}
+
+
+def _voice_id(request: Request, st: State) -> str:
+    """The path's id; on a model that does not clone there are no stored voices to look at."""
+    voice_id = str(request.path_params["voice_id"])
+    if not st.model.clones:
+        raise ApiError(404, f"voice_id: no voice {voice_id!r} (this model does not clone)",
+                       field="voice_id", code="voice_not_found")
+    return voice_id
 
 
 def _text(form: Any, key: str) -> str | None:
