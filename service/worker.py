@@ -12,6 +12,7 @@ No HTTP here, and the engine is only touched through its public names.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import signal
 import sys
@@ -46,6 +47,7 @@ Piece = tuple[np.ndarray[Any, Any], dict[str, float], int]
 # cloned voices a worker keeps decoded: one-shot references (by their audio's hash, so a client
 # resending one pays its encoding once) and stored voices (by their prompt's hash)
 VOICE_CACHE = 32
+log = logging.getLogger("qtts.worker")
 
 
 class Synthesizer:
@@ -104,11 +106,18 @@ class Synthesizer:
                 raw, self.pipeline.voice_fingerprint))
         if job.ref_audio is not None:
             ref = job.ref_audio
-            key = "r:" + hashlib.sha256(ref).hexdigest() + (
+            digest = hashlib.sha256(ref).hexdigest()
+            key = "r:" + digest + (
                 ":x" if job.x_vector_only else ":" + hashlib.sha256(
                     (job.ref_text or "").encode()).hexdigest())  # fmt: skip
-            return self._cached(key, lambda: self.pipeline.clone_voice(
-                ref, job.ref_text, job.x_vector_only, job.max_ref_seconds))
+
+            def make() -> Any:
+                vp = self.pipeline.clone_voice(ref, job.ref_text, job.x_vector_only,
+                                               job.max_ref_seconds)
+                log.info("one-shot reference encoded", extra={"ref_sha256": digest})
+                return vp
+
+            return self._cached(key, make)
         return None
 
     def feed(self, job_id: int) -> PipeFeed:

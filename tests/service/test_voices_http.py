@@ -6,6 +6,8 @@ made for another model."""
 from __future__ import annotations
 
 import base64
+import hashlib
+import json
 import sqlite3
 import threading
 from collections.abc import Iterator
@@ -122,8 +124,17 @@ def test_openai_sdk_creates_and_speaks_a_cloned_voice(base: Server, ref: bytes,
 
 def test_one_shot_reference_json_and_form(base: Server, ref: bytes) -> None:
     b64 = base64.b64encode(ref).decode()
+    digest = hashlib.sha256(ref).hexdigest()
+
+    def encoded() -> int:
+        return sum(1 for line in base.log().splitlines() if line.startswith("{")
+                   and json.loads(line).get("ref_sha256") == digest
+                   and json.loads(line).get("msg") == "one-shot reference encoded")
+
+    before = encoded()
     for _ in range(2):  # the second pays no encoding: the worker keeps it by the audio's hash
         assert_speech(speak(base, None, ref_audio=b64, ref_text=REF_TEXT))
+    assert encoded() == before + 1
     r = httpx.post(base.url + "/tts", timeout=120, data={
         "text": "Hello there.", "ref_text": REF_TEXT, "max_seconds": "0.5", "stream": "false",
         "seed": "1"}, files={"ref_audio": ("ref.wav", ref, "audio/wav")})
