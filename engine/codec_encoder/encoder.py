@@ -15,16 +15,12 @@ import numpy.typing as npt
 from engine.backend import BackendSet
 from engine.codec_encoder.quantizer import codebook, encode, half_norms
 from engine.codec_encoder.schema import CodecEncoderConfig, codec_encoder_tensor_specs
-from engine.codec_encoder.seanet import downsample, seanet
+from engine.codec_encoder.seanet import ZERO_BUFFER, downsample, seanet, zero_buffer_size
 from engine.codec_encoder.transformer import causal_mask, transformer
 from engine.errors import InputError
-from engine.ggml import lib
 from engine.ggml.graph import Graph
+from engine.ggml.ops1d import pack_conv
 from engine.gguf_schema import PART_CODEC_ENCODER
-
-
-def _time_major(ctx: Any, x: Any) -> Any:
-    return lib.ggml_cont(ctx, lib.ggml_transpose(ctx, x))
 
 
 class CodecEncoder:
@@ -36,10 +32,17 @@ class CodecEncoder:
         self.config = cfg
         self._backends = backends
         store = backends.weight_store()
+        strides = {f"cenc.conv.{n}.weight": s for n, (*_, s, _d) in enumerate(cfg.seanet_convs())}
+        strides["cenc.downsample.weight"] = 2
         for spec in codec_encoder_tensor_specs(cfg):
             if spec.name.startswith("cenc.vq.cb."):
                 continue
-            store.add_array(spec.name, model.tensor_f32(spec.name).reshape(spec.shape))
+            w = model.tensor_f32(spec.name).reshape(spec.shape)
+            if spec.name in strides:  # convs run on the direct conv kernel, packed (folded)
+                w = pack_conv(w, strides[spec.name])
+            store.add_array(spec.name, w)
+        store.add_array("cenc.downsample.zero_bias", np.zeros(cfg.hidden_size, np.float32))
+        store.add_array(ZERO_BUFFER, np.zeros(zero_buffer_size(cfg), np.float32))
         for q in range(cfg.num_quantizers):
             g = f"cenc.vq.cb.{q}."
             e = codebook(model.tensor_f32(g + "embed_sum").reshape(cfg.codebook_size, -1),
@@ -61,16 +64,16 @@ class CodecEncoder:
         W = self._store.__getitem__
         with Graph() as g:
             ctx = g.ctx
-            inp = g.input("wav", (1, x.size))
-            h = seanet(ctx, W, self.config, inp)  # [hidden, T25]
-            t = int(h.ne[0])
+            inp = g.input("wav", (x.size, 1))  # time-major: one channel
+            h = seanet(ctx, W, self.config, inp)  # [T25, hidden]
+            t = int(h.ne[1])
             pos = g.input("pos", (t,), dtype=np.int32)
             mask = g.input("mask", (t, t))
-            h = transformer(ctx, W, self.config, _time_major(ctx, h), pos, mask)
-            h = downsample(ctx, W, _time_major(ctx, h))  # channel-major [hidden, T]
-            g.output(encode(ctx, W, self.config, _time_major(ctx, h)), "codes")
+            h = transformer(ctx, W, self.config, h, pos, mask)
+            h = downsample(ctx, W, self.config, h)  # [T, hidden]
+            g.output(encode(ctx, W, self.config, h), "codes")
             out = self._backends.execute(g, {
-                "wav": x.reshape(1, -1),
+                "wav": x.reshape(-1, 1),
                 "pos": np.arange(t, dtype=np.int32),
                 "mask": causal_mask(t),
             })  # fmt: skip

@@ -97,7 +97,7 @@ class MelConstants:
 
 
 def log_mel(ctx: Any, wav: Tensor, cos: Tensor, sin: Tensor, mel: Tensor) -> Tensor:
-    """Graph: ``wav`` [1, N] -> log-mel ``[n_mels, frames]`` (channel-major for the network)."""
+    """Graph: ``wav`` [1, N] -> log-mel ``[frames, n_mels]`` (time-major, for the network)."""
     pad = (MEL_N_FFT - MEL_HOP) // 2
     n = int(wav.ne[0])
     x = lib.ggml_pad_reflect_1d(ctx, wav, pad, pad)
@@ -110,5 +110,5 @@ def log_mel(ctx: Any, wav: Tensor, cos: Tensor, sin: Tensor, mel: Tensor) -> Ten
     im = lib.ggml_mul_mat(ctx, sin, frames)
     power = lib.ggml_add(ctx, lib.ggml_sqr(ctx, re), lib.ggml_sqr(ctx, im))
     mag = lib.ggml_sqrt(ctx, lib.ggml_scale_bias(ctx, power, 1.0, MEL_MAG_EPS))
-    m = lib.ggml_mul_mat(ctx, mag, mel)  # ne [frames, n_mels]: channel-major already
+    m = lib.ggml_mul_mat(ctx, mel, mag)  # ne [n_mels, frames]: time-major
     return lib.ggml_log(ctx, lib.ggml_clamp(ctx, m, MEL_LOG_CLAMP, 3.0e38))
