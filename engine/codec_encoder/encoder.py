@@ -13,11 +13,12 @@ import numpy as np
 import numpy.typing as npt
 
 from engine.backend import BackendSet
-from engine.codec_encoder.quantizer import codebook, encode, half_norms
+from engine.codec_encoder.quantizer import codebook, encode, neg_half_norms
 from engine.codec_encoder.schema import CodecEncoderConfig, codec_encoder_tensor_specs
 from engine.codec_encoder.seanet import ZERO_BUFFER, downsample, seanet, zero_buffer_size
-from engine.codec_encoder.transformer import causal_mask, transformer
+from engine.codec_encoder.transformer import LINEARS, causal_mask, transformer
 from engine.errors import InputError
+from engine.ggml import lib
 from engine.ggml.graph import Graph
 from engine.ggml.ops1d import pack_conv
 from engine.gguf_schema import PART_CODEC_ENCODER
@@ -34,21 +35,29 @@ class CodecEncoder:
         store = backends.weight_store()
         strides = {f"cenc.conv.{n}.weight": s for n, (*_, s, _d) in enumerate(cfg.seanet_convs())}
         strides["cenc.downsample.weight"] = 2
+        linears = {f"cenc.tr.{i}.{n}.weight" for i in range(cfg.num_hidden_layers)
+                   for n in LINEARS}  # fmt: skip
         for spec in codec_encoder_tensor_specs(cfg):
             if spec.name.startswith("cenc.vq.cb."):
                 continue
             w = model.tensor_f32(spec.name).reshape(spec.shape)
-            if spec.name in strides:  # convs run on the direct conv kernel, packed (folded)
+            # convs and linears run on the direct conv kernel, packed (strided convs folded)
+            if spec.name in strides:
                 w = pack_conv(w, strides[spec.name])
+            elif spec.name in linears:
+                w = pack_conv(w[:, :, None])
+            elif spec.name.endswith("_in_proj.weight"):
+                store.add_array(spec.name.replace(".weight", ".packed"), pack_conv(w[:, :, None]))
+                continue
             store.add_array(spec.name, w)
-        store.add_array("cenc.downsample.zero_bias", np.zeros(cfg.hidden_size, np.float32))
         store.add_array(ZERO_BUFFER, np.zeros(zero_buffer_size(cfg), np.float32))
         for q in range(cfg.num_quantizers):
             g = f"cenc.vq.cb.{q}."
             e = codebook(model.tensor_f32(g + "embed_sum").reshape(cfg.codebook_size, -1),
                          model.tensor_f32(g + "usage").reshape(-1))  # fmt: skip
             store.add_array(g + "embed", e)
-            store.add_array(g + "half_norm", half_norms(e))
+            store.add_array(g + "packed", pack_conv(e[:, :, None]))
+            store.add_array(g + "neg_half_norm", neg_half_norms(e))
         store.allocate()
         self._store = store
 
@@ -64,14 +73,18 @@ class CodecEncoder:
         W = self._store.__getitem__
         with Graph() as g:
             ctx = g.ctx
+
+            def zero_bias(n: int) -> Any:
+                return lib.ggml_view_1d(ctx, W(ZERO_BUFFER), n, 0)
+
             inp = g.input("wav", (x.size, 1))  # time-major: one channel
             h = seanet(ctx, W, self.config, inp)  # [T25, hidden]
             t = int(h.ne[1])
             pos = g.input("pos", (t,), dtype=np.int32)
             mask = g.input("mask", (t, t))
-            h = transformer(ctx, W, self.config, h, pos, mask)
+            h = transformer(ctx, W, zero_bias, self.config, h, pos, mask)
             h = downsample(ctx, W, self.config, h)  # [T, hidden]
-            g.output(encode(ctx, W, self.config, h), "codes")
+            g.output(encode(ctx, W, zero_bias, self.config, h), "codes")
             out = self._backends.execute(g, {
                 "wav": x.reshape(-1, 1),
                 "pos": np.arange(t, dtype=np.int32),

@@ -15,6 +15,7 @@ from typing import Any
 
 from engine.codec_encoder.schema import CodecEncoderConfig
 from engine.ggml import Tensor, lib
+from engine.ggml.custom_ops import elu
 from engine.ggml.ops1d import conv, conv_strided, pad_zero, repeat_row, row, taps, zeros
 
 ZERO_BUFFER = "cenc.zeros"  # the store's zero buffer (left padding of every causal conv)
@@ -30,8 +31,9 @@ def causal_padding(length: int, kernel: int, stride: int, dilation: int) -> tupl
 
 
 def zero_buffer_size(c: CodecEncoderConfig) -> int:
-    """Values the zero buffer needs: the largest left padding of any conv, in floats."""
-    need = [c.hidden_size * c.downsample_kernel]
+    """Values the zero buffer needs: the largest left padding of any conv, or the widest
+    bias-free output (its zero bias), in floats."""
+    need = [c.hidden_size, c.intermediate_size, c.codebook_dim, c.codebook_size]
     for _hf, c_in, _co, k, _stride, dil in c.seanet_convs():
         need.append(c_in * ((k - 1) * dil + 1))
     return max(need)
@@ -50,9 +52,10 @@ def causal_conv(ctx: Any, W: Callable[[str], Tensor], name: str, x: Tensor, kern
                 stride: int = 1, dilation: int = 1, replicate: bool = False,
                 bias: bool = True) -> Tensor:  # fmt: skip
     """A ``MimiConv1d`` (non-streaming) on ``x`` [T, C_in] -> ``[T_out, C_out]``; its weight is
-    packed by ``engine.ggml.ops1d.pack_conv`` (folded when strided)."""
+    packed by ``engine.ggml.ops1d.pack_conv`` (folded when strided). Without a bias (only the
+    downsampling conv, whose C_out = C_in) the bias is a view of the zero buffer."""
     w = W(f"{name}.weight")
-    b = W(f"{name}.bias") if bias else W(f"{name}.zero_bias")
+    b = W(f"{name}.bias") if bias else lib.ggml_view_1d(ctx, W(ZERO_BUFFER), int(x.ne[0]), 0)
     c_in, t = int(x.ne[0]), int(x.ne[1])
     left, right = causal_padding(t, kernel, stride, dilation)
     if stride == 1:
@@ -88,13 +91,13 @@ def seanet(ctx: Any, W: Callable[[str], Tensor], c: CodecEncoderConfig, wav: Ten
     n = 1
     for _ratio in c.upsampling_ratios:
         for _j in range(c.num_residual_layers):
-            r = cv(n, lib.ggml_elu(ctx, h))
-            r = cv(n + 1, lib.ggml_elu(ctx, r))
+            r = cv(n, elu(ctx, h))
+            r = cv(n + 1, elu(ctx, r))
             h = lib.ggml_add(ctx, h, r)
             n += 2
-        h = cv(n, lib.ggml_elu(ctx, h))
+        h = cv(n, elu(ctx, h))
         n += 1
-    return cv(n, lib.ggml_elu(ctx, h))
+    return cv(n, elu(ctx, h))
 
 
 def downsample(ctx: Any, W: Callable[[str], Tensor], c: CodecEncoderConfig, x: Tensor

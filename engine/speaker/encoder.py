@@ -37,10 +37,7 @@ class SpeakerEncoder:
                 store.add_array(name, tensor(name))
         for name, w in packed.items():
             store.add_array(name, w)
-        consts = MelConstants(cfg.sample_rate, cfg.mel_dim)
-        store.add_array("spk.mel_basis", consts.mel)
-        store.add_array("spk.dft_cos", consts.cos)
-        store.add_array("spk.dft_sin", consts.sin)
+        self._mel = MelConstants(cfg.sample_rate, cfg.mel_dim)
         store.allocate()
         self._store = store
 
@@ -53,14 +50,14 @@ class SpeakerEncoder:
             raise InputError("audio", f"is too short for the speaker encoder ({x.size} samples)")
         W = self._store.__getitem__
         index = reflect_indices(self.config, frame_count(x.size))
+        mel = log_mel(x, self._mel)
         with Graph() as g:
-            inp = g.input("wav", (1, x.size))
+            inp = g.input("mel", mel.shape)
             pads = {p: g.input(f"reflect_{p[0]}_{p[1]}", (v.size,), dtype=np.int32)
                     for p, v in index.items()}  # fmt: skip
-            mel = log_mel(g.ctx, inp, W("spk.dft_cos"), W("spk.dft_sin"), W("spk.mel_basis"))
-            g.output(x_vector(g.ctx, W, self.config, mel, lambda lo, hi: pads[(lo, hi)]), "xvec")
+            g.output(x_vector(g.ctx, W, self.config, inp, lambda lo, hi: pads[(lo, hi)]), "xvec")
             out = self._backends.execute(g, {
-                "wav": x.reshape(1, -1),
+                "mel": mel,
                 **{f"reflect_{p[0]}_{p[1]}": v for p, v in index.items()},
             })  # fmt: skip
         return out["xvec"].reshape(-1).astype(np.float32)
