@@ -62,6 +62,11 @@ def _attention(ctx: Any, W: Callable[[str], Tensor], zb: Callable[[int], Tensor]
     scores = lib.ggml_mul_mat(ctx, kp, qp)  # [Tk, T, H]
     probs = lib.ggml_soft_max_ext(ctx, scores, mask, 1.0 / math.sqrt(d), 0.0)
     vt = lib.ggml_cont(ctx, lib.ggml_permute(ctx, v, 1, 2, 0, 3))  # [Tk, d, Hkv]
+    # ggml's fast F32 GEMM needs the inner length (Tk here) a multiple of 16: pad with zeros
+    pad = -t % 16
+    if pad:
+        probs = lib.ggml_pad_ext(ctx, probs, 0, pad, 0, 0, 0, 0, 0, 0)
+        vt = lib.ggml_pad_ext(ctx, vt, 0, pad, 0, 0, 0, 0, 0, 0)
     out = lib.ggml_mul_mat(ctx, vt, probs)  # [d, T, H]
     out = lib.ggml_cont(ctx, lib.ggml_permute(ctx, out, 0, 2, 1, 3))  # [d, H, T]
     out = lib.ggml_reshape_2d(ctx, out, d * nh, t)
