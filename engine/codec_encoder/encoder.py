@@ -20,7 +20,7 @@ from engine.codec_encoder.transformer import LINEARS, causal_mask, transformer
 from engine.errors import InputError
 from engine.ggml import lib
 from engine.ggml.graph import Graph
-from engine.ggml.ops1d import pack_conv
+from engine.ggml.ops1d import ConvForm, direct_available
 from engine.gguf_schema import PART_CODEC_ENCODER
 
 
@@ -33,6 +33,7 @@ class CodecEncoder:
         self.config = cfg
         self._backends = backends
         store = backends.weight_store()
+        form = self._form = ConvForm(direct_available(backends))
         strides = {f"cenc.conv.{n}.weight": s for n, (*_, s, _d) in enumerate(cfg.seanet_convs())}
         strides["cenc.downsample.weight"] = 2
         linears = {f"cenc.tr.{i}.{n}.weight" for i in range(cfg.num_hidden_layers)
@@ -43,11 +44,11 @@ class CodecEncoder:
             w = model.tensor_f32(spec.name).reshape(spec.shape)
             # convs and linears run on the direct conv kernel, packed (strided convs folded)
             if spec.name in strides:
-                w = pack_conv(w, strides[spec.name])
+                w = form.pack(w, strides[spec.name])
             elif spec.name in linears:
-                w = pack_conv(w[:, :, None])
+                w = form.pack(w[:, :, None])
             elif spec.name.endswith("_in_proj.weight"):
-                store.add_array(spec.name.replace(".weight", ".packed"), pack_conv(w[:, :, None]))
+                store.add_array(spec.name.replace(".weight", ".packed"), form.pack(w[:, :, None]))
                 continue
             store.add_array(spec.name, w)
         store.add_array(ZERO_BUFFER, np.zeros(zero_buffer_size(cfg), np.float32))
@@ -56,7 +57,7 @@ class CodecEncoder:
             e = codebook(model.tensor_f32(g + "embed_sum").reshape(cfg.codebook_size, -1),
                          model.tensor_f32(g + "usage").reshape(-1))  # fmt: skip
             store.add_array(g + "embed", e)
-            store.add_array(g + "packed", pack_conv(e[:, :, None]))
+            store.add_array(g + "packed", form.pack(e[:, :, None]))
             store.add_array(g + "neg_half_norm", neg_half_norms(e))
         store.allocate()
         self._store = store
@@ -78,13 +79,13 @@ class CodecEncoder:
                 return lib.ggml_view_1d(ctx, W(ZERO_BUFFER), n, 0)
 
             inp = g.input("wav", (x.size, 1))  # time-major: one channel
-            h = seanet(ctx, W, self.config, inp)  # [T25, hidden]
+            h = seanet(ctx, W, self._form, self.config, inp)  # [T25, hidden]
             t = int(h.ne[1])
             pos = g.input("pos", (t,), dtype=np.int32)
             mask = g.input("mask", (t, t))
-            h = transformer(ctx, W, zero_bias, self.config, h, pos, mask)
-            h = downsample(ctx, W, self.config, h)  # [T, hidden]
-            g.output(encode(ctx, W, zero_bias, self.config, h), "codes")
+            h = transformer(ctx, W, self._form, zero_bias, self.config, h, pos, mask)
+            h = downsample(ctx, W, self._form, self.config, h)  # [T, hidden]
+            g.output(encode(ctx, W, self._form, zero_bias, self.config, h), "codes")
             out = self._backends.execute(g, {
                 "wav": x.reshape(-1, 1),
                 "pos": np.arange(t, dtype=np.int32),

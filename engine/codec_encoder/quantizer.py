@@ -15,7 +15,7 @@ import numpy.typing as npt
 
 from engine.codec_encoder.schema import CODEBOOK_EPS, CodecEncoderConfig
 from engine.ggml import Tensor, lib
-from engine.ggml.ops1d import conv
+from engine.ggml.ops1d import ConvForm
 
 
 def codebook(embed_sum: npt.NDArray[np.float32], usage: npt.NDArray[np.float32]
@@ -32,20 +32,22 @@ def neg_half_norms(embed: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
     return out
 
 
-def encode(ctx: Any, W: Callable[[str], Tensor], zero_bias: Callable[[int], Tensor],
-           c: CodecEncoderConfig, x: Tensor) -> Tensor:  # fmt: skip
+def encode(ctx: Any, W: Callable[[str], Tensor], form: ConvForm,
+           zero_bias: Callable[[int], Tensor], c: CodecEncoderConfig, x: Tensor
+           ) -> Tensor:  # fmt: skip
     """Graph: time-major ``[hidden, T]`` -> codes int32 ne ``[T, n_q]`` (numpy ``[n_q, T]``).
     The input projections and the scores run on the direct conv kernel (``.packed`` weights:
-    ``engine.ggml.ops1d.pack_conv``; the score's bias is ``-|e|^2 / 2``)."""
+    ``ConvForm.pack``; the score's bias is ``-|e|^2 / 2``)."""
     codes: list[Tensor] = []
     nsem = c.num_semantic_quantizers
     for short, levels in (("sem", range(nsem)), ("ac", range(nsem, c.num_quantizers))):
         if len(levels) == 0:
             continue
-        r = conv(ctx, W(f"cenc.vq.{short}_in_proj.packed"), zero_bias(c.codebook_dim), x)
+        r = form.conv(ctx, W(f"cenc.vq.{short}_in_proj.packed"), zero_bias(c.codebook_dim), x)
         for q in levels:
             e = W(f"cenc.vq.cb.{q}.embed")
-            score = conv(ctx, W(f"cenc.vq.cb.{q}.packed"), W(f"cenc.vq.cb.{q}.neg_half_norm"), r)
+            score = form.conv(ctx, W(f"cenc.vq.cb.{q}.packed"), W(f"cenc.vq.cb.{q}.neg_half_norm"),
+                              r)  # fmt: skip
             idx = lib.ggml_argmax(ctx, score)  # [T] int32
             codes.append(idx)
             if q + 1 < levels.stop:

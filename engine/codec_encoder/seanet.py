@@ -15,8 +15,7 @@ from typing import Any
 
 from engine.codec_encoder.schema import CodecEncoderConfig
 from engine.ggml import Tensor, lib
-from engine.ggml.custom_ops import elu
-from engine.ggml.ops1d import conv, conv_strided, pad_zero, repeat_row, row, taps, zeros
+from engine.ggml.ops1d import ConvForm, pad_zero, repeat_row, row, zeros
 
 ZERO_BUFFER = "cenc.zeros"  # the store's zero buffer (left padding of every causal conv)
 
@@ -48,11 +47,12 @@ def _pad_right(ctx: Any, x: Tensor, right: int, replicate: bool) -> Tensor:
     return lib.ggml_concat(ctx, x, repeat_row(ctx, row(ctx, x, int(x.ne[1]) - 1), right), 1)
 
 
-def causal_conv(ctx: Any, W: Callable[[str], Tensor], name: str, x: Tensor, kernel: int,
+def causal_conv(ctx: Any, W: Callable[[str], Tensor], form: ConvForm, name: str, x: Tensor,
+                kernel: int,
                 stride: int = 1, dilation: int = 1, replicate: bool = False,
                 bias: bool = True) -> Tensor:  # fmt: skip
     """A ``MimiConv1d`` (non-streaming) on ``x`` [T, C_in] -> ``[T_out, C_out]``; its weight is
-    packed by ``engine.ggml.ops1d.pack_conv`` (folded when strided). Without a bias (only the
+    packed by ``ConvForm.pack`` (folded when strided). Without a bias (only the
     downsampling conv, whose C_out = C_in) the bias is a view of the zero buffer."""
     w = W(f"{name}.weight")
     b = W(f"{name}.bias") if bias else lib.ggml_view_1d(ctx, W(ZERO_BUFFER), int(x.ne[0]), 0)
@@ -60,10 +60,10 @@ def causal_conv(ctx: Any, W: Callable[[str], Tensor], name: str, x: Tensor, kern
     left, right = causal_padding(t, kernel, stride, dilation)
     if stride == 1:
         hist = zeros(ctx, W(ZERO_BUFFER), c_in, left) if left else None
-        return conv(ctx, w, b, x, dilation=dilation, hist=hist)
+        return form.conv(ctx, w, b, x, dilation=dilation, hist=hist)
     # left = kernel - stride: whole folded rows (the history) when the kernel spans whole
     # strides, as in every Mimi conv; then the input plus ``right`` is a whole number of rows
-    if kernel % stride or left // stride != taps(w) - 1:
+    if kernel % stride or left // stride != form.taps(w) - 1:
         raise ValueError(f"{name}: a causal stride-{stride} conv of {kernel} taps does not fold")
     n_out = (left + t + right - kernel) // stride + 1
     xp = _pad_right(ctx, x, right, replicate)
@@ -72,36 +72,37 @@ def causal_conv(ctx: Any, W: Callable[[str], Tensor], name: str, x: Tensor, kern
         hist = lib.ggml_reshape_2d(ctx, hist, c_in * stride, left // stride)
     else:
         hist = zeros(ctx, W(ZERO_BUFFER), c_in * stride, left // stride) if left else None
-    y = conv_strided(ctx, w, b, xp, stride, hist)
+    y = form.conv_strided(ctx, w, b, xp, stride, hist)
     if int(y.ne[1]) != n_out:
         raise AssertionError(f"{name}: {int(y.ne[1])} frames, expected {n_out}")
     return y
 
 
-def seanet(ctx: Any, W: Callable[[str], Tensor], c: CodecEncoderConfig, wav: Tensor) -> Tensor:
+def seanet(ctx: Any, W: Callable[[str], Tensor], form: ConvForm, c: CodecEncoderConfig,
+           wav: Tensor) -> Tensor:  # fmt: skip
     """Graph: ``wav`` [N, 1] (time-major) -> ``[T, hidden]`` at ``sample_rate / prod(ratios)``
     frames per second."""
     convs = c.seanet_convs()
 
     def cv(n: int, x: Tensor) -> Tensor:
         _hf, _ci, _co, k, stride, dil = convs[n]
-        return causal_conv(ctx, W, f"cenc.conv.{n}", x, k, stride, dil)
+        return causal_conv(ctx, W, form, f"cenc.conv.{n}", x, k, stride, dil)
 
     h = cv(0, wav)
     n = 1
     for _ratio in c.upsampling_ratios:
         for _j in range(c.num_residual_layers):
-            r = cv(n, elu(ctx, h))
-            r = cv(n + 1, elu(ctx, r))
+            r = cv(n, form.elu(ctx, h))
+            r = cv(n + 1, form.elu(ctx, r))
             h = lib.ggml_add(ctx, h, r)
             n += 2
-        h = cv(n, elu(ctx, h))
+        h = cv(n, form.elu(ctx, h))
         n += 1
-    return cv(n, elu(ctx, h))
+    return cv(n, form.elu(ctx, h))
 
 
-def downsample(ctx: Any, W: Callable[[str], Tensor], c: CodecEncoderConfig, x: Tensor
-               ) -> Tensor:  # fmt: skip
+def downsample(ctx: Any, W: Callable[[str], Tensor], form: ConvForm, c: CodecEncoderConfig,
+               x: Tensor) -> Tensor:  # fmt: skip
     """The stride-2 downsampling conv (no bias, replicate padding): 25 Hz -> 12.5 Hz."""
-    return causal_conv(ctx, W, "cenc.downsample", x, c.downsample_kernel, stride=2,
+    return causal_conv(ctx, W, form, "cenc.downsample", x, c.downsample_kernel, stride=2,
                        replicate=True, bias=False)  # fmt: skip

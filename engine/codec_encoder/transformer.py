@@ -16,17 +16,18 @@ import numpy.typing as npt
 
 from engine.codec_encoder.schema import CodecEncoderConfig
 from engine.ggml import NULL, Tensor, lib
-from engine.ggml.ops1d import conv
+from engine.ggml.ops1d import ConvForm
 
 LINEARS = ("attn_q", "attn_k", "attn_v", "attn_out", "ffn_up", "ffn_down")
 
 
-def linear(ctx: Any, W: Callable[[str], Tensor], zero_bias: Callable[[int], Tensor], name: str,
-           x: Tensor, n_out: int) -> Tensor:  # fmt: skip
-    """``x`` [T, C_in] times a weight packed as a 1x1 conv (``engine.ggml.ops1d.pack_conv``)
+def linear(ctx: Any, W: Callable[[str], Tensor], form: ConvForm,
+           zero_bias: Callable[[int], Tensor], name: str, x: Tensor, n_out: int
+           ) -> Tensor:  # fmt: skip
+    """``x`` [T, C_in] times a weight packed as a 1x1 conv (``ConvForm.pack``)
     -> ``[T, n_out]``: the direct conv kernel runs these products faster than
     ``ggml_mul_mat``."""
-    return conv(ctx, W(name), zero_bias(n_out), x)
+    return form.conv(ctx, W(name), zero_bias(n_out), x)
 
 
 def causal_mask(t: int) -> npt.NDArray[np.float32]:
@@ -38,13 +39,13 @@ def _layer_norm(ctx: Any, x: Tensor, w: Tensor, b: Tensor, eps: float) -> Tensor
     return lib.ggml_add(ctx, lib.ggml_mul(ctx, lib.ggml_norm(ctx, x, eps), w), b)
 
 
-def _attention(ctx: Any, W: Callable[[str], Tensor], zb: Callable[[int], Tensor],
+def _attention(ctx: Any, W: Callable[[str], Tensor], form: ConvForm, zb: Callable[[int], Tensor],
                c: CodecEncoderConfig, g: str, x: Tensor, pos: Tensor, mask: Tensor
                ) -> Tensor:  # fmt: skip
     d, nh, nkv, t = c.head_dim, c.num_attention_heads, c.num_key_value_heads, int(x.ne[1])
 
     def lin(name: str, v: Tensor, n_out: int) -> Tensor:
-        return linear(ctx, W, zb, name, v, n_out)
+        return linear(ctx, W, form, zb, name, v, n_out)
 
     def heads(name: str, n: int, rope: bool) -> Tensor:
         h = lib.ggml_reshape_3d(ctx, lin(name, x, d * n), d, n, t)
@@ -73,7 +74,8 @@ def _attention(ctx: Any, W: Callable[[str], Tensor], zb: Callable[[int], Tensor]
     return lin(g + "attn_out.weight", out, c.hidden_size)
 
 
-def transformer(ctx: Any, W: Callable[[str], Tensor], zero_bias: Callable[[int], Tensor],
+def transformer(ctx: Any, W: Callable[[str], Tensor], form: ConvForm,
+                zero_bias: Callable[[int], Tensor],
                 c: CodecEncoderConfig, x: Tensor, pos: Tensor, mask: Tensor
                 ) -> Tensor:  # fmt: skip
     """Graph: time-major ``[hidden, T]`` -> same; ``pos`` int32 [T], ``mask`` [T, T];
@@ -82,11 +84,11 @@ def transformer(ctx: Any, W: Callable[[str], Tensor], zero_bias: Callable[[int],
     for il in range(c.num_hidden_layers):
         g = f"cenc.tr.{il}."
         a = _layer_norm(ctx, h, W(g + "attn_norm.weight"), W(g + "attn_norm.bias"), c.norm_eps)
-        a = _attention(ctx, W, zero_bias, c, g, a, pos, mask)
+        a = _attention(ctx, W, form, zero_bias, c, g, a, pos, mask)
         h = lib.ggml_add(ctx, h, lib.ggml_mul(ctx, a, W(g + "attn_scale")))
         m = _layer_norm(ctx, h, W(g + "ffn_norm.weight"), W(g + "ffn_norm.bias"), c.norm_eps)
-        m = lib.ggml_gelu_erf(ctx, linear(ctx, W, zero_bias, g + "ffn_up.weight", m,
+        m = lib.ggml_gelu_erf(ctx, linear(ctx, W, form, zero_bias, g + "ffn_up.weight", m,
                                                 c.intermediate_size))  # fmt: skip
-        m = linear(ctx, W, zero_bias, g + "ffn_down.weight", m, c.hidden_size)
+        m = linear(ctx, W, form, zero_bias, g + "ffn_down.weight", m, c.hidden_size)
         h = lib.ggml_add(ctx, h, lib.ggml_mul(ctx, m, W(g + "ffn_scale")))
     return h

@@ -9,7 +9,10 @@ copy of the input is ever made, and the bias comes with the conv.
   tensor of their own (``hist``), e.g. a view of a zero buffer.
 * A strided conv is *folded* into a stride-1 conv: ``s`` consecutive time steps taken as one
   row of ``s * C`` channels is a free reshape of a time-major tensor, and a kernel of ``K`` taps
-  with stride ``s`` becomes ``ceil(K / s)`` taps over those rows (``pack_conv``).
+  with stride ``s`` becomes ``ceil(K / s)`` taps over those rows (``fold_weight``).
+
+Backends other than the CPU (and ``QTTS_CUSTOM_OPS=0``) run the same graphs with stock ops: one
+``ggml_mul_mat`` per tap over row views (:class:`ConvForm`).
 """
 
 from __future__ import annotations
@@ -37,34 +40,65 @@ def fold_weight(w: npt.NDArray[np.float32], stride: int) -> npt.NDArray[np.float
     return np.ascontiguousarray(folded.reshape(c_out, stride * c_in, k2))
 
 
-def pack_conv(w: npt.NDArray[np.float32], stride: int = 1) -> npt.NDArray[np.float32]:
-    """PyTorch conv weight ``[C_out, C_in, K]`` -> what :func:`conv` takes (load time)."""
-    return co.pack_conv_weight(fold_weight(w, stride))
+def direct_available(backends: Any) -> bool:
+    """Whether ``backends`` runs qtts's direct conv kernel (a CPU backend with the native ops
+    built and not switched off by ``QTTS_CUSTOM_OPS=0``); accelerators keep the matmul form."""
+    return bool(backends.custom_ops and backends.name in ("cpu", "blas") and co.available())
 
 
-def taps(w: Tensor) -> int:
-    """Taps of a packed (folded) weight."""
-    return int(w.ne[2])
+class ConvForm:
+    """How one encoder's convs run: ``direct`` on the native kernel (weights packed for it),
+    else as one ``ggml_mul_mat`` per tap over row views (stock ops, any backend)."""
 
+    def __init__(self, direct: bool) -> None:
+        self.direct = direct
 
-def conv(ctx: Any, w: Tensor, b: Tensor, x: Tensor, *, dilation: int = 1,
-         hist: Tensor | None = None) -> Tensor:  # fmt: skip
-    """Stride-1 conv of ``x`` [T, C_in] (plus the ``(K-1)*dilation`` rows of ``hist`` before
-    it, or already in front of ``x`` when ``hist`` is None) -> ``[T_out, C_out]``."""
-    if taps(w) == 1:
-        hist = None
-    return co.conv1d_tm(ctx, x, w, b, dilation, hist=hist)
+    def pack(self, w: npt.NDArray[np.float32], stride: int = 1) -> npt.NDArray[np.float32]:
+        """PyTorch conv weight ``[C_out, C_in, K]`` -> what :meth:`conv` takes (load time)."""
+        f = fold_weight(w, stride)
+        if self.direct:
+            return co.pack_conv_weight(f)
+        return np.ascontiguousarray(f.transpose(2, 0, 1))  # [K, C_out, C_in]: a matrix a tap
 
+    def taps(self, w: Tensor) -> int:
+        """Taps of a packed (folded) weight."""
+        return int(w.ne[2])
 
-def conv_strided(ctx: Any, w: Tensor, b: Tensor, xp: Tensor, stride: int,
-                 hist: Tensor | None = None) -> Tensor:  # fmt: skip
-    """A folded stride-``s`` conv: ``xp`` [L, C_in] (contiguous, ``L`` a multiple of ``s``) read
-    as ``[L / s, s * C_in]``; ``hist``: folded rows before it (ne ``[s * C_in, K' - 1]``)."""
-    c, n = int(xp.ne[0]), int(xp.ne[1])
-    if n % stride:
-        raise ValueError(f"conv_strided: {n} rows are not a multiple of the stride {stride}")
-    folded = lib.ggml_reshape_2d(ctx, xp, c * stride, n // stride)
-    return conv(ctx, w, b, folded, hist=hist)
+    def conv(self, ctx: Any, w: Tensor, b: Tensor, x: Tensor, *, dilation: int = 1,
+             hist: Tensor | None = None) -> Tensor:  # fmt: skip
+        """Stride-1 conv of ``x`` [T, C_in] (plus the ``(K-1)*dilation`` rows of ``hist``
+        before it, or already in front of ``x`` when ``hist`` is None) -> ``[T_out, C_out]``;
+        ``b``: F32 [C_out]."""
+        k = self.taps(w)
+        if k == 1:
+            hist = None
+        if self.direct:
+            return co.conv1d_tm(ctx, x, w, b, dilation, hist=hist)
+        xp = x if hist is None else lib.ggml_concat(ctx, hist, x, 1)
+        c_in, c_out = int(w.ne[0]), int(w.ne[1])
+        t = int(xp.ne[1]) - (k - 1) * dilation
+        y: Tensor | None = None
+        for j in range(k):
+            wj = lib.ggml_view_2d(ctx, w, c_in, c_out, w.nb[1], j * w.nb[2])
+            xj = lib.ggml_view_2d(ctx, xp, c_in, t, xp.nb[1], j * dilation * xp.nb[1])
+            p = lib.ggml_mul_mat(ctx, wj, xj)
+            y = p if y is None else lib.ggml_add(ctx, y, p)
+        assert y is not None
+        return lib.ggml_add(ctx, y, b)
+
+    def conv_strided(self, ctx: Any, w: Tensor, b: Tensor, xp: Tensor, stride: int,
+                     hist: Tensor | None = None) -> Tensor:  # fmt: skip
+        """A folded stride-``s`` conv: ``xp`` [L, C_in] (contiguous, ``L`` a multiple of ``s``)
+        read as ``[L / s, s * C_in]``; ``hist``: folded rows before it (``[K' - 1, s * C_in]``)."""
+        c, n = int(xp.ne[0]), int(xp.ne[1])
+        if n % stride:
+            raise ValueError(f"conv_strided: {n} rows are not a multiple of the stride {stride}")
+        folded = lib.ggml_reshape_2d(ctx, xp, c * stride, n // stride)
+        return self.conv(ctx, w, b, folded, hist=hist)
+
+    def elu(self, ctx: Any, x: Tensor) -> Tensor:
+        """ELU: the vectorised native op, or ggml's."""
+        return co.elu(ctx, x) if self.direct else lib.ggml_elu(ctx, x)
 
 
 def zeros(ctx: Any, buf: Tensor, c: int, n: int) -> Tensor:

@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from engine.ggml import Tensor, lib
-from engine.ggml.ops1d import channels, conv, gather_rows, pack_conv, reflect_index
+from engine.ggml.ops1d import ConvForm, channels, gather_rows, reflect_index
 from engine.speaker.schema import SpeakerEncoderConfig
 
 STATS_EPS = 1e-12  # AttentiveStatisticsPooling.eps (clamp of the variance)
@@ -45,8 +45,8 @@ def reflect_indices(c: SpeakerEncoderConfig, frames: int
     return {p: reflect_index(frames, *p) for p in sorted(reflect_paddings(c))}
 
 
-def packed_weights(c: SpeakerEncoderConfig, tensor: Callable[[str], npt.NDArray[np.float32]]
-                   ) -> dict[str, npt.NDArray[np.float32]]:  # fmt: skip
+def packed_weights(c: SpeakerEncoderConfig, tensor: Callable[[str], npt.NDArray[np.float32]],
+                   form: ConvForm) -> dict[str, npt.NDArray[np.float32]]:  # fmt: skip
     """Weights in the form the graph reads, from the schema's tensors (``tensor(name)`` with
     its PyTorch shape): convs with a time extent packed for the direct conv kernel; the
     attention TDNN split into its part on the frames and its part on the statistics (the
@@ -59,26 +59,26 @@ def packed_weights(c: SpeakerEncoderConfig, tensor: Callable[[str], npt.NDArray[
         names += [f"{g}.tdnn1", f"{g}.tdnn2"]
         names += [f"{g}.res2net.{j}" for j in range(c.enc_res2net_scale - 1)]
     for n in names:
-        out[f"{n}.weight"] = pack_conv(tensor(f"{n}.weight"))
+        out[f"{n}.weight"] = form.pack(tensor(f"{n}.weight"))
     w = tensor("spk.asp.tdnn.weight")[:, :, 0]
     ch = c.enc_channels[-1]
-    out["spk.asp.tdnn.weight"] = pack_conv(w[:, :ch, None])
+    out["spk.asp.tdnn.weight"] = form.pack(w[:, :ch, None])
     out["spk.asp.tdnn.weight_stats"] = np.ascontiguousarray(w[:, ch:])
     return out
 
 
-def _same_conv(ctx: Any, W: Callable[[str], Tensor], pads: Pads, name: str, x: Tensor,
-               dilation: int = 1) -> Tensor:  # fmt: skip
+def _same_conv(ctx: Any, W: Callable[[str], Tensor], pads: Pads, form: ConvForm, name: str,
+               x: Tensor, dilation: int = 1) -> Tensor:  # fmt: skip
     w = W(f"{name}.weight")
     left, right = same_padding(int(w.ne[2]), dilation)
     if left or right:
         x = gather_rows(ctx, x, pads(left, right))
-    return conv(ctx, w, W(f"{name}.bias"), x, dilation=dilation)
+    return form.conv(ctx, w, W(f"{name}.bias"), x, dilation=dilation)
 
 
-def _tdnn(ctx: Any, W: Callable[[str], Tensor], pads: Pads, name: str, x: Tensor,
-          dilation: int = 1) -> Tensor:  # fmt: skip
-    return lib.ggml_relu(ctx, _same_conv(ctx, W, pads, name, x, dilation))
+def _tdnn(ctx: Any, W: Callable[[str], Tensor], pads: Pads, form: ConvForm, name: str,
+          x: Tensor, dilation: int = 1) -> Tensor:  # fmt: skip
+    return lib.ggml_relu(ctx, _same_conv(ctx, W, pads, form, name, x, dilation))
 
 
 def _pointwise_vec(ctx: Any, W: Callable[[str], Tensor], name: str, v: Tensor) -> Tensor:
@@ -99,19 +99,19 @@ def _channel_major(ctx: Any, x: Tensor) -> Tensor:
     return lib.ggml_cont(ctx, lib.ggml_transpose(ctx, x))
 
 
-def _se_res2net(ctx: Any, W: Callable[[str], Tensor], pads: Pads, c: SpeakerEncoderConfig,
-                i: int, x: Tensor) -> Tensor:  # fmt: skip
+def _se_res2net(ctx: Any, W: Callable[[str], Tensor], pads: Pads, form: ConvForm,
+                c: SpeakerEncoderConfig, i: int, x: Tensor) -> Tensor:  # fmt: skip
     g = f"spk.blk.{i}"
-    h = _tdnn(ctx, W, pads, f"{g}.tdnn1", x)
+    h = _tdnn(ctx, W, pads, form, f"{g}.tdnn1", x)
     s, width = c.enc_res2net_scale, c.enc_channels[i] // c.enc_res2net_scale
     out = lib.ggml_cont(ctx, channels(ctx, h, 0, width))
     prev: Tensor | None = None
     for j in range(1, s):
         chunk = channels(ctx, h, j * width, width)
         inp = chunk if prev is None else lib.ggml_add(ctx, chunk, prev)
-        prev = _tdnn(ctx, W, pads, f"{g}.res2net.{j - 1}", inp, c.enc_dilations[i])
+        prev = _tdnn(ctx, W, pads, form, f"{g}.res2net.{j - 1}", inp, c.enc_dilations[i])
         out = lib.ggml_concat(ctx, out, prev, 0)
-    h = _tdnn(ctx, W, pads, f"{g}.tdnn2", out)
+    h = _tdnn(ctx, W, pads, form, f"{g}.tdnn2", out)
     # squeeze-excitation: channel gates from the time mean
     m = _as_column(ctx, lib.ggml_mean(ctx, _channel_major(ctx, h)))
     m = lib.ggml_relu(ctx, _pointwise_vec(ctx, W, f"{g}.se1", m))
@@ -135,18 +135,18 @@ def _stats(ctx: Any, x: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]
 
 
 def x_vector(ctx: Any, W: Callable[[str], Tensor], c: SpeakerEncoderConfig, mel: Tensor,
-             pads: Pads) -> Tensor:  # fmt: skip
+             pads: Pads, form: ConvForm) -> Tensor:  # fmt: skip
     """Graph: time-major log-mel ``[T, mel_dim]`` -> x-vector ne ``[enc_dim, 1]``; ``pads``
     gives the graph's reflect-padding index inputs (:func:`reflect_indices`)."""
-    h = _tdnn(ctx, W, pads, "spk.tdnn0", mel, c.enc_dilations[0])
+    h = _tdnn(ctx, W, pads, form, "spk.tdnn0", mel, c.enc_dilations[0])
     outs = []
     for i in range(1, len(c.enc_channels) - 1):
-        h = _se_res2net(ctx, W, pads, c, i, h)
+        h = _se_res2net(ctx, W, pads, form, c, i, h)
         outs.append(h)
     cat = outs[0]
     for o in outs[1:]:
         cat = lib.ggml_concat(ctx, cat, o, 0)
-    ht = _tdnn(ctx, W, pads, "spk.mfa", cat, c.enc_dilations[-1])  # time-major
+    ht = _tdnn(ctx, W, pads, form, "spk.mfa", cat, c.enc_dilations[-1])  # time-major
     h = _channel_major(ctx, ht)
     # attentive statistics pooling; the TDNN's share of [mean, std] is a bias (packed_weights)
     mean, std = _stats(ctx, h, None)
@@ -155,7 +155,7 @@ def x_vector(ctx: Any, W: Callable[[str], Tensor], c: SpeakerEncoderConfig, mel:
                         lib.ggml_reshape_2d(ctx, W("spk.asp.tdnn.bias"),
                                             int(W("spk.asp.tdnn.bias").ne[0]), 1))  # fmt: skip
     bias = lib.ggml_reshape_1d(ctx, bias, int(bias.ne[0]))
-    a = lib.ggml_relu(ctx, conv(ctx, W("spk.asp.tdnn.weight"), bias, ht))
+    a = lib.ggml_relu(ctx, form.conv(ctx, W("spk.asp.tdnn.weight"), bias, ht))
     a = lib.ggml_tanh(ctx, a)  # time-major [T, attention]
     wc = W("spk.asp.conv.weight")
     logits = lib.ggml_mul_mat(ctx, a, lib.ggml_reshape_2d(ctx, wc, int(wc.ne[1]), int(wc.ne[2])))

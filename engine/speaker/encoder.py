@@ -10,6 +10,7 @@ import numpy.typing as npt
 from engine.backend import BackendSet
 from engine.errors import InputError
 from engine.ggml.graph import Graph
+from engine.ggml.ops1d import ConvForm, direct_available
 from engine.gguf_schema import PART_SPEAKER
 from engine.speaker.ecapa import packed_weights, reflect_indices, reflect_paddings, x_vector
 from engine.speaker.mel import MelConstants, frame_count, log_mel, min_samples
@@ -31,7 +32,8 @@ class SpeakerEncoder:
             out: npt.NDArray[np.float32] = model.tensor_f32(name).reshape(shapes[name])
             return out
 
-        packed = packed_weights(cfg, tensor)
+        self._form = ConvForm(direct_available(backends))
+        packed = packed_weights(cfg, tensor, self._form)
         for name in shapes:
             if name not in packed:
                 store.add_array(name, tensor(name))
@@ -55,7 +57,8 @@ class SpeakerEncoder:
             inp = g.input("mel", mel.shape)
             pads = {p: g.input(f"reflect_{p[0]}_{p[1]}", (v.size,), dtype=np.int32)
                     for p, v in index.items()}  # fmt: skip
-            g.output(x_vector(g.ctx, W, self.config, inp, lambda lo, hi: pads[(lo, hi)]), "xvec")
+            g.output(x_vector(g.ctx, W, self.config, inp, lambda lo, hi: pads[(lo, hi)],
+                              self._form), "xvec")  # fmt: skip
             out = self._backends.execute(g, {
                 "mel": mel,
                 **{f"reflect_{p[0]}_{p[1]}": v for p, v in index.items()},

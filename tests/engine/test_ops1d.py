@@ -12,7 +12,7 @@ import pytest
 from engine.backend import BackendSet
 from engine.codec_encoder.seanet import ZERO_BUFFER, causal_conv, causal_padding
 from engine.ggml import Graph
-from engine.ggml.ops1d import fold_weight, gather_rows, pack_conv, reflect_index
+from engine.ggml.ops1d import ConvForm, fold_weight, gather_rows, reflect_index
 
 needs_ops = pytest.mark.usefixtures("native_ops")
 
@@ -40,9 +40,10 @@ def mimi_ref(x: np.ndarray[Any, Any], w: np.ndarray[Any, Any], b: np.ndarray[Any
 
 def run_causal(be: BackendSet, x: np.ndarray[Any, Any], w: np.ndarray[Any, Any],
                b: np.ndarray[Any, Any] | None, stride: int, dilation: int,
-               replicate: bool) -> np.ndarray[Any, Any]:  # fmt: skip
+               replicate: bool, direct: bool = True) -> np.ndarray[Any, Any]:  # fmt: skip
+    form = ConvForm(direct)
     store = be.weight_store()
-    store.add_array("c.weight", pack_conv(w, stride))
+    store.add_array("c.weight", form.pack(w, stride))
     if b is not None:
         store.add_array("c.bias", b)
     store.add_array(ZERO_BUFFER, np.zeros(w.shape[1] * w.shape[2] * dilation + w.shape[0],
@@ -51,7 +52,7 @@ def run_causal(be: BackendSet, x: np.ndarray[Any, Any], w: np.ndarray[Any, Any],
     try:
         with Graph() as g:
             tx = g.input("x", x.shape)
-            g.output(causal_conv(g.ctx, store.__getitem__, "c", tx, w.shape[2], stride, dilation,
+            g.output(causal_conv(g.ctx, store.__getitem__, form, "c", tx, w.shape[2], stride, dilation,
                                  replicate, bias=b is not None), "y")  # fmt: skip
             return be.execute(g, {"x": x})["y"]
     finally:
@@ -97,29 +98,33 @@ def test_gather_rows_on_a_channel_view(cpu2: BackendSet) -> None:
 
 
 @needs_ops
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "mul_mat"])
 @pytest.mark.parametrize("t", [48, 49, 50, 53])  # multiples of the stride and not
 @pytest.mark.parametrize("k,s,d", [(7, 1, 1), (3, 1, 2), (8, 4, 1), (10, 5, 1), (4, 2, 1)])
-def test_causal_conv_zero_padding(cpu2: BackendSet, t: int, k: int, s: int, d: int) -> None:
+def test_causal_conv_zero_padding(cpu2: BackendSet, t: int, k: int, s: int, d: int,
+                                  direct: bool) -> None:  # fmt: skip
     rng = np.random.default_rng(t * 100 + k)
     c_in, c_out = 6, 40
     x = rng.standard_normal((t, c_in)).astype(np.float32)
     w = (rng.standard_normal((c_out, c_in, k)) / np.sqrt(c_in * k)).astype(np.float32)
     b = rng.standard_normal(c_out).astype(np.float32)
     want = mimi_ref(x, w, b, s, d, replicate=False)
-    got = run_causal(cpu2, x, w, b, s, d, replicate=False)
+    got = run_causal(cpu2, x, w, b, s, d, replicate=False, direct=direct)
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 @needs_ops
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "mul_mat"])
 @pytest.mark.parametrize("t", [20, 21])
-def test_causal_conv_replicate_padding_without_bias(cpu2: BackendSet, t: int) -> None:
+def test_causal_conv_replicate_padding_without_bias(cpu2: BackendSet, t: int,
+                                                    direct: bool) -> None:  # fmt: skip
     """The downsampling conv: stride 2, 4 taps, edge replication both sides, no bias."""
     rng = np.random.default_rng(t)
     c = 8
     x = rng.standard_normal((t, c)).astype(np.float32)
     w = (rng.standard_normal((c, c, 4)) / np.sqrt(4 * c)).astype(np.float32)
     want = mimi_ref(x, w, np.zeros(c, np.float32), 2, 1, replicate=True)
-    got = run_causal(cpu2, x, w, None, 2, 1, replicate=True)
+    got = run_causal(cpu2, x, w, None, 2, 1, replicate=True, direct=direct)
     assert got.shape == want.shape == (-(-t // 2), c)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
