@@ -52,8 +52,9 @@ def run_causal(be: BackendSet, x: np.ndarray[Any, Any], w: np.ndarray[Any, Any],
     try:
         with Graph() as g:
             tx = g.input("x", x.shape)
-            g.output(causal_conv(g.ctx, store.__getitem__, form, "c", tx, w.shape[2], stride, dilation,
-                                 replicate, bias=b is not None), "y")  # fmt: skip
+            y = causal_conv(g.ctx, store.__getitem__, form, "c", tx, w.shape[2], stride,
+                            dilation, replicate, bias=b is not None)  # fmt: skip
+            g.output(y, "y")
             return be.execute(g, {"x": x})["y"]
     finally:
         store.close()
