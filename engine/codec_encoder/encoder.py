@@ -13,18 +13,15 @@ import numpy as np
 import numpy.typing as npt
 
 from engine.backend import BackendSet
-from engine.codec_encoder.quantizer import codebook, encode, half_norms
+from engine.codec_encoder.quantizer import codebook, encode, neg_half_norms
 from engine.codec_encoder.schema import CodecEncoderConfig, codec_encoder_tensor_specs
-from engine.codec_encoder.seanet import downsample, seanet
-from engine.codec_encoder.transformer import causal_mask, transformer
+from engine.codec_encoder.seanet import ZERO_BUFFER, downsample, seanet, zero_buffer_size
+from engine.codec_encoder.transformer import LINEARS, causal_mask, transformer
 from engine.errors import InputError
 from engine.ggml import lib
 from engine.ggml.graph import Graph
+from engine.ggml.ops1d import ConvForm, direct_available
 from engine.gguf_schema import PART_CODEC_ENCODER
-
-
-def _time_major(ctx: Any, x: Any) -> Any:
-    return lib.ggml_cont(ctx, lib.ggml_transpose(ctx, x))
 
 
 class CodecEncoder:
@@ -36,16 +33,32 @@ class CodecEncoder:
         self.config = cfg
         self._backends = backends
         store = backends.weight_store()
+        form = self._form = ConvForm(direct_available(backends))
+        strides = {f"cenc.conv.{n}.weight": s for n, (*_, s, _d) in enumerate(cfg.seanet_convs())}
+        strides["cenc.downsample.weight"] = 2
+        linears = {f"cenc.tr.{i}.{n}.weight" for i in range(cfg.num_hidden_layers)
+                   for n in LINEARS}  # fmt: skip
         for spec in codec_encoder_tensor_specs(cfg):
             if spec.name.startswith("cenc.vq.cb."):
                 continue
-            store.add_array(spec.name, model.tensor_f32(spec.name).reshape(spec.shape))
+            w = model.tensor_f32(spec.name).reshape(spec.shape)
+            # convs and linears run on the direct conv kernel, packed (strided convs folded)
+            if spec.name in strides:
+                w = form.pack(w, strides[spec.name])
+            elif spec.name in linears:
+                w = form.pack(w[:, :, None])
+            elif spec.name.endswith("_in_proj.weight"):
+                store.add_array(spec.name.replace(".weight", ".packed"), form.pack(w[:, :, None]))
+                continue
+            store.add_array(spec.name, w)
+        store.add_array(ZERO_BUFFER, np.zeros(zero_buffer_size(cfg), np.float32))
         for q in range(cfg.num_quantizers):
             g = f"cenc.vq.cb.{q}."
             e = codebook(model.tensor_f32(g + "embed_sum").reshape(cfg.codebook_size, -1),
                          model.tensor_f32(g + "usage").reshape(-1))  # fmt: skip
             store.add_array(g + "embed", e)
-            store.add_array(g + "half_norm", half_norms(e))
+            store.add_array(g + "packed", form.pack(e[:, :, None]))
+            store.add_array(g + "neg_half_norm", neg_half_norms(e))
         store.allocate()
         self._store = store
 
@@ -61,16 +74,20 @@ class CodecEncoder:
         W = self._store.__getitem__
         with Graph() as g:
             ctx = g.ctx
-            inp = g.input("wav", (1, x.size))
-            h = seanet(ctx, W, self.config, inp)  # [hidden, T25]
-            t = int(h.ne[0])
+
+            def zero_bias(n: int) -> Any:
+                return lib.ggml_view_1d(ctx, W(ZERO_BUFFER), n, 0)
+
+            inp = g.input("wav", (x.size, 1))  # time-major: one channel
+            h = seanet(ctx, W, self._form, self.config, inp)  # [T25, hidden]
+            t = int(h.ne[1])
             pos = g.input("pos", (t,), dtype=np.int32)
             mask = g.input("mask", (t, t))
-            h = transformer(ctx, W, self.config, _time_major(ctx, h), pos, mask)
-            h = downsample(ctx, W, _time_major(ctx, h))  # channel-major [hidden, T]
-            g.output(encode(ctx, W, self.config, _time_major(ctx, h)), "codes")
+            h = transformer(ctx, W, self._form, zero_bias, self.config, h, pos, mask)
+            h = downsample(ctx, W, self._form, self.config, h)  # [T, hidden]
+            g.output(encode(ctx, W, self._form, zero_bias, self.config, h), "codes")
             out = self._backends.execute(g, {
-                "wav": x.reshape(1, -1),
+                "wav": x.reshape(-1, 1),
                 "pos": np.arange(t, dtype=np.int32),
                 "mask": causal_mask(t),
             })  # fmt: skip

@@ -1,8 +1,10 @@
-"""The SEANet conv encoder and the downsampling conv of Mimi, channel-major on ggml.
+"""The SEANet conv encoder and the downsampling conv of Mimi, time-major on ggml.
 
 Every ``MimiConv1d`` is causal: it pads ``k_eff - stride`` samples in front (zeros; the
 downsampling conv repeats the edge sample instead) and as many at the end as make the last
-window complete (``_get_extra_padding_for_conv1d``), then runs a valid conv.
+window complete (``_get_extra_padding_for_conv1d``), then runs a valid conv. Here the front
+padding is the conv kernel's separate history (a view of a zero buffer, or the first row
+repeated) and the strided convs are folded (``engine.ggml.ops1d``), so nothing is unfolded.
 """
 
 from __future__ import annotations
@@ -13,7 +15,9 @@ from typing import Any
 
 from engine.codec_encoder.schema import CodecEncoderConfig
 from engine.ggml import Tensor, lib
-from engine.ggml.ops1d import add_channel_bias, conv1d, pad_replicate_left, pad_zero
+from engine.ggml.ops1d import ConvForm, pad_zero, repeat_row, row, zeros
+
+ZERO_BUFFER = "cenc.zeros"  # the store's zero buffer (left padding of every causal conv)
 
 
 def causal_padding(length: int, kernel: int, stride: int, dilation: int) -> tuple[int, int]:
@@ -25,48 +29,80 @@ def causal_padding(length: int, kernel: int, stride: int, dilation: int) -> tupl
     return total, ideal - length
 
 
-def _pad_replicate_right(ctx: Any, x: Tensor, n: int) -> Tensor:
-    if n == 0:
+def zero_buffer_size(c: CodecEncoderConfig) -> int:
+    """Values the zero buffer needs: the largest left padding of any conv, or the widest
+    bias-free output (its zero bias), in floats."""
+    need = [c.hidden_size, c.intermediate_size, c.codebook_dim, c.codebook_size]
+    for _hf, c_in, _co, k, _stride, dil in c.seanet_convs():
+        need.append(c_in * ((k - 1) * dil + 1))
+    return max(need)
+
+
+def _pad_right(ctx: Any, x: Tensor, right: int, replicate: bool) -> Tensor:
+    """The reference's extra padding at the end: zeros, or the last row repeated."""
+    if right == 0:
         return x
-    t = int(x.ne[0])
-    last = lib.ggml_view_2d(ctx, x, 1, int(x.ne[1]), x.nb[1], (t - 1) * x.nb[0])
-    return lib.ggml_concat(ctx, x, lib.ggml_repeat_4d(ctx, last, n, int(x.ne[1]), 1, 1), 0)
+    if not replicate:
+        return pad_zero(ctx, x, 0, right)
+    return lib.ggml_concat(ctx, x, repeat_row(ctx, row(ctx, x, int(x.ne[1]) - 1), right), 1)
 
 
-def causal_conv(ctx: Any, w: Tensor, b: Tensor | None, x: Tensor, stride: int = 1,
-                dilation: int = 1, replicate: bool = False) -> Tensor:  # fmt: skip
-    """A ``MimiConv1d`` (non-streaming) on ``x`` [C_in, T]."""
-    left, right = causal_padding(int(x.ne[0]), int(w.ne[0]), stride, dilation)
+def causal_conv(ctx: Any, W: Callable[[str], Tensor], form: ConvForm, name: str, x: Tensor,
+                kernel: int,
+                stride: int = 1, dilation: int = 1, replicate: bool = False,
+                bias: bool = True) -> Tensor:  # fmt: skip
+    """A ``MimiConv1d`` (non-streaming) on ``x`` [T, C_in] -> ``[T_out, C_out]``; its weight is
+    packed by ``ConvForm.pack`` (folded when strided). Without a bias (only the
+    downsampling conv, whose C_out = C_in) the bias is a view of the zero buffer."""
+    w = W(f"{name}.weight")
+    b = W(f"{name}.bias") if bias else lib.ggml_view_1d(ctx, W(ZERO_BUFFER), int(x.ne[0]), 0)
+    c_in, t = int(x.ne[0]), int(x.ne[1])
+    left, right = causal_padding(t, kernel, stride, dilation)
+    if stride == 1:
+        hist = zeros(ctx, W(ZERO_BUFFER), c_in, left) if left else None
+        return form.conv(ctx, w, b, x, dilation=dilation, hist=hist)
+    # left = kernel - stride: whole folded rows (the history) when the kernel spans whole
+    # strides, as in every Mimi conv; then the input plus ``right`` is a whole number of rows
+    if kernel % stride or left // stride != form.taps(w) - 1:
+        raise ValueError(f"{name}: a causal stride-{stride} conv of {kernel} taps does not fold")
+    n_out = (left + t + right - kernel) // stride + 1
+    xp = _pad_right(ctx, x, right, replicate)
     if replicate:
-        xp = _pad_replicate_right(ctx, pad_replicate_left(ctx, x, left), right)
+        hist = repeat_row(ctx, row(ctx, x, 0), left)  # [left, C]: whole folded rows
+        hist = lib.ggml_reshape_2d(ctx, hist, c_in * stride, left // stride)
     else:
-        xp = pad_zero(ctx, x, left, right)
-    y = conv1d(ctx, w, xp, stride=stride, dilation=dilation)
-    return y if b is None else add_channel_bias(ctx, y, b)
+        hist = zeros(ctx, W(ZERO_BUFFER), c_in * stride, left // stride) if left else None
+    y = form.conv_strided(ctx, w, b, xp, stride, hist)
+    if int(y.ne[1]) != n_out:
+        raise AssertionError(f"{name}: {int(y.ne[1])} frames, expected {n_out}")
+    return y
 
 
-def seanet(ctx: Any, W: Callable[[str], Tensor], c: CodecEncoderConfig, wav: Tensor) -> Tensor:
-    """Graph: ``wav`` [1, N] -> ``[hidden, T]`` at ``sample_rate / prod(ratios)`` frames/s."""
+def seanet(ctx: Any, W: Callable[[str], Tensor], form: ConvForm, c: CodecEncoderConfig,
+           wav: Tensor) -> Tensor:  # fmt: skip
+    """Graph: ``wav`` [N, 1] (time-major) -> ``[T, hidden]`` at ``sample_rate / prod(ratios)``
+    frames per second."""
     convs = c.seanet_convs()
 
-    def conv(n: int, x: Tensor) -> Tensor:
-        _hf, _ci, _co, _k, stride, dil = convs[n]
-        return causal_conv(ctx, W(f"cenc.conv.{n}.weight"), W(f"cenc.conv.{n}.bias"), x,
-                           stride, dil)  # fmt: skip
+    def cv(n: int, x: Tensor) -> Tensor:
+        _hf, _ci, _co, k, stride, dil = convs[n]
+        return causal_conv(ctx, W, form, f"cenc.conv.{n}", x, k, stride, dil)
 
-    h = conv(0, wav)
+    h = cv(0, wav)
     n = 1
     for _ratio in c.upsampling_ratios:
         for _j in range(c.num_residual_layers):
-            r = conv(n, lib.ggml_elu(ctx, h))
-            r = conv(n + 1, lib.ggml_elu(ctx, r))
+            r = cv(n, form.elu(ctx, h))
+            r = cv(n + 1, form.elu(ctx, r))
             h = lib.ggml_add(ctx, h, r)
             n += 2
-        h = conv(n, lib.ggml_elu(ctx, h))
+        h = cv(n, form.elu(ctx, h))
         n += 1
-    return conv(n, lib.ggml_elu(ctx, h))
+    return cv(n, form.elu(ctx, h))
 
 
-def downsample(ctx: Any, W: Callable[[str], Tensor], x: Tensor) -> Tensor:
+def downsample(ctx: Any, W: Callable[[str], Tensor], form: ConvForm, c: CodecEncoderConfig,
+               x: Tensor) -> Tensor:  # fmt: skip
     """The stride-2 downsampling conv (no bias, replicate padding): 25 Hz -> 12.5 Hz."""
-    return causal_conv(ctx, W("cenc.downsample.weight"), None, x, stride=2, replicate=True)
+    return causal_conv(ctx, W, form, "cenc.downsample", x, c.downsample_kernel, stride=2,
+                       replicate=True, bias=False)  # fmt: skip

@@ -16,6 +16,18 @@ import numpy.typing as npt
 
 from engine.codec_encoder.schema import CodecEncoderConfig
 from engine.ggml import NULL, Tensor, lib
+from engine.ggml.ops1d import ConvForm
+
+LINEARS = ("attn_q", "attn_k", "attn_v", "attn_out", "ffn_up", "ffn_down")
+
+
+def linear(ctx: Any, W: Callable[[str], Tensor], form: ConvForm,
+           zero_bias: Callable[[int], Tensor], name: str, x: Tensor, n_out: int
+           ) -> Tensor:  # fmt: skip
+    """``x`` [T, C_in] times a weight packed as a 1x1 conv (``ConvForm.pack``)
+    -> ``[T, n_out]``: the direct conv kernel runs these products faster than
+    ``ggml_mul_mat``."""
+    return form.conv(ctx, W(name), zero_bias(n_out), x)
 
 
 def causal_mask(t: int) -> npt.NDArray[np.float32]:
@@ -27,12 +39,16 @@ def _layer_norm(ctx: Any, x: Tensor, w: Tensor, b: Tensor, eps: float) -> Tensor
     return lib.ggml_add(ctx, lib.ggml_mul(ctx, lib.ggml_norm(ctx, x, eps), w), b)
 
 
-def _attention(ctx: Any, W: Callable[[str], Tensor], c: CodecEncoderConfig, g: str, x: Tensor,
-               pos: Tensor, mask: Tensor) -> Tensor:  # fmt: skip
+def _attention(ctx: Any, W: Callable[[str], Tensor], form: ConvForm, zb: Callable[[int], Tensor],
+               c: CodecEncoderConfig, g: str, x: Tensor, pos: Tensor, mask: Tensor
+               ) -> Tensor:  # fmt: skip
     d, nh, nkv, t = c.head_dim, c.num_attention_heads, c.num_key_value_heads, int(x.ne[1])
 
+    def lin(name: str, v: Tensor, n_out: int) -> Tensor:
+        return linear(ctx, W, form, zb, name, v, n_out)
+
     def heads(name: str, n: int, rope: bool) -> Tensor:
-        h = lib.ggml_reshape_3d(ctx, lib.ggml_mul_mat(ctx, W(name), x), d, n, t)
+        h = lib.ggml_reshape_3d(ctx, lin(name, x, d * n), d, n, t)
         if rope:
             h = lib.ggml_rope_ext(ctx, h, pos, NULL, d, lib.GGML_ROPE_TYPE_NEOX, 0,
                                   c.rope_theta, 1.0, 0.0, 1.0, 0.0, 0.0)  # fmt: skip
@@ -41,28 +57,38 @@ def _attention(ctx: Any, W: Callable[[str], Tensor], c: CodecEncoderConfig, g: s
     q = heads(g + "attn_q.weight", nh, True)
     k = heads(g + "attn_k.weight", nkv, True)
     v = heads(g + "attn_v.weight", nkv, False)
-    qp = lib.ggml_permute(ctx, q, 0, 2, 1, 3)  # [d, T, H]
-    kp = lib.ggml_permute(ctx, k, 0, 2, 1, 3)  # [d, Tk, Hkv]; GQA broadcasts over heads
+    # contiguous per-head copies (small) let ggml_mul_mat take its fast GEMM path
+    qp = lib.ggml_cont(ctx, lib.ggml_permute(ctx, q, 0, 2, 1, 3))  # [d, T, H]
+    kp = lib.ggml_cont(ctx, lib.ggml_permute(ctx, k, 0, 2, 1, 3))  # [d, Tk, Hkv]; GQA broadcasts
     scores = lib.ggml_mul_mat(ctx, kp, qp)  # [Tk, T, H]
     probs = lib.ggml_soft_max_ext(ctx, scores, mask, 1.0 / math.sqrt(d), 0.0)
     vt = lib.ggml_cont(ctx, lib.ggml_permute(ctx, v, 1, 2, 0, 3))  # [Tk, d, Hkv]
+    # ggml's fast F32 GEMM needs the inner length (Tk here) a multiple of 16: pad with zeros
+    pad = -t % 16
+    if pad:
+        probs = lib.ggml_pad_ext(ctx, probs, 0, pad, 0, 0, 0, 0, 0, 0)
+        vt = lib.ggml_pad_ext(ctx, vt, 0, pad, 0, 0, 0, 0, 0, 0)
     out = lib.ggml_mul_mat(ctx, vt, probs)  # [d, T, H]
     out = lib.ggml_cont(ctx, lib.ggml_permute(ctx, out, 0, 2, 1, 3))  # [d, H, T]
     out = lib.ggml_reshape_2d(ctx, out, d * nh, t)
-    return lib.ggml_mul_mat(ctx, W(g + "attn_out.weight"), out)
+    return lin(g + "attn_out.weight", out, c.hidden_size)
 
 
-def transformer(ctx: Any, W: Callable[[str], Tensor], c: CodecEncoderConfig, x: Tensor,
-                pos: Tensor, mask: Tensor) -> Tensor:  # fmt: skip
-    """Graph: time-major ``[hidden, T]`` -> same; ``pos`` int32 [T], ``mask`` [T, T]."""
+def transformer(ctx: Any, W: Callable[[str], Tensor], form: ConvForm,
+                zero_bias: Callable[[int], Tensor],
+                c: CodecEncoderConfig, x: Tensor, pos: Tensor, mask: Tensor
+                ) -> Tensor:  # fmt: skip
+    """Graph: time-major ``[hidden, T]`` -> same; ``pos`` int32 [T], ``mask`` [T, T];
+    ``zero_bias(n)``: an F32 vector of ``n`` zeros (the linears have no bias)."""
     h = x
     for il in range(c.num_hidden_layers):
         g = f"cenc.tr.{il}."
         a = _layer_norm(ctx, h, W(g + "attn_norm.weight"), W(g + "attn_norm.bias"), c.norm_eps)
-        a = _attention(ctx, W, c, g, a, pos, mask)
+        a = _attention(ctx, W, form, zero_bias, c, g, a, pos, mask)
         h = lib.ggml_add(ctx, h, lib.ggml_mul(ctx, a, W(g + "attn_scale")))
         m = _layer_norm(ctx, h, W(g + "ffn_norm.weight"), W(g + "ffn_norm.bias"), c.norm_eps)
-        m = lib.ggml_gelu_erf(ctx, lib.ggml_mul_mat(ctx, W(g + "ffn_up.weight"), m))
-        m = lib.ggml_mul_mat(ctx, W(g + "ffn_down.weight"), m)
+        m = lib.ggml_gelu_erf(ctx, linear(ctx, W, form, zero_bias, g + "ffn_up.weight", m,
+                                                c.intermediate_size))  # fmt: skip
+        m = linear(ctx, W, form, zero_bias, g + "ffn_down.weight", m, c.hidden_size)
         h = lib.ggml_add(ctx, h, lib.ggml_mul(ctx, m, W(g + "ffn_scale")))
     return h

@@ -18,9 +18,10 @@ server side; not tried). Pin custom nodes to the CPU
 (``ggml_backend_sched_set_tensor_backend(sched, node, cpu)``) whenever RPC is in the set.
 Neither op is eligible for ggml-alloc's in-place reuse, so dst never aliases an input.
 
-Ops: ``snake_beta``; ``conv1d_tm`` (exact F32 direct conv, weights from ``pack_conv_weight``);
-``conv1d_tm_bf16`` (its fast-mode twin: BF16 weights from ``pack_conv_weight_bf16`` and BF16-rounded
-input, F32 sums; AVX512_BF16 when ``bf16_available()``, else a slow portable path). Both convs
+Ops: ``snake_beta``; ``elu`` (vectorised ELU); ``conv1d_tm`` (exact F32 direct conv, weights
+from ``pack_conv_weight``); ``conv1d_tm_bf16`` (its fast-mode twin: BF16 weights from
+``pack_conv_weight_bf16`` and BF16-rounded input, F32 sums; AVX512_BF16 when
+``bf16_available()``, else a slow portable path). Both convs
 take their left history either in front of the input (``xp``) or as a tensor of its own
 (``hist=``), which spares the graph a concat of the whole activation; the results are the same
 bit for bit.
@@ -140,6 +141,17 @@ def snake_beta(ctx: Any, x: Tensor, exp_alpha: Tensor, inv_beta: Tensor, *,
     _check_vector(inv_beta, c, "snake_beta: inv_beta")
     fn = _fn(library, "qtts_snake_beta_op", "ggml_custom3_op_t")
     return lib.ggml_map_custom3(ctx, x, exp_alpha, inv_beta, fn, GGML_N_TASKS_MAX, ffi.NULL)
+
+
+def elu(ctx: Any, x: Tensor, *, library: Any | None = None) -> Tensor:
+    """ELU (alpha 1), ``x > 0 ? x : expm1(x)``, with a vectorised expm1 (about 1 ulp; ggml's
+    own ELU calls libm once per element). ``x``: F32, contiguous, any shape; returns a new
+    tensor shaped like it. Elements are split over the compute threads."""
+    _check_f32(x, "elu: x")
+    if not lib.ggml_is_contiguous(x):
+        raise ValueError("elu: x must be contiguous (ggml_cont it first)")
+    fn = _fn(library, "qtts_elu_op", "ggml_custom1_op_t")
+    return lib.ggml_map_custom1(ctx, x, fn, GGML_N_TASKS_MAX, ffi.NULL)
 
 
 def _check_rows(t: Tensor, c_in: int, what: str, name: str) -> None:

@@ -1,64 +1,145 @@
-"""Channel-major 1-D building blocks on ggml for the cloning encoders (F32 throughout).
+"""Time-major 1-D convolutions for the cloning encoders (exact F32 throughout).
 
-Layout: an activation is numpy ``[C, T]`` (ggml ``ne = [T, C]``): time is contiguous, so
-reflect/zero padding and convolutions work along ``ne0``. ggml's own ``ggml_conv_1d`` builds an
-F16 im2col, which costs the 1e-4 parity the encoders need; :func:`conv1d` keeps F32.
+Layout: the decoder's: an activation of numpy shape ``[T, C]`` is a ggml tensor ``ne = [C, T]``
+(channels contiguous, one row per time step). Every conv runs on qtts's direct F32 conv kernel
+(``conv1d_tm``, native/ops/conv1d_tm.c), which reads its input in place: no unfolded (im2col)
+copy of the input is ever made, and the bias comes with the conv.
+
+* Left padding never copies the activation: the kernel takes the rows before the input as a
+  tensor of their own (``hist``), e.g. a view of a zero buffer.
+* A strided conv is *folded* into a stride-1 conv: ``s`` consecutive time steps taken as one
+  row of ``s * C`` channels is a free reshape of a time-major tensor, and a kernel of ``K`` taps
+  with stride ``s`` becomes ``ceil(K / s)`` taps over those rows (``fold_weight``).
+
+Backends other than the CPU (and ``QTTS_CUSTOM_OPS=0``) run the same graphs with stock ops: one
+``ggml_mul_mat`` per tap over row views (:class:`ConvForm`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from engine.ggml import Tensor, lib
+from engine.ggml import custom_ops as co
 
 
-def conv1d(ctx: Any, w: Tensor, x: Tensor, stride: int = 1, dilation: int = 1) -> Tensor:
-    """Valid (unpadded) conv of ``x`` [C_in, T] with ``w`` [C_out, C_in, K] -> [C_out, T_out]."""
-    k, c_in, c_out = int(w.ne[0]), int(w.ne[1]), int(w.ne[2])
-    if k == 1 and stride == 1:
-        # a pointwise conv is one matrix product: [T, C_in] x [C_out, C_in]^T
-        xt = lib.ggml_cont(ctx, lib.ggml_transpose(ctx, x))
-        y = lib.ggml_mul_mat(ctx, xt, lib.ggml_reshape_2d(ctx, w, c_in, c_out))
-        return y
-    cols = lib.ggml_im2col(ctx, w, x, stride, 0, 0, 0, dilation, 0, False, lib.GGML_TYPE_F32)
-    # cols: ne [C_in*K, T_out]; result ne [T_out, C_out]
-    cols2 = lib.ggml_reshape_2d(ctx, cols, int(cols.ne[0]), int(cols.ne[1]) * int(cols.ne[2]))
-    return lib.ggml_mul_mat(ctx, cols2, lib.ggml_reshape_2d(ctx, w, k * c_in, c_out))
+def fold_weight(w: npt.NDArray[np.float32], stride: int) -> npt.NDArray[np.float32]:
+    """Conv weight ``[C_out, C_in, K]`` with stride ``s`` -> the stride-1 weight
+    ``[C_out, s * C_in, ceil(K / s)]`` over folded rows: ``W'[o, r*C_in + c, m] = W[o, c, m*s + r]``
+    (taps past ``K`` are zero)."""
+    c_out, c_in, k = w.shape
+    if stride == 1:
+        return np.ascontiguousarray(w, dtype=np.float32)
+    k2 = -(-k // stride)
+    wp = np.zeros((c_out, c_in, k2 * stride), np.float32)
+    wp[:, :, :k] = w
+    folded = wp.reshape(c_out, c_in, k2, stride).transpose(0, 3, 1, 2)
+    return np.ascontiguousarray(folded.reshape(c_out, stride * c_in, k2))
 
 
-def add_channel_bias(ctx: Any, x: Tensor, b: Tensor) -> Tensor:
-    """``x`` [C, T] plus a per-channel bias ``b`` [C]."""
-    return lib.ggml_add(ctx, x, lib.ggml_reshape_2d(ctx, b, 1, int(b.ne[0])))
+def direct_available(backends: Any) -> bool:
+    """Whether ``backends`` runs qtts's direct conv kernel (a CPU backend with the native ops
+    built and not switched off by ``QTTS_CUSTOM_OPS=0``); accelerators keep the matmul form."""
+    return bool(backends.custom_ops and backends.name in ("cpu", "blas") and co.available())
 
 
-def mul_channel(ctx: Any, x: Tensor, s: Tensor) -> Tensor:
-    """``x`` [C, T] times a per-channel scale ``s`` [C]."""
-    return lib.ggml_mul(ctx, x, lib.ggml_reshape_2d(ctx, s, 1, int(s.ne[0])))
+class ConvForm:
+    """How one encoder's convs run: ``direct`` on the native kernel (weights packed for it),
+    else as one ``ggml_mul_mat`` per tap over row views (stock ops, any backend)."""
+
+    def __init__(self, direct: bool) -> None:
+        self.direct = direct
+
+    def pack(self, w: npt.NDArray[np.float32], stride: int = 1) -> npt.NDArray[np.float32]:
+        """PyTorch conv weight ``[C_out, C_in, K]`` -> what :meth:`conv` takes (load time)."""
+        f = fold_weight(w, stride)
+        if self.direct:
+            return co.pack_conv_weight(f)
+        return np.ascontiguousarray(f.transpose(2, 0, 1))  # [K, C_out, C_in]: a matrix a tap
+
+    def taps(self, w: Tensor) -> int:
+        """Taps of a packed (folded) weight."""
+        return int(w.ne[2])
+
+    def conv(self, ctx: Any, w: Tensor, b: Tensor, x: Tensor, *, dilation: int = 1,
+             hist: Tensor | None = None) -> Tensor:  # fmt: skip
+        """Stride-1 conv of ``x`` [T, C_in] (plus the ``(K-1)*dilation`` rows of ``hist``
+        before it, or already in front of ``x`` when ``hist`` is None) -> ``[T_out, C_out]``;
+        ``b``: F32 [C_out]."""
+        k = self.taps(w)
+        if k == 1:
+            hist = None
+        if self.direct:
+            return co.conv1d_tm(ctx, x, w, b, dilation, hist=hist)
+        xp = x if hist is None else lib.ggml_concat(ctx, hist, x, 1)
+        c_in, c_out = int(w.ne[0]), int(w.ne[1])
+        t = int(xp.ne[1]) - (k - 1) * dilation
+        y: Tensor | None = None
+        for j in range(k):
+            wj = lib.ggml_view_2d(ctx, w, c_in, c_out, w.nb[1], j * w.nb[2])
+            xj = lib.ggml_view_2d(ctx, xp, c_in, t, xp.nb[1], j * dilation * xp.nb[1])
+            p = lib.ggml_mul_mat(ctx, wj, xj)
+            y = p if y is None else lib.ggml_add(ctx, y, p)
+        assert y is not None
+        return lib.ggml_add(ctx, y, b)
+
+    def conv_strided(self, ctx: Any, w: Tensor, b: Tensor, xp: Tensor, stride: int,
+                     hist: Tensor | None = None) -> Tensor:  # fmt: skip
+        """A folded stride-``s`` conv: ``xp`` [L, C_in] (contiguous, ``L`` a multiple of ``s``)
+        read as ``[L / s, s * C_in]``; ``hist``: folded rows before it (``[K' - 1, s * C_in]``)."""
+        c, n = int(xp.ne[0]), int(xp.ne[1])
+        if n % stride:
+            raise ValueError(f"conv_strided: {n} rows are not a multiple of the stride {stride}")
+        folded = lib.ggml_reshape_2d(ctx, xp, c * stride, n // stride)
+        return self.conv(ctx, w, b, folded, hist=hist)
+
+    def elu(self, ctx: Any, x: Tensor) -> Tensor:
+        """ELU: the vectorised native op, or ggml's."""
+        return co.elu(ctx, x) if self.direct else lib.ggml_elu(ctx, x)
 
 
-def rows(ctx: Any, x: Tensor, start: int, n: int) -> Tensor:
-    """Channels ``start .. start+n`` of ``x`` [C, T] (a view)."""
-    return lib.ggml_view_2d(ctx, x, int(x.ne[0]), n, x.nb[1], start * x.nb[1])
-
-
-def pad_reflect(ctx: Any, x: Tensor, left: int, right: int) -> Tensor:
-    """Reflect padding along time (PyTorch ``mode="reflect"``)."""
-    if left == 0 and right == 0:
-        return x
-    return lib.ggml_pad_reflect_1d(ctx, x, left, right)
+def zeros(ctx: Any, buf: Tensor, c: int, n: int) -> Tensor:
+    """``[n, c]`` zeros: a view of the zero buffer ``buf`` (F32, at least ``c * n`` values)."""
+    if c * n > int(lib.ggml_nelements(buf)):
+        raise ValueError(f"zero buffer of {int(lib.ggml_nelements(buf))} values < {c}x{n}")
+    return lib.ggml_view_2d(ctx, buf, c, n, c * 4, 0)
 
 
 def pad_zero(ctx: Any, x: Tensor, left: int, right: int) -> Tensor:
-    """Zero padding along time."""
+    """Zero padding along time (a copy)."""
     if left == 0 and right == 0:
         return x
-    return lib.ggml_pad_ext(ctx, x, left, right, 0, 0, 0, 0, 0, 0)
+    return lib.ggml_pad_ext(ctx, x, 0, 0, left, right, 0, 0, 0, 0)
 
 
-def pad_replicate_left(ctx: Any, x: Tensor, n: int) -> Tensor:
-    """Repeat the first time step ``n`` times in front (PyTorch ``mode="replicate"``, left)."""
-    if n == 0:
-        return x
-    first = lib.ggml_view_2d(ctx, x, 1, int(x.ne[1]), x.nb[1], 0)
-    rep = lib.ggml_repeat_4d(ctx, first, n, int(x.ne[1]), 1, 1)
-    return lib.ggml_concat(ctx, rep, x, 0)
+def row(ctx: Any, x: Tensor, t: int) -> Tensor:
+    """Time step ``t`` of ``x`` as ne ``[C, 1]`` (a view)."""
+    return lib.ggml_view_2d(ctx, x, int(x.ne[0]), 1, x.nb[1], t * x.nb[1])
+
+
+def repeat_row(ctx: Any, r: Tensor, n: int) -> Tensor:
+    """One row ``[1, C]`` repeated ``n`` times: ``[n, C]``."""
+    return lib.ggml_repeat_4d(ctx, r, int(r.ne[0]), n, 1, 1)
+
+
+def channels(ctx: Any, x: Tensor, start: int, n: int) -> Tensor:
+    """Channels ``start .. start+n`` of ``x`` [T, C] (a view; rows stay contiguous)."""
+    return lib.ggml_view_2d(ctx, x, n, int(x.ne[1]), x.nb[1], start * x.nb[0])
+
+
+def reflect_index(t: int, left: int, right: int) -> npt.NDArray[np.int32]:
+    """Row indices of a PyTorch ``mode="reflect"`` padding of ``t`` rows (edge not repeated)."""
+    if left >= t or right >= t:
+        raise ValueError(f"reflect padding {left}/{right} needs more than {t} rows")
+    idx = np.arange(-left, t + right)
+    idx = np.where(idx < 0, -idx, idx)
+    idx = np.where(idx >= t, 2 * (t - 1) - idx, idx)
+    return idx.astype(np.int32)
+
+
+def gather_rows(ctx: Any, x: Tensor, idx: Tensor) -> Tensor:
+    """Rows ``idx`` (int32 [n]) of ``x`` [T, C] -> ``[n, C]`` (reflect padding in one copy)."""
+    return lib.ggml_get_rows(ctx, x, idx)

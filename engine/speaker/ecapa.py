@@ -2,7 +2,8 @@
 
 Every conv of the reference uses ``padding="same"`` with ``padding_mode="reflect"``: a kernel
 ``k`` with dilation ``d`` is reflect-padded by ``d (k - 1) / 2`` on each side (all kernels are odd).
-Activations are channel-major (``engine.ggml.ops1d``).
+Activations are time-major (``engine.ggml.ops1d``): every conv runs on the direct conv kernel, a
+reflect padding is one row gather; the pooling statistics are taken channel-major.
 """
 
 from __future__ import annotations
@@ -10,23 +11,74 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from engine.ggml import Tensor, lib
-from engine.ggml.ops1d import add_channel_bias, conv1d, pad_reflect, rows
+from engine.ggml.ops1d import ConvForm, channels, gather_rows, reflect_index
 from engine.speaker.schema import SpeakerEncoderConfig
 
 STATS_EPS = 1e-12  # AttentiveStatisticsPooling.eps (clamp of the variance)
 
+Pads = Callable[[int, int], Tensor]  # (left, right) -> int32 row indices of that reflect padding
 
-def _same_conv(ctx: Any, w: Tensor, b: Tensor, x: Tensor, dilation: int = 1) -> Tensor:
-    k = int(w.ne[0])
+
+def same_padding(k: int, dilation: int) -> tuple[int, int]:
+    """PyTorch ``padding="same"``: ``(left, right)`` rows around the input."""
     total = dilation * (k - 1)
-    left = total // 2
-    y = conv1d(ctx, w, pad_reflect(ctx, x, left, total - left), dilation=dilation)
-    return add_channel_bias(ctx, y, b)
+    return total // 2, total - total // 2
 
 
-def _tdnn(ctx: Any, W: Callable[[str], Tensor], name: str, x: Tensor, dilation: int = 1) -> Tensor:
-    return lib.ggml_relu(ctx, _same_conv(ctx, W(f"{name}.weight"), W(f"{name}.bias"), x, dilation))
+def reflect_paddings(c: SpeakerEncoderConfig) -> set[tuple[int, int]]:
+    """Every ``(left, right)`` reflect padding the network uses (one index input each)."""
+    out = {same_padding(c.enc_kernel_sizes[0], c.enc_dilations[0]),
+           same_padding(c.enc_kernel_sizes[-1], c.enc_dilations[-1])}  # fmt: skip
+    for i in range(1, len(c.enc_channels) - 1):
+        out.add(same_padding(c.enc_kernel_sizes[i], c.enc_dilations[i]))
+    out.discard((0, 0))
+    return out
+
+
+def reflect_indices(c: SpeakerEncoderConfig, frames: int
+                    ) -> dict[tuple[int, int], npt.NDArray[np.int32]]:  # fmt: skip
+    """The row indices of each padding in :func:`reflect_paddings` for ``frames`` mel frames."""
+    return {p: reflect_index(frames, *p) for p in sorted(reflect_paddings(c))}
+
+
+def packed_weights(c: SpeakerEncoderConfig, tensor: Callable[[str], npt.NDArray[np.float32]],
+                   form: ConvForm) -> dict[str, npt.NDArray[np.float32]]:  # fmt: skip
+    """Weights in the form the graph reads, from the schema's tensors (``tensor(name)`` with
+    its PyTorch shape): convs with a time extent packed for the direct conv kernel; the
+    attention TDNN split into its part on the frames and its part on the statistics (the
+    reference concatenates ``[h, mean, std]`` over channels; the mean and std are constant in
+    time, so their share is a per-channel bias)."""
+    out: dict[str, npt.NDArray[np.float32]] = {}
+    names = ["spk.tdnn0", "spk.mfa"]
+    for i in range(1, len(c.enc_channels) - 1):
+        g = f"spk.blk.{i}"
+        names += [f"{g}.tdnn1", f"{g}.tdnn2"]
+        names += [f"{g}.res2net.{j}" for j in range(c.enc_res2net_scale - 1)]
+    for n in names:
+        out[f"{n}.weight"] = form.pack(tensor(f"{n}.weight"))
+    w = tensor("spk.asp.tdnn.weight")[:, :, 0]
+    ch = c.enc_channels[-1]
+    out["spk.asp.tdnn.weight"] = form.pack(w[:, :ch, None])
+    out["spk.asp.tdnn.weight_stats"] = np.ascontiguousarray(w[:, ch:])
+    return out
+
+
+def _same_conv(ctx: Any, W: Callable[[str], Tensor], pads: Pads, form: ConvForm, name: str,
+               x: Tensor, dilation: int = 1) -> Tensor:  # fmt: skip
+    w = W(f"{name}.weight")
+    left, right = same_padding(int(w.ne[2]), dilation)
+    if left or right:
+        x = gather_rows(ctx, x, pads(left, right))
+    return form.conv(ctx, w, W(f"{name}.bias"), x, dilation=dilation)
+
+
+def _tdnn(ctx: Any, W: Callable[[str], Tensor], pads: Pads, form: ConvForm, name: str,
+          x: Tensor, dilation: int = 1) -> Tensor:  # fmt: skip
+    return lib.ggml_relu(ctx, _same_conv(ctx, W, pads, form, name, x, dilation))
 
 
 def _pointwise_vec(ctx: Any, W: Callable[[str], Tensor], name: str, v: Tensor) -> Tensor:
@@ -42,33 +94,34 @@ def _as_column(ctx: Any, per_channel: Tensor) -> Tensor:
     return lib.ggml_reshape_2d(ctx, lib.ggml_cont(ctx, per_channel), int(per_channel.ne[1]), 1)
 
 
-def _se_res2net(
-    ctx: Any, W: Callable[[str], Tensor], c: SpeakerEncoderConfig, i: int, x: Tensor
-) -> Tensor:
+def _channel_major(ctx: Any, x: Tensor) -> Tensor:
+    """Time-major ``[T, C]`` -> channel-major (ne ``[T, C]``: time contiguous, per channel)."""
+    return lib.ggml_cont(ctx, lib.ggml_transpose(ctx, x))
+
+
+def _se_res2net(ctx: Any, W: Callable[[str], Tensor], pads: Pads, form: ConvForm,
+                c: SpeakerEncoderConfig, i: int, x: Tensor) -> Tensor:  # fmt: skip
     g = f"spk.blk.{i}"
-    h = _tdnn(ctx, W, f"{g}.tdnn1", x)
+    h = _tdnn(ctx, W, pads, form, f"{g}.tdnn1", x)
     s, width = c.enc_res2net_scale, c.enc_channels[i] // c.enc_res2net_scale
-    parts = [rows(ctx, h, 0, width)]
+    out = lib.ggml_cont(ctx, channels(ctx, h, 0, width))
     prev: Tensor | None = None
     for j in range(1, s):
-        chunk = lib.ggml_cont(ctx, rows(ctx, h, j * width, width))
+        chunk = channels(ctx, h, j * width, width)
         inp = chunk if prev is None else lib.ggml_add(ctx, chunk, prev)
-        prev = _tdnn(ctx, W, f"{g}.res2net.{j - 1}", inp, c.enc_dilations[i])
-        parts.append(prev)
-    out = lib.ggml_cont(ctx, parts[0])
-    for p in parts[1:]:
-        out = lib.ggml_concat(ctx, out, p, 1)
-    h = _tdnn(ctx, W, f"{g}.tdnn2", out)
+        prev = _tdnn(ctx, W, pads, form, f"{g}.res2net.{j - 1}", inp, c.enc_dilations[i])
+        out = lib.ggml_concat(ctx, out, prev, 0)
+    h = _tdnn(ctx, W, pads, form, f"{g}.tdnn2", out)
     # squeeze-excitation: channel gates from the time mean
-    m = _as_column(ctx, lib.ggml_mean(ctx, h))
+    m = _as_column(ctx, lib.ggml_mean(ctx, _channel_major(ctx, h)))
     m = lib.ggml_relu(ctx, _pointwise_vec(ctx, W, f"{g}.se1", m))
     gate = lib.ggml_sigmoid(ctx, _pointwise_vec(ctx, W, f"{g}.se2", m))
-    h = lib.ggml_mul(ctx, h, lib.ggml_reshape_2d(ctx, gate, 1, int(gate.ne[0])))
-    return lib.ggml_add(ctx, h, x)
+    return lib.ggml_add(ctx, lib.ggml_mul(ctx, h, gate), x)
 
 
 def _stats(ctx: Any, x: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Per-channel (weighted) mean and std over time; ``weights`` None = uniform."""
+    """Per-channel (weighted) mean and std over time of channel-major ``x``; ``weights`` None =
+    uniform."""
     if weights is None:
         mean = lib.ggml_mean(ctx, x)
         d = lib.ggml_sub(ctx, x, mean)
@@ -81,27 +134,34 @@ def _stats(ctx: Any, x: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]
     return mean, std
 
 
-def x_vector(ctx: Any, W: Callable[[str], Tensor], c: SpeakerEncoderConfig, mel: Tensor
-             ) -> Tensor:  # fmt: skip
-    """Graph: log-mel ``[mel_dim, T]`` -> x-vector ne ``[enc_dim, 1]``."""
-    h = _tdnn(ctx, W, "spk.tdnn0", mel, c.enc_dilations[0])
+def x_vector(ctx: Any, W: Callable[[str], Tensor], c: SpeakerEncoderConfig, mel: Tensor,
+             pads: Pads, form: ConvForm) -> Tensor:  # fmt: skip
+    """Graph: time-major log-mel ``[T, mel_dim]`` -> x-vector ne ``[enc_dim, 1]``; ``pads``
+    gives the graph's reflect-padding index inputs (:func:`reflect_indices`)."""
+    h = _tdnn(ctx, W, pads, form, "spk.tdnn0", mel, c.enc_dilations[0])
     outs = []
     for i in range(1, len(c.enc_channels) - 1):
-        h = _se_res2net(ctx, W, c, i, h)
+        h = _se_res2net(ctx, W, pads, form, c, i, h)
         outs.append(h)
     cat = outs[0]
     for o in outs[1:]:
-        cat = lib.ggml_concat(ctx, cat, o, 1)
-    h = _tdnn(ctx, W, "spk.mfa", cat, c.enc_dilations[-1])
-    # attentive statistics pooling
-    t = int(h.ne[0])
+        cat = lib.ggml_concat(ctx, cat, o, 0)
+    ht = _tdnn(ctx, W, pads, form, "spk.mfa", cat, c.enc_dilations[-1])  # time-major
+    h = _channel_major(ctx, ht)
+    # attentive statistics pooling; the TDNN's share of [mean, std] is a bias (packed_weights)
     mean, std = _stats(ctx, h, None)
-    ch = int(h.ne[1])
-    ctxcat = lib.ggml_concat(ctx, h, lib.ggml_repeat_4d(ctx, mean, t, ch, 1, 1), 1)
-    ctxcat = lib.ggml_concat(ctx, ctxcat, lib.ggml_repeat_4d(ctx, std, t, ch, 1, 1), 1)
-    a = lib.ggml_tanh(ctx, _tdnn(ctx, W, "spk.asp.tdnn", ctxcat))
-    a = _same_conv(ctx, W("spk.asp.conv.weight"), W("spk.asp.conv.bias"), a)
-    a = lib.ggml_soft_max(ctx, a)  # over time, per channel
-    mean, std = _stats(ctx, h, a)
+    stats = lib.ggml_concat(ctx, _as_column(ctx, mean), _as_column(ctx, std), 0)
+    bias = lib.ggml_add(ctx, lib.ggml_mul_mat(ctx, W("spk.asp.tdnn.weight_stats"), stats),
+                        lib.ggml_reshape_2d(ctx, W("spk.asp.tdnn.bias"),
+                                            int(W("spk.asp.tdnn.bias").ne[0]), 1))  # fmt: skip
+    bias = lib.ggml_reshape_1d(ctx, bias, int(bias.ne[0]))
+    a = lib.ggml_relu(ctx, form.conv(ctx, W("spk.asp.tdnn.weight"), bias, ht))
+    a = lib.ggml_tanh(ctx, a)  # time-major [T, attention]
+    wc = W("spk.asp.conv.weight")
+    logits = lib.ggml_mul_mat(ctx, a, lib.ggml_reshape_2d(ctx, wc, int(wc.ne[1]), int(wc.ne[2])))
+    b = W("spk.asp.conv.bias")
+    logits = lib.ggml_add(ctx, logits, lib.ggml_reshape_2d(ctx, b, 1, int(b.ne[0])))
+    weights = lib.ggml_soft_max(ctx, logits)  # channel-major: over time, per channel
+    mean, std = _stats(ctx, h, weights)
     pooled = lib.ggml_concat(ctx, _as_column(ctx, mean), _as_column(ctx, std), 0)
     return _pointwise_vec(ctx, W, "spk.fc", pooled)

@@ -24,6 +24,9 @@
       (struct ggml_tensor * dst, const struct ggml_tensor * a, const struct ggml_tensor * b,     \
        const struct ggml_tensor * c, int ith, int nth, void * userdata),                         \
       (dst, a, b, c, ith, nth, userdata))                                                        \
+    X(v, void, qtts_elu_op,                                                                      \
+      (struct ggml_tensor * dst, const struct ggml_tensor * a, int ith, int nth, void * userdata), \
+      (dst, a, ith, nth, userdata))                                                              \
     X(v, void, qtts_conv1d_tm_op, QTTS_OP_ARGS, (dst, ith, nth, userdata))                       \
     X(v, void, qtts_conv1d_tm_bf16_op, QTTS_OP_ARGS, (dst, ith, nth, userdata))                  \
     X(v, void, qtts_conv1d_wino_bf16_op, QTTS_OP_ARGS, (dst, ith, nth, userdata))                \

@@ -36,6 +36,12 @@ void qtts_snake_beta_op(struct ggml_tensor * dst, const struct ggml_tensor * a,
                         const struct ggml_tensor * b, const struct ggml_tensor * c,
                         int ith, int nth, void * userdata);
 
+/* ELU (alpha = 1) as a ggml_custom1_op_t for ggml_map_custom1(ctx, x, qtts_elu_op, n, NULL):
+ *   dst = x > 0 ? x : expm1(x)   (vectorised expm1, about 1 ulp; NaN passes through)
+ * x, dst: F32 contiguous, any shape. Elements are split across the nth threads. */
+void qtts_elu_op(struct ggml_tensor * dst, const struct ggml_tensor * a, int ith, int nth,
+                 void * userdata);
+
 /* Causal dilated conv1d, time-major, as a ggml_custom_op_t for
  * ggml_custom_4d(ctx, F32, C_out, T, 1, 1, {xp, w, bias}, 3, qtts_conv1d_tm_op, n, (void*)d)
  * or, with the history in a tensor of its own (no concat),

@@ -682,6 +682,60 @@ def test_conv_hist_rejects_what_the_kernel_cannot_take(op: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# ELU
+
+
+def elu_input() -> np.ndarray[Any, Any]:
+    """Every scale from 1e-7 to 30 on both sides, the -1 saturation edge and the specials."""
+    rng = np.random.default_rng(5)
+    parts = [rng.standard_normal(4001) * s for s in (1e-7, 1e-3, 0.1, 0.35, 1, 3, 10, 30)]
+    edge = [0.0, -0.0, 1e-40, -1e-40, -16.4, -16.5, -16.6, -17.3, -17.33, -17.4, -88.0,
+            -1e30, 1e30, np.inf, -np.inf, np.nan]  # fmt: skip
+    return np.concatenate([*parts, edge]).astype(np.float32)
+
+
+def run_elu(be: BackendSet, x: np.ndarray[Any, Any], library: Any = None) -> np.ndarray[Any, Any]:
+    g = Graph()
+    tx = g.input("x", x.shape)
+    g.output(co.elu(g.ctx, tx, library=library), "y")
+    return be.execute(g, {"x": x})["y"].reshape(x.shape)
+
+
+def check_elu(y: np.ndarray[Any, Any], x: np.ndarray[Any, Any]) -> None:
+    """Within 1 ulp of float64 expm1 (positive values exact); NaN stays NaN."""
+    ref = np.where(x > 0, x.astype(np.float64), np.expm1(x.astype(np.float64)))
+    assert y.dtype == np.float32
+    assert np.array_equal(np.isnan(y), np.isnan(x))
+    ok = ~np.isnan(x)
+    assert np.array_equal(y[ok & (x > 0)], x[ok & (x > 0)])
+    assert np.array_equal(y[np.isinf(x)], np.where(x[np.isinf(x)] > 0, np.inf, -1.0))
+    ok &= np.isfinite(x)
+    ulp = np.spacing(np.abs(ref[ok]).astype(np.float32)).astype(np.float64)
+    err = np.abs(y[ok].astype(np.float64) - ref[ok])
+    assert np.all(err <= ulp), f"max error {np.max(err / ulp):.2f} ulp"
+
+
+@needs_ops
+def test_elu_matches_float64(cpu1: BackendSet, cpu2: BackendSet) -> None:
+    x = elu_input()
+    y = run_elu(cpu2, x)
+    check_elu(y, x)
+    assert np.array_equal(y, run_elu(cpu1, x), equal_nan=True)
+    for n in (1, 15, 17, 33):  # masked tails
+        check_elu(run_elu(cpu2, x[-n:]), x[-n:])
+
+
+@needs_ops
+def test_elu_rejects_what_the_kernel_cannot_take() -> None:
+    g = Graph()
+    x = g.input("x", (4, 6))
+    with pytest.raises(ValueError, match="contiguous"):
+        co.elu(g.ctx, lib.ggml_transpose(g.ctx, x))
+    with pytest.raises(TypeError, match="F32"):
+        co.elu(g.ctx, g.input("i", (4,), dtype=np.int32))
+
+
+# ---------------------------------------------------------------------------------------------
 # The other ISA paths (AVX2 and scalar), compiled here from the same sources
 
 
@@ -712,6 +766,8 @@ def test_other_isa_paths(cpu1: BackendSet, cpu2: BackendSet, tmp_path: Path,
     assert co.variant(library) == variant and co.variants(library) == [variant]
     assert co.simd_isa(library) == isa
     assert co.conv_block(library) == {"avx2": 16, "scalar": 64}[isa]
+    x = elu_input()
+    check_elu(run_elu(cpu2, x, library), x)
     rng = np.random.default_rng(21)
     for c, t in [(96, 300), (100, 3)]:
         ea, ib = snake_params(rng, c)
