@@ -27,6 +27,12 @@ class AllowedSkip:
 
 ALLOWED_SKIPS: tuple[AllowedSkip, ...] = (
     AllowedSkip(
+        "tests/engine/test_amx.py::*",
+        "no AMX-BF16 here",
+        "CPU feature: the AMX tile path of the BF16 conv exists only on AMX-BF16 CPUs (Sapphire "
+        "Rapids and later); its fallback (test_amx_off_falls_back_on_any_cpu) runs everywhere",
+    ),
+    AllowedSkip(
         "tests/engine/test_gemm_i8.py::test_int8_prefill_is_close_to_the_plain_prefill",
         "no AVX512-VNNI",
         "CPU feature: the int8 prefill exists only on AVX512-VNNI CPUs; the kernel itself is "
