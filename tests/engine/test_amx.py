@@ -10,6 +10,9 @@ work on every CPU.
 
 from __future__ import annotations
 
+import importlib.util
+import platform
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +22,7 @@ import pytest
 
 from engine.backend import BackendSet
 from engine.decoder import DecoderModel
-from engine.ggml import Graph, lib
+from engine.ggml import Graph, ffi, lib, native_info
 from engine.ggml import custom_ops as co
 from engine.gguf_model import open_model
 from tests.engine.test_custom_ops import (
@@ -32,6 +35,7 @@ from tests.engine.test_custom_ops import (
 )
 
 needs_ops = pytest.mark.usefixtures("native_ops")
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -167,3 +171,36 @@ def test_qtts_amx_0_reaches_the_decoder(restore_amx: None, tiny_gguf: Path) -> N
         on.close()
     finally:
         model.close()
+
+
+@needs_ops
+def test_portable_dispatch_names_and_leaves_amx(tmp_path: Path, cpu2: BackendSet) -> None:
+    """The portable build's dispatch: ``amx_bf16`` first where the CPU has AMX, and
+    ``avx512_bf16`` once AMX is forbidden; both compute the same contract."""
+    if shutil.which("cc") is None or platform.machine() != "x86_64" or not co.set_amx(True):
+        pytest.skip("no AMX-BF16 here (or no cc on x86-64): the amx_bf16 variant is not run")
+    spec = importlib.util.spec_from_file_location("qtts_native_build",
+                                                  REPO / "native" / "build.py")
+    assert spec is not None and spec.loader is not None
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    flags = dict(build.X86_OPS_VARIANTS)
+    out = tmp_path / "libqtts_ops_amx.so"
+    build.compile_ops(Path(native_info()["prefix"]),
+                      [(n, flags[n]) for n in ("amx_bf16", "avx512_bf16")], out)
+    library = ffi.dlopen(str(out))
+    assert co.variants(library) == ["amx_bf16", "avx512_bf16"]
+    assert co.variant(library) == "amx_bf16" and co.amx(library)
+    assert co.kernel_paths(library)["conv1d_tm_bf16"] == "amx_bf16 (tiles)"
+    rng = np.random.default_rng(6)
+    xp, w, b = conv_data(rng, 200, 70, 401, 7, 1)
+    ref = conv_ref_bf16(xp, w, b, 1)
+    tiles = run_conv_bf16(cpu2, xp, w, b, 1, library)
+    check_conv(tiles, ref)
+    assert not co.set_amx(False, library)
+    assert co.variant(library) == "avx512_bf16" and not co.amx(library)
+    assert co.kernel_paths(library)["conv1d_tm_bf16"] == "avx512_bf16"
+    vector = run_conv_bf16(cpu2, xp, w, b, 1, library)
+    check_conv(vector, ref)
+    assert not np.array_equal(tiles, vector)
+    assert co.set_amx(True, library) and co.variant(library) == "amx_bf16"
