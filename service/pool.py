@@ -27,6 +27,7 @@ from service.handles import Ticket, WorkerHandle
 from service.metrics import Metrics
 from service.protocol import (
     Chunk,
+    Cloned,
     Done,
     Failed,
     Fatal,
@@ -243,7 +244,7 @@ class WorkerPool:
             case Fatal(message=message):
                 self.last_fatal = message
                 log.error("worker %d failed to start: %s", w.index, message)
-            case Chunk() | Done() | Failed():
+            case Chunk() | Done() | Failed() | Cloned():
                 self._on_job_message(w, msg)
         self._update_gauges()
 
@@ -258,7 +259,7 @@ class WorkerPool:
                  w.index, w.pid, msg.backend, msg.load_seconds, msg.warmup_seconds)
         self._dispatch()
 
-    def _on_job_message(self, w: WorkerHandle, msg: Chunk | Done | Failed) -> None:
+    def _on_job_message(self, w: WorkerHandle, msg: Chunk | Done | Failed | Cloned) -> None:
         t = w.ticket
         if t is None or t.job.id != msg.job_id:
             return  # a late message of a ticket already given up
