@@ -7,11 +7,13 @@ minimum of each is reported. Prints per-stage times, RTF (compute seconds / audi
 the ratio (reference time / our time: > 1 means we are faster), then streaming costs.
 
     python bench/decoder.py [--frames 31 125] [--threads 2] [--reps 3] [--size full]
-        [--recipe default|stress] [--seed 0] [--all-bf16]
+        [--recipe default|stress] [--seed 0] [--all-bf16] [--amx-ab]
 
 ``--recipe stress`` benches the decoder whose every stage is O(1) (tests/parity/reference.py),
 where fast mode's precision is measured; ``--all-bf16`` adds a fast-mode row without the layers
 fast mode keeps in F32 (engine/decoder/precision.py), to show what they cost and buy.
+``--amx-ab`` (on a CPU with AMX-BF16) adds a fast-mode row with the AMX tiles off
+(``QTTS_AMX=0``: the AVX512-BF16 kernels and Winograd), interleaved with the others.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.backend import BackendSet
 from engine.decoder import DecoderModel, StreamingDecoder, decode
+from engine.ggml import custom_ops
 from engine.gguf_model import open_model
 from engine.timings import DECODER_STAGES, StageTimings
 from engine.tools.convert import convert
@@ -41,6 +44,10 @@ FRAME_SECONDS = 0.08
 
 def best(times: list[float]) -> float:
     return min(times)
+
+
+# The AMX switch of libqtts_ops is process-wide: set before each decode of a model that needs it.
+AMX_OFF: set[str] = set()
 
 
 def bench_offline(models: dict[str, DecoderModel], ref_model: Any, codes: np.ndarray, reps: int,
@@ -56,6 +63,7 @@ def bench_offline(models: dict[str, DecoderModel], ref_model: Any, codes: np.nda
         wav_ref = ref.reference_decode(ref_model, codes)
         ref_times.append(time.perf_counter() - start)
         for name, m in models.items():
+            custom_ops.set_amx(name not in AMX_OFF)
             start = time.perf_counter()
             outs[name], tm = decode(m, codes, chunk=chunk)
             ours[name].append((time.perf_counter() - start, tm))
@@ -152,6 +160,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="weight seed")
     ap.add_argument("--all-bf16", action="store_true",
                     help="also bench fast mode with every layer in BF16")
+    ap.add_argument("--amx-ab", action="store_true",
+                    help="also bench fast mode with the AMX tiles off (QTTS_AMX=0)")
     args = ap.parse_args()
 
     import torch
@@ -159,7 +169,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"# decoder benchmark: {args.size} random weights ({args.recipe}, seed {args.seed}), "
           f"{args.threads} threads, min of {args.reps}; load average at start "
-          f"{os.getloadavg()[0]:.2f}")
+          f"{os.getloadavg()[0]:.2f}; kernels {custom_ops.variant()}, BF16 convs on "
+          f"{'AMX tiles' if custom_ops.amx() else 'AVX512-BF16 / portable C'}")
     folder = ref.make_reference_tokenizer_dir(ref.default_cache_dir(), args.size, args.seed,
                                               args.recipe)
     ref_model = ref.load_reference_decoder(folder)
@@ -173,6 +184,15 @@ def main() -> None:
         if args.all_bf16:
             models["fast all-BF16"] = DecoderModel.load(model, backends, "fast",
                                                         f32_layers=frozenset())
+        if args.amx_ab:
+            if not custom_ops.amx():
+                raise SystemExit("--amx-ab: the BF16 convs do not run on AMX tiles here "
+                                 f"(kernels: {custom_ops.variant()})")
+            off = BackendSet.from_env({"QTTS_BACKEND": args.backend, "QTTS_AMX": "0",
+                                       "QTTS_THREADS": str(args.threads)})
+            models["fast, QTTS_AMX=0"] = DecoderModel.load(model, off, "fast")
+            AMX_OFF.add("fast, QTTS_AMX=0")
+            custom_ops.set_amx(True)
         from engine.decoder.streaming import DEFAULT_OFFLINE_CHUNK
 
         chunk = args.chunk or DEFAULT_OFFLINE_CHUNK
@@ -180,6 +200,7 @@ def main() -> None:
             codes = ref.random_codes(t, seed=1)
             bench_offline(models, ref_model, codes, args.reps, chunk)
         codes = ref.random_codes(max(args.frames), seed=1)
+        custom_ops.set_amx(True)
         for m in (models["exact"], models["fast"]):
             bench_streaming(m, codes, args.stream, max(1, args.reps - 1), chunk)
         bench_row_split(model, args.threads, ref.random_codes(min(args.frames), seed=1),

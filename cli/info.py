@@ -77,6 +77,8 @@ def info_lines(options: EngineOptions) -> list[str]:
     lines.append(f"CPU backend: {cpu_backend_file() or 'unknown'}")
     cpu = [name for name, value in backend_features("CPU") if value == "1"]
     lines.append(f"CPU features: {' '.join(cpu)}")
+    if custom_ops.available():
+        custom_ops.set_amx(options.amx)  # QTTS_AMX, as a decoder load applies it
     lines += kernel_lines()
     try:
         bs = BackendSet.from_options(options)

@@ -109,6 +109,7 @@ class EngineOptions:
     diagnostics: DiagnosticSettings = field(default_factory=DiagnosticSettings)
     # what the models do (DecoderWeights, TalkerModel, Pipeline.warm_up)
     winograd: bool = True
+    amx: bool = True
     int8_prefill: bool = True
     pin_prefixes: bool = True
     # reporting (StageTimings)
@@ -134,6 +135,7 @@ class EngineOptions:
                 check_determinism=_flag(e, "QTTS_CHECK_DETERMINISM", False),
             ),
             winograd=_flag(e, "QTTS_WINOGRAD", True),
+            amx=_flag(e, "QTTS_AMX", True),
             int8_prefill=_flag(e, "QTTS_INT8_PREFILL", True),
             pin_prefixes=_flag(e, "QTTS_PIN_PREFIXES", True),
             profile=_flag(e, "QTTS_PROFILE", False),

@@ -15,8 +15,8 @@ Two flavours, cached apart (the options are part of the key):
     the fastest code for this machine, and only for machines with the same instruction sets;
   * portable (QTTS_PORTABLE=1, the Docker image): ggml's CPU backend built once per x86-64 ISA
     level as loadable modules (GGML_BACKEND_DL + GGML_CPU_ALL_VARIANTS, ggml loads the best one
-    the CPU runs) and the kernels as AVX-512 BF16/VNNI, AVX-512, AVX2 and baseline variants
-    behind one runtime dispatch: runs on any x86-64 CPU.
+    the CPU runs) and the kernels as AMX-BF16, AVX-512 BF16/VNNI, AVX-512, AVX2 and baseline
+    variants behind one runtime dispatch: runs on any x86-64 CPU.
 
 The cache lives in $QTTS_CACHE_DIR (default ~/.cache/qtts) so every clone on a machine shares one
 compiled ggml. Nothing here runs at inference time and nothing is downloaded at run time.
@@ -351,6 +351,8 @@ def lib_dir(prefix: Path) -> Path:
 # library's dispatcher (ops/dispatch.c) runs the first one whose instructions the CPU and the OS
 # support; the names and their order are dispatch.c's too.
 X86_OPS_VARIANTS: list[tuple[str, list[str]]] = [
+    ("amx_bf16", ["-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16", "-mamx-tile",
+                  "-mamx-bf16"]),
     ("avx512_bf16", ["-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"]),
     ("avx512_vnni", ["-march=x86-64-v4", "-mavx512vnni"]),
     ("avx512", ["-march=x86-64-v4"]),

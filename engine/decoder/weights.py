@@ -165,6 +165,9 @@ class DecoderWeights:
         self.use_custom_ops = (backends.custom_ops and backends.name in ("cpu", "blas")
                                and custom_ops.available())
         self._bf16_kernel = self.use_custom_ops and custom_ops.bf16_available()
+        # QTTS_AMX=0 keeps the BF16 convs off the AMX tiles (a process-wide switch of
+        # libqtts_ops; the packed weights are the same either way).
+        amx = self.use_custom_ops and custom_ops.set_amx(backends.options.amx)
         # Fast mode: BF16 only in the wave generator (decoder.0-6, nearly all of the FLOPs). The
         # pre-transformer and upsampler are a few % of the time but, in BF16, cost SNR against
         # the F32 reference out of proportion (docs/performance.md, Figures behind the code).
@@ -172,7 +175,9 @@ class DecoderWeights:
         # Fast mode's K = 7 convs by Winograd F(2,3) and K = 2 ones (the transposed convs'
         # polyphase form) by F(2,2): faster than the direct BF16 kernel for a little SNR per conv
         # (native/ops/conv1d_wino_bf16.c; docs/performance.md, Figures behind the code).
-        self._winograd = self._bf16_kernel and backends.options.winograd
+        # On AMX tiles the direct conv is ~4x faster than Winograd on AVX512-BF16 (and more
+        # accurate), so Winograd is used only where the direct conv runs on AVX512.
+        self._winograd = self._bf16_kernel and backends.options.winograd and not amx
         cfg = self.cfg
         eps = cfg.codebook_eps
         self.codebooks = []

@@ -94,12 +94,37 @@ def kernel_paths(library: Any | None = None) -> dict[str, str]:
     isa = simd_isa(library)
     bf16 = has_fast_path(library, "qtts_conv1d_tm_bf16_fast")
     i8 = has_fast_path(library, "qtts_gemm_i8_fast")
+    bf16_path = "avx512_bf16" if bf16 else "portable C"
     return {
         "snake": isa,
         "conv1d_tm": f"{isa} (block {conv_block(library)})",
-        "conv1d_tm_bf16, conv1d_wino_bf16": "avx512_bf16" if bf16 else "portable C",
+        "conv1d_tm_bf16": "amx_bf16 (tiles)" if amx(library) else bf16_path,
+        "conv1d_wino_bf16": bf16_path,
         "gemm_i8": "avx512_vnni" if i8 else "portable C",
     }
+
+
+def amx(library: Any | None = None) -> bool:
+    """Whether ``conv1d_tm_bf16`` runs on AMX-BF16 tiles (a CPU with AMX, the OS granting this
+    process the tile state, a variant with the tile kernel, not turned off by ``set_amx``)."""
+    try:
+        lib_ops = _library(library)
+    except NativeBuildError:
+        return False
+    probe = getattr(lib_ops, "qtts_ops_amx", None)
+    return probe is not None and bool(probe())
+
+
+def set_amx(on: bool, library: Any | None = None) -> bool:
+    """Allow or forbid the AMX tile path of ``conv1d_tm_bf16`` for this process (the library
+    re-chooses its variant; packed weights stay valid). Not while a graph runs. Returns
+    ``amx()``; False without the library or on a library that predates the switch."""
+    try:
+        lib_ops = _library(library)
+    except NativeBuildError:
+        return False
+    switch = getattr(lib_ops, "qtts_ops_set_amx", None)
+    return switch is not None and bool(switch(1 if on else 0))
 
 
 def _check_f32(t: Tensor, what: str) -> None:

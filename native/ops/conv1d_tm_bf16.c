@@ -37,6 +37,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "qtts_amx.h"
 #include "qtts_conv_srcs.h"
 #include "qtts_bf16.h"
 #include "qtts_ops.h"
@@ -56,6 +57,8 @@
 #endif
 
 int qtts_conv1d_tm_bf16_fast(void) { return BF16_SIMD; }
+
+int qtts_conv1d_tm_bf16_amx_built(void) { return AMX_BF16; }
 
 /* ---- F32 -> BF16 pairs ---------------------------------------------------------------------- */
 
@@ -93,6 +96,9 @@ static void convert_rows(uint32_t * dst, int64_t cp, const float * src, int64_t 
         for (; c < ci; c++) o[c] = f32_to_bf16(s[c]);
         if (ci & 1) o[ci] = 0;
 #endif
+        /* the AMX path's rows are padded to whole 16-pair tiles: zero products there */
+        const int64_t used = (ci + 1) / 2;
+        if (cp > used) memset(dst + r * cp + used, 0, (size_t)(cp - used) * sizeof(uint32_t));
     }
 }
 
@@ -251,6 +257,95 @@ static const btile_fn BTILE_FULL[NT_MAIN + 1] = QTTS_TILE_TABLE(btile_, full);
 static const btile_fn BTILE_MASK[NT_MAIN + 1] = QTTS_TILE_TABLE(btile_, mask);
 static const btile_fn BTILE_HALF[NT_MAIN + 1] = QTTS_TILE_TABLE(btile_, half);
 
+/* ---- AMX-BF16 tiles ------------------------------------------------------------------------ */
+
+#if AMX_BF16
+
+/* Tile registers: 0-3 the F32 sums of 16 time steps x 16 output channels (tmm0: steps 0-15 x
+ * channels 0-15, tmm1: steps 0-15 x 16-31, tmm2/3: steps 16-31), 4-5 the input (16 steps x 16
+ * BF16 pairs each), 6-7 the weights (16 pairs x 16 channels x 2, the VNNI layout the packed
+ * block already has: pair p's 32 channels are 128 bytes, channels 0-15 first). All 16 rows x
+ * 64 bytes. */
+typedef struct __attribute__((packed)) {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_tilecfg;
+
+static void amx_configure(void) {
+    amx_tilecfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        cfg.colsb[i] = 64;
+        cfg.rows[i] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* One 16 or 32 (NG = 1, 2) steps x 32 channels tile over the whole reduction (every tap, every
+ * pair), then bias (+ res) added and the valid rows / channels stored. x: the scratch row of the
+ * tile's first step (row stride xs pairs, a multiple of 16, zero past cp; rows past the chunk
+ * are read and their sums dropped); w: the block's packed weights; wtail: a zeroed 16 x 128 byte
+ * buffer for a last partial group of pairs. */
+INLINE void amx_tile(const int NG, float * out, int64_t ys, int nt, int width, const float * bias,
+                     const uint32_t * x, int64_t xs, const uint16_t * w, int64_t cp, int64_t d,
+                     int K, uint16_t * wtail, const float * res, int64_t rs) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (NG == 2) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    const int64_t xb = xs * (int64_t)sizeof(uint32_t);
+    for (int k = 0; k < K; k++) {
+        const uint32_t * xk = x + (int64_t)k * d * xs;
+        const uint16_t * wk = w + (int64_t)k * cp * 2 * OB;
+        for (int64_t p0 = 0; p0 < cp; p0 += 16) {
+            const uint16_t * wp = wk + p0 * 2 * OB;
+            if (p0 + 16 > cp) { /* last partial group: the missing pairs' weights are zero */
+                memcpy(wtail, wp, (size_t)(cp - p0) * 2 * OB * sizeof(uint16_t));
+                wp = wtail;
+            }
+            _tile_loadd(6, wp, 2 * OB * sizeof(uint16_t));
+            _tile_loadd(7, wp + 2 * VW, 2 * OB * sizeof(uint16_t));
+            _tile_loadd(4, xk + p0, xb);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            if (NG == 2) {
+                _tile_loadd(5, xk + 16 * xs + p0, xb);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+            }
+        }
+    }
+    float sums[32][OB] __attribute__((aligned(64)));
+    _tile_stored(0, &sums[0][0], OB * sizeof(float));
+    _tile_stored(1, &sums[0][VW], OB * sizeof(float));
+    if (NG == 2) {
+        _tile_stored(2, &sums[16][0], OB * sizeof(float));
+        _tile_stored(3, &sums[16][VW], OB * sizeof(float));
+    }
+    const __mmask16 m0 = (__mmask16)(width >= VW ? 0xFFFFu : (1u << width) - 1u);
+    const __mmask16 m1 = (__mmask16)(width >= OB ? 0xFFFFu
+                                                 : (width <= VW ? 0u : (1u << (width - VW)) - 1u));
+    const __m512 b0 = _mm512_maskz_loadu_ps(m0, bias), b1 = _mm512_maskz_loadu_ps(m1, bias + VW);
+    for (int j = 0; j < nt; j++) {
+        __m512 r0 = _mm512_add_ps(_mm512_load_ps(&sums[j][0]), b0);
+        __m512 r1 = _mm512_add_ps(_mm512_load_ps(&sums[j][VW]), b1);
+        if (res) {
+            r0 = _mm512_add_ps(r0, _mm512_maskz_loadu_ps(m0, res + j * rs));
+            r1 = _mm512_add_ps(r1, _mm512_maskz_loadu_ps(m1, res + j * rs + VW));
+        }
+        _mm512_mask_storeu_ps(out + j * ys, m0, r0);
+        _mm512_mask_storeu_ps(out + j * ys + VW, m1, r1);
+    }
+}
+
+#endif
+
 /* ---- the op ------------------------------------------------------------------------------- */
 
 void qtts_conv1d_tm_bf16_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
@@ -296,9 +391,17 @@ void qtts_conv1d_tm_bf16_op(struct ggml_tensor * dst, int ith, int nth, void * u
     const int64_t units = n_ob * n_tc;
     const int64_t u0 = units * ith / nth, u1 = units * (ith + 1) / nth;
     if (u0 >= u1) return;
-    const int64_t max_rows = (T < tch ? T : tch) + hist;
+#if AMX_BF16
+    const int amx = qtts_amx_on;
+#else
+    const int amx = 0;
+#endif
+    /* the AMX tiles read whole groups of 16 pairs and 32 rows: rows padded with zero pairs,
+     * and 32 more rows than the chunk needs (read, their sums dropped) */
+    const int64_t xst = amx ? (cp + 15) & ~(int64_t)15 : cp;
+    const int64_t max_rows = (T < tch ? T : tch) + hist + (amx ? 32 : 0);
     /* one allocation: the BF16 pairs, then (with the snake) one F32 row for it */
-    const size_t xb_bytes = ((size_t)(max_rows * cp) * sizeof(uint32_t) + 63) & ~(size_t)63;
+    const size_t xb_bytes = ((size_t)(max_rows * xst) * sizeof(uint32_t) + 63) & ~(size_t)63;
     uint8_t * scratch = (uint8_t *)qtts_scratch_get(
         QTTS_SCRATCH_BF16_INPUT, xb_bytes + (eat ? (size_t)Ci * sizeof(float) : 0));
     uint32_t * xb = (uint32_t *)scratch;
@@ -310,16 +413,41 @@ void qtts_conv1d_tm_bf16_op(struct ggml_tensor * dst, int ith, int nth, void * u
     const float * res = rt ? (const float *)rt->data : NULL;
     const int64_t rs = rt ? (int64_t)(rt->nb[1] / sizeof(float)) : 0;
     int64_t have_tc = -1;
+#if AMX_BF16
+    uint16_t wtail[16 * 2 * OB] __attribute__((aligned(64)));
+    if (amx) {
+        memset(wtail, 0, sizeof wtail);
+        amx_configure(); /* per thread, per call: the ggml worker threads run other code too */
+    }
+#endif
     for (int64_t u = u0; u < u1; u++) {
         const int64_t tc = u / n_ob, ob = u % n_ob;
         const int64_t t0 = tc * tch;
         const int64_t t_end = t0 + tch < T ? t0 + tch : T;
         if (tc != have_tc) { /* rows t0 .. t_end + hist of xp (= [ht | x]), as BF16 pairs */
-            convert_xp_rows(xb, cp, hp, hs, ph, xp, xs, t0, t_end + hist, Ci, &sn);
+            convert_xp_rows(xb, xst, hp, hs, ph, xp, xs, t0, t_end + hist, Ci, &sn);
             have_tc = tc;
         }
         const int64_t o0 = ob * OB;
         const int width = (int)(O - o0 < OB ? O - o0 : OB);
+#if AMX_BF16
+        if (amx) {
+            const uint16_t * wb = w + ob * K * cp * 2 * OB;
+            for (int64_t t = t0; t < t_end; t += 32) {
+                const int nt = (int)(t_end - t < 32 ? t_end - t : 32);
+                const float * rt_ = res ? res + t * rs + o0 : NULL;
+                const uint32_t * xt = xb + (t - t0) * xst;
+                if (nt > 16) {
+                    amx_tile(2, y + t * O + o0, O, nt, width, bias + o0, xt, xst, wb, cp, d, K,
+                             wtail, rt_, rs);
+                } else {
+                    amx_tile(1, y + t * O + o0, O, nt, width, bias + o0, xt, xst, wb, cp, d, K,
+                             wtail, rt_, rs);
+                }
+            }
+            continue;
+        }
+#endif
         const btile_fn * fns = width == OB ? BTILE_FULL : (width <= VW ? BTILE_HALF : BTILE_MASK);
         for (int64_t p0 = 0; p0 < cp; p0 += kc) {
             const bconv_args a = {
@@ -343,4 +471,7 @@ void qtts_conv1d_tm_bf16_op(struct ggml_tensor * dst, int ith, int nth, void * u
             }
         }
     }
+#if AMX_BF16
+    if (amx) _tile_release();
+#endif
 }

@@ -6,16 +6,27 @@
  *
  * The variants are whole: one variant's block sizes and packed-weight layouts are used by every
  * op, so a weight packed through this library always meets the kernel that reads it. */
+#define _GNU_SOURCE /* syscall() */
 #include <stddef.h>
 #include <stdint.h>
 
+#include "qtts_amx.h"
 #include "qtts_ops.h"
+
+#if defined(__x86_64__) && defined(__linux__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+volatile int qtts_amx_on;
 
 /* X(variant, return type, name, parameters, arguments): every forwarded function. */
 #define QTTS_VALUE_FUNCS(X, v)                                                                   \
     X(v, int, qtts_ops_isa, (void), ())                                                          \
     X(v, int, qtts_conv1d_tm_block, (void), ())                                                  \
     X(v, int, qtts_conv1d_tm_bf16_fast, (void), ())                                              \
+    X(v, int, qtts_conv1d_tm_bf16_amx_built, (void), ())                                         \
     X(v, int, qtts_gemm_i8_fast, (void), ())
 
 #define QTTS_OP_ARGS (struct ggml_tensor * dst, int ith, int nth, void * userdata)
@@ -60,6 +71,35 @@ static int cpu_avx512_bf16(void) {
 }
 static int cpu_avx2(void) { return __builtin_cpu_supports("x86-64-v3"); }
 #endif
+
+/* AMX-BF16: CPUID.(7,0):EDX bits 22 (AMX-BF16) and 24 (AMX-TILE), the OS enabling the tile
+ * state in XCR0 (bits 17, 18), and Linux granting this process the tile data: it is off until
+ * asked for (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), once per process. GCC 12's
+ * __builtin_cpu_supports("amx-bf16") reads 0 on such CPUs, hence CPUID by hand. Checked once. */
+static int amx_allowed = 1; /* qtts_ops_set_amx */
+static int amx_checked, amx_ready;
+static int cpu_amx_ready(void) {
+    if (!amx_checked) {
+        amx_checked = 1;
+#if defined(__x86_64__) && defined(__linux__)
+        unsigned a, b, c, d;
+        if (cpu_avx512_bf16() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 22 & 1) &&
+            (d >> 24 & 1)) {
+            unsigned lo, hi;
+            __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+            (void)hi;
+            if ((lo & 0x60000u) == 0x60000u) {
+                amx_ready = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */,
+                                    18 /* XFEATURE_XTILEDATA */) == 0;
+            }
+        }
+#endif
+    }
+    return amx_ready;
+}
+#if defined(__x86_64__) || defined(__i386__)
+static int cpu_amx_bf16(void) { return amx_allowed && cpu_amx_ready(); }
+#endif
 /* The baseline variants, and "native": built with -march=native for the machine it runs on. */
 static int cpu_any(void) { return 1; }
 
@@ -67,6 +107,9 @@ static int cpu_any(void) { return 1; }
 
 #ifdef QTTS_OPS_HAVE_native
 QTTS_FUNCS(QTTS_PROTO, native)
+#endif
+#ifdef QTTS_OPS_HAVE_amx_bf16
+QTTS_FUNCS(QTTS_PROTO, amx_bf16)
 #endif
 #ifdef QTTS_OPS_HAVE_avx512_bf16
 QTTS_FUNCS(QTTS_PROTO, avx512_bf16)
@@ -92,6 +135,9 @@ static const qtts_ops_variant_t variants[] = {
 #ifdef QTTS_OPS_HAVE_native
     QTTS_VARIANT_ENTRY(native, cpu_any)
 #endif
+#ifdef QTTS_OPS_HAVE_amx_bf16
+    QTTS_VARIANT_ENTRY(amx_bf16, cpu_amx_bf16)
+#endif
 #ifdef QTTS_OPS_HAVE_avx512_bf16
     QTTS_VARIANT_ENTRY(avx512_bf16, cpu_avx512_bf16)
 #endif
@@ -116,6 +162,17 @@ static const qtts_ops_variant_t variants[] = {
 static const qtts_ops_variant_t * chosen = &variants[N_VARIANTS - 1];
 static char variant_list[256];
 
+/* The first usable variant; the tile kernels of the one chosen run when AMX is ready too. */
+static void select_variant(void) {
+    for (size_t i = 0; i < N_VARIANTS; i++) {
+        if (variants[i].usable()) {
+            chosen = &variants[i];
+            break;
+        }
+    }
+    qtts_amx_on = amx_allowed && chosen->fns.qtts_conv1d_tm_bf16_amx_built() && cpu_amx_ready();
+}
+
 /* At load, before cffi or ggml can call anything here. */
 __attribute__((constructor)) static void qtts_ops_select(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -129,17 +186,20 @@ __attribute__((constructor)) static void qtts_ops_select(void) {
         if (i + 1 < N_VARIANTS && n + 2 < sizeof(variant_list)) variant_list[n++] = ',';
     }
     variant_list[n] = '\0';
-    for (size_t i = 0; i < N_VARIANTS; i++) {
-        if (variants[i].usable()) {
-            chosen = &variants[i];
-            return;
-        }
-    }
+    select_variant();
 }
 
 const char * qtts_ops_variant(void) { return chosen->name; }
 
 const char * qtts_ops_variants(void) { return variant_list; }
+
+int qtts_ops_amx(void) { return qtts_amx_on; }
+
+int qtts_ops_set_amx(int on) {
+    amx_allowed = on != 0;
+    select_variant();
+    return qtts_amx_on;
+}
 
 #define QTTS_FORWARD_VALUE(v, ret, name, params, args)                                           \
     ret name params { return chosen->fns.name args; }

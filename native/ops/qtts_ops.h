@@ -12,9 +12,9 @@
 
 /* The library holds the kernels compiled once per ISA variant (native/build.py) and forwards
  * every function below to one of them, chosen when it is loaded (dispatch.c): the best variant
- * this CPU runs. qtts_ops_variant() names it ("avx512_bf16", "avx512_vnni", "avx512", "avx2",
- * "scalar"; "native" in a -march=native build; "generic" off x86); qtts_ops_variants() lists the
- * variants built in, best first, comma-separated. */
+ * this CPU runs. qtts_ops_variant() names it ("amx_bf16", "avx512_bf16", "avx512_vnni", "avx512",
+ * "avx2", "scalar"; "native" in a -march=native build; "generic" off x86); qtts_ops_variants()
+ * lists the variants built in, best first, comma-separated. */
 const char * qtts_ops_variant(void);
 const char * qtts_ops_variants(void);
 
@@ -90,6 +90,21 @@ void qtts_conv1d_tm_bf16_op(struct ggml_tensor * dst, int ith, int nth, void * u
 
 /* 1 when qtts_conv1d_tm_bf16_op has its AVX512_BF16 kernel, 0 for the slow portable path. */
 int qtts_conv1d_tm_bf16_fast(void);
+
+/* 1 when the variant in use has the AMX-BF16 tile kernel of qtts_conv1d_tm_bf16_op compiled in
+ * (whether it runs: qtts_ops_amx). */
+int qtts_conv1d_tm_bf16_amx_built(void);
+
+/* 1 while qtts_conv1d_tm_bf16_op runs on AMX tiles: the CPU has AMX-BF16, the OS granted this
+ * process the tile state (Linux: arch_prctl ARCH_REQ_XCOMP_PERM, asked once at load), a
+ * variant with the tile kernel is built in and AMX is not turned off. Same sources, flags,
+ * packed weights and result contract (BF16 products, F32 sums; another summation order). */
+int qtts_ops_amx(void);
+
+/* Allow (on != 0, the default) or forbid the AMX tile path: re-chooses the variant as at load
+ * (a portable build then runs "avx512_bf16" instead of "amx_bf16"; every variant shares the
+ * packed-weight layouts). Not while a graph runs. Returns qtts_ops_amx(). */
+int qtts_ops_set_amx(int on);
 
 /* INT8 GEMM (W8A8) for prefills of quantised models, as a ggml_custom_op_t for
  * ggml_custom_4d(ctx, F32, N, T, 1, 1, {x, wq, ws, wc}, 4, qtts_gemm_i8_op, n, NULL):

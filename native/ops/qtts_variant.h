@@ -23,6 +23,7 @@
 #define qtts_conv1d_tm_block QTTS_V(qtts_conv1d_tm_block)
 #define qtts_conv1d_tm_bf16_op QTTS_V(qtts_conv1d_tm_bf16_op)
 #define qtts_conv1d_tm_bf16_fast QTTS_V(qtts_conv1d_tm_bf16_fast)
+#define qtts_conv1d_tm_bf16_amx_built QTTS_V(qtts_conv1d_tm_bf16_amx_built)
 #define qtts_conv1d_wino_bf16_op QTTS_V(qtts_conv1d_wino_bf16_op)
 #define qtts_gemm_i8_op QTTS_V(qtts_gemm_i8_op)
 #define qtts_gemm_i8_pack QTTS_V(qtts_gemm_i8_pack)

@@ -10,6 +10,7 @@ import pytest
 from engine.backend import BackendSet
 from engine.decoder import DecoderModel, StreamingDecoder
 from engine.errors import BackendError
+from engine.ggml import custom_ops
 from engine.gguf_model import open_model
 from engine.options import DiagnosticSettings, EngineOptions
 
@@ -31,13 +32,14 @@ def test_every_variable_reaches_its_field() -> None:
         "QTTS_CUSTOM_OPS": "0", "QTTS_DEBUG_BACKEND": "1", "QTTS_OP_LOG": "1",
         "QTTS_OP_FILTER": "mul_mat, im2col", "QTTS_CHECK_DETERMINISM": "1",
         "QTTS_WINOGRAD": "0", "QTTS_INT8_PREFILL": "0", "QTTS_PIN_PREFIXES": "0",
-        "QTTS_PROFILE": "1",
+        "QTTS_PROFILE": "1", "QTTS_AMX": "0",
     })
     assert (o.backend, o.backend_fallback, o.device, o.threads, o.rpc_servers) == (
         "rpc", "cuda,cpu", "1", "3", "127.0.0.1:1")
     assert o.max_matmul_rows == 64 and not o.custom_ops and o.debug_backend
     assert o.diagnostics == DiagnosticSettings(True, frozenset({"MUL_MAT", "IM2COL"}), True)
     assert not o.winograd and not o.int8_prefill and not o.pin_prefixes and o.profile
+    assert not o.amx and EngineOptions.from_env({}).amx
 
 
 def test_on_off_variables_keep_their_old_spelling() -> None:
@@ -90,7 +92,9 @@ def test_profile_prints_decoder_stage_times_only_when_on(
 
 def test_winograd_option_reaches_the_decoder_weights(tiny_gguf: Path) -> None:
     model = open_model(tiny_gguf)
-    on = BackendSet.from_options(EngineOptions.from_env(CPU1))
+    # QTTS_AMX=0: on AMX tiles the direct conv replaces Winograd (tests/engine/test_amx.py)
+    amx = custom_ops.amx()
+    on = BackendSet.from_options(EngineOptions.from_env({**CPU1, "QTTS_AMX": "0"}))
     off = BackendSet.from_options(EngineOptions.from_env({**CPU1, "QTTS_WINOGRAD": "0"}))
     dec_on, dec_off = DecoderModel.load(model, on, "fast"), DecoderModel.load(model, off, "fast")
     try:
@@ -100,3 +104,4 @@ def test_winograd_option_reaches_the_decoder_weights(tiny_gguf: Path) -> None:
     finally:
         for x in (dec_on, dec_off, on, off):
             x.close()
+        custom_ops.set_amx(amx)  # process-wide: leave it as the other tests expect

@@ -15,7 +15,7 @@ import pytest
 
 from engine.backend import BackendSet
 from engine.decoder import DecoderModel, decode
-from engine.decoder.precision import default_f32
+from engine.decoder.precision import calibrate, default_f32
 from engine.gguf_model import open_model
 from engine.tools.convert import convert
 from tests.parity import reference as ref
@@ -87,7 +87,10 @@ def test_all_bf16_is_what_the_default_set_fixes(stress: StressCase) -> None:
 def test_calibration_measures_and_promotes(stress: StressCase) -> None:
     """A target above what the default set gives: the calibration promotes layers until it
     holds, says what it measured, and the decode it chose is that much better."""
-    target = FAST_MIN_DB + 2.0  # above the default set on both seeds (36.7, 35.8 dB)
+    # above what the default set gives, whichever kernels run (Winograd on AVX512-BF16:
+    # 36.7 / 35.8 dB on seeds 0 / 1; the direct conv on AMX tiles ~1 dB more)
+    default_db = calibrate(stress.model, stress.backends, target_db=0.0).snr_db
+    target = max(FAST_MIN_DB + 2.0, default_db + 1.5)
     dec = DecoderModel.load(stress.model, stress.backends, "fast", calibrate_db=target)
     cal = dec.calibration
     assert cal is not None and cal.met and cal.f32_layers > default_f32(stress.model)
