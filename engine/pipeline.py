@@ -42,6 +42,7 @@ from engine.decoder import DecoderModel, StreamingDecoder, validate_codes
 from engine.errors import InputError
 from engine.talker.generate import (
     DEFAULT_MAX_FRAMES_CAP,
+    Frame,
     Result,
     frame_budget,
     generate_frames,
@@ -152,6 +153,21 @@ def as_request(obj: Any) -> SynthesisRequest | CodesRequest:
             chunk_max_frames=chunk, **kwargs,
         )
     raise TypeError(f"not a synthesis request: {type(obj).__name__}")
+
+
+class Ramp:
+    """Where a stream is on the chunk ramp: ``target`` frames make the next decoder push."""
+
+    def __init__(self, chunk_max_frames: int) -> None:
+        self.chunk_max = chunk_max_frames
+        self._sizes = chunk_sizes(chunk_max_frames)
+        self.target = next(self._sizes)
+
+    def advance(self, restart: bool = False) -> None:
+        """The next size after a push (1 again after ``restart``: a pause for text)."""
+        if restart:
+            self._sizes = chunk_sizes(self.chunk_max)
+        self.target = next(self._sizes)
 
 
 def chunk_sizes(chunk_max_frames: int) -> Generator[int, None, None]:
@@ -366,8 +382,7 @@ class Pipeline:
         sd = StreamingDecoder(self.decoder)
         if prompts[0].ref_codes is not None:  # the reference part: decoded for context, not sent
             sd.push(np.ascontiguousarray(prompts[0].ref_codes[-DECODER_PRIME_FRAMES:].T))
-        sizes = chunk_sizes(chunk_max)
-        target = next(sizes)
+        ramp = Ramp(chunk_max)
         outcome = "ok"
         done = 0  # frames of the earlier segments
         for prompt in prompts:
@@ -377,35 +392,14 @@ class Pipeline:
             budget = left if len(prompts) == 1 else min(
                 left, frame_budget(prompt.n_text_tokens, None, self.max_frames_cap,
                                    self._max_new_tokens))
-            pending: list[npt.NDArray[np.int32]] = []
-            acc = StageTimings()
             frames = generate_frames(self.talker, prompt, params, budget, rng, cancel)
-            try:
-                while True:
-                    try:
-                        frame = next(frames)
-                    except StopIteration as stop:
-                        result: Result = stop.value
-                        break
-                    pending.append(frame.codes)
-                    acc = acc + frame.timings
-                    if len(pending) >= target:
-                        if is_cancelled(cancel):
-                            return "cancelled"
-                        yield self._push(sd, pending, acc, info)
-                        pending, acc = [], StageTimings()
-                        target = next(sizes)
-            finally:
-                frames.close()
+            # the segment's last frames go out before the next one's prefill
+            result = yield from self._chunks(frames, sd, ramp, cancel, info)
             if result.outcome == "cancelled":
                 return "cancelled"
             done += result.frames
             if result.outcome == "truncated_no_eos":
                 outcome = "truncated_no_eos"
-            if pending:  # the segment's last frames go out before the next one's prefill
-                if is_cancelled(cancel):
-                    return "cancelled"
-                yield self._push(sd, pending, acc + result.leftover, info)
         return outcome
 
     def release(self) -> None:
@@ -519,20 +513,21 @@ class Pipeline:
         info.seed, info.budget = seed, budget(1 << 20)
         frames = generate_live_frames(self.talker, self.prompts, live, feed, req.voice,
                                       req.language, req.instruct, params, budget, rng, check)
-        outcome = yield from self._decode(frames, self._chunk_max(req), check, info)
-        info.outcome = outcome
-        return outcome
+        result = yield from self._chunks(frames, StreamingDecoder(self.decoder),
+                                         Ramp(self._chunk_max(req)), check, info)
+        info.outcome = result.outcome
+        return result.outcome
 
-    def _decode(self, frames: Generator[Any, None, Result], chunk_max: int,
-                cancel: Callable[[], bool] | None, info: StreamInfo
-                ) -> Generator[AudioChunk, None, str]:
-        """Decode frames with the chunk ramp; a ``None`` item (the text ran dry) decodes what
-        is pending and restarts the ramp."""
-        sd = StreamingDecoder(self.decoder)
-        sizes = chunk_sizes(chunk_max)
-        target = next(sizes)
+    def _chunks(self, frames: Generator[Frame | None, None, Result], sd: StreamingDecoder,
+                ramp: Ramp, cancel: Callable[[], bool] | None, info: StreamInfo
+                ) -> Generator[AudioChunk, None, Result]:
+        """Frames in, audio chunks out: frames are pushed to ``sd`` in the ramp's sizes; a
+        ``None`` item (live text ran dry) pushes what is pending and restarts the ramp; the
+        last frames (with the talker time after them) go out when ``frames`` ends. Returns the
+        frames' ``Result`` (outcome "cancelled" when a cancel stopped a push)."""
         pending: list[npt.NDArray[np.int32]] = []
         acc = StageTimings()
+        cancelled = Result(outcome="cancelled")
         try:
             while True:
                 try:
@@ -540,32 +535,24 @@ class Pipeline:
                 except StopIteration as stop:
                     result: Result = stop.value
                     break
-                if frame is None:
-                    if pending:
-                        if is_cancelled(cancel):
-                            return "cancelled"
-                        yield self._push(sd, pending, acc, info)
-                        pending, acc = [], StageTimings()
-                    sizes = chunk_sizes(chunk_max)
-                    target = next(sizes)
-                    continue
-                pending.append(frame.codes)
-                acc = acc + frame.timings
-                if len(pending) >= target:
+                if frame is not None:
+                    pending.append(frame.codes)
+                    acc = acc + frame.timings
+                    if len(pending) < ramp.target:
+                        continue
+                if pending:
                     if is_cancelled(cancel):
-                        return "cancelled"
+                        return cancelled
                     yield self._push(sd, pending, acc, info)
                     pending, acc = [], StageTimings()
-                    target = next(sizes)
+                ramp.advance(restart=frame is None)
         finally:
             frames.close()
-        if result.outcome == "cancelled":
-            return "cancelled"
-        if pending:
+        if result.outcome != "cancelled" and pending:
             if is_cancelled(cancel):
-                return "cancelled"
+                return cancelled
             yield self._push(sd, pending, acc + result.leftover, info)
-        return result.outcome
+        return result
 
     def close(self) -> None:
         """Free the talker (and the decoder when this Pipeline loaded it)."""
