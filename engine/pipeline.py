@@ -155,6 +155,19 @@ def as_request(obj: Any) -> SynthesisRequest | CodesRequest:
     raise TypeError(f"not a synthesis request: {type(obj).__name__}")
 
 
+@dataclass
+class TextPlan:
+    """A text request made ready to speak (``Pipeline.plan_text``)."""
+
+    prompts: list[Any]  # one Prompt per segment
+    params: SamplingParams
+    total: int  # frame budget of the whole text
+    rng: np.random.Generator
+    seed: int
+    decoder: StreamingDecoder
+    ramp: Ramp
+
+
 class Ramp:
     """Where a stream is on the chunk ramp: ``target`` frames make the next decoder push."""
 
@@ -354,8 +367,10 @@ class Pipeline:
                                  f"{self.max_instruct_tokens} tokens")
         return split_segments(req.text, offsets, self.segment_tokens) or [req.text]
 
-    def _stream_text(self, req: SynthesisRequest, cancel: Callable[[], bool] | None,
-                     info: StreamInfo) -> Generator[AudioChunk, None, str]:
+    def plan_text(self, req: SynthesisRequest) -> TextPlan:
+        """Everything a text request needs before its first frame (its segments' prompts, the
+        sampling, the frame budget, the RNG, a primed decoder), or ``InputError``. Shared by
+        ``stream`` and the batch scheduler (engine/batching.py)."""
         if self.talker is None or self.prompts is None or self.defaults is None:
             raise InputError(
                 "text", "this model file has no talker (a decoder-only GGUF): it cannot speak "
@@ -378,23 +393,33 @@ class Pipeline:
                                  self._max_new_tokens, req.frame_limit)
         chunk_max = self._chunk_max(req)
         rng, seed = make_rng(req.seed)
-        info.seed, info.budget = seed, total
         sd = StreamingDecoder(self.decoder)
         if prompts[0].ref_codes is not None:  # the reference part: decoded for context, not sent
             sd.push(np.ascontiguousarray(prompts[0].ref_codes[-DECODER_PRIME_FRAMES:].T))
-        ramp = Ramp(chunk_max)
+        return TextPlan(prompts, params, total, rng, seed, sd, Ramp(chunk_max))
+
+    def segment_budget(self, plan: TextPlan, i: int, done: int) -> int:
+        """Frames segment ``i`` may take when the earlier ones took ``done`` (0: none left)."""
+        left = plan.total - done
+        if left < 1 or len(plan.prompts) == 1:
+            return max(0, left)
+        return min(left, frame_budget(plan.prompts[i].n_text_tokens, None, self.max_frames_cap,
+                                      self._max_new_tokens))
+
+    def _stream_text(self, req: SynthesisRequest, cancel: Callable[[], bool] | None,
+                     info: StreamInfo) -> Generator[AudioChunk, None, str]:
+        plan = self.plan_text(req)
+        assert self.talker is not None
+        info.seed, info.budget = plan.seed, plan.total
         outcome = "ok"
         done = 0  # frames of the earlier segments
-        for prompt in prompts:
-            left = total - done
-            if left < 1:
+        for i, prompt in enumerate(plan.prompts):
+            budget = self.segment_budget(plan, i, done)
+            if budget < 1:
                 return "truncated_no_eos"  # the text's frame budget ran out before its end
-            budget = left if len(prompts) == 1 else min(
-                left, frame_budget(prompt.n_text_tokens, None, self.max_frames_cap,
-                                   self._max_new_tokens))
-            frames = generate_frames(self.talker, prompt, params, budget, rng, cancel)
+            frames = generate_frames(self.talker, prompt, plan.params, budget, plan.rng, cancel)
             # the segment's last frames go out before the next one's prefill
-            result = yield from self._chunks(frames, sd, ramp, cancel, info)
+            result = yield from self._chunks(frames, plan.decoder, plan.ramp, cancel, info)
             if result.outcome == "cancelled":
                 return "cancelled"
             done += result.frames
