@@ -2,9 +2,10 @@
 
 Messages are small frozen dataclasses sent pickled over one duplex pipe per worker:
 
-  front end -> worker   ``RunJob`` | ``StopWorker``, and ``TextIn`` for a live-text job
+  front end -> worker   ``RunJob`` | ``StopWorker``, ``TextIn`` for a live-text job,
+                        ``CancelJob`` for a batching worker's job
   worker -> front end   ``Ready`` | ``Fatal`` (start-up), then per job: ``Chunk``* and one of
-                        ``Done`` | ``Failed``
+                        ``Done`` | ``Failed``; a batching worker adds ``StepDone`` per step
 
 The pool forwards a job's ``Chunk`` / ``Done`` / ``Failed`` to its ticket and adds the events
 only the front end sees: ``WorkerDied``, ``ClientGone`` and ``TimedOut``. A new message kind is
@@ -62,6 +63,12 @@ class Job:
     min_tokens: int = 1  # live: stable tokens before generation starts (start policy)
 
 
+def batchable(job: Job) -> bool:
+    """Whether a job may share its worker's steps with others (a whole text; codes and live
+    text run alone)."""
+    return job.kind == "text" and not job.live
+
+
 @dataclass(frozen=True)
 class WorkerOptions:
     """Everything a worker process needs to start (its one argument besides its pipe ends)."""
@@ -79,6 +86,7 @@ class WorkerOptions:
     max_instruct_tokens: int | None = None
     segment_tokens: int | None = None
     prefill_chunk: int | None = None
+    max_batch: int = 1  # text jobs spoken at once (>1: the batch loop of service/worker.py)
 
 
 # ---- front end -> worker -------------------------------------------------------------------
@@ -104,7 +112,15 @@ class TextIn:
     end: bool = False
 
 
-ToWorker = RunJob | StopWorker | TextIn
+@dataclass(frozen=True)
+class CancelJob:
+    """Stop a job of a batching worker (it reads its pipe between steps; a worker running one
+    job at a time watches its shared cancel word instead)."""
+
+    job_id: int
+
+
+ToWorker = RunJob | StopWorker | TextIn | CancelJob
 
 # ---- worker -> front end -------------------------------------------------------------------
 
@@ -158,7 +174,18 @@ class Failed:
     code: str | None = None
 
 
-FromWorker = Ready | Fatal | Chunk | Done | Failed
+@dataclass(frozen=True)
+class StepDone:
+    """A batching worker ran one step: how many streams it served and the seconds of each
+    stage (for the ``qtts_batch_size`` and ``qtts_batch_step_seconds`` metrics)."""
+
+    batch: int
+    talker: float
+    code_predictor: float
+    decoder: float
+
+
+FromWorker = Ready | Fatal | Chunk | Done | Failed | StepDone
 
 # ---- events only the front end adds to a ticket ----------------------------------------------
 

@@ -97,6 +97,7 @@ class FrameScheduler:
         self.batched = batched if batched is not None else BatchedTalker(talker)
         self._uids = itertools.count(1)
         self._live: dict[int, Utterance] = {}  # in arrival order
+        self._lent: KVCache | None = None  # the model's own cache, while a session uses it
         self.last = StepStats()
 
     def __len__(self) -> int:
@@ -116,10 +117,21 @@ class FrameScheduler:
         if not self.free:
             raise RuntimeError("the batch is full")
         u = Utterance(next(self._uids), prompt, sampler, budget, cancel)
-        u.cache = self.talker.new_cache(prompt.length + budget)
+        u.cache = self._take_cache(prompt.length + budget)
         u.chunks = self.talker.prefill_chunks(prompt, cache=u.cache)
         self._live[u.uid] = u
         return u.uid
+
+    def _take_cache(self, n_positions: int) -> KVCache:
+        # The model's own talker cache (reserved at warm-up, idle while the worker batches)
+        # serves one session, so a worker alone allocates nothing per request, as without
+        # batching; every other session gets a cache of its own, freed when it ends. (Stale
+        # rows of an earlier session are finite and masked, as for the model's own loop.)
+        own = self.talker.cache
+        if self._lent is None and own is not None and own.n_ctx >= n_positions:
+            self._lent = own
+            return own
+        return self.talker.new_cache(n_positions)
 
     def cancel(self, uid: int) -> Ended | None:
         """Remove an utterance now (its result says "cancelled"); None if it is not here."""
@@ -136,7 +148,10 @@ class FrameScheduler:
             u.chunks = None
         self.batched.drop_step_graph()  # it refers to the cache about to be freed
         if u.cache is not None:
-            u.cache.close()
+            if u.cache is self._lent:
+                self._lent = None  # the model's own cache: kept (it is the worker's steady state)
+            else:
+                u.cache.close()  # a session's own cache: its memory goes back now
             u.cache = None
         u.result.leftover = u.pending
         return Ended(u.uid, u.result)
