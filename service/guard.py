@@ -27,6 +27,20 @@ log = logging.getLogger("qtts.app")
 reqlog = logging.getLogger(REQUEST_LOGGER)
 
 
+
+class TrackedSend:
+    """An ASGI ``send`` that remembers whether the response has started (after that an error
+    can only cut the transfer, not answer with a status)."""
+
+    def __init__(self, send: Send) -> None:
+        self.send = send
+        self.started = False
+
+    async def __call__(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+        await self.send(message)
+
 class ErrorGuard:
     """Catch what the app raised (see the module docstring). ``metrics()`` returns the
     server's ``Metrics`` (None before startup); ``synth_routes`` get a request line."""
@@ -41,15 +55,8 @@ class ErrorGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        started = False
         arrival = time.monotonic()
-
-        async def send_tracked(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
+        send_tracked = TrackedSend(send)
         try:
             await self.app(scope, receive, send_tracked)
         except Exception:
@@ -69,8 +76,8 @@ class ErrorGuard:
                     "%s error %s", path, rid,
                     extra={"id": rid, "route": path, "status": 500, "outcome": "error",
                            "duration_seconds": round(time.monotonic() - arrival, 4),
-                           "response_started": started},
+                           "response_started": send_tracked.started},
                 )
-            if not started:
+            if not send_tracked.started:
                 err = ApiError(500, "internal server error", code="internal_error")
                 await err.response(rid)(scope, receive, send)

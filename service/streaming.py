@@ -18,11 +18,12 @@ from typing import Any
 
 import numpy as np
 from fastapi.responses import Response
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from service.audio import CONTENT_TYPES, Encoder, TimeStretch, encode_whole, make_encoder
 from service.errors import ApiError
 from service.fields import api_field
+from service.guard import TrackedSend
 from service.handles import Ticket
 from service.logs import round_or_none
 from service.pool import PoolDraining, PoolFull, PoolNotReady
@@ -101,14 +102,7 @@ class SynthesisResponse(Response):
             await self._refused(e, scope, receive, send)
             return
         watcher = asyncio.create_task(self._watch_disconnect(receive))
-        started = False
-
-        async def send_tracked(message: Message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-            await send(message)
-
+        send_tracked = TrackedSend(send)
         try:
             await self._run(scope, receive, send_tracked)
         except _Abort:
@@ -124,7 +118,7 @@ class SynthesisResponse(Response):
             watcher.cancel()
             if self.ticket is not None and self.ticket.state is not TicketState.FINISHED:
                 st.pool.cancel(self.ticket)
-            if syn.outcome == "client_gone" and not started:
+            if syn.outcome == "client_gone" and not send_tracked.started:
                 syn.status = CLIENT_CLOSED  # no status line ever went out: never log a 200
             finish_log(st, syn, admitted=True)
 

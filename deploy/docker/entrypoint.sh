@@ -9,7 +9,7 @@
 #        writable (a volume keeps it across restarts), else under $QTTS_CACHE_DIR or ~/.cache.
 #
 # QTTS_MODELS_DIR      where to look for model.gguf (default /models)
-# QTTS_SYNTHETIC_SIZE  full (default: the released 0.6B shape, a 1.2 GB Q4_0 GGUF) | tiny
+# QTTS_SYNTHETIC_SIZE  full (default: the released 0.6B shape, a 1.5 GB Q4_0 GGUF) | tiny
 set -eu
 
 log() { printf 'qtts-entrypoint: %s\n' "$*" >&2; }

@@ -27,14 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from engine.errors import InputError
-from engine.talker.prompt import (
-    ROLE_TOKENS,
-    TAIL_TOKENS,
-    TEXT_MODES,
-    Prompt,
-    PromptBuilder,
-    assistant_text,
-)
+from engine.talker.prompt import ROLE_TOKENS, Prompt, PromptBuilder, check_text
 from engine.talker.voices import AUTO
 
 F32 = npt.NDArray[np.float32]
@@ -72,6 +65,7 @@ def transcript_ids(builder: PromptBuilder, text: str) -> I32:
     if not isinstance(text, str) or not text.strip():
         raise InputError("ref_text", "is empty: in-context cloning needs the transcript of the "
                          "reference audio (or ask for x-vector-only cloning)")  # fmt: skip
+    check_text("ref_text", text)
     ids = builder.encode(ref_text(text))
     if len(ids) <= ROLE_TOKENS + REF_TAIL_TOKENS:
         raise InputError("ref_text", "tokenises to no text tokens")
@@ -90,25 +84,14 @@ def build_clone_prompt(
 
     ``frame_embed`` turns reference codes [T, 16] into their talker input rows [T, hidden].
     """
-    if not isinstance(text, str) or not text.strip():
-        raise InputError("text", "is empty")
-    if text_mode not in TEXT_MODES:
-        raise InputError("text_mode", f"must be one of {', '.join(TEXT_MODES)}, got {text_mode!r}")
+    words = builder.target_words(text, text_mode)
     lang = builder.resolve_language(language)
     cfg, sp = builder.cfg, builder.special
     hidden = int(cfg.hidden_size)
     xv = np.asarray(voice.x_vector, dtype=np.float32).reshape(-1)
     if xv.shape[0] != hidden:
         raise InputError("voice", f"x-vector has {xv.shape[0]} values, the model needs {hidden}")
-    ids = builder.encode(assistant_text(text))
-    if len(ids) <= ROLE_TOKENS + TAIL_TOKENS:
-        raise InputError("text", "tokenises to no text tokens between the chat markers")
-    words = ids[ROLE_TOKENS:-TAIL_TOKENS]
-    lang_id = None if lang == AUTO else builder.catalog.all_languages[lang]
-    if lang_id is None:
-        head = [cfg.codec_nothink_id, cfg.codec_think_bos_id, cfg.codec_think_eos_id]
-    else:
-        head = [cfg.codec_think_id, cfg.codec_think_bos_id, lang_id, cfg.codec_think_eos_id]
+    head = builder.codec_head(None if lang == AUTO else builder.catalog.all_languages[lang])
 
     text_ids: list[int] = []
     codec_ids: list[int] = []
@@ -122,7 +105,7 @@ def build_clone_prompt(
         codec_ids.append(0 if c is None else c)
         mask.append(0.0 if c is None else 1.0)
 
-    for t in ids[:ROLE_TOKENS]:
+    for t in builder.role_ids:
         put(t, None)
     for c in head:
         put(sp.tts_pad_token_id, c)
@@ -142,24 +125,18 @@ def build_clone_prompt(
         if text_mode == "full":
             for t in seq:
                 put(t, cfg.codec_pad_id)
-            for c, add in codec:
-                put(sp.tts_pad_token_id, c, add)
+            for code, add in codec:
+                put(sp.tts_pad_token_id, code, add)
             n_prefix += len(ref_ids)
         else:
             n_c = len(codec)
             padded = seq + [sp.tts_pad_token_id] * max(0, n_c - len(seq))
-            for i, (c, add) in enumerate(codec):
-                put(padded[i], c, add)
+            for i, (code, add) in enumerate(codec):
+                put(padded[i], code, add)
             trailing = seq[n_c:]
             n_prefix += min(len(ref_ids), n_c)
-    elif text_mode == "full":
-        for w in words:
-            put(w, cfg.codec_pad_id)
-        put(sp.tts_eos_token_id, cfg.codec_pad_id)
-        put(sp.tts_pad_token_id, cfg.codec_bos_id)
     else:
-        put(words[0], cfg.codec_bos_id)
-        trailing = [*words[1:], sp.tts_eos_token_id]
+        trailing = builder.put_target_text(put, words, text_mode)
     embed_add = np.zeros((len(text_ids), hidden), dtype=np.float32)
     for i, row in adds.items():
         embed_add[i] = row

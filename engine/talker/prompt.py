@@ -28,7 +28,7 @@ engine/talker/voices.py (``VoiceCatalog``), which the service's front end applie
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -120,7 +120,7 @@ class PromptBuilder:
         self.model_type: str = self.catalog.model_type
         self.model_size: str = self.catalog.model_size
         self.ignore_unsupported_instruct = ignore_unsupported_instruct
-        self._role_ids = self.encode("<|im_start|>assistant\n")
+        self.role_ids = self.encode("<|im_start|>assistant\n")
 
     # -- what a request may ask for (the rules live in engine/talker/voices.py) -------------
 
@@ -164,6 +164,49 @@ class PromptBuilder:
         """The instruction to use (None for none), or an ``InputError`` if unsupported."""
         return self.catalog.resolve_instruct(instruct, self.ignore_unsupported_instruct)
 
+    # -- the pieces every prompt shares (CustomVoice and VoiceDesign here, cloned voices in
+    # engine/clone/prompt.py) ---------------------------------------------------------------
+
+    def target_words(self, text: str, text_mode: str) -> list[int]:
+        """The text tokens of the text to speak, or an ``InputError`` (on ``text`` or
+        ``text_mode``)."""
+        if not isinstance(text, str) or not text.strip():
+            raise InputError("text", "is empty")
+        check_text("text", text)
+        if text_mode not in TEXT_MODES:
+            raise InputError(
+                "text_mode", f"must be one of {', '.join(TEXT_MODES)}, got {text_mode!r}"
+            )
+        ids = self.encode(assistant_text(text))
+        if len(ids) <= ROLE_TOKENS + TAIL_TOKENS or ids[:ROLE_TOKENS] != self.role_ids:
+            # Cannot happen with a Qwen2 tokenizer; a foreign tokenizer would break the slicing.
+            raise InputError("text", "tokenises to no text tokens between the chat markers")
+        return ids[ROLE_TOKENS:-TAIL_TOKENS]
+
+    def codec_head(self, lang_id: int | None) -> list[int]:
+        """The codec ids that open every prompt: no-think for "auto", else think + language."""
+        cfg = self.cfg
+        if lang_id is None:
+            return [cfg.codec_nothink_id, cfg.codec_think_bos_id, cfg.codec_think_eos_id]
+        return [cfg.codec_think_id, cfg.codec_think_bos_id, lang_id, cfg.codec_think_eos_id]
+
+    def put_target_text(self, put: Callable[[int, int | None], None], words: Sequence[int],
+                        text_mode: str) -> list[int]:
+        """Lay out the text to speak after the codec prefix; return the trailing text ids.
+
+        Non-streaming: every token + C(pad), EOS + C(pad), PAD + C(bos), nothing trailing.
+        Streaming: the first token + C(bos); the rest and EOS trail (one per frame).
+        """
+        cfg, sp = self.cfg, self.special
+        if text_mode == "full":
+            for w in words:
+                put(w, cfg.codec_pad_id)
+            put(sp.tts_eos_token_id, cfg.codec_pad_id)
+            put(sp.tts_pad_token_id, cfg.codec_bos_id)
+            return []
+        put(words[0], cfg.codec_bos_id)
+        return [*words[1:], sp.tts_eos_token_id]
+
     # -- the prompt -------------------------------------------------------------------------
 
     def build(
@@ -175,31 +218,15 @@ class PromptBuilder:
         text_mode: str = "full",
     ) -> Prompt:
         """Validate the request fields and lay out the prompt (module docstring)."""
-        if not isinstance(text, str) or not text.strip():
-            raise InputError("text", "is empty")
-        check_text("text", text)
         if instruct is not None:
             check_text("instruct", instruct)
-        if text_mode not in TEXT_MODES:
-            raise InputError(
-                "text_mode", f"must be one of {', '.join(TEXT_MODES)}, got {text_mode!r}"
-            )
+        words = self.target_words(text, text_mode)
         spk = self.resolve_voice(voice)
         lang = self.resolve_language(language)
         ins = self.resolve_instruct(instruct)
         cfg, sp = self.cfg, self.special
 
-        ids = self.encode(assistant_text(text))
-        if len(ids) <= ROLE_TOKENS + TAIL_TOKENS or ids[:ROLE_TOKENS] != self._role_ids:
-            # Cannot happen with a Qwen2 tokenizer; a foreign tokenizer would break the slicing.
-            raise InputError("text", "tokenises to no text tokens between the chat markers")
-        words = ids[ROLE_TOKENS:-TAIL_TOKENS]
-
-        lang_id = self.catalog.language_id(spk, lang)
-        if lang_id is None:
-            prefix = [cfg.codec_nothink_id, cfg.codec_think_bos_id, cfg.codec_think_eos_id]
-        else:
-            prefix = [cfg.codec_think_id, cfg.codec_think_bos_id, lang_id, cfg.codec_think_eos_id]
+        prefix = self.codec_head(self.catalog.language_id(spk, lang))
         if spk is not None:
             prefix.append(self.speakers[spk])
         prefix += [cfg.codec_pad_id, cfg.codec_bos_id]
@@ -216,21 +243,12 @@ class PromptBuilder:
         if ins is not None:
             for t in self.encode(instruct_text(ins)):
                 put(t, None)
-        for t in ids[:ROLE_TOKENS]:
+        for t in self.role_ids:
             put(t, None)
         for j, c in enumerate(prefix[:-1]):
             put(sp.tts_bos_token_id if j == len(prefix) - 2 else sp.tts_pad_token_id, c)
         n_prefix = len(text_ids)
-        trailing: Sequence[int]
-        if text_mode == "full":
-            for w in words:
-                put(w, cfg.codec_pad_id)
-            put(sp.tts_eos_token_id, cfg.codec_pad_id)
-            put(sp.tts_pad_token_id, cfg.codec_bos_id)
-            trailing = []
-        else:
-            put(words[0], cfg.codec_bos_id)
-            trailing = [*words[1:], sp.tts_eos_token_id]
+        trailing = self.put_target_text(put, words, text_mode)
         return Prompt(
             text_ids=np.asarray(text_ids, dtype=np.int32),
             codec_ids=np.asarray(codec_ids, dtype=np.int32),

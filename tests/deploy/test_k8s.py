@@ -228,6 +228,20 @@ def test_model_is_a_checked_artifact(rendered: Rendered, overlay: str) -> None:
     assert not any("persistentVolumeClaim" in v for v in vols.values())
 
 
+def test_overlay_ships_the_default_model(rendered: Rendered, overlay: str) -> None:
+    # the version is the folder `make run` makes the default model in; the digest is the one
+    # docs/deploy.md quotes for it (both change together when the converter or vocabulary does)
+    cm = _one(rendered[overlay], "ConfigMap")["data"]
+    default = re.search(r"^DEFAULT_MODEL := .*/models/([^/]+)/model\.gguf$",
+                        (ROOT / "Makefile").read_text(), re.M)
+    assert default is not None
+    assert cm["QTTS_MODEL_VERSION"] == default.group(1)
+    docs = (ROOT / "docs" / "deploy.md").read_text()
+    quoted = re.search(r"sha256\s+`([0-9a-f]{8})…([0-9a-f]{5})`", docs)
+    assert quoted is not None, "docs/deploy.md quotes the shipped model's digest"
+    digest = cm["QTTS_MODEL_SHA256"]
+    assert (digest[:8], digest[-5:]) == quoted.groups()
+
 def test_a_model_change_is_a_rollout(kubectl: str, tmp_path: Path) -> None:
     """Another sha256 in the overlay renders another ConfigMap name in the pod template."""
     names = []

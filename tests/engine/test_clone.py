@@ -122,6 +122,15 @@ def test_empty_transcript_refused_in_icl_mode(pipe: Pipeline, speech: Path) -> N
     assert not voice.icl and voice.x_vector.shape == (32,)
 
 
+
+def test_lone_surrogates_refused_in_clone_texts(pipe: Pipeline, speech: Path) -> None:
+    with pytest.raises(InputError, match="ref_text: has a lone surrogate"):
+        pipe.clone_voice(str(speech), "a\ud800b")
+    voice = pipe.clone_voice(str(speech), None, x_vector_only=True)
+    req = SynthesisRequest("a\udfffb", voice_prompt=voice, greedy=True, max_frames=2)
+    with pytest.raises(InputError, match="text: has a lone surrogate"):
+        list(pipe.stream(req))
+
 def test_cloned_stream_starts_with_new_speech(pipe: Pipeline, speech: Path) -> None:
     voice = pipe.clone_voice(str(speech), REF_TEXT)
     assert voice.icl and voice.ref_codes is not None and voice.ref_codes.shape[1] == 16
