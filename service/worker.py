@@ -247,7 +247,9 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
                 return  # front end gone
             match msg:
                 case StopWorker():
-                    return
+                    # as the one-job loop: exit after the running jobs (the pool cancels them
+                    # first when it stops)
+                    _STATE["term"] = True
                 case CancelJob(job_id=jid):
                     stop.add(jid)
                 case TextIn():
@@ -258,6 +260,8 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
                         _run_job(conn, cancel, synth, job, fault)
                     finally:
                         _STATE["busy"] = bool(running)
+                case RunJob(job=job) if _STATE["term"]:
+                    conn.send(Failed(job.id, 503, None, "worker stopping"))
                 case RunJob(job=job):
                     try:
                         sid = runner.submit(job, cancel=flag(job.id))
