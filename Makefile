@@ -64,11 +64,13 @@ native-portable: sysdeps venv
 
 # The test suite's system tools (Debian): chromium for the playground's browser test (driven by
 # Playwright's Python package, never its own browser download) and qemu-user, which runs the
-# portable build on an emulated CPU without AVX-512.
+# portable build on an emulated CPU without AVX-512; PostgreSQL, whose server the voice-store
+# tests start themselves (initdb into a temporary folder).
 test-sysdeps:
 	@missing=""; \
 	command -v chromium >/dev/null || missing="$$missing chromium"; \
 	command -v qemu-x86_64 >/dev/null || missing="$$missing qemu-user"; \
+	ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || missing="$$missing postgresql"; \
 	if [ -n "$$missing" ]; then \
 		if command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
 			echo "installing$$missing (Debian)"; \

@@ -14,6 +14,8 @@ released dims; ``tiny`` for a smoke run):
 
     python bench/clone.py [--size 0.6b] [--threads 2] [--dtype q4_0] [--seconds 10]
                           [--repeats 5] [--no-reference]
+    python bench/clone.py --http ...   # the same over HTTP: create a voice, its first audio
+                                       # (bench/clone_http.py)
 
 The machine may be shared: the load average is printed; treat times as upper bounds.
 """
@@ -109,7 +111,14 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=10.0)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--no-reference", action="store_true")
+    ap.add_argument("--http", action="store_true",
+                    help="over HTTP: create a voice, its first audio (bench/clone_http.py)")
     args = ap.parse_args()
+    if args.http:
+        from bench.clone_http import run
+
+        run(args.size, args.threads, args.dtype, args.seconds, args.repeats)
+        return 0
     print(f"load average: {os.getloadavg()}", file=sys.stderr)
     ckpt, prep_path, served_path = model_paths(args.size, args.dtype)
     backends = BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": str(args.threads)})

@@ -447,11 +447,13 @@ class Pipeline:
             self._fingerprint = model_fingerprint(self.model)
         return self._fingerprint
 
-    def clone_voice(self, audio: bytes | str, ref_text: str | None, x_vector_only: bool = False,
-                    max_seconds: float | None = None) -> VoicePrompt:  # fmt: skip
-        """A voice from reference audio (any format/rate) and its transcript (ICL mode unless
-        ``x_vector_only``). ``InputError`` for a non-Base model, an empty transcript, or audio
-        that cannot be decoded, is too short/long or silent."""
+    def clone_voice(self, audio: bytes | str | npt.NDArray[np.float32], ref_text: str | None,
+                    x_vector_only: bool = False, max_seconds: float | None = None
+                    ) -> VoicePrompt:  # fmt: skip
+        """A voice from reference audio (any format/rate, or samples ``load_reference`` already
+        made: 24 kHz mono float32) and its transcript (ICL mode unless ``x_vector_only``).
+        ``InputError`` for a non-Base model, an empty transcript, or audio that cannot be
+        decoded, is too short/long or silent."""
         from engine.clone.audio import DEFAULT_MAX_SECONDS, load_reference
         from engine.clone.cloner import VoiceCloner, check_base
         from engine.clone.prompt import transcript_ids
@@ -461,7 +463,11 @@ class Pipeline:
         check_base(self.model)
         if not x_vector_only:
             transcript_ids(self.prompts, ref_text or "")
-        wav = load_reference(audio, DEFAULT_MAX_SECONDS if max_seconds is None else max_seconds)
+        if isinstance(audio, np.ndarray):
+            wav = np.ascontiguousarray(audio, dtype=np.float32)
+        else:
+            wav = load_reference(audio, DEFAULT_MAX_SECONDS if max_seconds is None
+                                 else max_seconds)  # fmt: skip
         if self._cloner is None:
             self._cloner = VoiceCloner(self.model, self.backends, self.prompts)
         voice: VoicePrompt = self._cloner.make(wav, ref_text, x_vector_only)

@@ -24,6 +24,8 @@ from service.pool import WorkerPool
 from service.routes import ROUTERS
 from service.settings import Settings
 from service.state import VERSION, State
+from service.voices.api import count_voices
+from service.voices.store import open_store
 
 __all__ = ["VERSION", "ModelInfo", "create_app"]
 
@@ -40,13 +42,21 @@ def create_app(settings: Settings | None = None, model: ModelInfo | None = None)
         )
         metrics = Metrics()
         pool = WorkerPool(settings, metrics, max_frames_cap=info.frames(settings.max_audio_seconds))
-        app.state.qtts = State(settings=settings, metrics=metrics, pool=pool, model=info)
+        store = open_store(settings.voice_db, settings.data_dir)
+        st = State(settings=settings, metrics=metrics, pool=pool, model=info, store=store,
+                   owners=settings.key_owners())
+        app.state.qtts = st
         await pool.start()
+        # (a model that cannot clone never touches the store: no file, no connection)
+        counter = asyncio.create_task(count_voices(st)) if info.clones else None
         try:
             yield
         finally:
+            if counter is not None:
+                counter.cancel()
             pool.draining = True
             await pool.stop()
+            store.close()
 
     app = FastAPI(
         title="qtts",

@@ -9,7 +9,8 @@ Syntax ``ACTION@POINT``:
 * ACTION: ``raise`` (a RuntimeError), ``exit`` (``os._exit(3)``), ``hang`` (sleeps forever,
   deaf to cancels), ``sleep=SECONDS`` (a slow worker);
 * POINT: ``start`` (while the worker loads), ``chunk=N`` (before sending chunk N of a job,
-  counted from 0), ``chunk`` (before every chunk; meant for ``sleep``).
+  counted from 0), ``chunk`` (before every chunk; meant for ``sleep``), ``clone`` (a clone
+  job's voice is made, before it is sent).
 
 Examples: ``raise@start``, ``raise@chunk=0``, ``hang@chunk=2``, ``sleep=0.2@chunk``.
 """
@@ -31,7 +32,7 @@ class InjectedFault(RuntimeError):
 @dataclass(frozen=True)
 class Fault:
     action: str
-    point: str  # "start" or "chunk"
+    point: str  # "start", "chunk" or "clone"
     chunk: int | None = None  # None with "chunk": every chunk
     seconds: float = 0.0
 
@@ -48,8 +49,8 @@ class Fault:
         chunk: int | None = None
         if point.startswith("chunk="):
             point, chunk = "chunk", int(point.split("=", 1)[1])
-        if point not in ("start", "chunk"):
-            raise ValueError(f"{ENV}={spec!r}: point must be start, chunk or chunk=N")
+        if point not in ("start", "chunk", "clone"):
+            raise ValueError(f"{ENV}={spec!r}: point must be start, chunk, chunk=N or clone")
         return cls(action, point, chunk, seconds)
 
     def hit(self, point: str, chunk: int | None = None) -> None:

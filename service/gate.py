@@ -1,5 +1,9 @@
-"""The gate in front of the API routes: API key (401), JSON content type (415), body size
-(413), body time (408) and the request id, checked before FastAPI parses anything.
+"""The gate in front of the API routes: API key (401) and its owner, content type (415), body
+size (413), body time (408) and the request id, checked before FastAPI parses anything.
+
+Synthesis routes take JSON (``/tts`` also a multipart form carrying a one-shot reference, whose
+cap is the body cap plus the reference cap); ``POST /v1/audio/voices`` takes a multipart upload
+capped at the reference cap (plus room for the form's other fields).
 
 Health, metrics and docs stay open (probes and scrapers carry no key). The body is read here,
 within the cap, and replayed to the route, so an oversized upload is refused without buffering
@@ -9,7 +13,6 @@ it whole.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import re
 import time
 import uuid
@@ -20,8 +23,12 @@ from service.errors import ApiError
 from service.metrics import ROUTES
 from service.request_log import log_rejected
 from service.state import State
+from service.voices.form import form_to_json
+from service.voices.owners import owner_of
 
 API_PREFIXES = ("/tts", "/v1/")
+VOICES = "/v1/audio/voices"
+FORM_SLACK = 64 * 1024  # a form's own fields and boundaries around the uploaded file
 _REQ_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 
 
@@ -47,21 +54,45 @@ class GateMiddleware:
         scope.setdefault("state", {})["request_id"] = rid
         scope["state"]["arrival"] = time.monotonic()
         gate = _Gate(st, scope, receive, send, rid)
-        err = _check_key(st, headers)
-        if err is not None:
-            await gate.reject(err, "unauthorized")
+        owner = _owner(st, headers)
+        if owner is None:
+            await gate.reject(ApiError(
+                401, "missing or invalid API key (Authorization: Bearer KEY)",
+                field="authorization", code="invalid_api_key",
+                headers={"WWW-Authenticate": "Bearer"}), "unauthorized")
             return
-        if scope["method"] != "POST" or gate.route is None:
+        scope["state"]["owner"] = owner
+        upload = scope["method"] == "POST" and path == VOICES
+        if scope["method"] != "POST" or (gate.route is None and not upload):
             # (a POST to a GET-only route goes on to the router: 405, not a body check)
             await self.app(scope, receive, send)
             return
-        err = _check_content_type(headers)
+        ctype = headers.get("content-type", "").split(";")[0].strip().lower()
+        s = st.settings
+        if upload:
+            allowed, limit = ("multipart/form-data",), s.max_reference_bytes + FORM_SLACK
+        elif path == "/tts" and ctype == "multipart/form-data":
+            allowed, limit = ("multipart/form-data",), s.max_body_bytes + s.max_reference_bytes
+        else:
+            allowed, limit = ("application/json",), s.max_body_bytes
+        err = _check_content_type(ctype, allowed)
         if err is not None:
             await gate.reject(err, "invalid")
             return
-        body = await gate.read_body(headers.get("content-length"))
+        body = await gate.read_body(headers.get("content-length"), limit,
+                                    "file" if upload else "body", s.max_reference_bytes)
         if body is None:
             return
+        if path == "/tts" and ctype == "multipart/form-data":
+            try:
+                body = await form_to_json(scope, body, s.max_text_chars)
+            except ApiError as form_err:
+                await gate.reject(form_err, "invalid")
+                return
+            scope["headers"] = [(k, v) for k, v in scope["headers"]
+                                if k.lower() not in (b"content-type", b"content-length")]
+            scope["headers"] += [(b"content-type", b"application/json"),
+                                 (b"content-length", str(len(body)).encode())]
         replay: list[Message] = [{"type": "http.request", "body": body, "more_body": False}]
 
         async def replay_receive() -> Message:
@@ -72,25 +103,18 @@ class GateMiddleware:
         await self.app(scope, replay_receive, send)
 
 
-def _check_key(st: State, headers: dict[str, str]) -> ApiError | None:
-    key = st.settings.api_key
-    if not key:
-        return None
+def _owner(st: State, headers: dict[str, str]) -> str | None:
+    """Who the request is (service/voices/owners.py), or None: a missing or unknown key."""
     given = headers.get("authorization", "")
     token = given[7:].strip() if given[:7].lower() == "bearer " else ""
     token = token or headers.get("x-api-key", "")
-    if hmac.compare_digest(token.encode(), key.encode()):
-        return None
-    return ApiError(401, "missing or invalid API key (Authorization: Bearer KEY)",
-                    field="authorization", code="invalid_api_key",
-                    headers={"WWW-Authenticate": "Bearer"})
+    return owner_of(st.owners, token)
 
 
-def _check_content_type(headers: dict[str, str]) -> ApiError | None:
-    ctype = headers.get("content-type", "").split(";")[0].strip().lower()
-    if ctype == "application/json":
+def _check_content_type(ctype: str, allowed: tuple[str, ...]) -> ApiError | None:
+    if ctype in allowed:
         return None
-    return ApiError(415, f"content-type must be application/json, got {ctype or 'none'!r}",
+    return ApiError(415, f"content-type must be {' or '.join(allowed)}, got {ctype or 'none'!r}",
                     field="content-type", code="unsupported_media_type")
 
 
@@ -109,11 +133,13 @@ class _Gate:
             log_rejected(self.route, self.rid, err)
         await err.response(self.rid)(self.scope, self.receive, self.send)
 
-    async def read_body(self, declared: str | None) -> bytes | None:
+    async def read_body(self, declared: str | None, limit: int, field: str = "body",
+                        file_cap: int = 0) -> bytes | None:  # fmt: skip
         """The whole body, or None when it was refused (413, 408) or the client left."""
-        limit = self.st.settings.max_body_bytes
-        too_big = ApiError(413, f"request body is larger than {limit} bytes", field="body",
-                           code="body_too_large")
+        what = (f"request body is larger than {limit} bytes" if field == "body" else
+                f"the upload is larger than the reference cap ({file_cap} bytes, "
+                "QTTS_MAX_REFERENCE_BYTES)")
+        too_big = ApiError(413, f"{field}: {what}", field=field, code="body_too_large")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             await self.reject(too_big, "invalid")
             return None

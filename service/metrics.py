@@ -34,6 +34,7 @@ OUTCOMES = (
     "truncated_no_eos",
     "worker_died",
 )
+CLONE_STAGES = ("decode", "encode", "store", "total")
 REJECT_REASONS = ("queue_full", "draining", "invalid", "unauthorized", "not_ready")
 
 # 1 ms .. 10 s: per-chunk stage costs (a talker step is ~ms, a big decoder chunk ~s)
@@ -116,6 +117,19 @@ class Metrics:
             "Realtime: from the end of an utterance's text to its last audio frame sent.",
             buckets=DURATION_BUCKETS, registry=r,
         )
+        self.voice_clone_seconds = Histogram(
+            "qtts_voice_clone_seconds",
+            "Creating a cloned voice, per stage: decode (reference audio), encode (x-vector and "
+            "codes, in a worker), store (the database write), total (the whole request).",
+            ["stage"], buckets=QUEUE_BUCKETS, registry=r,
+        )
+        self.voices_stored = Gauge(
+            "qtts_voices_stored", "Cloned voices in the store (every owner).", registry=r)
+        self.voice_store_errors = Counter(
+            "qtts_voice_store_errors_total",
+            "Voice-store operations that failed because the database was unreachable.",
+            registry=r,
+        )
         self.running = Gauge(
             "qtts_requests_running", "Requests a worker is synthesizing now.", registry=r
         )
@@ -151,6 +165,8 @@ class Metrics:
                 self.requests.labels(route=route, outcome=o)
         for reason in REJECT_REASONS:
             self.rejections.labels(reason=reason)
+        for stage in CLONE_STAGES:  # series from the start: the dashboard's panel has them
+            self.voice_clone_seconds.labels(stage=stage)
         for route in (*ROUTES, "other"):  # service/guard.py's route labels
             self.internal_errors.labels(route=route)
         for stage in BATCH_STAGES:

@@ -27,6 +27,8 @@ class ModelInfo:
     sample_rate: int
     samples_per_frame: int
     text_ready: bool  # the engine has a text pipeline for this model
+    # engine.clone.voice_file.model_fingerprint (Base models): what a stored voice must match
+    voice_fingerprint: str | None = None
 
     @classmethod
     def load(cls, path: str) -> ModelInfo:
@@ -41,6 +43,11 @@ class ModelInfo:
                 raise ModelFileError(str(path), "has no decoder part: the service needs one to "
                                      "make audio (convert with the decoder)")
             parts = frozenset(m.parts)
+            fingerprint = None
+            if m.tts_model_type == "base" and "talker" in parts:
+                from engine.clone.voice_file import model_fingerprint
+
+                fingerprint = model_fingerprint(m)  # hashes the talker's norms: small reads
             return cls(
                 path=str(path), parts=parts, synthetic=bool(m.synthetic),
                 model_type=str(m.tts_model_type or ""), catalog=VoiceCatalog.from_model(m),
@@ -48,9 +55,15 @@ class ModelInfo:
                 sample_rate=int(dec.sample_rate), samples_per_frame=int(dec.upsample_total),
                 text_ready="talker" in parts
                 and importlib.util.find_spec("engine.pipeline") is not None,
+                voice_fingerprint=fingerprint,
             )
         finally:
             m.close()
+
+    @property
+    def clones(self) -> bool:
+        """A Base model with a talker: it speaks cloned voices."""
+        return self.voice_fingerprint is not None
 
     @property
     def has_talker(self) -> bool:

@@ -28,6 +28,7 @@ from service.metrics import Metrics
 from service.protocol import (
     CancelJob,
     Chunk,
+    Cloned,
     Done,
     Failed,
     Fatal,
@@ -258,7 +259,7 @@ class WorkerPool:
             case Fatal(message=message):
                 self.last_fatal = message
                 log.error("worker %d failed to start: %s", w.index, message)
-            case Chunk() | Done() | Failed():
+            case Chunk() | Done() | Failed() | Cloned():
                 self._on_job_message(w, msg)
             case StepDone():
                 self.metrics.observe_step(msg.batch, msg.talker, msg.code_predictor,
@@ -277,7 +278,7 @@ class WorkerPool:
                  w.index, w.pid, msg.backend, msg.load_seconds, msg.warmup_seconds)
         self._dispatch()
 
-    def _on_job_message(self, w: WorkerHandle, msg: Chunk | Done | Failed) -> None:
+    def _on_job_message(self, w: WorkerHandle, msg: Chunk | Done | Failed | Cloned) -> None:
         t = w.tickets.get(msg.job_id)
         if t is None:
             return  # a late message of a ticket already given up

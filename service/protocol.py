@@ -5,7 +5,8 @@ Messages are small frozen dataclasses sent pickled over one duplex pipe per work
   front end -> worker   ``RunJob`` | ``StopWorker``, ``TextIn`` for a live-text job,
                         ``CancelJob`` for a batching worker's job
   worker -> front end   ``Ready`` | ``Fatal`` (start-up), then per job: ``Chunk``* and one of
-                        ``Done`` | ``Failed``; a batching worker adds ``StepDone`` per step
+                        ``Done`` | ``Failed``; a clone job (``kind="clone"``) answers one
+                        ``Cloned`` or ``Failed``; a batching worker adds ``StepDone`` per step
 
 The pool forwards a job's ``Chunk`` / ``Done`` / ``Failed`` to its ticket and adds the events
 only the front end sees: ``WorkerDied``, ``ClientGone`` and ``TimedOut``. A new message kind is
@@ -48,7 +49,7 @@ class Job:
     """One synthesis, already validated: what a worker runs (the engine reads it duck-typed)."""
 
     id: int
-    kind: Literal["codes", "text"]
+    kind: Literal["codes", "text", "clone"]
     codes: np.ndarray[Any, Any] | None = None  # int32 [codebooks, T]
     text: str | None = None
     voice: str | None = None
@@ -61,12 +62,21 @@ class Job:
     text_mode: str | None = None  # "stream": streaming-text prompt (None: the engine's "full")
     live: bool = False  # text: more arrives as TextIn messages while the job runs
     min_tokens: int = 1  # live: stable tokens before generation starts (start policy)
+    # cloned voices (Base models). text: a stored voice (``voice_prompt``, a .qvoice file's
+    # bytes) or a one-shot reference (``ref_audio`` [+ ``ref_text``], cloned and cached by the
+    # worker); clone: the reference to make a voice from (answered with ``Cloned``)
+    voice_prompt: bytes | None = None
+    ref_audio: bytes | None = None
+    ref_text: str | None = None
+    x_vector_only: bool = False
+    max_ref_seconds: float = 30.0
 
 
 def batchable(job: Job) -> bool:
-    """Whether a job may share its worker's steps with others (a whole text; codes and live
-    text run alone)."""
-    return job.kind == "text" and not job.live
+    """Whether a job may share its worker's steps with others: a whole text, in a built-in or
+    stored voice. Codes, live text, clone jobs and one-shot references (their cloning takes
+    seconds) run alone."""
+    return job.kind == "text" and not job.live and job.ref_audio is None
 
 
 @dataclass(frozen=True)
@@ -185,7 +195,19 @@ class StepDone:
     decoder: float
 
 
-FromWorker = Ready | Fatal | Chunk | Done | Failed | StepDone
+@dataclass(frozen=True)
+class Cloned:
+    """A clone job's voice: ``prompt`` is the .qvoice file's bytes (engine.clone.voice_file),
+    ``stages`` the seconds spent decoding and encoding the reference."""
+
+    job_id: int
+    prompt: bytes
+    mode: Literal["icl", "x_vector_only"]
+    ref_seconds: float
+    stages: dict[str, float]
+
+
+FromWorker = Ready | Fatal | Chunk | Done | Failed | Cloned | StepDone
 
 # ---- events only the front end adds to a ticket ----------------------------------------------
 
@@ -205,4 +227,4 @@ class TimedOut:
     pass
 
 
-TicketEvent = Chunk | Done | Failed | WorkerDied | ClientGone | TimedOut
+TicketEvent = Chunk | Done | Failed | Cloned | WorkerDied | ClientGone | TimedOut

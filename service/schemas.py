@@ -43,6 +43,13 @@ class Sampling(BaseModel):
     repetition_penalty: float | None = Field(default=None, ge=1.0, description="≥ 1")
 
 
+class VoiceRef(BaseModel):
+    """A voice by id (OpenAI's ``{"id": "voice_..."}``)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: Text
+
+
 class TTSRequest(Sampling):
     """``POST /tts``: synthesize ``text``, or decode ``codes`` [codebooks, T] (decoder-only use)."""
 
@@ -53,7 +60,8 @@ class TTSRequest(Sampling):
         default=None, description="codec frames [codebooks][T] (16 rows of ids 0..2047 for "
         "Qwen3-TTS), instead of text"
     )
-    voice: Text | None = Field(default=None, description="speaker name (GET /v1/audio/voices)")
+    voice: Text | VoiceRef | None = Field(
+        default=None, description="speaker name or cloned voice id (GET /v1/audio/voices)")
     language: Text | None = Field(default=None, description="language name, e.g. english")
     instruct: Text | None = Field(default=None, description="style instruction (text requests)")
     format: AudioFormat = Field(default="wav", description="wav | pcm | flac | mp3 | opus | aac")
@@ -64,11 +72,18 @@ class TTSRequest(Sampling):
         default="full", description="full: whole text in the prompt; stream: one text token "
         "per frame (what WS /v1/tts/realtime uses)")
     max_seconds: float | None = Field(default=None, gt=0, description="cap on audio length")
+    # one-shot cloning (Base models): a reference that is not stored
+    ref_audio: str | None = Field(
+        default=None, description="one-shot cloning: reference audio, base64 (any format "
+        "FFmpeg decodes); instead of `voice`")
+    ref_text: Text | None = Field(
+        default=None, description="transcript of `ref_audio` (in-context cloning; without it "
+        "the voice is x-vector only)")
+    x_vector_only: bool = Field(default=False, description="ignore `ref_text`")
 
-
-class VoiceRef(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    id: Text
+    @property
+    def voice_name(self) -> str | None:
+        return self.voice.id if isinstance(self.voice, VoiceRef) else self.voice
 
 
 class SpeechRequest(Sampling):

@@ -86,6 +86,41 @@ class Settings(BaseSettings):
             "when set, `/tts` and `/v1/*` need `Authorization: Bearer KEY` (or `X-API-Key`)"
         ),
     )
+    api_keys: Path | None = Field(
+        default=None,
+        description=(
+            "file of API keys and their owners, one `KEY OWNER` per line (`#` comments): each "
+            "owner sees, uses and deletes only its own cloned voices; `QTTS_API_KEY`, when also "
+            "set, is owner `default`"
+        ),
+    )
+    # cloned voices (docs/cloning.md, "In the service")
+    data_dir: Path = Field(
+        default=Path("~/.local/share/qtts"),
+        description="where the embedded voice store lives (`voices.sqlite3`, WAL mode; made on "
+        "first use, only when the served model clones voices)",
+    )
+    voice_db: str | None = Field(
+        default=None,
+        description=(
+            "the voice store: `postgresql://user:pass@host:5432/db` (one database for many "
+            "replicas) or `sqlite:///path`; unset: SQLite in `QTTS_DATA_DIR`"
+        ),
+    )
+    keep_reference_audio: bool = Field(
+        default=False,
+        description="also store a cloned voice's reference audio (else only its prompt and hash)",
+    )
+    max_reference_bytes: int = Field(
+        default=10 * 1024 * 1024, ge=1024,
+        description="largest reference audio upload (413 above)",
+    )
+    max_reference_seconds: float = Field(
+        default=30.0, gt=1, le=120, description="longest reference audio, in seconds",
+    )
+    voice_name_max_chars: int = Field(
+        default=128, ge=1, le=1024, description="longest name of a cloned voice",
+    )
     log_format: Literal["text", "json"] = Field(
         default="text", description="`text` or `json` (one object per line)"
     )
@@ -166,6 +201,39 @@ class Settings(BaseSettings):
     max_repetition_penalty: float = Field(
         default=2.0, ge=1.0, description="highest `repetition_penalty` a text request may ask for"
     )
+
+    @field_validator("data_dir")
+    @classmethod
+    def _data_dir(cls, v: Path) -> Path:
+        return v.expanduser()
+
+    @field_validator("voice_db")
+    @classmethod
+    def _voice_db(cls, v: str | None) -> str | None:
+        if v:
+            scheme = v.split(":", 1)[0].lower()
+            if scheme not in ("postgresql", "postgres", "sqlite"):
+                raise ValueError(f"{scheme!r} is not a supported database: postgresql://... "
+                                 "or sqlite:///path")
+        return v or None
+
+    @field_validator("api_keys")
+    @classmethod
+    def _keys(cls, v: Path | None) -> Path | None:
+        if v is not None:
+            from service.voices.owners import parse_keys
+
+            parse_keys(v)  # a bad file stops the server at start, with its line
+        return v
+
+    def key_owners(self) -> dict[str, str]:
+        """API key -> owner: the keys file, and ``api_key`` as owner ``default``."""
+        from service.voices.owners import DEFAULT_OWNER, parse_keys
+
+        keys = parse_keys(self.api_keys) if self.api_keys is not None else {}
+        if self.api_key:
+            keys.setdefault(self.api_key, DEFAULT_OWNER)
+        return keys
 
     @field_validator("log_level")
     @classmethod

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 
@@ -14,6 +14,7 @@ from service.metrics import Metrics
 from service.model_info import ModelInfo
 from service.pool import WorkerPool
 from service.settings import Settings
+from service.voices.store import VoiceStore
 
 VERSION = "0.1.0"
 
@@ -24,6 +25,8 @@ class State:
     metrics: Metrics
     pool: WorkerPool
     model: ModelInfo
+    store: VoiceStore | None = None  # cloned voices (None: the app was made without one)
+    owners: dict[str, str] = field(default_factory=dict)  # API key -> owner
 
 
 def get_state(request: Request) -> State:

@@ -21,6 +21,7 @@ from service.protocol import Job
 from service.schemas import Sampling
 from service.settings import Settings
 from service.state import State
+from service.voices.api import CloneUse
 
 T = TypeVar("T")
 
@@ -46,6 +47,7 @@ class SynthesisInput:
     sampling: Sampling
     instruct_field: str = "instruct"  # the body's name of the instruction
     text_mode: str = "full"  # "stream": the streaming-text prompt (as a realtime session uses)
+    clone: CloneUse | None = None  # a cloned voice (stored, or a one-shot reference)
 
 
 @dataclass
@@ -106,11 +108,14 @@ def validate(st: State, inp: SynthesisInput) -> Synthesis:
         raise bad("max_seconds", f"{inp.max_seconds} is above the server limit "
                   f"{s.max_audio_seconds} s", code="out_of_range")
     if inp.codes is not None:
+        if inp.clone is not None:
+            raise bad("codes", "codes are decoded as they are: a cloned voice does not apply")
         job, chars = _codes_job(st, inp), 0
     else:
         job, chars = _text_job(st, inp, sampling), len(inp.text or "")
+    voice = job.voice if inp.clone is None else inp.clone.label
     return Synthesis(route=inp.route, request_id=inp.request_id, job=job, fmt=inp.fmt,
-                     stream=inp.stream, sse=inp.sse, speed=inp.speed, voice=job.voice,
+                     stream=inp.stream, sse=inp.sse, speed=inp.speed, voice=voice,
                      chars=chars, arrival=inp.arrival)
 
 
@@ -168,16 +173,23 @@ def _text_job(st: State, inp: SynthesisInput, sampling: dict[str, Any]) -> Job:
     cat = m.catalog
     # a named voice first, then the language and instruction, and a missing voice last: the
     # error names the field the client got wrong rather than the one it left out
-    voice = _known_voice(m, inp.voice)
+    clone = inp.clone
+    voice = _known_voice(m, inp.voice) if clone is None else None
     language = _resolve(cat.resolve_language, inp.language)
     instruct = _resolve(cat.resolve_instruct, inp.instruct, inp.instruct_field)
-    voice = _resolve(cat.resolve_voice, voice)
+    if clone is None:
+        voice = _resolve(cat.resolve_voice, voice)
     # the engine's text-length budget applies; a client's max_seconds can only lower it
     limit = max(1, m.frames(inp.max_seconds)) if inp.max_seconds is not None else None
     return Job(id=st.pool.new_job_id(), kind="text", text=text, voice=voice,
                language=None if inp.language is None else language, instruct=instruct,
                sampling=sampling, frame_limit=limit, chunk_max_frames=s.chunk_max_frames,
-               text_mode=inp.text_mode)
+               text_mode=inp.text_mode,
+               voice_prompt=clone.prompt if clone else None,
+               ref_audio=clone.ref_audio if clone else None,
+               ref_text=clone.ref_text if clone else None,
+               x_vector_only=clone.x_vector_only if clone else False,
+               max_ref_seconds=s.max_reference_seconds)
 
 
 def _known_voice(m: ModelInfo, voice: str | None) -> str | None:

@@ -11,11 +11,14 @@ No HTTP here, and the engine is only touched through its public names.
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 import signal
 import sys
 import time
 import traceback
+from collections import OrderedDict
 from collections.abc import Callable, Generator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -25,6 +28,7 @@ import numpy as np
 from service.protocol import (
     CancelJob,
     Chunk,
+    Cloned,
     Done,
     Failed,
     Fatal,
@@ -43,6 +47,10 @@ if TYPE_CHECKING:
     from engine.options import EngineOptions
 
 Piece = tuple[np.ndarray[Any, Any], dict[str, float], int]
+# cloned voices a worker keeps decoded: one-shot references (by their audio's hash, so a client
+# resending one pays its encoding once) and stored voices (by their prompt's hash)
+VOICE_CACHE = 32
+log = logging.getLogger("qtts.worker")
 
 
 class Synthesizer:
@@ -65,6 +73,55 @@ class Synthesizer:
         self.pipeline = Pipeline(
             self.model, self.backends, self.decoder, max_frames_cap=opts.max_frames_cap,
             chunk_max_frames=opts.chunk_max_frames or DEFAULT_CHUNK_MAX_FRAMES, **caps)
+        self._voices: OrderedDict[str, Any] = OrderedDict()
+
+    def _cached(self, key: str, make: Callable[[], Any]) -> Any:
+        v = self._voices.get(key)
+        if v is None:
+            v = make()
+            self._voices[key] = v
+            while len(self._voices) > VOICE_CACHE:
+                self._voices.popitem(last=False)
+        self._voices.move_to_end(key)
+        return v
+
+    def clone(self, job: Job) -> Cloned:
+        """Make the voice of a clone job (the reference decoded, checked, encoded)."""
+        from engine.clone import voice_file
+        from engine.clone.audio import load_reference
+
+        assert job.ref_audio is not None
+        t0 = time.perf_counter()
+        wav = load_reference(job.ref_audio, job.max_ref_seconds)
+        t1 = time.perf_counter()
+        vp = self.pipeline.clone_voice(wav, job.ref_text, job.x_vector_only)
+        t2 = time.perf_counter()
+        return Cloned(job.id, voice_file.dumps(vp), "icl" if vp.icl else "x_vector_only",
+                      wav.shape[0] / 24000, {"decode": t1 - t0, "encode": t2 - t1})
+
+    def voice_of(self, job: Job) -> Any:
+        """The cloned voice a text job speaks in (``VoicePrompt``), or None."""
+        from engine.clone import voice_file
+
+        if job.voice_prompt is not None:
+            raw = job.voice_prompt
+            return self._cached("v:" + hashlib.sha256(raw).hexdigest(), lambda: voice_file.load(
+                raw, self.pipeline.voice_fingerprint))
+        if job.ref_audio is not None:
+            ref = job.ref_audio
+            digest = hashlib.sha256(ref).hexdigest()
+            key = "r:" + digest + (
+                ":x" if job.x_vector_only else ":" + hashlib.sha256(
+                    (job.ref_text or "").encode()).hexdigest())  # fmt: skip
+
+            def make() -> Any:
+                vp = self.pipeline.clone_voice(ref, job.ref_text, job.x_vector_only,
+                                               job.max_ref_seconds)
+                log.info("one-shot reference encoded", extra={"ref_sha256": digest})
+                return vp
+
+            return self._cached(key, make)
+        return None
 
     def feed(self, job_id: int) -> PipeFeed:
         assert self.conn is not None
@@ -99,7 +156,14 @@ class Synthesizer:
             gen = self.pipeline.stream_live(job, self.feed(job.id), cancel=cancelled,
                                             min_tokens=job.min_tokens)
         else:
-            gen = self.pipeline.stream(job, cancel=cancelled)
+            voice = self.voice_of(job)
+            if voice is not None:
+                from engine.pipeline import as_request
+
+                req: Any = replace(as_request(job), voice_prompt=voice)
+                gen = self.pipeline.stream(req, cancel=cancelled)
+            else:
+                gen = self.pipeline.stream(job, cancel=cancelled)
         while True:
             try:
                 audio, timings, n = next(gen)
@@ -227,6 +291,7 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
     with a fresh batch."""
     from engine.batching import BatchRunner, Finished
     from engine.errors import InputError, QttsError
+    from engine.pipeline import as_request
 
     runner = BatchRunner(synth.pipeline, max_batch)
     running: dict[int, _Running] = {}  # stream id -> job
@@ -264,7 +329,10 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
                     conn.send(Failed(job.id, 503, None, "worker stopping"))
                 case RunJob(job=job):
                     try:
-                        sid = runner.submit(job, cancel=flag(job.id))
+                        voice = synth.voice_of(job)  # a stored voice: loaded once, cached
+                        req: Any = job if voice is None else replace(as_request(job),
+                                                                     voice_prompt=voice)
+                        sid = runner.submit(req, cancel=flag(job.id))
                     except InputError as e:
                         conn.send(Failed(job.id, 400, e.field, str(e), e.code))
                         continue
@@ -328,10 +396,13 @@ def _run_job(conn: Any, cancel: Any, synth: Synthesizer, job: Job,
     def cancelled() -> bool:
         return bool(cancel.value == job.id)
 
+    if job.kind == "clone":
+        _run_clone(conn, synth, job, fault)
+        return
     frames = sent = 0
     t0 = time.perf_counter()
-    gen = synth.stream(job, cancelled)
     try:
+        gen = synth.stream(job, cancelled)
         while True:
             try:
                 audio, timings, n = next(gen)
@@ -344,6 +415,25 @@ def _run_job(conn: Any, cancel: Any, synth: Synthesizer, job: Job,
             frames += n
             conn.send(Chunk(job.id, audio, timings, n))
         conn.send(Done(job.id, finish, frames, time.perf_counter() - t0))
+    except InputError as e:
+        conn.send(Failed(job.id, 400, e.field, str(e), e.code))
+    except QttsError as e:
+        conn.send(Failed(job.id, 500, None, str(e)))
+    except (BrokenPipeError, EOFError, ConnectionResetError):
+        raise
+    except Exception as e:
+        traceback.print_exc(file=sys.stderr)
+        conn.send(Failed(job.id, 500, None, f"internal error: {type(e).__name__}"))
+
+
+def _run_clone(conn: Any, synth: Synthesizer, job: Job, fault: Any = None) -> None:
+    from engine.errors import InputError, QttsError
+
+    try:
+        msg = synth.clone(job)
+        if fault is not None:  # QTTS_TEST_FAULT (tests only): a crash mid-create
+            fault.hit("clone")
+        conn.send(msg)
     except InputError as e:
         conn.send(Failed(job.id, 400, e.field, str(e), e.code))
     except QttsError as e:

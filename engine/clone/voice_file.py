@@ -45,9 +45,8 @@ def model_fingerprint(model: Any) -> str:
     return h.hexdigest()
 
 
-def save(path: str | os.PathLike[str], voice: VoicePrompt) -> Path:
-    """Write ``voice`` to ``path`` (atomically: a temporary sibling, then a rename)."""
-    p = Path(path)
+def dumps(voice: VoicePrompt) -> bytes:
+    """``voice`` as the bytes of a ``.qvoice`` file (what ``load`` reads back)."""
     meta = {
         "format": FORMAT,
         "version": VERSION,
@@ -64,9 +63,15 @@ def save(path: str | os.PathLike[str], voice: VoicePrompt) -> Path:
         arrays["ref_ids"] = np.asarray(voice.ref_ids, dtype=np.int32)
     buf = io.BytesIO()
     np.savez(buf, **arrays)
+    return buf.getvalue()
+
+
+def save(path: str | os.PathLike[str], voice: VoicePrompt) -> Path:
+    """Write ``voice`` to ``path`` (atomically: a temporary sibling, then a rename)."""
+    p = Path(path)
     tmp = p.with_name(p.name + ".part")
     try:
-        tmp.write_bytes(buf.getvalue())
+        tmp.write_bytes(dumps(voice))
         os.replace(tmp, p)
     except OSError as exc:
         tmp.unlink(missing_ok=True)

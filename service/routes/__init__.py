@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from service.routes import docs, health, openai, playground, realtime, tts
+from service.routes import docs, health, openai, playground, realtime, tts, voices
 
 ROUTERS: tuple[APIRouter, ...] = (health.router, docs.router, tts.router, openai.router,
-                                  playground.router, realtime.router)
+                                  voices.router, playground.router, realtime.router)

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible surface: ``/v1/models``, ``/v1/audio/voices``, ``/v1/audio/speech``."""
+"""The OpenAI-compatible surface: ``/v1/models``, ``/v1/audio/speech`` (``/v1/audio/voices``:
+service/routes/voices.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from service.schemas import SpeechRequest
 from service.state import State, get_state
 from service.streaming import SSE_CONTENT_TYPE, SynthesisResponse
 from service.validation import SynthesisInput, validate
+from service.voices.api import clone_use
+from service.voices.owners import request_owner
 
 router = APIRouter(tags=["openai"])
 StateDep = Annotated[State, Depends(get_state)]
@@ -29,21 +32,6 @@ async def models(st: StateDep) -> dict[str, Any]:
     }]}
 
 
-@router.get("/v1/audio/voices", summary="Voices, languages and dialects of the model",
-            responses=ERRORS_GET_API)
-async def voices(st: StateDep) -> dict[str, Any]:
-    """The lists validation uses: a voice or language not listed here is a 400. A dialect is
-    spoken by its voice when the language is chinese or auto; it is not a language itself."""
-    m = st.model
-    return {
-        "object": "list",
-        "data": [{"id": v, "name": v, "object": "voice"} for v in m.voices],
-        "voices": m.voices,
-        "languages": m.languages,
-        "dialects": m.dialects,
-    }
-
-
 @router.post(
     "/v1/audio/speech", response_class=Response,
     summary="OpenAI-compatible speech (stream_format audio | sse)",
@@ -54,12 +42,13 @@ async def voices(st: StateDep) -> dict[str, Any]:
 )
 async def speech(body: SpeechRequest, request: Request, st: StateDep) -> Response:
     rid, arrival = request_context(request)
+    clone = await clone_use(st, request_owner(request), body.voice_name)
     inp = SynthesisInput(
         route="/v1/audio/speech", request_id=rid, arrival=arrival, text=body.input,
         text_field="input", codes=body.codes, voice=body.voice_name, language=body.language,
         instruct=body.instructions, fmt=body.response_format,
         stream=stream_wanted(body.response_format, body.stream, "stream" in body.model_fields_set),
         sse=body.stream_format == "sse", speed=body.speed, max_seconds=body.max_seconds,
-        sampling=body, instruct_field="instructions",
+        sampling=body, instruct_field="instructions", clone=clone,
     )
     return SynthesisResponse(st, validate(st, inp))

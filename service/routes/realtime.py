@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import time
@@ -46,6 +45,7 @@ from service.realtime import (
 )
 from service.state import State
 from service.validation import SynthesisInput, validate
+from service.voices.owners import owner_of
 
 router = APIRouter()
 log = logging.getLogger("qtts.realtime")
@@ -55,8 +55,7 @@ _BEARER = "bearer."
 
 
 def _key_ok(st: State, ws: WebSocket) -> bool:
-    key = st.settings.api_key
-    if not key:
+    if not st.owners:
         return True
     given = ws.headers.get("authorization", "")
     token = given[7:].strip() if given[:7].lower() == "bearer " else ""
@@ -64,7 +63,7 @@ def _key_ok(st: State, ws: WebSocket) -> bool:
         entry = entry.strip()
         if not token and entry.startswith(_BEARER):
             token = entry[len(_BEARER):]
-    return hmac.compare_digest(token.encode(), key.encode())
+    return owner_of(st.owners, token) is not None
 
 
 @router.websocket("/v1/tts/realtime")

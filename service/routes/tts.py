@@ -1,5 +1,6 @@
 """``POST /tts``: qtts's own synthesis route (text, or codes [codebooks][T] for decoder-only
-use)."""
+use). A voice is a built-in name or a cloned voice's id; ``ref_audio`` clones one for this
+request only (JSON, base64; or a multipart form, which the gate turns into the same JSON)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from service.schemas import TTSRequest
 from service.state import State, get_state
 from service.streaming import SynthesisResponse
 from service.validation import SynthesisInput, validate
+from service.voices.api import clone_use
+from service.voices.owners import request_owner
 
 router = APIRouter()
 
@@ -28,12 +31,15 @@ router = APIRouter()
 async def tts(body: TTSRequest, request: Request,
               st: Annotated[State, Depends(get_state)]) -> Response:
     rid, arrival = request_context(request)
+    voice = body.voice_name
+    clone = await clone_use(st, request_owner(request), voice, body.ref_audio, body.ref_text,
+                            body.x_vector_only)
     inp = SynthesisInput(
         route="/tts", request_id=rid, arrival=arrival, text=body.text, text_field="text",
-        codes=body.codes, voice=body.voice, language=body.language, instruct=body.instruct,
+        codes=body.codes, voice=voice, language=body.language, instruct=body.instruct,
         fmt=body.format,
         stream=stream_wanted(body.format, body.stream, "stream" in body.model_fields_set),
         sse=False, speed=body.speed,
-        max_seconds=body.max_seconds, sampling=body, text_mode=body.text_mode,
+        max_seconds=body.max_seconds, sampling=body, text_mode=body.text_mode, clone=clone,
     )
     return SynthesisResponse(st, validate(st, inp))

@@ -105,3 +105,17 @@ def test_env_names_are_real(compose: dict[str, Any]) -> None:
         assert name in known, f"{name} is not a qtts setting"
     entry = (DEPLOY / "docker" / "entrypoint.sh").read_text()
     assert "QTTS_MODELS_DIR" in entry and "QTTS_SYNTHETIC_SIZE" in entry
+
+
+def test_voice_store_is_a_postgresql_service_with_a_volume(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    pg, qtts = services["postgres"], services["qtts"]
+    assert pg["image"].startswith("postgres:")
+    assert "voice-db:/var/lib/postgresql/data" in pg["volumes"] and "voice-db" in compose["volumes"]
+    assert qtts["depends_on"]["postgres"]["condition"] == "service_healthy"
+    url = urlparse(qtts["environment"]["QTTS_VOICE_DB"].replace("${QTTS_DB_PASSWORD:-qtts}",
+                                                                 "pw"))
+    db = "/" + pg["environment"]["POSTGRES_DB"]
+    assert (url.scheme, url.hostname, url.port, url.path) == ("postgresql", "postgres", 5432, db)
+    assert url.username == pg["environment"]["POSTGRES_USER"]
+    assert Settings(voice_db=qtts["environment"]["QTTS_VOICE_DB"]).voice_db  # a URL qtts takes

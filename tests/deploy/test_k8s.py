@@ -278,6 +278,13 @@ def test_api_key_comes_from_a_secret(rendered: Rendered, overlay: str) -> None:
     assert not [d for d in rendered[overlay] if d["kind"] == "Secret"], "no secret in git"
 
 
+def test_voice_database_url_comes_from_a_secret(rendered: Rendered, overlay: str) -> None:
+    c = _container(rendered[overlay])
+    (db,) = [e for e in c["env"] if e["name"] == "QTTS_VOICE_DB"]
+    assert "value" not in db
+    assert db["valueFrom"]["secretKeyRef"] == {"name": "qtts-voice-db", "key": "url"}
+
+
 def test_hpa_scales_on_utilisation(rendered: Rendered, overlay: str) -> None:
     docs = rendered[overlay]
     hpa, dep = _one(docs, "HorizontalPodAutoscaler"), _one(docs, "Deployment")
@@ -324,7 +331,12 @@ def test_network_policy_admits_only_the_http_port(rendered: Rendered, overlay: s
     pod_labels = _one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
     assert np_["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
     assert set(np_["spec"]["policyTypes"]) == {"Ingress", "Egress"}
-    assert np_["spec"]["egress"] == []
+    # egress: the voice database's port, and DNS in kube-system only
+    db, dns = np_["spec"]["egress"]
+    assert db == {"ports": [{"port": 5432, "protocol": "TCP"}]}
+    assert dns["to"] == [{"namespaceSelector": {"matchLabels": {
+        "kubernetes.io/metadata.name": "kube-system"}}}]
+    assert {(p["port"], p["protocol"]) for p in dns["ports"]} == {(53, "UDP"), (53, "TCP")}
     ports = {p["name"] for p in _container(docs)["ports"]}
     for rule in np_["spec"]["ingress"]:
         assert [p["port"] for p in rule["ports"]] == ["http"] and "http" in ports

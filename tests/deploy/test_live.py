@@ -247,6 +247,12 @@ def _values(stack: Stack, mode: str) -> dict[str, str]:
             "datasource": "prometheus"}
 
 
+# Panels whose values need a Base model cloning voices; the stack serves the CustomVoice tiny
+# model (the realtime row needs its built-in voices). Their queries still run here; the metric
+# itself is observed by tests/service/test_voices_http.py.
+NEEDS_BASE_MODEL = {"Voice clone latency by stage"}
+
+
 @pytest.mark.parametrize("mode", ["all", "selected"])
 def test_every_dashboard_query_returns_data(stack: Stack, dashboard: dict[str, Any],
                                             mode: str) -> None:
@@ -264,6 +270,8 @@ def test_every_dashboard_query_returns_data(stack: Stack, dashboard: dict[str, A
             problems.append(f"{t.name}: {e}\n  {expr}")
             continue
         vals = sample_values(result)
+        if t.panel_title in NEEDS_BASE_MODEL:
+            continue  # (it parsed and evaluated; its values need a Base model: see above)
         if not vals:
             problems.append(f"{t.name}: no series\n  {expr}")
         elif not any(math.isfinite(v) for v in vals):

@@ -47,3 +47,25 @@ def server(service_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         s.stop()
 
 
+
+
+@pytest.fixture(scope="session")
+def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A real PostgreSQL server for the session (tests/postgres.py)."""
+    from tests.postgres import Postgres
+
+    pg = Postgres(tmp_path_factory.mktemp("postgres"))
+    try:
+        yield pg
+    finally:
+        pg.stop()
+
+
+@pytest.fixture(scope="session")
+def base_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Base model (clones voices): its ``model.gguf``."""
+    from engine.tools.make_model import make_model
+
+    folder = tmp_path_factory.mktemp("tiny_base")
+    make_model(folder, "tiny", seed=21, variant="base", progress=False)
+    return folder / "model.gguf"

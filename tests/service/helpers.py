@@ -43,6 +43,7 @@ class Server:
             "QTTS_THREADS_PER_WORKER": "1",
             "QTTS_LOG_FORMAT": "json",
             "QTTS_BACKEND": "cpu",
+            "QTTS_DATA_DIR": str(log_dir / f"data-{self.port}"),
         }
         full_env.update({f"QTTS_{k.upper()}": str(v) for k, v in env.items()})
         self._log = open(self.log_path, "wb")

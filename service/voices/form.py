@@ -1,0 +1,75 @@
+"""``POST /tts`` as a multipart form (a one-shot reference uploaded as a file): turned into the
+JSON body the route takes, so one set of checks (the pydantic body, then validation) serves
+both. Form values are text; the fields that are numbers or booleans in JSON are converted
+here, and a value that is neither is a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+from starlette.datastructures import UploadFile
+from starlette.requests import Request
+from starlette.types import Message, Scope
+
+from service.errors import ApiError
+
+BOOLS = ("stream", "x_vector_only")
+FLOATS = ("speed", "max_seconds", "temperature", "top_p", "repetition_penalty")
+INTS = ("seed", "top_k")
+FILES = ("ref_audio",)
+
+
+async def form_to_json(scope: Scope, body: bytes, max_text: int) -> bytes:
+    """The JSON body equal to the multipart ``body`` of a ``/tts`` request."""
+    sent = [False]
+
+    async def receive() -> Message:
+        if sent[0]:
+            return {"type": "http.disconnect"}
+        sent[0] = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    request = Request(scope, receive)
+    try:
+        form = await request.form(max_files=1, max_fields=32, max_part_size=max_text * 4 + 1024)
+    except Exception as exc:  # starlette's MultiPartException and the parser's own errors
+        raise ApiError(400, f"body: not a readable multipart form ({exc})", field="body",
+                       code="invalid_form") from None
+    out: dict[str, Any] = {}
+    for key, value in form.multi_items():
+        if key in out:
+            raise ApiError(400, f"{key}: sent twice", field=key, code="invalid_value")
+        if isinstance(value, UploadFile):
+            if key not in FILES:
+                raise ApiError(400, f"{key}: must be text, not a file", field=key,
+                               code="invalid_value")
+            out[key] = base64.b64encode(await value.read()).decode()
+            continue
+        out[key] = _convert(key, value)
+    await form.close()
+    return json.dumps(out).encode()
+
+
+def _convert(key: str, v: str) -> Any:
+    if key in FILES:
+        return v  # base64 text in a form field: the route checks it
+    try:
+        if key in BOOLS:
+            low = v.strip().lower()
+            if low in ("true", "1", "yes", "on"):
+                return True
+            if low in ("false", "0", "no", "off"):
+                return False
+            raise ValueError
+        if key in FLOATS:
+            return float(v)
+        if key in INTS:
+            return int(v)
+    except ValueError:
+        kind = "true or false" if key in BOOLS else "a number"
+        raise ApiError(400, f"{key}: must be {kind}, got {v[:20]!r}", field=key,
+                       code="invalid_value") from None
+    return v

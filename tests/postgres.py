@@ -1,0 +1,76 @@
+"""A real PostgreSQL server for tests: ``initdb`` into a temporary folder, ``pg_ctl start`` on
+a free loopback port, trust authentication, stopped at the end. Debian's ``postgresql``
+package provides the binaries (``make test-sysdeps``); without them the test is skipped.
+
+PostgreSQL refuses to run as root: as root, the server runs as the ``postgres`` user (the
+package creates it) through ``runuser``.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import pwd
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.service.helpers import free_port
+
+
+def _bin_dir() -> Path | None:
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"))
+    if found:
+        return Path(found[-1]).parent
+    exe = shutil.which("initdb")
+    return Path(exe).parent if exe else None
+
+
+class Postgres:
+    """One server in ``folder``; ``url`` is its ``postgresql://`` address."""
+
+    def __init__(self, folder: Path) -> None:
+        bin_dir = _bin_dir()
+        if bin_dir is None:
+            pytest.skip("PostgreSQL is not installed (run `make test-sysdeps`)")
+        self.bin = bin_dir
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+        self.data = folder / "pgdata"
+        self.port = free_port()
+        self.url = f"postgresql://qtts@127.0.0.1:{self.port}/qtts"
+        self._as: list[str] = []
+        if os.geteuid() == 0:
+            pw = pwd.getpwnam("postgres")
+            self._as = ["runuser", "-u", "postgres", "--"]
+            folder.chmod(0o777)
+            for p in [folder, *folder.parents]:
+                if p == Path("/"):
+                    break
+                p.chmod(p.stat().st_mode | 0o011)  # others may traverse to the data folder
+            self.data.mkdir()
+            os.chown(self.data, pw.pw_uid, pw.pw_gid)
+        self._run("initdb", "-D", str(self.data), "-U", "qtts", "--auth=trust", "-E", "UTF8",
+                  "--no-sync")
+        self.start()
+        self._run("createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", "qtts", "qtts")
+
+    def new_database(self, name: str) -> str:
+        """A fresh empty database on this server; its URL."""
+        self._run("createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", "qtts", name)
+        return f"postgresql://qtts@127.0.0.1:{self.port}/{name}"
+
+    def _run(self, tool: str, *args: str) -> None:
+        subprocess.run([*self._as, str(self.bin / tool), *args], check=True,
+                       capture_output=True, cwd="/")
+
+    def start(self) -> None:
+        self._run("pg_ctl", "-D", str(self.data), "-l", str(self.data / "server.log"), "-w",
+                  "-o", f"-p {self.port} -k {self.data} -c listen_addresses=127.0.0.1 "
+                  "-c fsync=off -c max_connections=200", "start")
+
+    def stop(self) -> None:
+        subprocess.run([*self._as, str(self.bin / "pg_ctl"), "-D", str(self.data), "-m",
+                        "immediate", "-w", "stop"], capture_output=True, cwd="/")

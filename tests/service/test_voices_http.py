@@ -1,0 +1,304 @@
+"""Cloned voices over HTTP against real ``qtts serve`` processes on a tiny Base model (SQLite
+store in a temporary data directory): every route, with httpx and the official ``openai``
+client, every bad input, a worker crash mid-create, parallel creates and deletes, and a voice
+made for another model."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import sqlite3
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.service.helpers import Server, metric
+from tests.service.voices_helpers import (
+    REF_TEXT,
+    assert_speech,
+    audit_lines,
+    create,
+    reference,
+    speak,
+    wav_bytes,
+)
+
+MAX_REF_BYTES = 400_000
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    return reference(tmp_path_factory.mktemp("ref"))
+
+
+@pytest.fixture(scope="module")
+def base(base_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    s = Server(base_gguf, tmp_path_factory.mktemp("voices"), max_reference_bytes=MAX_REF_BYTES,
+               max_reference_seconds=8, queue_size=32)
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop()
+
+
+def _names(server: Server) -> list[str]:
+    r = httpx.get(server.url + "/v1/audio/voices")
+    assert r.status_code == 200, r.text
+    return [v["name"] for v in r.json()["data"] if v["object"] == "audio.voice"]
+
+
+def test_create_list_get_use_delete(base: Server, ref: bytes) -> None:
+    r = create(base, ref, "narrator")
+    assert r.status_code == 200, r.text
+    v = r.json()
+    assert v["object"] == "audio.voice" and v["id"].startswith("voice_")
+    assert v["name"] == "narrator" and v["mode"] == "icl" and v["type"] == "audio_sample"
+    assert abs(v["reference_seconds"] - 3.1) < 0.5 and v["created_at"] > 0
+    vid = v["id"]
+    assert "narrator" in _names(base)
+    got = httpx.get(f"{base.url}/v1/audio/voices/{vid}")
+    assert got.status_code == 200 and got.json() == v
+    # used by id, and as OpenAI's {"id": ...}, on both synthesis routes
+    assert_speech(speak(base, vid))
+    assert_speech(speak(base, {"id": vid}))
+    r = httpx.post(base.url + "/v1/audio/speech", timeout=120, json={
+        "model": "qtts", "input": "Hello there.", "voice": {"id": vid}, "response_format": "wav",
+        "max_seconds": 0.5, "stream": False})
+    assert_speech(r)
+    lines = [x for x in base.request_lines() if x.get("voice") == vid]
+    assert len(lines) == 3  # the request log names the cloned voice
+    # streamed like a built-in voice
+    with httpx.stream("POST", base.url + "/tts", timeout=120, json={
+            "text": "Hello there.", "voice": vid, "max_seconds": 0.5, "format": "pcm"}) as s:
+        assert s.status_code == 200 and "content-length" not in s.headers
+        assert sum(len(b) for b in s.iter_raw()) > 0
+    d = httpx.delete(f"{base.url}/v1/audio/voices/{vid}")
+    assert d.status_code == 200 and d.json() == {"id": vid, "object": "audio.voice.deleted",
+                                                 "deleted": True}
+    for r in (httpx.get(f"{base.url}/v1/audio/voices/{vid}"),
+              httpx.delete(f"{base.url}/v1/audio/voices/{vid}"), speak(base, vid)):
+        assert r.status_code == 404 and r.json()["error"]["code"] == "voice_not_found"
+    assert "narrator" not in _names(base)
+    events = [(a["event"], a["voice_id"]) for a in audit_lines(base) if a["voice_id"] == vid]
+    assert events == [("voice.create", vid), ("voice.delete", vid)]
+    ms = base.metrics()
+    assert metric(ms, "qtts_voice_clone_seconds_count", stage="encode") >= 1
+    assert metric(ms, "qtts_voice_clone_seconds_count", stage="store") >= 1
+
+
+def test_x_vector_only_and_without_transcript(base: Server, ref: bytes) -> None:
+    a = create(base, ref, "xv-flag", x_vector_only="true")
+    b = create(base, ref, "xv-none", transcript=None)
+    for r in (a, b):
+        assert r.status_code == 200, r.text
+        assert r.json()["mode"] == "x_vector_only"
+        assert_speech(speak(base, r.json()["id"]))
+
+
+def test_openai_sdk_creates_and_speaks_a_cloned_voice(base: Server, ref: bytes,
+                                                      tmp_path: Path) -> None:  # fmt: skip
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=base.url + "/v1", api_key="unused", max_retries=0)
+    f = tmp_path / "ref.wav"
+    f.write_bytes(ref)
+    with f.open("rb") as fh:
+        voice = client.audio.voices.create(audio_sample=fh, consent="cons_test", name="sdk",
+                                           extra_body={"transcript": REF_TEXT})
+    assert voice.object == "audio.voice" and voice.name == "sdk"
+    speech = client.audio.speech.create(model="qtts", voice={"id": voice.id},
+                                        input="Hello there.", response_format="wav",
+                                        extra_body={"max_seconds": 0.5})
+    from tests.service.helpers import decoded_seconds
+
+    assert decoded_seconds(speech.content, "wav") > 0
+    gone = client.audio.voices.delete(voice.id)
+    assert gone.deleted and gone.id == voice.id
+
+
+def test_one_shot_reference_json_and_form(base: Server, ref: bytes) -> None:
+    b64 = base64.b64encode(ref).decode()
+    digest = hashlib.sha256(ref).hexdigest()
+
+    def encoded() -> int:
+        return sum(1 for line in base.log().splitlines() if line.startswith("{")
+                   and json.loads(line).get("ref_sha256") == digest
+                   and json.loads(line).get("msg") == "one-shot reference encoded")
+
+    before = encoded()
+    for _ in range(2):  # the second pays no encoding: the worker keeps it by the audio's hash
+        assert_speech(speak(base, None, ref_audio=b64, ref_text=REF_TEXT))
+    assert encoded() == before + 1
+    r = httpx.post(base.url + "/tts", timeout=120, data={
+        "text": "Hello there.", "ref_text": REF_TEXT, "max_seconds": "0.5", "stream": "false",
+        "seed": "1"}, files={"ref_audio": ("ref.wav", ref, "audio/wav")})
+    assert_speech(r)
+    bad = httpx.post(base.url + "/tts", timeout=30, data={"text": "Hi", "speed": "fast"},
+                     files={"ref_audio": ("ref.wav", ref, "audio/wav")})
+    assert bad.status_code == 400 and bad.json()["error"]["field"] == "speed"
+    both = speak(base, "voice_0", ref_audio=b64)
+    assert both.status_code == 400 and both.json()["error"]["field"] == "ref_audio"
+    not64 = speak(base, None, ref_audio="%%%")
+    assert not64.status_code == 400 and not64.json()["error"]["field"] == "ref_audio"
+    silent = speak(base, None, ref_audio=base64.b64encode(wav_bytes(np.zeros(48000))).decode())
+    assert silent.status_code == 400 and "silent" in silent.json()["error"]["message"]
+    assert silent.json()["error"]["field"] == "ref_audio"
+
+
+def _tone(seconds: float, rate: int = 24000) -> bytes:
+    t = np.arange(int(seconds * rate)) / rate
+    return wav_bytes(0.3 * np.sin(2 * np.pi * 220 * t) * (1 + 0.5 * np.sin(2 * np.pi * 3 * t)),
+                     rate)
+
+
+@pytest.mark.parametrize(("case", "status", "field", "words"), [
+    ("too_short", 400, "audio_sample", "at least"),
+    ("too_long", 400, "audio_sample", "limit"),
+    ("silent", 400, "audio_sample", "silent"),
+    ("undecodable", 400, "audio_sample", "cannot be decoded"),
+    ("over_cap", 413, "audio_sample", "larger than"),
+    ("far_over_cap", 413, "file", "reference cap (400000 bytes"),
+    ("text_part", 415, "audio_sample", "not audio"),
+    ("json_body", 415, "content-type", "multipart/form-data"),
+    ("no_file", 400, "file", "missing"),
+    ("empty_name", 400, "name", "empty"),
+    ("long_name", 400, "name", "limit"),
+    ("unknown_field", 400, "colour", "not a known field"),
+    ("bad_flag", 400, "x_vector_only", "true or false"),
+    ("empty_file", 400, "audio_sample", "empty"),
+])  # fmt: skip
+def test_bad_creates_are_clear_and_store_nothing(base: Server, ref: bytes, case: str,
+                                                 status: int, field: str, words: str) -> None:
+    url = base.url + "/v1/audio/voices"
+    name = f"bad-{case}"
+    audio = {"too_short": _tone(0.5), "too_long": _tone(9.0, 16000),
+             "silent": wav_bytes(np.zeros(48000)), "undecodable": b"this is not audio" * 100,
+             "over_cap": _tone(9.0), "far_over_cap": _tone(9.0, 48000),
+             "empty_file": b""}.get(case, ref)
+    files: Any = {"audio_sample": ("ref.wav", audio, "audio/wav")}
+    data: dict[str, str] = {"name": name, "transcript": REF_TEXT}
+    if case == "text_part":
+        files = {"audio_sample": ("notes.txt", b"hello", "text/plain")}
+    elif case == "empty_name":
+        data["name"] = "   "
+    elif case == "long_name":
+        data["name"] = "n" * 129
+    elif case == "unknown_field":
+        data["colour"] = "blue"
+    elif case == "bad_flag":
+        data["x_vector_only"] = "maybe"
+    if case == "json_body":
+        r = httpx.post(url, json={"name": name}, timeout=60)
+    elif case == "no_file":  # a form with a name and no file
+        r = httpx.post(url, timeout=60,
+                       headers={"content-type": "multipart/form-data; boundary=b"},
+                       content=b'--b\r\nContent-Disposition: form-data; name="name"\r\n\r\n'
+                       b"bad-no_file\r\n--b--\r\n")
+    else:
+        r = httpx.post(url, data=data, files=files, timeout=120)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["field"] == field and words in err["message"], err
+    assert name not in _names(base)
+
+
+def test_duplicate_names_are_refused_per_owner(base: Server, ref: bytes) -> None:
+    first = create(base, ref, "twin", x_vector_only="true")
+    assert first.status_code == 200
+    again = create(base, ref, "twin", x_vector_only="true")
+    assert again.status_code == 409 and again.json()["error"]["code"] == "duplicate_name"
+    assert _names(base).count("twin") == 1
+
+
+def test_twenty_parallel_creates_and_deletes(base: Server, ref: bytes) -> None:
+    olds = [create(base, ref, f"old-{i}", x_vector_only="true").json()["id"] for i in range(10)]
+    results: dict[str, int] = {}
+
+    def work(i: int) -> None:
+        if i < 10:
+            r = create(base, ref, f"par-{i}", x_vector_only="true")
+        else:
+            r = httpx.delete(f"{base.url}/v1/audio/voices/{olds[i - 10]}", timeout=120)
+        results[f"{i}"] = r.status_code
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(20)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert set(results.values()) == {200}, results
+    names = _names(base)
+    assert sorted(n for n in names if n.startswith("par-")) == sorted(f"par-{i}"
+                                                                      for i in range(10))
+    assert not [n for n in names if n.startswith("old-")]
+    for v in httpx.get(base.url + "/v1/audio/voices").json()["data"]:
+        if v["name"].startswith("par-"):  # every stored voice is whole: it speaks
+            assert_speech(speak(base, v["id"]))
+            break
+
+
+def test_a_crash_mid_create_stores_nothing(base_gguf: Path, tmp_path: Path, ref: bytes) -> None:
+    s = Server(base_gguf, tmp_path, test_fault="exit@clone", data_dir=tmp_path / "data")
+    try:
+        s.wait_ready()
+        r = create(s, ref, "doomed")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "worker_died"
+        assert r.headers["retry-after"]
+        assert _names(s) == []
+    finally:
+        s.stop()
+    with sqlite3.connect(tmp_path / "data" / "voices.sqlite3") as db:
+        assert db.execute("SELECT COUNT(*) FROM voices").fetchone()[0] == 0
+
+
+def test_reference_audio_kept_only_when_asked(base_gguf: Path, tmp_path: Path,
+                                              ref: bytes) -> None:  # fmt: skip
+    for keep in (False, True):
+        data = tmp_path / f"data-{keep}"
+        s = Server(base_gguf, tmp_path, data_dir=data, keep_reference_audio=int(keep))
+        try:
+            s.wait_ready()
+            assert create(s, ref, "kept", x_vector_only="true").status_code == 200
+        finally:
+            s.stop()
+        with sqlite3.connect(data / "voices.sqlite3") as db:
+            (audio,) = db.execute("SELECT ref_audio FROM voices").fetchone()
+        assert (audio == ref) if keep else audio is None
+
+
+def test_a_voice_of_another_model_is_a_409_naming_both(base_gguf: Path, tmp_path: Path,
+                                                        ref: bytes) -> None:  # fmt: skip
+    from engine.tools.make_model import make_model
+
+    make_model(tmp_path / "other", "tiny", seed=22, variant="base", progress=False)
+    data = tmp_path / "data"
+    a = Server(base_gguf, tmp_path, data_dir=data, model_name="base-a")
+    try:
+        a.wait_ready()
+        vid = create(a, ref, "portable", x_vector_only="true").json()["id"]
+    finally:
+        a.stop()
+    b = Server(tmp_path / "other" / "model.gguf", tmp_path, data_dir=data, model_name="base-b")
+    try:
+        b.wait_ready()
+        r = speak(b, vid)
+        assert r.status_code == 409, r.text
+        err = r.json()["error"]
+        assert err["field"] == "voice" and err["code"] == "voice_model_mismatch"
+        assert "'base-a'" in err["message"] and "'base-b'" in err["message"]
+    finally:
+        b.stop()
+
+
+def test_a_model_that_does_not_clone(server: Server, ref: bytes) -> None:
+    """The CustomVoice tiny model: creating is a 422, its built-in voices are listed."""
+    r = create(server, ref, "nope")
+    assert r.status_code == 422 and r.json()["error"]["code"] == "cloning_unavailable"
+    v = httpx.get(server.url + "/v1/audio/voices").json()
+    assert all(x["object"] == "voice" for x in v["data"]) and v["data"]
