@@ -22,5 +22,12 @@ QTTS_TEST_BACKEND=cuda .venv/bin/python -m pytest -q tests/parity/test_decoder_p
     2>&1 | tee "$out/parity.txt"
 .venv/bin/python bench/decoder.py --backend cuda --frames 31 125 --reps 3 2>&1 \
     | grep -v Warn | tee "$out/bench-decoder.txt"
+# the batched talker / code predictor (issue 17): step times per batch size on the GPU, and
+# the batched == alone test there
+talker=$(.venv/bin/python -c "
+from bench.models import synthetic_gguf
+print(synthetic_gguf('q4_0', 'full'))")
+.venv/bin/python bench/batch.py --backend cuda --model "$talker" --batch 1 2 4 8 16 \
+    --steps 32 --threads 4 2>&1 | grep -v Warn | tee "$out/bench-batch.txt"
 # back to the CPU build for everything else
 .venv/bin/python native/build.py > /dev/null

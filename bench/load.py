@@ -16,6 +16,8 @@ has a talker, else ``codes`` requests of ``--frames`` random codec frames (``--m
 
   python bench/load.py --model ~/.cache/qtts/models/synthetic-full-q4_0-seed0-v2/model.gguf \
       --workers 1,2 --clients 4 --seconds 30 --frames 50
+  python bench/load.py --model ... --workers 1 --max-batch 1,4 --threads 2 --clients 4 \
+      --seconds 25 --frames 50 --queue 4        # batching: one worker, 4 streams at once
   python bench/load.py --url http://127.0.0.1:8000 --clients 8      # an already running server
 """
 
@@ -88,7 +90,8 @@ def scrape(url: str, headers: dict[str, str]) -> dict[str, float]:
     text = httpx.get(url + "/metrics", headers=headers, timeout=10).text
     out: dict[str, float] = {}
     for line in text.splitlines():
-        m = re.match(r"^(qtts_rtf_(?:sum|count)|qtts_stream_gaps_total)\s+(\S+)$", line)
+        m = re.match(r"^(qtts_rtf_(?:sum|count)|qtts_stream_gaps_total"
+                     r"|qtts_batch_size_(?:sum|count))\s+(\S+)$", line)
         if m:
             out[m.group(1)] = float(m.group(2))
     return out
@@ -133,12 +136,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(model: str, workers: int, threads: int, queue: int) -> tuple[subprocess.Popen,
-                                                                               str]:
+def start_server(model: str, workers: int, threads: int, queue: int, max_batch: int = 1
+                 ) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = {**os.environ, "QTTS_MODEL": model, "QTTS_PORT": str(port), "QTTS_HOST": "127.0.0.1",
            "QTTS_WORKERS": str(workers), "QTTS_THREADS_PER_WORKER": str(threads),
-           "QTTS_QUEUE_SIZE": str(queue), "QTTS_LOG_LEVEL": "warning"}
+           "QTTS_QUEUE_SIZE": str(queue), "QTTS_LOG_LEVEL": "warning",
+           "QTTS_MAX_BATCH": str(max_batch)}
     proc = subprocess.Popen([sys.executable, "-m", "cli", "serve"], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}"
@@ -164,13 +168,15 @@ def row(label: str, res: Result, d: dict[str, float]) -> str:
     wall_rtf = float(np.mean(res.wall_rtf)) if res.wall_rtf else float("nan")
     aps = res.audio_seconds / d["wall"]
     gaps = int(d.get("qtts_stream_gaps_total", 0))
+    steps = d.get("qtts_batch_size_count", 0)
+    batch = f"{d.get('qtts_batch_size_sum', 0) / steps:.2f}" if steps else "-"
     return (f"| {label} | {res.ok} | {p50:.0f} | {p95:.0f} | {rtf:.3f} | {wall_rtf:.3f} | "
-            f"{aps:.2f} | {res.rejected} | {res.errors} | {gaps} |")
+            f"{aps:.2f} | {res.rejected} | {res.errors} | {gaps} | {batch} |")
 
 
 HEADER = ("| run | requests ok | TTFA p50 ms | TTFA p95 ms | RTF (server) | RTF (client) | "
-          "audio s/s | rejected | errors | stream gaps |\n"
-          "|---|---|---|---|---|---|---|---|---|---|")
+          "audio s/s | rejected | errors | stream gaps | mean batch |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def main() -> int:
@@ -184,6 +190,8 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=20.0, help="load duration per run (20)")
     ap.add_argument("--frames", type=int, default=50, help="codec frames per request (50 = 4 s)")
     ap.add_argument("--queue", type=int, default=2, help="QTTS_QUEUE_SIZE of started servers")
+    ap.add_argument("--max-batch", default="1",
+                    help="comma list of QTTS_MAX_BATCH values, each run per worker count (1)")
     ap.add_argument("--mode", choices=("auto", "codes", "text"), default="auto",
                     help="request kind: text when the model has a talker (auto), or codes")
     ap.add_argument("--api-key", default=os.environ.get("QTTS_API_KEY"))
@@ -199,13 +207,16 @@ def main() -> int:
         return 0
     if not args.model:
         ap.error("--model (or QTTS_MODEL) is required without --url")
-    for w in (int(x) for x in args.workers.split(",")):
+    runs = [(int(w), int(b)) for w in args.workers.split(",")
+            for b in args.max_batch.split(",")]
+    for w, b in runs:
         threads = args.threads or max(1, ((os.cpu_count() or 1) - 1) // w)
-        proc, url = start_server(args.model, w, threads, args.queue)
+        proc, url = start_server(args.model, w, threads, args.queue, b)
         try:
             res, d = asyncio.run(run_load(url, args.clients, args.seconds, args.frames, headers,
                                           args.mode))
-            print(row(f"{w} worker(s) x {threads} thread(s)", res, d), flush=True)
+            label = f"{w} worker(s) x {threads} thread(s)" + (f", batch {b}" if b > 1 else "")
+            print(row(label, res, d), flush=True)
         finally:
             proc.send_signal(signal.SIGTERM)
             try:

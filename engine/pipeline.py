@@ -42,6 +42,7 @@ from engine.decoder import DecoderModel, StreamingDecoder, validate_codes
 from engine.errors import InputError
 from engine.talker.generate import (
     DEFAULT_MAX_FRAMES_CAP,
+    Frame,
     Result,
     frame_budget,
     generate_frames,
@@ -152,6 +153,34 @@ def as_request(obj: Any) -> SynthesisRequest | CodesRequest:
             chunk_max_frames=chunk, **kwargs,
         )
     raise TypeError(f"not a synthesis request: {type(obj).__name__}")
+
+
+@dataclass
+class TextPlan:
+    """A text request made ready to speak (``Pipeline.plan_text``)."""
+
+    prompts: list[Any]  # one Prompt per segment
+    params: SamplingParams
+    total: int  # frame budget of the whole text
+    rng: np.random.Generator
+    seed: int
+    decoder: StreamingDecoder
+    ramp: Ramp
+
+
+class Ramp:
+    """Where a stream is on the chunk ramp: ``target`` frames make the next decoder push."""
+
+    def __init__(self, chunk_max_frames: int) -> None:
+        self.chunk_max = chunk_max_frames
+        self._sizes = chunk_sizes(chunk_max_frames)
+        self.target = next(self._sizes)
+
+    def advance(self, restart: bool = False) -> None:
+        """The next size after a push (1 again after ``restart``: a pause for text)."""
+        if restart:
+            self._sizes = chunk_sizes(self.chunk_max)
+        self.target = next(self._sizes)
 
 
 def chunk_sizes(chunk_max_frames: int) -> Generator[int, None, None]:
@@ -338,8 +367,10 @@ class Pipeline:
                                  f"{self.max_instruct_tokens} tokens")
         return split_segments(req.text, offsets, self.segment_tokens) or [req.text]
 
-    def _stream_text(self, req: SynthesisRequest, cancel: Callable[[], bool] | None,
-                     info: StreamInfo) -> Generator[AudioChunk, None, str]:
+    def plan_text(self, req: SynthesisRequest) -> TextPlan:
+        """Everything a text request needs before its first frame (its segments' prompts, the
+        sampling, the frame budget, the RNG, a primed decoder), or ``InputError``. Shared by
+        ``stream`` and the batch scheduler (engine/batching.py)."""
         if self.talker is None or self.prompts is None or self.defaults is None:
             raise InputError(
                 "text", "this model file has no talker (a decoder-only GGUF): it cannot speak "
@@ -362,50 +393,38 @@ class Pipeline:
                                  self._max_new_tokens, req.frame_limit)
         chunk_max = self._chunk_max(req)
         rng, seed = make_rng(req.seed)
-        info.seed, info.budget = seed, total
         sd = StreamingDecoder(self.decoder)
         if prompts[0].ref_codes is not None:  # the reference part: decoded for context, not sent
             sd.push(np.ascontiguousarray(prompts[0].ref_codes[-DECODER_PRIME_FRAMES:].T))
-        sizes = chunk_sizes(chunk_max)
-        target = next(sizes)
+        return TextPlan(prompts, params, total, rng, seed, sd, Ramp(chunk_max))
+
+    def segment_budget(self, plan: TextPlan, i: int, done: int) -> int:
+        """Frames segment ``i`` may take when the earlier ones took ``done`` (0: none left)."""
+        left = plan.total - done
+        if left < 1 or len(plan.prompts) == 1:
+            return max(0, left)
+        return min(left, frame_budget(plan.prompts[i].n_text_tokens, None, self.max_frames_cap,
+                                      self._max_new_tokens))
+
+    def _stream_text(self, req: SynthesisRequest, cancel: Callable[[], bool] | None,
+                     info: StreamInfo) -> Generator[AudioChunk, None, str]:
+        plan = self.plan_text(req)
+        assert self.talker is not None
+        info.seed, info.budget = plan.seed, plan.total
         outcome = "ok"
         done = 0  # frames of the earlier segments
-        for prompt in prompts:
-            left = total - done
-            if left < 1:
+        for i, prompt in enumerate(plan.prompts):
+            budget = self.segment_budget(plan, i, done)
+            if budget < 1:
                 return "truncated_no_eos"  # the text's frame budget ran out before its end
-            budget = left if len(prompts) == 1 else min(
-                left, frame_budget(prompt.n_text_tokens, None, self.max_frames_cap,
-                                   self._max_new_tokens))
-            pending: list[npt.NDArray[np.int32]] = []
-            acc = StageTimings()
-            frames = generate_frames(self.talker, prompt, params, budget, rng, cancel)
-            try:
-                while True:
-                    try:
-                        frame = next(frames)
-                    except StopIteration as stop:
-                        result: Result = stop.value
-                        break
-                    pending.append(frame.codes)
-                    acc = acc + frame.timings
-                    if len(pending) >= target:
-                        if is_cancelled(cancel):
-                            return "cancelled"
-                        yield self._push(sd, pending, acc, info)
-                        pending, acc = [], StageTimings()
-                        target = next(sizes)
-            finally:
-                frames.close()
+            frames = generate_frames(self.talker, prompt, plan.params, budget, plan.rng, cancel)
+            # the segment's last frames go out before the next one's prefill
+            result = yield from self._chunks(frames, plan.decoder, plan.ramp, cancel, info)
             if result.outcome == "cancelled":
                 return "cancelled"
             done += result.frames
             if result.outcome == "truncated_no_eos":
                 outcome = "truncated_no_eos"
-            if pending:  # the segment's last frames go out before the next one's prefill
-                if is_cancelled(cancel):
-                    return "cancelled"
-                yield self._push(sd, pending, acc + result.leftover, info)
         return outcome
 
     def release(self) -> None:
@@ -525,20 +544,21 @@ class Pipeline:
         info.seed, info.budget = seed, budget(1 << 20)
         frames = generate_live_frames(self.talker, self.prompts, live, feed, req.voice,
                                       req.language, req.instruct, params, budget, rng, check)
-        outcome = yield from self._decode(frames, self._chunk_max(req), check, info)
-        info.outcome = outcome
-        return outcome
+        result = yield from self._chunks(frames, StreamingDecoder(self.decoder),
+                                         Ramp(self._chunk_max(req)), check, info)
+        info.outcome = result.outcome
+        return result.outcome
 
-    def _decode(self, frames: Generator[Any, None, Result], chunk_max: int,
-                cancel: Callable[[], bool] | None, info: StreamInfo
-                ) -> Generator[AudioChunk, None, str]:
-        """Decode frames with the chunk ramp; a ``None`` item (the text ran dry) decodes what
-        is pending and restarts the ramp."""
-        sd = StreamingDecoder(self.decoder)
-        sizes = chunk_sizes(chunk_max)
-        target = next(sizes)
+    def _chunks(self, frames: Generator[Frame | None, None, Result], sd: StreamingDecoder,
+                ramp: Ramp, cancel: Callable[[], bool] | None, info: StreamInfo
+                ) -> Generator[AudioChunk, None, Result]:
+        """Frames in, audio chunks out: frames are pushed to ``sd`` in the ramp's sizes; a
+        ``None`` item (live text ran dry) pushes what is pending and restarts the ramp; the
+        last frames (with the talker time after them) go out when ``frames`` ends. Returns the
+        frames' ``Result`` (outcome "cancelled" when a cancel stopped a push)."""
         pending: list[npt.NDArray[np.int32]] = []
         acc = StageTimings()
+        cancelled = Result(outcome="cancelled")
         try:
             while True:
                 try:
@@ -546,32 +566,24 @@ class Pipeline:
                 except StopIteration as stop:
                     result: Result = stop.value
                     break
-                if frame is None:
-                    if pending:
-                        if is_cancelled(cancel):
-                            return "cancelled"
-                        yield self._push(sd, pending, acc, info)
-                        pending, acc = [], StageTimings()
-                    sizes = chunk_sizes(chunk_max)
-                    target = next(sizes)
-                    continue
-                pending.append(frame.codes)
-                acc = acc + frame.timings
-                if len(pending) >= target:
+                if frame is not None:
+                    pending.append(frame.codes)
+                    acc = acc + frame.timings
+                    if len(pending) < ramp.target:
+                        continue
+                if pending:
                     if is_cancelled(cancel):
-                        return "cancelled"
+                        return cancelled
                     yield self._push(sd, pending, acc, info)
                     pending, acc = [], StageTimings()
-                    target = next(sizes)
+                ramp.advance(restart=frame is None)
         finally:
             frames.close()
-        if result.outcome == "cancelled":
-            return "cancelled"
-        if pending:
+        if result.outcome != "cancelled" and pending:
             if is_cancelled(cancel):
-                return "cancelled"
+                return cancelled
             yield self._push(sd, pending, acc + result.leftover, info)
-        return result.outcome
+        return result
 
     def close(self) -> None:
         """Free the talker (and the decoder when this Pipeline loaded it)."""

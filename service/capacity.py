@@ -9,10 +9,7 @@ from __future__ import annotations
 
 from service.settings import Settings
 
-# one request per worker process until the workers batch; then this becomes the batch size
-REQUESTS_PER_WORKER = 1
-
 
 def capacity(settings: Settings) -> int:
-    """Requests the server's workers can run at the same time."""
-    return settings.workers * REQUESTS_PER_WORKER
+    """Requests the server's workers can run at the same time (each up to ``max_batch``)."""
+    return settings.workers * settings.max_batch

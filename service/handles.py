@@ -8,7 +8,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.protocol import Job, Ready, TextIn, TicketEvent, TicketState, WorkerState
+from service.protocol import (
+    Job,
+    Ready,
+    TextIn,
+    TicketEvent,
+    TicketState,
+    WorkerState,
+    batchable,
+)
 
 
 @dataclass(eq=False)
@@ -41,12 +49,24 @@ class WorkerHandle:
     process: Any
     conn: Any
     cancel: Any  # multiprocessing.Value('q'): id of the job to cancel
+    slots: int = 1  # text jobs it runs at once (settings.max_batch)
     state: WorkerState = WorkerState.STARTING
-    ticket: Ticket | None = None
+    tickets: dict[int, Ticket] = field(default_factory=dict)  # running jobs by id
     info: Ready | None = None
     started_at: float = field(default_factory=time.monotonic)
     jobs_done: int = 0
     idle_since: float = 0.0  # when it last became idle (dispatch picks the longest idle)
+
+    def takes(self, job: Job) -> bool:
+        """Whether it may start ``job`` now: a free slot, and a job that must run alone (codes,
+        live text: the batch loop runs them to their end) only on an empty worker, and nothing
+        beside one."""
+        if self.state not in (WorkerState.IDLE, WorkerState.BUSY):
+            return False
+        if not self.tickets:
+            return True
+        alone = any(not batchable(t.job) for t in self.tickets.values())
+        return not alone and batchable(job) and len(self.tickets) < self.slots
 
     @property
     def pid(self) -> int | None:

@@ -45,6 +45,8 @@ TTFA_BUCKETS = (0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.25, 0.35, 0.5, 0
                 2.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5, 10, 30, 60, 120, 300)
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10, 20, 30, 60, 120, 240, 480, 960)
+BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+BATCH_STAGES = ("talker", "code_predictor", "decoder")
 RTF_BUCKETS = (0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.25, 1.5, 2.0, 3.0,
                4.0)
 
@@ -140,6 +142,17 @@ class Metrics:
         self.workers_alive = Gauge(
             "qtts_workers_alive", "Worker processes that are loaded, warm and alive.", registry=r
         )
+        self.batch_size = Histogram(
+            "qtts_batch_size",
+            "Streams in one step of a batching worker (QTTS_MAX_BATCH > 1).",
+            buckets=BATCH_BUCKETS, registry=r,
+        )
+        self.batch_step_seconds = Histogram(
+            "qtts_batch_step_seconds",
+            "Wall time of one step of a batching worker, by stage: the batched talker step, "
+            "the batched code-predictor pass (15 graphs), the decoder pushes due after them.",
+            ["stage"], buckets=STAGE_BUCKETS, registry=r,
+        )
         self.build_info = Gauge(
             "qtts_build_info", "Version, compute backend and model of this server (value 1).",
             ["version", "backend", "model"], registry=r,
@@ -156,6 +169,8 @@ class Metrics:
             self.voice_clone_seconds.labels(stage=stage)
         for route in (*ROUTES, "other"):  # service/guard.py's route labels
             self.internal_errors.labels(route=route)
+        for stage in BATCH_STAGES:
+            self.batch_step_seconds.labels(stage=stage)
 
     def set_build_info(self, version: str, backend: str, model: str) -> None:
         self.build_info.clear()
@@ -174,6 +189,15 @@ class Metrics:
                     h.observe(seconds / frames)
             else:
                 h.observe(seconds)
+
+    def observe_step(self, batch: int, talker: float, code_predictor: float,
+                     decoder: float) -> None:
+        """One step of a batching worker: its batch size and each stage's seconds (a stage
+        that did not run in the step is not observed)."""
+        self.batch_size.observe(batch)
+        for stage, seconds in zip(BATCH_STAGES, (talker, code_predictor, decoder), strict=True):
+            if seconds > 0:
+                self.batch_step_seconds.labels(stage=stage).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

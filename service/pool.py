@@ -26,6 +26,7 @@ from service.capacity import capacity
 from service.handles import Ticket, WorkerHandle
 from service.metrics import Metrics
 from service.protocol import (
+    CancelJob,
     Chunk,
     Cloned,
     Done,
@@ -35,6 +36,7 @@ from service.protocol import (
     Job,
     Ready,
     RunJob,
+    StepDone,
     StopWorker,
     TextIn,
     TicketState,
@@ -101,6 +103,7 @@ class WorkerPool:
             chunk_max_frames=s.chunk_max_frames, pin_prefixes=s.pin_prefixes,
             max_text_tokens=s.max_text_tokens, max_instruct_tokens=s.max_instruct_tokens,
             segment_tokens=s.segment_tokens, prefill_chunk=s.prefill_chunk,
+            max_batch=s.max_batch,
         )
         proc = self._ctx.Process(
             target=worker_main, name=f"qtts-worker-{index}", args=(child, cancel, opts),
@@ -108,7 +111,8 @@ class WorkerPool:
         )
         proc.start()
         child.close()  # only the worker holds its end: its death is our EOF
-        w = WorkerHandle(index=index, process=proc, conn=parent, cancel=cancel)
+        w = WorkerHandle(index=index, process=proc, conn=parent, cancel=cancel,
+                         slots=s.max_batch)
         self._workers[index] = w
         threading.Thread(
             target=self._reader, args=(w,), name=f"qtts-reader-{index}", daemon=True
@@ -149,7 +153,10 @@ class WorkerPool:
         for w in workers:
             try:
                 if w.state is WorkerState.BUSY:
-                    w.cancel.value = w.ticket.job.id if w.ticket else -1
+                    w.cancel.value = next(iter(w.tickets), -1)
+                    if w.slots > 1:
+                        for job_id in w.tickets:
+                            w.conn.send(CancelJob(job_id))
                 w.conn.send(StopWorker())
             except (OSError, ValueError):
                 pass
@@ -174,8 +181,8 @@ class WorkerPool:
             w is not None and w.state in _ALIVE for w in self._workers
         ):
             raise PoolNotReady(self.last_fatal)
-        idle = self._idle_worker()
-        if idle is None and len(self._waiting) >= self.settings.queue_size:
+        free = self._free_worker(job)
+        if free is None and len(self._waiting) >= self.settings.queue_size:
             raise PoolFull
         t = Ticket(job=job)
         self._waiting.append(t)
@@ -197,6 +204,11 @@ class WorkerPool:
             if t.cancel_requested_at is None:
                 t.cancel_requested_at = time.monotonic()
                 t.worker.cancel.value = t.job.id
+                if t.worker.slots > 1:  # a batching worker reads its pipe between steps
+                    try:
+                        t.worker.conn.send(CancelJob(t.job.id))
+                    except (OSError, ValueError):
+                        pass  # it died: the reader reports the exit to the ticket
 
     def send_text(self, t: Ticket, msg: TextIn) -> None:
         """More text for a live job: to its worker now, or when it leaves the queue."""
@@ -208,16 +220,19 @@ class WorkerPool:
             except (OSError, ValueError):
                 pass  # it died: the reader reports the exit to the ticket
 
-    def _idle_worker(self) -> WorkerHandle | None:
-        # The idle worker that has waited longest: sequential requests go round the workers,
+    def _free_worker(self, job: Job) -> WorkerHandle | None:
+        # The worker with the fewest jobs that may take this one (WorkerHandle.takes); among
+        # idle ones the one that has waited longest: sequential requests go round the workers,
         # so every one stays warm (its pages, caches and graphs in use) instead of the first
         # taking all the work while the others go cold. Any warm worker answers as fast.
-        idle = [w for w in self._workers if w is not None and w.state is WorkerState.IDLE]
-        return min(idle, key=lambda w: w.idle_since) if idle else None
+        free = [w for w in self._workers if w is not None and w.takes(job)]
+        return min(free, key=lambda w: (len(w.tickets), w.idle_since)) if free else None
 
     def _dispatch(self) -> None:
         while self._waiting:
-            w = self._idle_worker()
+            # first come, first served: a job that must run alone waits for an empty worker,
+            # and the jobs behind it wait with it
+            w = self._free_worker(self._waiting[0].job)
             if w is None:
                 return
             t = self._waiting.popleft()
@@ -225,7 +240,7 @@ class WorkerPool:
             t.started_at = time.monotonic()
             t.worker = w
             w.state = WorkerState.BUSY
-            w.ticket = t
+            w.tickets[t.job.id] = t
             try:
                 w.conn.send(RunJob(t.job))
                 for msg in t.outbox:
@@ -246,6 +261,10 @@ class WorkerPool:
                 log.error("worker %d failed to start: %s", w.index, message)
             case Chunk() | Done() | Failed() | Cloned():
                 self._on_job_message(w, msg)
+            case StepDone():
+                self.metrics.observe_step(msg.batch, msg.talker, msg.code_predictor,
+                                          msg.decoder)
+                return
         self._update_gauges()
 
     def _on_ready(self, w: WorkerHandle, msg: Ready) -> None:
@@ -260,19 +279,20 @@ class WorkerPool:
         self._dispatch()
 
     def _on_job_message(self, w: WorkerHandle, msg: Chunk | Done | Failed | Cloned) -> None:
-        t = w.ticket
-        if t is None or t.job.id != msg.job_id:
+        t = w.tickets.get(msg.job_id)
+        if t is None:
             return  # a late message of a ticket already given up
         t.push(msg)
         if isinstance(msg, Chunk):
             return
         t.state = TicketState.FINISHED
         t.finished_at = time.monotonic()
-        w.ticket = None
+        del w.tickets[msg.job_id]
         w.jobs_done += 1
         if not self.stopping:
-            w.state = WorkerState.IDLE
-            w.idle_since = time.monotonic()
+            if not w.tickets:
+                w.state = WorkerState.IDLE
+                w.idle_since = time.monotonic()
             self._dispatch()
 
     def _on_exit(self, w: WorkerHandle) -> None:
@@ -281,12 +301,13 @@ class WorkerPool:
         was_ready = w.state in _ALIVE
         w.state = WorkerState.DEAD
         code = w.process.exitcode
-        t = w.ticket
-        w.ticket = None
-        if t is not None and t.state is TicketState.RUNNING:
-            t.state = TicketState.FINISHED
-            t.finished_at = time.monotonic()
-            t.push(WorkerDied(code))
+        tickets = list(w.tickets.values())
+        w.tickets.clear()
+        for t in tickets:  # every job of a dead worker ends as an error
+            if t.state is TicketState.RUNNING:
+                t.state = TicketState.FINISHED
+                t.finished_at = time.monotonic()
+                t.push(WorkerDied(code))
         try:
             w.conn.close()
         except OSError:
@@ -327,12 +348,10 @@ class WorkerPool:
             for w in self._workers:
                 if w is None or w.state is WorkerState.DEAD:
                     continue
-                t = w.ticket
-                stuck_cancel = (
-                    w.state is WorkerState.BUSY and t is not None
-                    and t.cancel_requested_at is not None
+                stuck_cancel = w.state is WorkerState.BUSY and any(
+                    t.cancel_requested_at is not None
                     and now - t.cancel_requested_at > s.cancel_grace_seconds
-                )
+                    for t in w.tickets.values())
                 stuck_start = (w.state is WorkerState.STARTING
                                and now - w.started_at > s.worker_start_timeout)
                 if (stuck_cancel or stuck_start) and w.process.is_alive():
@@ -368,12 +387,15 @@ class WorkerPool:
 
     @property
     def busy(self) -> int:
-        return sum(1 for w in self._workers if w is not None and w.state is WorkerState.BUSY)
+        """Requests running on the workers now."""
+        return sum(len(w.tickets) for w in self._workers if w is not None)
 
     def describe(self) -> list[dict[str, Any]]:
         return [
-            {"index": i, "pid": w.pid, "state": str(w.state), "jobs_done": w.jobs_done}
-            if w is not None else {"index": i, "pid": None, "state": "absent", "jobs_done": 0}
+            {"index": i, "pid": w.pid, "state": str(w.state), "jobs_done": w.jobs_done,
+             "running": len(w.tickets)}
+            if w is not None else {"index": i, "pid": None, "state": "absent", "jobs_done": 0,
+                                   "running": 0}
             for i, w in enumerate(self._workers)
         ]
 

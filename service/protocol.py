@@ -2,10 +2,11 @@
 
 Messages are small frozen dataclasses sent pickled over one duplex pipe per worker:
 
-  front end -> worker   ``RunJob`` | ``StopWorker``, and ``TextIn`` for a live-text job
+  front end -> worker   ``RunJob`` | ``StopWorker``, ``TextIn`` for a live-text job,
+                        ``CancelJob`` for a batching worker's job
   worker -> front end   ``Ready`` | ``Fatal`` (start-up), then per job: ``Chunk``* and one of
                         ``Done`` | ``Failed``; a clone job (``kind="clone"``) answers one
-                        ``Cloned`` or ``Failed``
+                        ``Cloned`` or ``Failed``; a batching worker adds ``StepDone`` per step
 
 The pool forwards a job's ``Chunk`` / ``Done`` / ``Failed`` to its ticket and adds the events
 only the front end sees: ``WorkerDied``, ``ClientGone`` and ``TimedOut``. A new message kind is
@@ -71,6 +72,13 @@ class Job:
     max_ref_seconds: float = 30.0
 
 
+def batchable(job: Job) -> bool:
+    """Whether a job may share its worker's steps with others: a whole text, in a built-in or
+    stored voice. Codes, live text, clone jobs and one-shot references (their cloning takes
+    seconds) run alone."""
+    return job.kind == "text" and not job.live and job.ref_audio is None
+
+
 @dataclass(frozen=True)
 class WorkerOptions:
     """Everything a worker process needs to start (its one argument besides its pipe ends)."""
@@ -88,6 +96,7 @@ class WorkerOptions:
     max_instruct_tokens: int | None = None
     segment_tokens: int | None = None
     prefill_chunk: int | None = None
+    max_batch: int = 1  # text jobs spoken at once (>1: the batch loop of service/worker.py)
 
 
 # ---- front end -> worker -------------------------------------------------------------------
@@ -113,7 +122,15 @@ class TextIn:
     end: bool = False
 
 
-ToWorker = RunJob | StopWorker | TextIn
+@dataclass(frozen=True)
+class CancelJob:
+    """Stop a job of a batching worker (it reads its pipe between steps; a worker running one
+    job at a time watches its shared cancel word instead)."""
+
+    job_id: int
+
+
+ToWorker = RunJob | StopWorker | TextIn | CancelJob
 
 # ---- worker -> front end -------------------------------------------------------------------
 
@@ -168,6 +185,17 @@ class Failed:
 
 
 @dataclass(frozen=True)
+class StepDone:
+    """A batching worker ran one step: how many streams it served and the seconds of each
+    stage (for the ``qtts_batch_size`` and ``qtts_batch_step_seconds`` metrics)."""
+
+    batch: int
+    talker: float
+    code_predictor: float
+    decoder: float
+
+
+@dataclass(frozen=True)
 class Cloned:
     """A clone job's voice: ``prompt`` is the .qvoice file's bytes (engine.clone.voice_file),
     ``stages`` the seconds spent decoding and encoding the reference."""
@@ -179,7 +207,7 @@ class Cloned:
     stages: dict[str, float]
 
 
-FromWorker = Ready | Fatal | Chunk | Done | Failed | Cloned
+FromWorker = Ready | Fatal | Chunk | Done | Failed | Cloned | StepDone
 
 # ---- events only the front end adds to a ticket ----------------------------------------------
 

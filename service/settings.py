@@ -24,7 +24,16 @@ class Settings(BaseSettings):
     host: str = Field(default="127.0.0.1", description="address to listen on")
     port: int = Field(default=8000, ge=0, le=65535, description="TCP port (0 = any free port)")
     workers: int = Field(
-        default=1, ge=1, le=64, description="worker processes (each serves one request at a time)"
+        default=1, ge=1, le=64,
+        description="worker processes (each serves up to `QTTS_MAX_BATCH` requests at a time)",
+    )
+    max_batch: int = Field(
+        default=1, ge=1, le=64,
+        description=(
+            "text requests one worker speaks at once: their talker and code-predictor steps "
+            "run as one batch (1 = one request at a time; codes and live-text requests always "
+            "run alone)"
+        ),
     )
     threads_per_worker: int = Field(
         default=0,

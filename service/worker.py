@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from service.protocol import (
+    CancelJob,
     Chunk,
     Cloned,
     Done,
@@ -35,9 +36,11 @@ from service.protocol import (
     Job,
     Ready,
     RunJob,
+    StepDone,
     StopWorker,
     TextIn,
     WorkerOptions,
+    batchable,
 )
 
 if TYPE_CHECKING:
@@ -242,6 +245,9 @@ def worker_main(conn: Any, cancel: Any, opts: WorkerOptions) -> None:
         finally:
             sys.exit(1)
 
+    if opts.max_batch > 1 and synth.pipeline.has_talker:
+        _serve_batched(conn, cancel, synth, fault, opts.max_batch)
+        return
     while not _STATE["term"]:
         try:
             msg = conn.recv()
@@ -250,8 +256,8 @@ def worker_main(conn: Any, cancel: Any, opts: WorkerOptions) -> None:
         match msg:
             case StopWorker():
                 return
-            case TextIn():
-                pass  # text for a live job that already ended (cancelled, failed)
+            case TextIn() | CancelJob():
+                pass  # for a job that already ended (cancelled, failed)
             case RunJob(job=job):
                 _STATE["busy"] = True
                 try:
@@ -263,6 +269,118 @@ def worker_main(conn: Any, cancel: Any, opts: WorkerOptions) -> None:
 
 
 _STATE = {"busy": False, "term": False}
+
+
+class _Running:
+    """A job in the batch: what its Done reports."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.frames = 0
+        self.sent = 0
+        self.t0 = time.perf_counter()
+
+
+def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
+                   max_batch: int) -> None:
+    """The batch loop (QTTS_MAX_BATCH > 1): up to ``max_batch`` text jobs share each step
+    (engine/batching.py). Between steps it reads its pipe: new jobs join, ``CancelJob`` marks
+    a job to stop (the runner drops it before its next frame). A job that must run alone (codes,
+    live text; the pool sends one only to an empty worker) runs to its end as without batching.
+    An engine error in a step fails every job of the batch (a 500 each) and the loop goes on
+    with a fresh batch."""
+    from engine.batching import BatchRunner, Finished
+    from engine.errors import InputError, QttsError
+    from engine.pipeline import as_request
+
+    runner = BatchRunner(synth.pipeline, max_batch)
+    running: dict[int, _Running] = {}  # stream id -> job
+    stop: set[int] = set()  # ids of the jobs to cancel
+
+    def flag(job_id: int) -> Callable[[], bool]:
+        return lambda: job_id in stop or cancel.value == job_id
+
+    while True:
+        if _STATE["term"] and not running:
+            return
+        wait: float | None = 0 if running else 0.25  # idle: wake now and then for SIGTERM
+        while conn.poll(wait):
+            wait = 0
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                return  # front end gone
+            match msg:
+                case StopWorker():
+                    # as the one-job loop: exit after the running jobs (the pool cancels them
+                    # first when it stops)
+                    _STATE["term"] = True
+                case CancelJob(job_id=jid):
+                    stop.add(jid)
+                case TextIn():
+                    pass
+                case RunJob(job=job) if not batchable(job):
+                    _STATE["busy"] = True
+                    try:
+                        _run_job(conn, cancel, synth, job, fault)
+                    finally:
+                        _STATE["busy"] = bool(running)
+                case RunJob(job=job) if _STATE["term"]:
+                    conn.send(Failed(job.id, 503, None, "worker stopping"))
+                case RunJob(job=job):
+                    try:
+                        voice = synth.voice_of(job)  # a stored voice: loaded once, cached
+                        req: Any = job if voice is None else replace(as_request(job),
+                                                                     voice_prompt=voice)
+                        sid = runner.submit(req, cancel=flag(job.id))
+                    except InputError as e:
+                        conn.send(Failed(job.id, 400, e.field, str(e), e.code))
+                        continue
+                    except QttsError as e:
+                        conn.send(Failed(job.id, 500, None, str(e)))
+                        continue
+                    running[sid] = _Running(job)
+                    _STATE["busy"] = True
+        if not running:
+            stop.clear()
+            continue
+        try:
+            events = runner.step()
+        except (BrokenPipeError, EOFError, ConnectionResetError):
+            return
+        except Exception as e:
+            if not isinstance(e, QttsError):
+                traceback.print_exc(file=sys.stderr)
+            message = str(e) if isinstance(e, QttsError) else (
+                f"internal error: {type(e).__name__}")
+            for r in running.values():
+                conn.send(Failed(r.job.id, 500, None, message))
+            running.clear()
+            runner.close()
+            runner = BatchRunner(synth.pipeline, max_batch)
+            _STATE["busy"] = False
+            continue
+        last = runner.last
+        if last.cp_rows:
+            conn.send(StepDone(max(last.batch, last.cp_rows), last.talker_s,
+                               last.code_predictor_s, runner.decoder_s))
+        for sid, item in events:
+            r = running[sid]
+            if isinstance(item, Finished):
+                del running[sid]
+                stop.discard(r.job.id)
+                conn.send(Done(r.job.id, Finish(item.outcome), r.frames,
+                               time.perf_counter() - r.t0))
+                continue
+            if fault is not None:  # QTTS_TEST_FAULT (tests only)
+                fault.hit("chunk", r.sent)
+            r.sent += 1
+            r.frames += item.frames
+            conn.send(Chunk(r.job.id, np.asarray(item.audio, dtype=np.float32),
+                            _timings(item.timings), int(item.frames)))
+        _STATE["busy"] = bool(running)
+        if not running:
+            synth.pipeline.release()
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:

@@ -96,6 +96,75 @@ def is_cancelled(cancel: Callable[[], bool] | None) -> bool:
     return bool(cancel is not None and cancel())
 
 
+class FrameSampler:
+    """One utterance's sampling state: its parameters, RNG, the codebook-0 ids so far (for the
+    repetition penalty) and an optional trace. Shared by every frame loop (whole text, live
+    text, the batched scheduler), so each session draws exactly the same way in all of them."""
+
+    def __init__(self, vocab_size: int, eos: int, params: SamplingParams,
+                 rng: np.random.Generator, trace: Trace | None = None) -> None:
+        self.eos = eos
+        self.params = params
+        self.rng = rng
+        self.trace = trace
+        self.suppressed = suppress_mask(vocab_size, eos)
+        self.generated: list[int] = []
+
+    def first(self, logits: npt.NDArray[np.float32]) -> int:
+        """Sample codebook 0 from the talker's logits (and remember it)."""
+        p = self.params
+        if self.trace is not None:
+            self.trace.talker.append(logits)
+        scores = talker_scores(logits, self.generated, p.repetition_penalty, p.min_new_tokens,
+                               self.eos, self.suppressed)
+        c0 = choose(scores, p.do_sample, p.temperature, p.top_k, p.top_p, self.rng)
+        self.generated.append(c0)
+        return c0
+
+    def start_frame(self) -> None:
+        """A frame goes to the code predictor (its logits start a new trace row)."""
+        if self.trace is not None:
+            self.trace.code_predictor.append([])
+
+    def sub(self, logits: npt.NDArray[np.float32], j: int) -> int:
+        """Sample codebook j+1 from code-predictor pass j."""
+        if self.trace is not None:
+            self.trace.code_predictor[-1].append(logits)
+        p = self.params
+        return choose(logits, p.subtalker_do_sample, p.subtalker_temperature,
+                      p.subtalker_top_k, p.subtalker_top_p, self.rng)
+
+
+def decide(sampler: FrameSampler, logits: npt.NDArray[np.float32], at_budget: bool,
+           cancel: Callable[[], bool] | None) -> int | Outcome:
+    """Codebook 0 of the next frame, or how the utterance ends: EOS ("ok"), the frame budget
+    reached ("truncated_no_eos") or a cancellation. The order of the checks is the reference's
+    (an EOS drawn at the budget is "ok")."""
+    c0 = sampler.first(logits)
+    if c0 == sampler.eos:
+        return "ok"
+    if at_budget:
+        return "truncated_no_eos"
+    if is_cancelled(cancel):
+        return "cancelled"
+    sampler.start_frame()
+    return c0
+
+
+def next_frame(talker: TalkerModel, sampler: FrameSampler, logits: npt.NDArray[np.float32],
+               hidden: npt.NDArray[np.float32], k: int, at_budget: bool,
+               cancel: Callable[[], bool] | None, pending: StageTimings) -> Frame | Outcome:
+    """The per-frame core of every unbatched loop: codebook 0 (``decide``), then the code
+    predictor fills the other 15; ``pending`` (the talker time so far) goes with the frame."""
+    c0 = decide(sampler, logits, at_budget, cancel)
+    if isinstance(c0, str):
+        return c0
+    t1 = time.perf_counter()
+    rest = talker.predict(hidden, c0, sampler.sub)
+    pending.code_predictor += time.perf_counter() - t1
+    return Frame(k, np.concatenate([np.asarray([c0], dtype=np.int32), rest]), pending)
+
+
 def generate_frames(
     talker: TalkerModel,
     prompt: Prompt,
@@ -112,11 +181,7 @@ def generate_frames(
     if is_cancelled(cancel):
         result.outcome = "cancelled"
         return result
-    cfg = talker.cfg
-    eos = talker.eos_id
-    suppressed = suppress_mask(int(cfg.vocab_size), eos)
-    generated: list[int] = []
-
+    sampler = FrameSampler(int(talker.cfg.vocab_size), talker.eos_id, params, rng, trace)
     talker.reserve(prompt.length + budget)
     t0 = time.perf_counter()
     try:
@@ -126,38 +191,13 @@ def generate_frames(
         return result
     pending = StageTimings(prefill=time.perf_counter() - t0)
     logits, hidden = pre.logits, pre.hidden
-
-    def sub_choose(lg: npt.NDArray[np.float32], j: int) -> int:
-        if trace is not None:
-            trace.code_predictor[-1].append(lg)
-        return choose(lg, params.subtalker_do_sample, params.subtalker_temperature,
-                      params.subtalker_top_k, params.subtalker_top_p, rng)
-
     k = 0
     while True:
-        if trace is not None:
-            trace.talker.append(logits)
-        scores = talker_scores(logits, generated, params.repetition_penalty,
-                               params.min_new_tokens, eos, suppressed)
-        c0 = choose(scores, params.do_sample, params.temperature, params.top_k, params.top_p,
-                    rng)
-        generated.append(c0)
-        if c0 == eos:
-            result.outcome = "ok"
+        frame = next_frame(talker, sampler, logits, hidden, k, k >= budget, cancel, pending)
+        if isinstance(frame, str):
+            result.outcome = frame
             break
-        if k >= budget:
-            result.outcome = "truncated_no_eos"
-            break
-        if is_cancelled(cancel):
-            result.outcome = "cancelled"
-            break
-        t1 = time.perf_counter()
-        if trace is not None:
-            trace.code_predictor.append([])
-        rest = talker.predict(hidden, c0, sub_choose)
-        pending.code_predictor += time.perf_counter() - t1
-        codes = np.concatenate([np.asarray([c0], dtype=np.int32), rest])
-        yield Frame(k, codes, pending)
+        yield frame
         k += 1
         result.frames = k
         pending = StageTimings()
@@ -166,7 +206,7 @@ def generate_frames(
             break
         text_add = pre.trailing[k - 1] if k - 1 < pre.trailing.shape[0] else pre.pad
         t2 = time.perf_counter()
-        logits, hidden = talker.step(codes, text_add, prompt.length + k - 1)
+        logits, hidden = talker.step(frame.codes, text_add, prompt.length + k - 1)
         pending.talker_step += time.perf_counter() - t2
     result.leftover = pending
     return result

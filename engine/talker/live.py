@@ -25,10 +25,10 @@ import numpy as np
 import numpy.typing as npt
 
 from engine.errors import InputError
-from engine.talker.generate import Frame, Result, is_cancelled
+from engine.talker.generate import Frame, FrameSampler, Result, is_cancelled, next_frame
 from engine.talker.model import TalkerModel
 from engine.talker.prompt import ROLE_TOKENS, TAIL_TOKENS, PromptBuilder, assistant_text
-from engine.talker.sampling import SamplingParams, choose, suppress_mask, talker_scores
+from engine.talker.sampling import SamplingParams
 from engine.timings import StageTimings
 
 _LAST_SPACE = re.compile(r"\s+\S*$")
@@ -125,9 +125,8 @@ def generate_live_frames(
     if is_cancelled(cancel):
         result.outcome = "cancelled"
         return result
-    cfg = talker.cfg
-    eos, sp = talker.eos_id, prompts.special
-    suppressed = suppress_mask(int(cfg.vocab_size), eos)
+    sp = prompts.special
+    sampler = FrameSampler(int(talker.cfg.vocab_size), talker.eos_id, params, rng)
     # the layout of a one-token streaming prompt, with the live text's first id in its last
     # position ("." is one token); the rest of the live text is the trailing text
     prompt = prompts.build(".", voice, language, instruct, "stream")
@@ -143,11 +142,6 @@ def generate_live_frames(
     rows: list[npt.NDArray[np.float32]] = list(pre.trailing)
     pad = pre.pad
     eos_row: npt.NDArray[np.float32] | None = None
-    generated: list[int] = []
-
-    def sub_choose(lg: npt.NDArray[np.float32], j: int) -> int:
-        return choose(lg, params.subtalker_do_sample, params.subtalker_temperature,
-                      params.subtalker_top_k, params.subtalker_top_p, rng)
 
     def absorb(update: TextUpdate | None) -> None:
         nonlocal eos_row
@@ -175,25 +169,12 @@ def generate_live_frames(
                 waited = True
                 yield None
             absorb(feed.take(poll_seconds))
-        scores = talker_scores(logits, generated, params.repetition_penalty,
-                               params.min_new_tokens, eos, suppressed)
-        c0 = choose(scores, params.do_sample, params.temperature, params.top_k, params.top_p,
-                    rng)
-        generated.append(c0)
-        if c0 == eos:
-            result.outcome = "ok"
+        frame = next_frame(talker, sampler, logits, hidden, k,
+                           k >= budget_fn(len(live.ids)), cancel, pending)
+        if isinstance(frame, str):
+            result.outcome = frame
             break
-        if k >= budget_fn(len(live.ids)):
-            result.outcome = "truncated_no_eos"
-            break
-        if is_cancelled(cancel):
-            result.outcome = "cancelled"
-            break
-        t1 = time.perf_counter()
-        rest = talker.predict(hidden, c0, sub_choose)
-        pending.code_predictor += time.perf_counter() - t1
-        codes = np.concatenate([np.asarray([c0], dtype=np.int32), rest])
-        yield Frame(k, codes, pending)
+        yield frame
         k += 1
         result.frames = k
         pending = StageTimings()
@@ -219,7 +200,7 @@ def generate_live_frames(
         else:
             text_add = pad
         t2 = time.perf_counter()
-        logits, hidden = talker.step(codes, text_add, prompt.length + k - 1)
+        logits, hidden = talker.step(frame.codes, text_add, prompt.length + k - 1)
         pending.talker_step += time.perf_counter() - t2
     result.leftover = pending
     return result

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -190,6 +190,33 @@ class TalkerModel:
 
     def prefill(self, prompt: Prompt, capture: bool = False, reuse_prefix: bool = True,
                 cancel: Callable[[], bool] | None = None) -> PrefillOut:
+        """Run the prompt through the talker into the model's own cache (``prefill_chunks``)."""
+        chunks = self.prefill_chunks(prompt, capture, reuse_prefix)
+        while True:
+            try:
+                done = next(chunks)
+            except StopIteration as stop:
+                out: PrefillOut = stop.value
+                return out
+            if cancel is not None and cancel():
+                chunks.close()
+                raise PrefillCancelled(done)
+
+    def new_cache(self, n_positions: int) -> KVCache:
+        """A talker cache of its own for one session of a batch (``engine.talker.batch``):
+        ``n_positions`` rounded up to the step bucket; freed by its ``close``."""
+        if n_positions > int(self.cfg.max_position_embeddings):
+            raise InputError(
+                "max_frames",
+                f"prompt + frames = {n_positions} positions exceed the talker's "
+                f"{self.cfg.max_position_embeddings}",
+            )
+        w = self.weights
+        return KVCache(self.backends, len(w.layers), w.talker_shape.kv_dim,
+                       -(-n_positions // STEP_BUCKET) * STEP_BUCKET, self.kv_type, "talk")
+
+    def prefill_chunks(self, prompt: Prompt, capture: bool = False, reuse_prefix: bool = True,
+                       cache: KVCache | None = None) -> Generator[int, None, PrefillOut]:
         """Run the prompt through the talker (positions 0..L-1) and project the trailing text.
 
         The prompt prefix (instruction, role, codec prefix, speaker: ``prompt.n_prefix``
@@ -202,12 +229,18 @@ class TalkerModel:
 
         Prompts longer than ``prefill_chunk`` positions run as several graphs of at most that
         many positions, each attending to the cache (earlier chunks' rows included): the
-        compute buffer holds a ``chunk x n_kv`` score matrix per head, never ``L x L``, and
-        ``cancel`` is checked between chunks (``PrefillCancelled``). ``capture`` runs one graph.
+        compute buffer holds a ``chunk x n_kv`` score matrix per head, never ``L x L``; the
+        generator yields the positions done between two chunks (``prefill`` checks ``cancel``
+        there; the batch scheduler runs other sessions' steps there). ``capture`` runs one
+        graph. ``cache``: a session's own cache (``new_cache``) instead of the model's.
         """
-        if self.cache is None or self.cache.n_ctx < prompt.length:
-            self.reserve(prompt.length + 1)
-        cache = self.cache
+        if cache is None:
+            if self.cache is None or self.cache.n_ctx < prompt.length:
+                self.reserve(prompt.length + 1)
+            cache = self.cache
+        elif cache.n_ctx < prompt.length + 1:
+            raise InputError("max_frames", f"talker cache too small for a prompt of "
+                             f"{prompt.length} positions")
         assert cache is not None
         n_all = prompt.length
         n_pre = prompt.n_prefix if 0 < prompt.n_prefix < n_all else 0
@@ -224,7 +257,8 @@ class TalkerModel:
         c0 = start
         while True:
             c1 = min(n_all, c0 + chunk)
-            out = self._prefill_graph(prompt, c0, c1, first=c0 == start, capture=capture,
+            out = self._prefill_graph(prompt, cache, c0, c1, first=c0 == start,
+                                      capture=capture,
                                       reuse=reuse if c0 == start else None,
                                       snapshot=snapshot if c0 == start else 0)
             if c0 == start and snapshot:
@@ -232,8 +266,7 @@ class TalkerModel:
             if c1 == n_all:
                 break
             c0 = c1
-            if cancel is not None and cancel():
-                raise PrefillCancelled(c0)
+            yield c0
         self.last_prefill_positions = n_all - start
         n_trail = int(prompt.trailing_ids.shape[0])
         tail = out["text_tail"].reshape(n_trail + 1, -1)
@@ -246,7 +279,8 @@ class TalkerModel:
             taps=taps,
         )
 
-    def _prefill_graph(self, prompt: Prompt, c0: int, c1: int, *, first: bool, capture: bool,
+    def _prefill_graph(self, prompt: Prompt, cache: KVCache, c0: int, c1: int, *, first: bool,
+                       capture: bool,
                        reuse: tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]] | None,
                        snapshot: int) -> dict[str, np.ndarray[Any, Any]]:
         """One prefill graph over prompt positions ``c0 .. c1-1``.
@@ -255,8 +289,6 @@ class TalkerModel:
         a later one (``first`` False) finds positions ``0 .. c0-1`` in the cache already. The
         last one (``c1`` = the prompt length) also projects the trailing text and runs the head.
         """
-        cache = self.cache
-        assert cache is not None
         w = self.weights
         n = c1 - c0
         last = c1 == prompt.length

@@ -25,6 +25,7 @@ Attention with a KV cache in a persistent backend buffer (``KVCache``):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,11 +58,14 @@ def _name_bytes(prefix: str, il: int, name: str) -> bytes:
 class Builder:
     """Graph-building helpers bound to one ``Graph`` and one stack's hyper-parameters."""
 
-    def __init__(self, g: Graph, shape: StackShape, capture: bool = False) -> None:
+    def __init__(self, g: Graph, shape: StackShape, capture: bool = False,
+                 int8: bool = True) -> None:
         self.g = g
         self.ctx = g.ctx
         self.shape = shape
         self.capture = capture
+        # False: never the int8 GEMM (a batched step's rows must multiply exactly as one row)
+        self.int8 = int8
 
     def cb(self, t: Tensor, name: str, il: int = -1) -> Tensor:
         """Name an intermediate ``<prefix>.blk<il>.<name>`` (or ``<prefix>.<name>``).
@@ -80,7 +84,7 @@ class Builder:
         work, where it beats ggml's Q4_0 GEMM); one row (a step): ggml's ``mul_mat`` on the stored
         matrix, which is memory-bound and reads fewer bytes that way.
         """
-        if lw.i8 is not None and int(x.ne[1]) >= I8_MIN_ROWS:
+        if self.int8 and lw.i8 is not None and int(x.ne[1]) >= I8_MIN_ROWS:
             return gemm_i8(self.ctx, x, lw.i8[field])
         return lib.ggml_mul_mat(self.ctx, getattr(lw, field), x)
 
@@ -329,15 +333,24 @@ def ffn(b: Builder, lw: LayerWeights, il: int, x: Tensor) -> Tensor:
     return b.cb(b.matmul(lw, "down", par), "ffn_out", il)
 
 
-def layer(b: Builder, lw: LayerWeights, il: int, x: Tensor, a: AttnInputs,
-          cache: KVCache, last_only: bool = False) -> Tensor:
+AttnFn = Callable[[Builder, LayerWeights, int, Tensor], Tensor]
+
+
+def layer(b: Builder, lw: LayerWeights, il: int, x: Tensor, a: AttnInputs | AttnFn,
+          cache: KVCache | None, last_only: bool = False) -> Tensor:
     """Pre-norm Qwen3 layer: ``h += Attn(RMSNorm(h)); h += MLP(RMSNorm(h))``.
 
     ``last_only``: output the last position only (``[hidden, 1]``; K/V still cover every one).
+    ``a``: the attention inputs of ``attention``, or an attention of its own ``(b, lw, il, h)``
+    (the batched graphs of ``engine.talker.batch``).
     """
     ctx, eps = b.ctx, b.shape.eps
     h = b.cb(rms_norm(b.ctx, x, lw.attn_norm, eps), "attn_norm", il)
-    attn = attention(b, lw, il, h, a, cache, last_only)
+    if isinstance(a, AttnInputs):
+        assert cache is not None
+        attn = attention(b, lw, il, h, a, cache, last_only)
+    else:
+        attn = a(b, lw, il, h)
     if last_only:
         x = last_column(b, x)
     x = b.cb(lib.ggml_add(ctx, x, attn), "attn_res", il)
@@ -345,8 +358,8 @@ def layer(b: Builder, lw: LayerWeights, il: int, x: Tensor, a: AttnInputs,
     return b.cb(lib.ggml_add(ctx, x, ffn(b, lw, il, h)), "l_out", il)
 
 
-def stack(b: Builder, layers: list[LayerWeights], x: Tensor, a: AttnInputs,
-          cache: KVCache, last_only: bool = False) -> Tensor:
+def stack(b: Builder, layers: list[LayerWeights], x: Tensor, a: AttnInputs | AttnFn,
+          cache: KVCache | None, last_only: bool = False) -> Tensor:
     """Every layer of a stack, in order.
 
     ``last_only``: only the last position's output is wanted (a prefill feeding its head), so

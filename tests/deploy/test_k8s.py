@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
-from service.capacity import REQUESTS_PER_WORKER
+from service.capacity import capacity as server_capacity
 from service.settings import Settings
 from tests.deploy.conftest import (
     ADAPTER_RULE,
@@ -200,7 +200,7 @@ def test_guaranteed_qos_and_a_cpu_for_the_front_end(rendered: Rendered, overlay:
 
 def test_queue_is_about_one_capacity(rendered: Rendered, overlay: str) -> None:
     s = _config(rendered[overlay], overlay)
-    capacity = s.workers * REQUESTS_PER_WORKER
+    capacity = server_capacity(s)
     assert capacity <= s.queue_size <= 2 * capacity, (overlay, s.queue_size, capacity)
 
 

@@ -89,6 +89,7 @@ class QttsServer:
             "QTTS_WORKERS": "1",
             "QTTS_THREADS_PER_WORKER": "1",
             "QTTS_QUEUE_SIZE": "8",
+            "QTTS_MAX_BATCH": "2",  # text requests batch: the batch panels have data
             "QTTS_BACKEND": "cpu",
             "QTTS_LOG_FORMAT": "json",
         }
@@ -346,8 +347,9 @@ def test_adapter_rule_serves_utilisation_per_pod(stack: Stack) -> None:
              .replace("<<.GroupBy>>", "pod"))
     result = stack.prom.query(query)
     assert [r["metric"] for r in result] == [{"pod": POD}]
-    assert 0 <= float(result[0]["value"][1]) <= 1 + 8  # capacity 1 + the queue of 8
-    assert stack.prom.query(f'qtts_capacity{{pod="{POD}"}} == 1'), "capacity of 1 worker"
+    # (running + waiting) / capacity: at most (capacity 2 + the queue of 8) / 2
+    assert 0 <= float(result[0]["value"][1]) <= (2 + 8) / 2
+    assert stack.prom.query(f'qtts_capacity{{pod="{POD}"}} == 2'), "1 worker x max_batch 2"
     # as it was when the traffic ended, against the raw samples of that minute averaged here
     at = f"{stack.traffic_end:.3f}"
     at_end = stack.prom.api("query", query=query, time=at)["result"]
@@ -358,7 +360,7 @@ def test_adapter_rule_serves_utilisation_per_pod(stack: Stack) -> None:
                                    time=at)["result"]
         return sum(float(v) for _, v in series["values"]) / len(series["values"])
 
-    expected = mean_of("qtts_requests_running") + mean_of("qtts_requests_waiting")
+    expected = (mean_of("qtts_requests_running") + mean_of("qtts_requests_waiting")) / 2
     assert math.isclose(float(at_end[0]["value"][1]), expected, rel_tol=1e-9, abs_tol=1e-12)
 
 

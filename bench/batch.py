@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""Step times per batch size: batched talker step, code-predictor pass and decoder pushes.
+
+For each batch size B: B sessions of one sentence each are prefilled into their own caches,
+then ``--steps`` rounds of one batched talker step (``BatchedTalker.step``) and one batched
+code-predictor pass (15 graphs); then each session's frames go through its own streaming
+decoder in pushes of ``--chunk`` frames (the ramp's steady state; the decoder runs per
+session), counted per round (push time / chunk). Printed per B: milliseconds per round for each
+stage, the same per session, and audio seconds per second the round rate gives (B x 80 ms per
+round). Where a stage's per-session time stops falling as B grows it is
+compute-bound (docs/performance.md keeps the table).
+
+    python bench/batch.py --model ~/.cache/qtts/models/synthetic-full-q4_0-seed0-v2/model.gguf \
+        --batch 1 2 3 4 6 --steps 32 --threads 2
+    python bench/batch.py --batch 1 2 --steps 4 --chunk 2      # smoke run (a tiny model)
+    python bench/batch.py --backend cuda --model ... --batch 1 2 4 8 16   # on a GPU
+
+The machine is shared with other jobs: the load average is printed; treat times as upper bounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from engine.backend import BackendSet
+from engine.decoder import StreamingDecoder
+from engine.gguf_model import open_model
+from engine.pipeline import Pipeline
+from engine.talker.batch import BatchedTalker, StepRow
+
+FRAME_S = 0.08
+TEXT = "Hello there! This is a short test of the streaming speech engine."
+
+
+def measure(pipe: Pipeline, batch: int, steps: int, chunk: int) -> dict[str, float]:
+    """Median milliseconds per round of each stage with ``batch`` sessions."""
+    talker = pipe.talker
+    assert talker is not None and pipe.prompts is not None
+    bt = BatchedTalker(talker)
+    voices: list[str | None] = list(pipe.voices) or [None]
+    sessions: list[dict[str, Any]] = []
+    try:
+        for i in range(batch):
+            prompt = pipe.prompts.build(TEXT, voices[i % len(voices)], None)
+            cache = talker.new_cache(prompt.length + steps + 2)
+            chunks = talker.prefill_chunks(prompt, cache=cache)
+            while True:
+                try:
+                    next(chunks)
+                except StopIteration as stop:
+                    pre = stop.value
+                    break
+            sessions.append({"prompt": prompt, "cache": cache, "pre": pre,
+                             "sd": StreamingDecoder(pipe.decoder)})
+        hidden = np.stack([s["pre"].hidden for s in sessions])
+        c0 = [1 for _ in sessions]
+        times: dict[str, list[float]] = {"talker": [], "code_predictor": [], "decoder": []}
+        frames: list[list[np.ndarray]] = [[] for _ in sessions]
+        for k in range(steps + 1):  # the first round builds graphs: not counted
+            t0 = time.perf_counter()
+            codes = bt.predict(hidden, c0, [lambda lg, j: int(np.argmax(lg))] * batch)
+            t1 = time.perf_counter()
+            rows = [StepRow(s["cache"], np.concatenate([[c0[i]], codes[i]]).astype(np.int32),
+                            s["pre"].pad, s["prompt"].length + k)
+                    for i, s in enumerate(sessions)]
+            _, hidden = bt.step(rows)
+            t2 = time.perf_counter()
+            for i, r in enumerate(rows):
+                frames[i].append(r.codes)
+            if k:
+                times["code_predictor"].append(t1 - t0)
+                times["talker"].append(t2 - t1)
+        block = [np.stack(f, 1) for f in frames]
+        for s, b in zip(sessions, block, strict=True):
+            s["sd"].push(b[:, :chunk])  # graphs and history: not counted
+        for start in range(chunk, block[0].shape[1] - chunk + 1, chunk):
+            t0 = time.perf_counter()
+            for s, b in zip(sessions, block, strict=True):
+                s["sd"].push(b[:, start : start + chunk])
+            times["decoder"].append((time.perf_counter() - t0) / chunk)
+        out = {name: float(np.median(v)) * 1e3 for name, v in times.items()}
+        out["round"] = sum(out.values())
+        out["audio_s_per_s"] = batch * FRAME_S / (out["round"] / 1e3)
+        return out
+    finally:
+        for s in sessions:
+            s["cache"].close()
+        bt.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="a GGUF with a talker (default: --size)")
+    ap.add_argument("--size", default="tiny", choices=["tiny"],
+                    help="without --model: make a synthetic model of this size (smoke runs)")
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 2, 3, 4, 6])
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--chunk", type=int, default=16, help="frames per decoder push")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--backend", default="cpu")
+    ap.add_argument("--json", default=None, help="also write the results as JSON")
+    args = ap.parse_args()
+    if args.model is None:
+        from engine.tools.make_model import make_model
+
+        scratch = tempfile.TemporaryDirectory(prefix="qtts-bench-batch-")
+        make_model(scratch.name, size=args.size, seed=0, progress=False, dtype="q4_0")
+        args.model = str(Path(scratch.name) / "model.gguf")
+    backends = BackendSet.from_env({"QTTS_BACKEND": args.backend,
+                                    "QTTS_THREADS": str(args.threads)})
+    pipe = Pipeline(open_model(args.model), backends, precision="fast", kv_type="f16")
+    pipe.warm_up(pin_prefixes=True)
+    print(f"model {args.model}  backend {args.backend}  threads {args.threads}  "
+          f"load {os.getloadavg()[0]:.2f}")
+    print(f"{'B':>3} {'talker ms':>10} {'cp ms':>8} {'decoder ms':>11} {'round ms':>9} "
+          f"{'per session ms':>15} {'audio s/s':>10}")
+    results = {}
+    for b in args.batch:
+        r = measure(pipe, b, max(args.steps, 2 * args.chunk), args.chunk)
+        results[b] = r
+        print(f"{b:>3} {r['talker']:>10.1f} {r['code_predictor']:>8.1f} {r['decoder']:>11.1f} "
+              f"{r['round']:>9.1f} {r['round'] / b:>15.1f} {r['audio_s_per_s']:>10.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    pipe.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

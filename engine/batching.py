@@ -1,0 +1,197 @@
+"""Several text streams on one worker: ``Pipeline.stream`` for up to ``max_batch`` requests at once.
+
+``BatchRunner.submit`` plans a request (``Pipeline.plan_text``: segments, sampling, budget; a bad
+request raises ``InputError`` here) and admits its first segment to the ``FrameScheduler``.
+Each ``BatchRunner.step()`` is one scheduler iteration (a prefill chunk of a joining stream, one
+batched code-predictor pass, one batched talker step) followed by the decoder pushes that are
+due: every stream keeps its own ``StreamingDecoder`` and chunk ramp, exactly as
+``Pipeline.stream``, so a stream's chunks (sizes, codes, audio) are those it gets alone. A
+segment that ends flushes its last frames and the stream's next segment joins at once (its
+slot is free); a cancelled stream leaves at the next step, before any more work for it.
+
+Text requests only (``SynthesisRequest``, whole text); codes and live-text requests run on the
+unbatched ``Pipeline.stream`` / ``stream_live``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from engine.errors import InputError
+from engine.pipeline import (
+    AudioChunk,
+    Cancel,
+    Pipeline,
+    StreamInfo,
+    SynthesisRequest,
+    TextPlan,
+    _cancel_fn,
+    as_request,
+)
+from engine.talker.batch import BatchedTalker
+from engine.talker.generate import FrameSampler, is_cancelled
+from engine.talker.scheduler import Emitted, Ended, FrameScheduler, StepStats
+from engine.timings import StageTimings
+
+
+@dataclass
+class Finished:
+    """A stream ended: "ok", "truncated_no_eos" or "cancelled" (as ``Pipeline.stream``)."""
+
+    outcome: str
+
+
+@dataclass
+class _Stream:
+    sid: int
+    plan: TextPlan
+    cancel: Callable[[], bool] | None
+    info: StreamInfo
+    segment: int = 0
+    done: int = 0  # frames of the finished segments
+    outcome: str = "ok"
+    uid: int = 0  # the current segment's id in the scheduler
+    pending: list[npt.NDArray[np.int32]] = field(default_factory=list)
+    acc: StageTimings = field(default_factory=StageTimings)
+
+
+Event = tuple[int, AudioChunk | Finished]
+
+
+class BatchRunner:
+    """Up to ``max_batch`` text streams of one ``Pipeline`` (module docstring)."""
+
+    def __init__(self, pipeline: Pipeline, max_batch: int) -> None:
+        if pipeline.talker is None:
+            raise InputError("text", "this model file has no talker: it cannot speak text")
+        self.pipeline = pipeline
+        self.talker = pipeline.talker
+        self.batched = BatchedTalker(pipeline.talker)
+        self.frames = FrameScheduler(pipeline.talker, max_batch, self.batched)
+        self._sids = itertools.count(1)
+        self._streams: dict[int, _Stream] = {}
+        self._by_uid: dict[int, _Stream] = {}
+        self.decoder_s = 0.0  # decoder seconds of the last step
+
+    @property
+    def max_batch(self) -> int:
+        return self.frames.max_batch
+
+    @property
+    def free(self) -> int:
+        """Streams that may still be submitted."""
+        return self.max_batch - len(self._streams)
+
+    def __len__(self) -> int:
+        return len(self._streams)
+
+    @property
+    def last(self) -> StepStats:
+        """What the talker side of the last ``step`` did (rows, seconds)."""
+        return self.frames.last
+
+    def submit(self, request: object, cancel: Cancel = None,
+               info: StreamInfo | None = None) -> int:
+        """Plan and admit a text request; returns its stream id. ``InputError`` for a bad
+        request, ``RuntimeError`` when every slot is taken."""
+        req = as_request(request)
+        if not isinstance(req, SynthesisRequest):
+            raise InputError("text", "the batch runs text requests only")
+        if not self.free:
+            raise RuntimeError("the batch is full")
+        plan = self.pipeline.plan_text(req)
+        st = _Stream(next(self._sids), plan, _cancel_fn(cancel),
+                     info if info is not None else StreamInfo())
+        st.info.seed, st.info.budget = plan.seed, plan.total
+        self._streams[st.sid] = st
+        self._admit(st)
+        return st.sid
+
+    def _admit(self, st: _Stream) -> None:
+        talker = self.talker
+        budget = self.pipeline.segment_budget(st.plan, st.segment, st.done)
+        sampler = FrameSampler(int(talker.cfg.vocab_size), talker.eos_id, st.plan.params,
+                               st.plan.rng)
+        st.uid = self.frames.add(st.plan.prompts[st.segment], sampler, budget, st.cancel)
+        self._by_uid[st.uid] = st
+
+    def cancel(self, sid: int) -> bool:
+        """End a stream now (no event follows); False if it is not here."""
+        st = self._streams.pop(sid, None)
+        if st is None:
+            return False
+        self._by_uid.pop(st.uid, None)
+        self.frames.cancel(st.uid)
+        st.info.outcome = "cancelled"
+        return True
+
+    def step(self) -> list[Event]:
+        """One round for every stream; returns (stream id, chunk or ``Finished``) in order."""
+        out: list[Event] = []
+        self.decoder_s = 0.0
+        for ev in self.frames.iterate():
+            st = self._by_uid.get(ev.uid)
+            if st is None:
+                continue
+            if isinstance(ev, Emitted):
+                st.pending.append(ev.frame.codes)
+                st.acc = st.acc + ev.frame.timings
+                if len(st.pending) >= st.plan.ramp.target:
+                    if is_cancelled(st.cancel):
+                        self._finish(st, "cancelled", out)
+                        continue
+                    out.append((st.sid, self._push(st, StageTimings())))
+                    st.plan.ramp.advance()
+            else:
+                assert isinstance(ev, Ended)
+                self._segment_ended(st, ev, out)
+        return out
+
+    def _push(self, st: _Stream, extra: StageTimings) -> AudioChunk:
+        t0 = time.perf_counter()
+        chunk = self.pipeline._push(st.plan.decoder, st.pending, st.acc + extra, st.info)
+        self.decoder_s += time.perf_counter() - t0
+        st.pending, st.acc = [], StageTimings()
+        return chunk
+
+    def _segment_ended(self, st: _Stream, ev: Ended, out: list[Event]) -> None:
+        self._by_uid.pop(ev.uid, None)
+        r = ev.result
+        if r.outcome == "cancelled":
+            self._finish(st, "cancelled", out)
+            return
+        st.done += r.frames
+        if r.outcome == "truncated_no_eos":
+            st.outcome = "truncated_no_eos"
+        if st.pending:  # the segment's last frames go out before the next one's prefill
+            if is_cancelled(st.cancel):
+                self._finish(st, "cancelled", out)
+                return
+            out.append((st.sid, self._push(st, r.leftover)))
+        st.segment += 1
+        if st.segment >= len(st.plan.prompts):
+            self._finish(st, st.outcome, out)
+        elif self.pipeline.segment_budget(st.plan, st.segment, st.done) < 1:
+            self._finish(st, "truncated_no_eos", out)  # the budget ran out before the text
+        else:
+            self._admit(st)
+
+    def _finish(self, st: _Stream, outcome: str, out: list[Event]) -> None:
+        self._streams.pop(st.sid, None)
+        if st.uid in self._by_uid:
+            self._by_uid.pop(st.uid)
+            self.frames.cancel(st.uid)
+        st.info.outcome = outcome
+        out.append((st.sid, Finished(outcome)))
+
+    def close(self) -> None:
+        """End every stream and free the batched graphs and caches."""
+        self.frames.close()
+        self._streams.clear()
+        self._by_uid.clear()

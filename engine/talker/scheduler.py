@@ -1,0 +1,238 @@
+"""The frame loop for several utterances at once: ``generate_frames`` over a batch.
+
+``FrameScheduler`` holds up to ``max_batch`` utterances, each with its own talker cache
+(``TalkerModel.new_cache``), sampler and position. One ``iterate()``:
+
+1. at most one prefill chunk of one joining utterance (a long prompt is several chunks, so the
+   running utterances wait one chunk at most, never a whole prompt);
+2. codebook 0 of every utterance with logits (``generate.decide``: EOS, budget, cancel), then one
+   batched code-predictor pass over those that go on: their frames are complete;
+3. one batched talker step for every utterance whose frame was not its last.
+
+It returns what happened: ``Frame``s and ``Ended`` results, per utterance. An utterance that ends
+(EOS, budget, cancel) leaves at once and its cache is freed. The per-utterance order of sampling
+decisions and checks is exactly ``generate_frames``', so an utterance's codes are those it gets
+alone (engine/talker/batch.py says why the graphs keep that true).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from engine.errors import InputError
+from engine.talker.batch import BatchedTalker, StepRow
+from engine.talker.generate import Frame, FrameSampler, Result, decide, is_cancelled
+from engine.talker.model import PrefillOut, TalkerModel
+from engine.talker.prompt import Prompt
+from engine.talker.qwen3 import KVCache
+from engine.timings import StageTimings
+
+F32 = npt.NDArray[np.float32]
+
+
+@dataclass
+class Utterance:
+    """One prompt being spoken inside a ``FrameScheduler``."""
+
+    uid: int
+    prompt: Prompt
+    sampler: FrameSampler
+    budget: int
+    cancel: Callable[[], bool] | None
+    cache: KVCache | None = None
+    chunks: Generator[int, None, PrefillOut] | None = None
+    pre: PrefillOut | None = None
+    logits: F32 | None = None
+    hidden: F32 | None = None
+    k: int = 0  # frames generated
+    pending: StageTimings = field(default_factory=StageTimings)
+    result: Result = field(default_factory=Result)
+
+
+@dataclass
+class Ended:
+    """An utterance left the batch: its ``Result`` (outcome, frames, leftover timings)."""
+
+    uid: int
+    result: Result
+
+
+@dataclass
+class Emitted:
+    """A frame of utterance ``uid``."""
+
+    uid: int
+    frame: Frame
+
+
+Event = Emitted | Ended
+
+
+@dataclass
+class StepStats:
+    """What the last ``iterate`` did: rows of the batched passes and their seconds."""
+
+    batch: int = 0  # utterances in the talker step (0: no step ran)
+    cp_rows: int = 0
+    talker_s: float = 0.0
+    code_predictor_s: float = 0.0
+    prefill_s: float = 0.0
+
+
+class FrameScheduler:
+    """Up to ``max_batch`` utterances generating frames together (module docstring)."""
+
+    def __init__(self, talker: TalkerModel, max_batch: int,
+                 batched: BatchedTalker | None = None) -> None:
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        self.talker = talker
+        self.max_batch = max_batch
+        self.batched = batched if batched is not None else BatchedTalker(talker)
+        self._uids = itertools.count(1)
+        self._live: dict[int, Utterance] = {}  # in arrival order
+        self._lent: KVCache | None = None  # the model's own cache, while a session uses it
+        self.last = StepStats()
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    @property
+    def free(self) -> int:
+        """Slots left."""
+        return self.max_batch - len(self._live)
+
+    def add(self, prompt: Prompt, sampler: FrameSampler, budget: int,
+            cancel: Callable[[], bool] | None = None) -> int:
+        """Admit an utterance (its cache is allocated now; its prefill runs in ``iterate``);
+        returns its id. ``RuntimeError`` when the batch is full."""
+        if budget < 1:
+            raise InputError("max_frames", f"must be >= 1, got {budget}")
+        if not self.free:
+            raise RuntimeError("the batch is full")
+        u = Utterance(next(self._uids), prompt, sampler, budget, cancel)
+        u.cache = self._take_cache(prompt.length + budget)
+        u.chunks = self.talker.prefill_chunks(prompt, cache=u.cache)
+        self._live[u.uid] = u
+        return u.uid
+
+    def _take_cache(self, n_positions: int) -> KVCache:
+        # The model's own talker cache (reserved at warm-up, idle while the worker batches)
+        # serves one session, so a worker alone allocates nothing per request, as without
+        # batching; every other session gets a cache of its own, freed when it ends. (Stale
+        # rows of an earlier session are finite and masked, as for the model's own loop.)
+        own = self.talker.cache
+        if self._lent is None and own is not None and own.n_ctx >= n_positions:
+            self._lent = own
+            return own
+        return self.talker.new_cache(n_positions)
+
+    def cancel(self, uid: int) -> Ended | None:
+        """Remove an utterance now (its result says "cancelled"); None if it is not here."""
+        u = self._live.get(uid)
+        if u is None:
+            return None
+        u.result.outcome = "cancelled"
+        return self._end(u)
+
+    def _end(self, u: Utterance) -> Ended:
+        self._live.pop(u.uid, None)
+        if u.chunks is not None:
+            u.chunks.close()
+            u.chunks = None
+        self.batched.drop_step_graph()  # it refers to the cache about to be freed
+        if u.cache is not None:
+            if u.cache is self._lent:
+                self._lent = None  # the model's own cache: kept (it is the worker's steady state)
+            else:
+                u.cache.close()  # a session's own cache: its memory goes back now
+            u.cache = None
+        u.result.leftover = u.pending
+        return Ended(u.uid, u.result)
+
+    def iterate(self) -> list[Event]:
+        """One round (module docstring); returns its events in order."""
+        events: list[Event] = []
+        stats = self.last = StepStats()
+        self._prefill_one(events, stats)
+        ready = [u for u in self._live.values() if u.logits is not None]
+        go: list[tuple[Utterance, int]] = []
+        for u in ready:
+            assert u.logits is not None
+            c0 = decide(u.sampler, u.logits, u.k >= u.budget, u.cancel)
+            u.logits = None
+            if isinstance(c0, str):
+                u.result.outcome = c0
+                events.append(self._end(u))
+            else:
+                go.append((u, c0))
+        if not go:
+            return events
+        t1 = time.perf_counter()
+        hidden = np.stack([np.asarray(u.hidden, dtype=np.float32) for u, _ in go])
+        rest = self.batched.predict(hidden, [c0 for _, c0 in go],
+                                    [u.sampler.sub for u, _ in go])
+        stats.code_predictor_s = time.perf_counter() - t1
+        stats.cp_rows = len(go)
+        rows: list[StepRow] = []
+        stepping: list[Utterance] = []
+        for (u, c0), r in zip(go, rest, strict=True):
+            u.pending.code_predictor += stats.code_predictor_s
+            codes = np.concatenate([np.asarray([c0], dtype=np.int32), r])
+            events.append(Emitted(u.uid, Frame(u.k, codes, u.pending)))
+            u.k += 1
+            u.result.frames = u.k
+            u.pending = StageTimings()
+            if is_cancelled(u.cancel):
+                u.result.outcome = "cancelled"
+                events.append(self._end(u))
+                continue
+            pre = u.pre
+            assert pre is not None and u.cache is not None
+            text_add = pre.trailing[u.k - 1] if u.k - 1 < pre.trailing.shape[0] else pre.pad
+            rows.append(StepRow(u.cache, codes, text_add, u.prompt.length + u.k - 1))
+            stepping.append(u)
+        if rows:
+            t2 = time.perf_counter()
+            logits, hidden_out = self.batched.step(rows)
+            stats.talker_s = time.perf_counter() - t2
+            stats.batch = len(rows)
+            for i, u in enumerate(stepping):
+                u.logits, u.hidden = logits[i], hidden_out[i]
+                u.pending.talker_step += stats.talker_s
+        return events
+
+    def _prefill_one(self, events: list[Event], stats: StepStats) -> None:
+        # one chunk of the first utterance still prefilling
+        for u in self._live.values():
+            if u.chunks is None:
+                continue
+            if is_cancelled(u.cancel):
+                u.result.outcome = "cancelled"
+                events.append(self._end(u))
+                return
+            t0 = time.perf_counter()
+            try:
+                next(u.chunks)
+            except StopIteration as stop:
+                u.pre = stop.value
+                u.chunks = None
+                assert u.pre is not None
+                u.logits, u.hidden = u.pre.logits, u.pre.hidden
+            dt = time.perf_counter() - t0
+            u.pending.prefill += dt
+            stats.prefill_s = dt
+            return
+
+    def close(self) -> None:
+        """End every utterance (cancelled) and free the batched graphs."""
+        for u in list(self._live.values()):
+            u.result.outcome = "cancelled"
+            self._end(u)
+        self.batched.close()

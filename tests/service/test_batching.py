@@ -1,0 +1,142 @@
+"""QTTS_MAX_BATCH > 1 on a real server: several text requests share one worker's steps, each
+gets exactly its audio alone; cancel, kill -9 and metrics keep their meaning."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from engine.tools.make_model import make_model
+from tests.service.helpers import FRAME_SAMPLES, Server, metric, wait_metric
+
+FRAME_S = FRAME_SAMPLES / 24000
+TEXTS = ["Hello there, how are you?", "Batching shares the weights.", "A third voice joins."]
+
+
+@pytest.fixture(scope="module")
+def q4_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # Q4_0: a row batched is bit for bit that row alone (engine/talker/batch.py)
+    folder = tmp_path_factory.mktemp("svc_q4")
+    make_model(folder, size="tiny", seed=3, progress=False, dtype="q4_0")
+    return folder / "model.gguf"
+
+
+@pytest.fixture
+def batch_server(q4_model: Path, tmp_path: Path) -> Any:
+    servers: list[Server] = []
+
+    def start(**env: Any) -> Server:
+        s = Server(q4_model, tmp_path, **env)
+        servers.append(s)
+        s.wait_ready()
+        return s
+
+    yield start
+    for s in servers:
+        s.stop()
+
+
+def _body(i: int, seconds: float = 2.0) -> dict[str, Any]:
+    return {"text": TEXTS[i % len(TEXTS)], "voice": "ryan", "seed": 10 + i,
+            "max_seconds": seconds, "format": "pcm"}
+
+
+def _post_all(server: Server, bodies: list[dict[str, Any]]) -> list[httpx.Response]:
+    out: list[httpx.Response | None] = [None] * len(bodies)
+
+    def one(i: int) -> None:
+        out[i] = httpx.post(server.url + "/tts", json=bodies[i], timeout=120)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(r is not None for r in out)
+    return [r for r in out if r is not None]
+
+
+def test_batched_requests_equal_alone(batch_server: Any) -> None:
+    server = batch_server(workers=1, max_batch=3)
+    bodies = [_body(i) for i in range(3)]
+    alone = [httpx.post(server.url + "/tts", json=b, timeout=120) for b in bodies]
+    together = _post_all(server, bodies)
+    for a, b in zip(alone, together, strict=True):
+        assert a.status_code == b.status_code == 200
+        assert len(a.content) > 0 and a.content == b.content
+    ms = server.metrics()
+    steps = metric(ms, "qtts_batch_size_count")
+    assert steps > 0
+    # some steps served more than one stream (the three overlapped on one worker)
+    assert metric(ms, "qtts_batch_size_sum") > steps
+    assert metric(ms, "qtts_batch_size_bucket", le="1.0") < steps
+    assert metric(ms, "qtts_batch_step_seconds_count", stage="talker") > 0
+    assert metric(ms, "qtts_capacity") == 3
+
+
+def test_kill_ends_every_job_of_that_worker_only(batch_server: Any) -> None:
+    server = batch_server(workers=2, max_batch=2, queue_size=4)
+    results: list[tuple[int, bool]] = []  # (bytes received, ended as an error)
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        got, failed = 0, False
+        try:
+            with httpx.stream("POST", server.url + "/tts", json=_body(i, 20.0),
+                              timeout=120) as r:
+                failed = r.status_code != 200  # died before its first byte: a 503
+                for piece in r.iter_raw():
+                    got += len(piece)
+        except httpx.HTTPError:
+            failed = True  # died mid-stream: the connection is dropped
+        with lock:
+            results.append((got, failed))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    # the pool spreads them: one worker runs two jobs, the other one
+    deadline = time.monotonic() + 30
+    two = None
+    while time.monotonic() < deadline and two is None:
+        ws = server.workers()
+        two = next((w for w in ws if w["running"] == 2), None)
+        time.sleep(0.01)
+    assert two is not None and sum(w["running"] for w in server.workers()) == 3
+    os.kill(int(two["pid"]), signal.SIGKILL)
+    for t in threads:
+        t.join()
+    assert sum(failed for _, failed in results) == 2  # both jobs of the dead worker
+    ms = wait_metric(server, "qtts_requests_total", 2, route="/tts", outcome="worker_died")
+    # the other worker's job ran to its end (a random-weight model speaks to its budget)
+    assert metric(ms, "qtts_requests_total", route="/tts", outcome="ok") + metric(
+        ms, "qtts_requests_total", route="/tts", outcome="truncated_no_eos") == 1
+    ok = [got for got, failed in results if not failed]
+    assert len(ok) == 1 and ok[0] > 0
+    assert metric(ms, "qtts_worker_restarts_total") == 1
+
+
+def test_cancel_one_stream_others_finish(batch_server: Any) -> None:
+    server = batch_server(workers=1, max_batch=3)
+    alone = httpx.post(server.url + "/tts", json=_body(1), timeout=120).content
+    out: dict[int, bytes] = {}
+
+    def full(i: int) -> None:
+        out[i] = httpx.post(server.url + "/tts", json=_body(i), timeout=120).content
+
+    t = threading.Thread(target=full, args=(1,))
+    t.start()
+    # a client that reads one chunk and hangs up: its stream is cancelled within a frame
+    with httpx.stream("POST", server.url + "/tts", json=_body(0, 30.0), timeout=120) as r:
+        next(r.iter_raw())
+    t.join()
+    assert out[1] == alone
+    ms = wait_metric(server, "qtts_requests_total", 1, route="/tts", outcome="client_gone")
+    assert metric(ms, "qtts_requests_running") == 0
