@@ -37,7 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from engine.backend import BackendSet
-from engine.clone.prompt import VoicePrompt, build_clone_prompt
+from engine.clone.prompt import VoicePrompt, build_clone_prompt, live_start_tokens
 from engine.decoder import DecoderModel, StreamingDecoder, validate_codes
 from engine.errors import InputError
 from engine.talker.generate import (
@@ -48,7 +48,13 @@ from engine.talker.generate import (
     generate_frames,
     is_cancelled,
 )
-from engine.talker.live import LiveText, TextFeed, TextUpdate, generate_live_frames
+from engine.talker.live import (
+    LiveText,
+    TextFeed,
+    TextUpdate,
+    generate_live_frames,
+    opening_prompt,
+)
 from engine.talker.model import PREFILL_CHUNK, TalkerModel
 from engine.talker.prompt import PromptBuilder
 from engine.talker.sampling import SamplingParams, make_rng
@@ -393,10 +399,16 @@ class Pipeline:
                                  self._max_new_tokens, req.frame_limit)
         chunk_max = self._chunk_max(req)
         rng, seed = make_rng(req.seed)
+        return TextPlan(prompts, params, total, rng, seed, self._primed_decoder(req.voice_prompt),
+                        Ramp(chunk_max))
+
+    def _primed_decoder(self, voice: VoicePrompt | None) -> StreamingDecoder:
+        """A streaming decoder; for an in-context voice, primed with the end of its reference
+        codes (decoded for context only, as the reference cuts that audio)."""
         sd = StreamingDecoder(self.decoder)
-        if prompts[0].ref_codes is not None:  # the reference part: decoded for context, not sent
-            sd.push(np.ascontiguousarray(prompts[0].ref_codes[-DECODER_PRIME_FRAMES:].T))
-        return TextPlan(prompts, params, total, rng, seed, sd, Ramp(chunk_max))
+        if voice is not None and voice.ref_codes is not None:
+            sd.push(np.ascontiguousarray(voice.ref_codes[-DECODER_PRIME_FRAMES:].T))
+        return sd
 
     def segment_budget(self, plan: TextPlan, i: int, done: int) -> int:
         """Frames segment ``i`` may take when the earlier ones took ``done`` (0: none left)."""
@@ -482,7 +494,7 @@ class Pipeline:
             self._clone_prompt(SynthesisRequest(".", voice_prompt=voice, language=lang))
             for lang in self.prompts.languages])
 
-    def _clone_prompt(self, req: SynthesisRequest) -> Any:
+    def _clone_prompt(self, req: SynthesisRequest, live_ids: list[int] | None = None) -> Any:
         assert self.prompts is not None and self.talker is not None
         vp = req.voice_prompt
         assert vp is not None
@@ -497,7 +509,7 @@ class Pipeline:
             raise InputError("voice_prompt", "this voice was made for another model; clone "
                              "it again with this model")  # fmt: skip
         return build_clone_prompt(self.prompts, vp, req.text, req.language, req.text_mode,
-                                  self.talker.frame_embeddings)
+                                  self.talker.frame_embeddings, live_ids)
 
     def stream_live(self, request: Any, feed: TextFeed, cancel: Cancel = None,
                     info: StreamInfo | None = None, min_tokens: int = 1
@@ -506,7 +518,9 @@ class Pipeline:
         start, ``feed`` delivers the rest (engine/talker/live.py). Generation starts once
         ``min_tokens`` stable tokens, a flush or the end of the text are there. When the whole
         text (and its end) is known at the start this is exactly ``stream`` with
-        ``text_mode="stream"``. After a pause for text the chunk ramp restarts at one frame."""
+        ``text_mode="stream"``. After a pause for text the chunk ramp restarts at one frame.
+        An in-context cloned voice starts once the text covers its reference frames
+        (``live_start_tokens``) or ends."""
         req = as_request(request)
         if not isinstance(req, SynthesisRequest):
             raise InputError("text", "live text needs a text request")
@@ -516,9 +530,19 @@ class Pipeline:
         info = info if info is not None else StreamInfo()
         live = LiveText(self.prompts)
         # validate voice/language/instruction before waiting for text
-        self.prompts.build(".", req.voice, req.language, req.instruct, "stream")
+        vp = req.voice_prompt
+        opening: Callable[[list[int]], Any]
+        if vp is not None:
+            self._clone_prompt(replace(req, text=".", text_mode="stream"))
+            need = live_start_tokens(vp)
+
+            def opening(ids: list[int]) -> Any:
+                return self._clone_prompt(replace(req, text=".", text_mode="stream"), ids)
+        else:
+            opening = opening_prompt(self.prompts, req.voice, req.language, req.instruct)
+            need = 1
         live.add(TextUpdate(req.text, end=False))
-        while not live.ended and not live.text_ready(min_tokens):
+        while not live.ended and not (live.text_ready(min_tokens) and len(live.ids) >= need):
             if is_cancelled(check):
                 info.outcome = "cancelled"
                 return "cancelled"
@@ -542,9 +566,9 @@ class Pipeline:
 
         rng, seed = make_rng(req.seed)
         info.seed, info.budget = seed, budget(1 << 20)
-        frames = generate_live_frames(self.talker, self.prompts, live, feed, req.voice,
-                                      req.language, req.instruct, params, budget, rng, check)
-        result = yield from self._chunks(frames, StreamingDecoder(self.decoder),
+        frames = generate_live_frames(self.talker, self.prompts, live, feed, opening, params,
+                                      budget, rng, check)
+        result = yield from self._chunks(frames, self._primed_decoder(vp),
                                          Ramp(self._chunk_max(req)), check, info)
         info.outcome = result.outcome
         return result.outcome

@@ -152,18 +152,17 @@ class Synthesizer:
         """Audio chunks of ``job`` as they are decoded; returns the pipeline's outcome:
         "ok", "truncated_no_eos" (frame budget spent without end of speech) or "cancelled".
         The pipeline checks ``cancelled`` before every talker step and decoder push."""
+        req: Any = job
+        voice = self.voice_of(job)
+        if voice is not None:
+            from engine.pipeline import as_request
+
+            req = replace(as_request(job), voice_prompt=voice)
         if job.live:
-            gen = self.pipeline.stream_live(job, self.feed(job.id), cancel=cancelled,
+            gen = self.pipeline.stream_live(req, self.feed(job.id), cancel=cancelled,
                                             min_tokens=job.min_tokens)
         else:
-            voice = self.voice_of(job)
-            if voice is not None:
-                from engine.pipeline import as_request
-
-                req: Any = replace(as_request(job), voice_prompt=voice)
-                gen = self.pipeline.stream(req, cancel=cancelled)
-            else:
-                gen = self.pipeline.stream(job, cancel=cancelled)
+            gen = self.pipeline.stream(req, cancel=cancelled)
         while True:
             try:
                 audio, timings, n = next(gen)

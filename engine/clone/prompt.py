@@ -72,6 +72,15 @@ def transcript_ids(builder: PromptBuilder, text: str) -> I32:
     return np.asarray(ids[ROLE_TOKENS:-REF_TAIL_TOKENS], dtype=np.int32)
 
 
+def live_start_tokens(voice: VoicePrompt) -> int:
+    """Stable tokens live text needs before an in-context voice can start: its streaming
+    prompt pairs the transcript and the text with the reference frames (and BOS), and a text
+    shorter than those would place EOS and PAD there, which says the text is over."""
+    if voice.ref_codes is None or voice.ref_ids is None:
+        return 1
+    return max(1, 1 + len(voice.ref_codes) - len(voice.ref_ids))
+
+
 def build_clone_prompt(
     builder: PromptBuilder,
     voice: VoicePrompt,
@@ -79,12 +88,23 @@ def build_clone_prompt(
     language: str | None,
     text_mode: str,
     frame_embed: Callable[[I32], F32],
+    words: Sequence[int] | None = None,
 ) -> Prompt:
     """The talker prompt of ``text`` spoken in ``voice`` (module docstring for the layout).
 
     ``frame_embed`` turns reference codes [T, 16] into their talker input rows [T, hidden].
+    ``words``: live text (streaming mode only): the stable token ids known so far, in place of
+    ``text``; the end of the text is not known, so EOS is left out (the caller feeds it when
+    the text ends), and an in-context voice needs at least :func:`live_start_tokens` of them.
     """
-    words = builder.target_words(text, text_mode)
+    text_open = words is not None
+    if words is None:
+        words = builder.target_words(text, text_mode)
+    elif text_mode != "stream" or not words:
+        raise InputError("text", "live text is laid out in streaming mode, from one token on")
+    elif len(words) < live_start_tokens(voice):
+        raise InputError("text", f"an in-context voice starts from {live_start_tokens(voice)} "
+                         "tokens of live text")
     lang = builder.resolve_language(language)
     cfg, sp = builder.cfg, builder.special
     hidden = int(cfg.hidden_size)
@@ -137,6 +157,8 @@ def build_clone_prompt(
             n_prefix += min(len(ref_ids), n_c)
     else:
         trailing = builder.put_target_text(put, words, text_mode)
+    if text_open:
+        trailing = trailing[:-1]  # EOS
     embed_add = np.zeros((len(text_ids), hidden), dtype=np.float32)
     for i, row in adds.items():
         embed_add[i] = row

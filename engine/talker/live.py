@@ -27,7 +27,13 @@ import numpy.typing as npt
 from engine.errors import InputError
 from engine.talker.generate import Frame, FrameSampler, Result, is_cancelled, next_frame
 from engine.talker.model import TalkerModel
-from engine.talker.prompt import ROLE_TOKENS, TAIL_TOKENS, PromptBuilder, assistant_text
+from engine.talker.prompt import (
+    ROLE_TOKENS,
+    TAIL_TOKENS,
+    Prompt,
+    PromptBuilder,
+    assistant_text,
+)
 from engine.talker.sampling import SamplingParams
 from engine.timings import StageTimings
 
@@ -99,14 +105,26 @@ class LiveText:
         return max(0, new)
 
 
+def opening_prompt(prompts: PromptBuilder, voice: str | None, language: str | None,
+                   instruct: str | None) -> Callable[[list[int]], Prompt]:
+    """The opening of a live prompt in a built-in voice: the layout of a one-token streaming
+    prompt (``"."`` is one token) with the live text's first id in its last position; the
+    rest of the known ids trail."""
+    base = prompts.build(".", voice, language, instruct, "stream")
+
+    def opening(ids: list[int]) -> Prompt:
+        return replace(base, text_ids=np.concatenate(
+            [base.text_ids[:-1], np.asarray(ids[:1], dtype=np.int32)]),
+            trailing_ids=np.asarray(ids[1:], dtype=np.int32))
+    return opening
+
+
 def generate_live_frames(
     talker: TalkerModel,
     prompts: PromptBuilder,
     live: LiveText,
     feed: TextFeed,
-    voice: str | None,
-    language: str | None,
-    instruct: str | None,
+    opening: Callable[[list[int]], Prompt],
     params: SamplingParams,
     budget_fn: Callable[[int], int],
     rng: np.random.Generator,
@@ -118,6 +136,8 @@ def generate_live_frames(
     Yields ``Frame`` items, and ``None`` right before it blocks for text. ``live`` already holds
     at least one stable id. ``budget_fn(n_text_tokens)`` is the frame budget for the text known
     so far: before the end of the text, reaching it pauses for more text instead of ending.
+    ``opening(ids)`` lays out the prompt for the stable ids known at the start: its trailing
+    ids are those it did not place, without EOS (the end of the text is not known yet).
     """
     result = Result()
     if not live.ids:
@@ -127,12 +147,7 @@ def generate_live_frames(
         return result
     sp = prompts.special
     sampler = FrameSampler(int(talker.cfg.vocab_size), talker.eos_id, params, rng)
-    # the layout of a one-token streaming prompt, with the live text's first id in its last
-    # position ("." is one token); the rest of the live text is the trailing text
-    prompt = prompts.build(".", voice, language, instruct, "stream")
-    prompt = replace(prompt, text_ids=np.concatenate(
-        [prompt.text_ids[:-1], np.asarray(live.ids[:1], dtype=np.int32)]),
-        trailing_ids=np.asarray(live.ids[1:], dtype=np.int32))
+    prompt = opening(list(live.ids))
     cap = budget_fn(1 << 30)
     talker.reserve(prompt.length + cap + 1)
     t0 = time.perf_counter()

@@ -45,6 +45,7 @@ from service.realtime import (
 )
 from service.state import State
 from service.validation import SynthesisInput, validate
+from service.voices.api import CloneUse, clone_use
 from service.voices.owners import owner_of
 
 router = APIRouter()
@@ -55,29 +56,31 @@ FLUSH_SECONDS = 5.0  # a closing session's last events, then its close frame, wa
 _BEARER = "bearer."
 
 
-def _key_ok(st: State, ws: WebSocket) -> bool:
+def _owner(st: State, ws: WebSocket) -> str | None:
+    """The owner of the session's API key (header or subprotocol entry); None: refused."""
     if not st.owners:
-        return True
+        return owner_of(st.owners, "")
     given = ws.headers.get("authorization", "")
     token = given[7:].strip() if given[:7].lower() == "bearer " else ""
     for entry in ws.headers.get("sec-websocket-protocol", "").split(","):
         entry = entry.strip()
         if not token and entry.startswith(_BEARER):
             token = entry[len(_BEARER):]
-    return owner_of(st.owners, token) is not None
+    return owner_of(st.owners, token)
 
 
 @router.websocket("/v1/tts/realtime")
 async def realtime(ws: WebSocket) -> None:
     st: State = ws.app.state.qtts
-    if not _key_ok(st, ws):
+    owner = _owner(st, ws)
+    if owner is None:
         st.metrics.rejections.labels(reason="unauthorized").inc()
         await ws.close(code=CLOSE_POLICY, reason="missing or invalid API key")
         return
     offered = [p.strip() for p in ws.headers.get("sec-websocket-protocol", "").split(",")]
     await ws.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in offered else None)
     st.metrics.realtime_sessions.inc()
-    session = Session(st, ws)
+    session = Session(st, ws, owner)
     try:
         await session.run()
     finally:
@@ -87,9 +90,10 @@ async def realtime(ws: WebSocket) -> None:
 class Session:
     """One connection: its settings, its current utterance, the sender of its output."""
 
-    def __init__(self, st: State, ws: WebSocket) -> None:
-        self.st, self.ws = st, ws
+    def __init__(self, st: State, ws: WebSocket, owner: str) -> None:
+        self.st, self.ws, self.owner = st, ws, owner
         self.settings = SessionSettings(type="session")
+        self.clone: CloneUse | None = None  # the cloned voice the settings name (by id)
         self.opened = time.monotonic()
         self.chars = 0
         self.utt: Utterance | None = None
@@ -180,7 +184,7 @@ class Session:
                         self._cancel()
                         close = (0, "")
                         break
-                    self._on_client(msg)
+                    await self._on_client(msg)
                 if self.too_slow:
                     self._cancel()
                     while not self.out.empty():  # what the client did not read is dropped
@@ -220,7 +224,7 @@ class Session:
                                        FLUSH_SECONDS)
 
     # ---- client messages -----------------------------------------------------------------------
-    def _on_client(self, msg: dict[str, Any]) -> None:
+    async def _on_client(self, msg: dict[str, Any]) -> None:
         if msg.get("bytes") is not None:
             raise ProtocolError("binary_message", None, "messages are JSON text; audio is only "
                                 "sent by the server", close=CLOSE_UNSUPPORTED)
@@ -229,8 +233,12 @@ class Session:
             if self.utt is not None:
                 raise ProtocolError("session_busy", "type", "session settings may change only "
                                     "between utterances (after done)")
-            self._check_settings(m)
-            self.settings = m
+            try:  # a stored voice's id: the caller's own, made for this model
+                clone = await clone_use(self.st, self.owner, m.voice)
+            except ApiError as e:
+                raise ProtocolError(e.code or "invalid_value", e.field, e.message) from None
+            self._job(m, "x", clone)
+            self.settings, self.clone = m, clone
             self.emit({"type": "session.updated", "settings": m.model_dump(exclude={"type"})})
             return
         if self.utt is not None and (self.utt.ended or self.utt.cancelled):
@@ -271,15 +279,12 @@ class Session:
         assert self.utt is not None
         self.utt.chars += len(text)
 
-    def _check_settings(self, m: SessionSettings) -> None:
-        self._job(m, "x")
-
-    def _job(self, m: SessionSettings, text: str) -> Any:
+    def _job(self, m: SessionSettings, text: str, clone: CloneUse | None) -> Any:
         inp = SynthesisInput(
             route="/v1/tts/realtime", request_id="", arrival=time.monotonic(), text=text or "x",
             text_field="text", codes=None, voice=m.voice, language=m.language,
             instruct=m.instruct, fmt="pcm", stream=True, sse=False, speed=1.0, max_seconds=None,
-            sampling=m, text_mode="stream")
+            sampling=m, text_mode="stream", clone=clone)
         try:
             return validate(self.st, inp).job
         except ApiError as e:
@@ -287,7 +292,7 @@ class Session:
 
     def _start(self, text: str) -> None:
         s = self.st.settings
-        job = replace(self._job(self.settings, text), text=text, live=True,
+        job = replace(self._job(self.settings, text, self.clone), text=text, live=True,
                       min_tokens=min_tokens(self.settings.start, s.realtime_min_tokens))
         try:
             self.ticket = self.st.pool.submit(job)

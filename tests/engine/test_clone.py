@@ -3,6 +3,8 @@ and the CLI on a tiny random Base model (parity lives in tests/parity/test_clone
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -13,10 +15,13 @@ from cli.main import main
 from engine.backend import BackendSet
 from engine.clone import voice_file
 from engine.clone.audio import decode, load_reference, resample
+from engine.clone.prompt import build_clone_prompt, live_start_tokens
 from engine.errors import InputError
 from engine.gguf_model import open_model
 from engine.pipeline import Pipeline, StreamInfo, SynthesisRequest, synthesize
+from engine.talker.live import TextUpdate
 from engine.tools.make_model import make_model
+from tests.engine.live_feed import QueueFeed
 from tests.speech import SENTENCES, espeak_wav
 
 REF_TEXT = SENTENCES[0]
@@ -144,6 +149,59 @@ def test_cloned_stream_starts_with_new_speech(pipe: Pipeline, speech: Path) -> N
     codes = np.concatenate(info.codes, axis=1)
     assert not np.array_equal(codes[:, :1], voice.ref_codes[:1].T)
 
+
+
+@pytest.mark.parametrize("x_only", [True, False], ids=["x_vector", "icl"])
+def test_live_text_in_a_cloned_voice_equals_streaming_text(pipe: Pipeline, speech: Path,
+                                                           x_only: bool) -> None:
+    """Text written word by word, in a cloned voice: the codes of the whole text as a
+    streaming-text request. An in-context voice waits for the text to cover its reference
+    frames (EOS or PAD there would end the text), then runs live like any voice."""
+    voice = pipe.clone_voice(str(speech), None if x_only else REF_TEXT, x_vector_only=x_only)
+    need = live_start_tokens(voice)
+    assert (need == 1) == x_only and need < 200
+    assert pipe.prompts is not None
+    text = SENTENCES[1]
+    while len(pipe.prompts.target_words(text, "stream")) < need + 8:
+        text += " " + SENTENCES[1]
+    words = text.split(" ")
+    feed = QueueFeed()
+
+    def writer() -> None:
+        for i, w in enumerate(words):
+            time.sleep(0.005)
+            feed.q.put(TextUpdate(w if i == 0 else " " + w))
+        feed.q.put(TextUpdate("", end=True))
+
+    t = threading.Thread(target=writer)
+    t.start()
+    info = StreamInfo()
+    live = SynthesisRequest(text="", voice_prompt=voice, seed=3, max_frames=need + 40)
+    audio = [c.audio for c in pipe.stream_live(live, feed, None, info)]
+    t.join()
+    ref = StreamInfo()
+    whole = SynthesisRequest(text=text, voice_prompt=voice, seed=3, max_frames=need + 40,
+                             text_mode="stream")
+    ref_audio = [c.audio for c in pipe.stream(whole, None, ref)]
+    np.testing.assert_array_equal(np.concatenate(info.codes, axis=1),
+                                  np.concatenate(ref.codes, axis=1))
+    assert info.outcome == ref.outcome
+    np.testing.assert_allclose(np.concatenate(audio), np.concatenate(ref_audio), atol=1e-5)
+
+
+def test_live_text_opening_of_an_icl_voice_needs_its_tokens(pipe: Pipeline,
+                                                            speech: Path) -> None:
+    voice = pipe.clone_voice(str(speech), REF_TEXT)
+    assert pipe.prompts is not None and pipe.talker is not None
+    need = live_start_tokens(voice)
+    ids = pipe.prompts.target_words(" ".join([SENTENCES[1]] * 20), "stream")
+    with pytest.raises(InputError, match="starts from"):
+        build_clone_prompt(pipe.prompts, voice, ".", None, "stream",
+                           pipe.talker.frame_embeddings, ids[: need - 1])
+    p = build_clone_prompt(pipe.prompts, voice, ".", None, "stream",
+                           pipe.talker.frame_embeddings, ids[: need + 2])
+    # the text continues: the ids it did not place trail, and no EOS among them
+    assert list(p.trailing_ids) == ids[need : need + 2]
 
 def test_voice_file_round_trip_and_fingerprint(pipe: Pipeline, speech: Path, tmp_path: Path,
                                                base_dir: Path) -> None:  # fmt: skip

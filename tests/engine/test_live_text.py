@@ -4,7 +4,6 @@ streaming-text request, whatever the delta sizes and pauses."""
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ from engine.gguf_model import open_model
 from engine.pipeline import Pipeline, StreamInfo, SynthesisRequest
 from engine.talker.live import LiveText, TextUpdate
 from engine.talker.prompt import ROLE_TOKENS, TAIL_TOKENS, assistant_text
+from tests.engine.live_feed import QueueFeed
 
 TEXT = "Hello there, how are you today? I hope the weather is fine."
 
@@ -27,26 +27,6 @@ def pipe(tiny_gguf: Path) -> Pipeline:
     backends = BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "1"})
     return Pipeline(open_model(tiny_gguf), backends, precision="exact", kv_type="f32",
                     chunk_max_frames=4)
-
-
-class QueueFeed:
-    """A TextFeed over a queue another thread fills (like the worker's pipe)."""
-
-    def __init__(self) -> None:
-        self.q: queue.Queue[TextUpdate] = queue.Queue()
-
-    def take(self, timeout: float) -> TextUpdate | None:
-        try:
-            first = self.q.get(timeout=timeout) if timeout > 0 else self.q.get_nowait()
-        except queue.Empty:
-            return None
-        text, flush, end = first.text, first.flush, first.end
-        while True:
-            try:
-                u = self.q.get_nowait()
-            except queue.Empty:
-                return TextUpdate(text, flush, end)
-            text, flush, end = text + u.text, flush or u.flush, end or u.end
 
 
 def whole_ids(pipe: Pipeline, text: str) -> list[int]:

@@ -302,3 +302,48 @@ def test_a_model_that_does_not_clone(server: Server, ref: bytes) -> None:
     assert r.status_code == 422 and r.json()["error"]["code"] == "cloning_unavailable"
     v = httpx.get(server.url + "/v1/audio/voices").json()
     assert all(x["object"] == "voice" for x in v["data"]) and v["data"]
+
+
+def test_realtime_session_speaks_a_stored_voice(base: Server, ref: bytes) -> None:
+    """A realtime session names a stored voice by id: the same samples as POST /tts in that
+    voice with text_mode stream; an unknown id is an error event naming the field."""
+    import asyncio
+
+    from websockets.asyncio.client import connect
+
+    r = create(base, ref, "realtime-voice")
+    assert r.status_code == 200, r.text
+    vid = r.json()["id"]
+    text = "Good morning, and welcome."
+    url = base.url.replace("http://", "ws://") + "/v1/tts/realtime"
+
+    async def go(voice: str) -> tuple[list[dict[str, Any]], bytes]:
+        events: list[dict[str, Any]] = []
+        audio = b""
+        async with connect(url) as ws:
+            await ws.recv()  # session.started
+            await ws.send(json.dumps({"type": "session", "voice": voice, "seed": 4}))
+            events.append(json.loads(await ws.recv()))
+            if events[-1]["type"] == "error":
+                return events, audio
+            await ws.send(json.dumps({"type": "text", "text": text}))
+            await ws.send(json.dumps({"type": "end"}))
+            async for msg in ws:
+                if isinstance(msg, bytes):
+                    audio += msg
+                    continue
+                events.append(json.loads(msg))
+                if events[-1]["type"] in ("done", "error"):
+                    break
+        return events, audio
+
+    events, audio = asyncio.run(go(vid))
+    assert events[0]["type"] == "session.updated" and events[-1]["type"] == "done", events
+    whole = httpx.post(base.url + "/tts", timeout=120, json={
+        "text": text, "voice": vid, "seed": 4, "format": "pcm", "text_mode": "stream"})
+    assert whole.status_code == 200, whole.text
+    assert len(audio) > 0 and audio == whole.content
+    events, _ = asyncio.run(go("voice_000000000000000000000000"))
+    assert events[0]["type"] == "error" and events[0]["field"] == "voice", events
+    assert events[0]["code"] == "voice_not_found"
+    assert httpx.delete(base.url + f"/v1/audio/voices/{vid}").status_code == 200
