@@ -157,22 +157,29 @@ def test_several_utterances_and_cancel(rt_server: Server) -> None:
             await send(ws, type="text", text="A first short answer. ")
             await send(ws, type="end")
             out.append((await collect(ws))[0])
-            # the second: cancelled mid-text; the third still works on the same socket
-            await send(ws, type="text", text="This one is cut off before it ends ")
-            await send(ws, type="flush")
-            await asyncio.sleep(0.05)
-            await send(ws, type="cancel")
-            out.append((await collect(ws))[0])
+            # the second: cancelled mid-text; the third still works on the same socket. The
+            # random tiny model may sample its end of speech before the cancel arrives: then
+            # another utterance is cut (a broken cancel never gives "cancelled")
+            for _ in range(4):
+                await send(ws, type="text", text="This one is cut off before it ends ")
+                await send(ws, type="flush")
+                await asyncio.sleep(0.05)
+                await send(ws, type="cancel")
+                out.append((await collect(ws))[0])
+                if out[-1][-1]["usage"]["outcome"] == "cancelled":
+                    break
+                assert out[-1][-1]["usage"]["outcome"] == "ok", out[-1]
             await send(ws, type="text", text="And a third.")
             await send(ws, type="end")
             out.append((await collect(ws))[0])
         return out
 
-    first, second, third = run(go())
+    first, *middle, third = run(go())
+    second = middle[-1]
     assert first[-1]["usage"]["outcome"] in ("ok", "truncated_no_eos")
     assert second[-1]["usage"]["outcome"] == "cancelled"
     assert third[-1]["type"] == "done" and third[-1]["usage"]["outcome"] != "cancelled"
-    assert len({first[0]["id"], second[0]["id"], third[0]["id"]}) == 3
+    assert len({u[0]["id"] for u in (first, *middle, third)}) == 2 + len(middle)
 
 
 def test_disconnect_frees_the_worker(rt_server: Server) -> None:
