@@ -474,10 +474,7 @@ class BackendSet:
         if missing:
             raise KeyError(f"no data for graph input(s) {', '.join(missing)}")
         with self._lock:
-            lib.ggml_backend_sched_reset(self.sched)
-            self._apply_op_filter(graph)
-            if not lib.ggml_backend_sched_alloc_graph(self.sched, graph.gf):
-                raise BackendError("the scheduler could not allocate the graph")
+            self._allocate(graph)
             self._upload(graph, uploads)
             if self.diagnostics.any_hook:
                 self._compute_observed(graph, uploads)
@@ -497,6 +494,24 @@ class BackendSet:
                 if self.debug:
                     print(f"[qtts backend] {self.last_placement.line()}", file=sys.stderr)
         return out
+
+    def _allocate(self, graph: Graph) -> None:
+        """Place and allocate ``graph`` in the scheduler's compute buffers.
+
+        Reserved first, every time: ggml's allocator otherwise reuses the previous graph's
+        placement whenever the node and leaf counts match and every node fits, without checking
+        the leaves, so a graph whose inputs are bigger but only read through views (views
+        always "fit") got inputs overlapping other tensors: garbage that depends on which graph
+        ran before (tests/engine/test_custom_ops.py reproduces it). One-off graphs pay a second
+        split of the graph for this; the per-step graphs are cached (engine/talker/runner.py).
+        """
+        lib.ggml_backend_sched_reset(self.sched)
+        self._apply_op_filter(graph)
+        if not lib.ggml_backend_sched_reserve(self.sched, graph.gf):
+            raise BackendError("the scheduler could not reserve the graph")
+        self._apply_op_filter(graph)
+        if not lib.ggml_backend_sched_alloc_graph(self.sched, graph.gf):
+            raise BackendError("the scheduler could not allocate the graph")
 
     def _upload(self, graph: Graph, uploads: Mapping[str, np.ndarray[Any, Any]]) -> None:
         for name, arr in uploads.items():
@@ -556,10 +571,7 @@ class BackendSet:
     def placement(self, graph: Graph) -> Placement:
         """Place ``graph`` (without computing it) and report where each node went."""
         with self._lock:
-            lib.ggml_backend_sched_reset(self.sched)
-            self._apply_op_filter(graph)
-            if not lib.ggml_backend_sched_alloc_graph(self.sched, graph.gf):
-                raise BackendError("the scheduler could not allocate the graph")
+            self._allocate(graph)
             return self._placement(graph)
 
     def compute_buffer_bytes(self) -> int:

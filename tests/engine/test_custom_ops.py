@@ -647,6 +647,25 @@ def test_conv_hist_apart_on_strided_views(cpu1: BackendSet, cpu2: BackendSet, op
     assert np.array_equal(y2, cat[0]) and np.array_equal(y1, y2)
 
 
+
+@needs_ops
+def test_a_graph_after_another_of_the_same_counts() -> None:
+    """ggml's allocator reuses the previous graph's placement when the node and leaf counts
+    match and every node fits, without checking the leaves: the strided-view graph after a
+    bigger concat graph got its inputs overlapping other tensors (garbage that depended on
+    the test order). BackendSet reserves every graph it runs (engine/backend.py)."""
+    cpu1 = BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "1"})
+    cpu2 = BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "2"})
+    rng = np.random.default_rng(0)
+    c, k, d = 384, 7, 9
+    p = (k - 1) * d
+    w = (rng.standard_normal((c, c, k)) / np.sqrt(c * k)).astype(np.float32)
+    hist = rng.standard_normal((p, c)).astype(np.float32)
+    run_conv_two_ways([cpu1, cpu2], "f32", hist, rng.standard_normal((1, c)).astype(np.float32),
+                      w, d)
+    for op in ("f32", "bf16", "wino"):
+        test_conv_hist_apart_on_strided_views(cpu1, cpu2, op, 3)
+
 @needs_ops
 @pytest.mark.parametrize("op", ["f32", "bf16"])
 def test_conv_hist_rejects_what_the_kernel_cannot_take(op: str) -> None:
