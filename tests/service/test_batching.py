@@ -104,12 +104,13 @@ def test_kill_ends_every_job_of_that_worker_only(batch_server: Any) -> None:
         t.start()
     # the pool spreads them: one worker runs two jobs, the other one
     deadline = time.monotonic() + 30
-    two = None
-    while time.monotonic() < deadline and two is None:
+    two, total = None, 0
+    while time.monotonic() < deadline and not (two is not None and total == 3):
         ws = server.workers()
         two = next((w for w in ws if w["running"] == 2), None)
+        total = sum(w["running"] for w in ws)  # the third may still be on its way
         time.sleep(0.01)
-    assert two is not None and sum(w["running"] for w in server.workers()) == 3
+    assert two is not None and total == 3, server.workers()
     os.kill(int(two["pid"]), signal.SIGKILL)
     for t in threads:
         t.join()
