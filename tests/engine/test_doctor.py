@@ -11,12 +11,12 @@ from engine.backend import built_backends
 from tests.engine.rpc import rpc_server
 
 
-def test_doctor_compares_every_backend_with_the_cpu(tiny_gguf: Path) -> None:
+def test_doctor_compares_every_backend_with_the_cpu(stress_gguf: Path) -> None:
     env = dict(os.environ)
     with rpc_server() as endpoint:
         env["QTTS_RPC_SERVERS"] = endpoint
         res = subprocess.run([sys.executable, "-m", "cli", "doctor", "--model",
-                              str(tiny_gguf), "--frames", "3"], env=env, capture_output=True,
+                              str(stress_gguf), "--frames", "3"], env=env, capture_output=True,
                              text=True, timeout=300)
     assert res.returncode == 0, res.stderr
     rows = {line.split()[0]: line.split() for line in res.stdout.splitlines()[2:]}
