@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from engine.errors import InputError
-from engine.talker.prompt import ROLE_TOKENS, Prompt, PromptBuilder, check_text
+from engine.talker.prompt import ROLE_TOKENS, Prompt, PromptBuilder, PromptRows, check_text
 from engine.talker.voices import AUTO
 
 F32 = npt.NDArray[np.float32]
@@ -113,25 +113,15 @@ def build_clone_prompt(
         raise InputError("voice", f"x-vector has {xv.shape[0]} values, the model needs {hidden}")
     head = builder.codec_head(None if lang == AUTO else builder.catalog.all_languages[lang])
 
-    text_ids: list[int] = []
-    codec_ids: list[int] = []
-    mask: list[float] = []
-    adds: dict[int, F32] = {}
-
-    def put(t: int, c: int | None, add: F32 | None = None) -> None:
-        if add is not None:
-            adds[len(text_ids)] = add
-        text_ids.append(t)
-        codec_ids.append(0 if c is None else c)
-        mask.append(0.0 if c is None else 1.0)
-
+    rows = PromptRows()
+    put = rows.put
     for t in builder.role_ids:
         put(t, None)
     for c in head:
         put(sp.tts_pad_token_id, c)
     put(sp.tts_pad_token_id, None, xv)  # the speaker slot holds the x-vector itself
     put(sp.tts_bos_token_id, cfg.codec_pad_id)
-    n_prefix = len(text_ids)
+    n_prefix = len(rows)
     trailing: Sequence[int] = []
     ref_codes: I32 | None = None
     if voice.icl:
@@ -159,21 +149,6 @@ def build_clone_prompt(
         trailing = builder.put_target_text(put, words, text_mode)
     if text_open:
         trailing = trailing[:-1]  # EOS
-    embed_add = np.zeros((len(text_ids), hidden), dtype=np.float32)
-    for i, row in adds.items():
-        embed_add[i] = row
-    return Prompt(
-        text_ids=np.asarray(text_ids, dtype=np.int32),
-        codec_ids=np.asarray(codec_ids, dtype=np.int32),
-        codec_mask=np.asarray(mask, dtype=np.float32),
-        trailing_ids=np.asarray(trailing, dtype=np.int32),
-        pad_id=sp.tts_pad_token_id,
-        n_text_tokens=len(words),
-        voice=None,
-        language=lang,
-        text_mode=text_mode,
-        instruct=None,
-        n_prefix=n_prefix,
-        embed_add=embed_add,
-        ref_codes=ref_codes,
-    )
+    return rows.to_prompt(trailing, pad_id=sp.tts_pad_token_id, n_text_tokens=len(words),
+                          language=lang, text_mode=text_mode, n_prefix=n_prefix,
+                          embed_add=rows.embed_add(hidden), ref_codes=ref_codes)

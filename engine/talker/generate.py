@@ -30,13 +30,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
 from engine.errors import InputError
-from engine.talker.model import PrefillCancelled, TalkerModel
+from engine.talker.model import PrefillCancelled, PrefillOut, TalkerModel
 from engine.talker.prompt import Prompt
 from engine.talker.sampling import SamplingParams, choose, suppress_mask, talker_scores
 from engine.timings import StageTimings
@@ -47,6 +47,8 @@ OUTCOMES: tuple[str, ...] = ("ok", "truncated_no_eos", "cancelled")
 BUDGET_BASE_FRAMES = 40
 BUDGET_FRAMES_PER_TOKEN = 12
 DEFAULT_MAX_FRAMES_CAP = 4096  # server cap: 327.7 s of audio
+
+P = TypeVar("P")  # what a frame loop yields while it waits (live text: None)
 
 
 def frame_budget(n_text_tokens: int, requested: int | None, server_cap: int,
@@ -190,10 +192,43 @@ def generate_frames(
         result.outcome = "cancelled"
         return result
     pending = StageTimings(prefill=time.perf_counter() - t0)
+    n_trailing = pre.trailing.shape[0]
+    return (yield from frame_loop(
+        talker, sampler, pre, prompt.length, pending, cancel,
+        at_budget=lambda k: k >= budget,
+        text_row=lambda i: pre.trailing[i] if i < n_trailing else pre.pad,
+    ))
+
+
+def frame_loop(
+    talker: TalkerModel,
+    sampler: FrameSampler,
+    pre: PrefillOut,
+    length: int,
+    pending: StageTimings,
+    cancel: Callable[[], bool] | None,
+    at_budget: Callable[[int], bool],
+    text_row: Callable[[int], npt.NDArray[np.float32]],
+    wait_frame: Callable[[int], Generator[P, None, bool]] | None = None,
+    wait_text: Callable[[int], Generator[P, None, bool]] | None = None,
+) -> Generator[Frame | P, None, Result]:
+    """The frames after a prefill of ``length`` positions, for every unbatched loop (whole
+    text here, live text in engine/talker/live.py).
+
+    ``at_budget(k)``: frame k may not be generated (the budget is reached). ``text_row(i)``:
+    the text row added to the talker input after frame i. ``wait_frame(k)`` runs before frame k
+    is sampled and ``wait_text(i)`` before ``text_row(i)`` is read: generators that may yield
+    pause items (passed through) while they wait, and return False when cancelled meanwhile.
+    ``pending`` is the talker time so far (the prefill); the last step's goes to the result.
+    """
+    result = Result()
     logits, hidden = pre.logits, pre.hidden
     k = 0
     while True:
-        frame = next_frame(talker, sampler, logits, hidden, k, k >= budget, cancel, pending)
+        if wait_frame is not None and not (yield from wait_frame(k)):
+            result.outcome = "cancelled"
+            break
+        frame = next_frame(talker, sampler, logits, hidden, k, at_budget(k), cancel, pending)
         if isinstance(frame, str):
             result.outcome = frame
             break
@@ -204,9 +239,12 @@ def generate_frames(
         if is_cancelled(cancel):
             result.outcome = "cancelled"
             break
-        text_add = pre.trailing[k - 1] if k - 1 < pre.trailing.shape[0] else pre.pad
+        if wait_text is not None and not (yield from wait_text(k - 1)):
+            result.outcome = "cancelled"
+            break
+        text_add = text_row(k - 1)
         t2 = time.perf_counter()
-        logits, hidden = talker.step(frame.codes, text_add, prompt.length + k - 1)
+        logits, hidden = talker.step(frame.codes, text_add, length + k - 1)
         pending.talker_step += time.perf_counter() - t2
     result.leftover = pending
     return result

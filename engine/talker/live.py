@@ -25,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from engine.errors import InputError
-from engine.talker.generate import Frame, FrameSampler, Result, is_cancelled, next_frame
+from engine.talker.generate import Frame, FrameSampler, Result, frame_loop, is_cancelled
 from engine.talker.model import TalkerModel
 from engine.talker.prompt import (
     ROLE_TOKENS,
@@ -153,9 +153,7 @@ def generate_live_frames(
     t0 = time.perf_counter()
     pre = talker.prefill(prompt)
     pending = StageTimings(prefill=time.perf_counter() - t0)
-    logits, hidden = pre.logits, pre.hidden
     rows: list[npt.NDArray[np.float32]] = list(pre.trailing)
-    pad = pre.pad
     eos_row: npt.NDArray[np.float32] | None = None
 
     def absorb(update: TextUpdate | None) -> None:
@@ -170,52 +168,35 @@ def generate_live_frames(
         if live.ended and eos_row is None:
             eos_row = talker.project_text([sp.tts_eos_token_id])[0]
 
-    k = 0
-    while True:
+    def wait(hungry: Callable[[], bool]) -> Generator[None, None, bool]:
+        """Take what the feed holds; while ``hungry()`` and more text will come, yield None
+        (once: the caller decodes the frames it holds) and block on the feed. False when
+        cancelled meanwhile."""
         absorb(feed.take(0))
-        # pause while the model has spoken every known token (or its budget) and more will come
         waited = False
-        while not live.ended and k >= budget_fn(len(live.ids)):
+        while not live.ended and hungry():
             if is_cancelled(cancel):
-                result.outcome = "cancelled"
-                result.leftover = pending
-                return result
+                return False
             if not waited:
                 waited = True
                 yield None
             absorb(feed.take(poll_seconds))
-        frame = next_frame(talker, sampler, logits, hidden, k,
-                           k >= budget_fn(len(live.ids)), cancel, pending)
-        if isinstance(frame, str):
-            result.outcome = frame
-            break
-        yield frame
-        k += 1
-        result.frames = k
-        pending = StageTimings()
-        if is_cancelled(cancel):
-            result.outcome = "cancelled"
-            break
-        absorb(feed.take(0))
-        waited = False
-        while not live.ended and k - 1 >= len(rows):
-            # the text ran dry: wait for the next token rather than feed PAD
-            if is_cancelled(cancel):
-                result.outcome = "cancelled"
-                result.leftover = pending
-                return result
-            if not waited:
-                waited = True
-                yield None
-            absorb(feed.take(poll_seconds))
-        if k - 1 < len(rows):
-            text_add = rows[k - 1]
-        elif k - 1 == len(rows) and eos_row is not None:
-            text_add = eos_row
-        else:
-            text_add = pad
-        t2 = time.perf_counter()
-        logits, hidden = talker.step(frame.codes, text_add, prompt.length + k - 1)
-        pending.talker_step += time.perf_counter() - t2
-    result.leftover = pending
-    return result
+        return True
+
+    def at_budget(k: int) -> bool:
+        return k >= budget_fn(len(live.ids))
+
+    def text_row(i: int) -> npt.NDArray[np.float32]:
+        if i < len(rows):
+            return rows[i]
+        if i == len(rows) and eos_row is not None:
+            return eos_row
+        return pre.pad
+
+    # pause while the model has spoken every known token (or its budget) and more will come;
+    # when the text runs dry, wait for the next token rather than feed PAD
+    return (yield from frame_loop(
+        talker, sampler, pre, prompt.length, pending, cancel, at_budget, text_row,
+        wait_frame=lambda k: wait(lambda: at_budget(k)),
+        wait_text=lambda i: wait(lambda: i >= len(rows)),
+    ))

@@ -91,6 +91,57 @@ class Prompt:
         return int(self.text_ids.shape[0])
 
 
+class PromptRows:
+    """The prefill positions of a prompt as they are laid out, one :meth:`put` each (shared by
+    the built-in voices here and the cloned voices in engine/clone/prompt.py)."""
+
+    def __init__(self) -> None:
+        self.text_ids: list[int] = []
+        self.codec_ids: list[int] = []
+        self.mask: list[float] = []
+        self.adds: dict[int, npt.NDArray[np.float32]] = {}
+
+    def __len__(self) -> int:
+        return len(self.text_ids)
+
+    def put(self, t: int, c: int | None, add: npt.NDArray[np.float32] | None = None) -> None:
+        """One position: text id ``t``, codec id ``c`` (None: no codec term) and an optional
+        row added to its embedding."""
+        if add is not None:
+            self.adds[len(self.text_ids)] = add
+        self.text_ids.append(t)
+        self.codec_ids.append(0 if c is None else c)
+        self.mask.append(0.0 if c is None else 1.0)
+
+    def embed_add(self, hidden: int) -> npt.NDArray[np.float32]:
+        """The added rows as a [positions, hidden] array (zero where nothing was added)."""
+        out = np.zeros((len(self.text_ids), hidden), dtype=np.float32)
+        for i, row in self.adds.items():
+            out[i] = row
+        return out
+
+    def to_prompt(self, trailing: Sequence[int], *, pad_id: int, n_text_tokens: int,
+                  language: str, text_mode: str, n_prefix: int, voice: str | None = None,
+                  instruct: str | None = None, embed_add: npt.NDArray[np.float32] | None = None,
+                  ref_codes: npt.NDArray[np.int32] | None = None) -> Prompt:
+        """The :class:`Prompt` of these positions and ``trailing`` text ids."""
+        return Prompt(
+            text_ids=np.asarray(self.text_ids, dtype=np.int32),
+            codec_ids=np.asarray(self.codec_ids, dtype=np.int32),
+            codec_mask=np.asarray(self.mask, dtype=np.float32),
+            trailing_ids=np.asarray(trailing, dtype=np.int32),
+            pad_id=pad_id,
+            n_text_tokens=n_text_tokens,
+            voice=voice,
+            language=language,
+            text_mode=text_mode,
+            instruct=instruct,
+            n_prefix=n_prefix,
+            embed_add=embed_add,
+            ref_codes=ref_codes,
+        )
+
+
 def check_text(field: str, s: str) -> None:
     """``InputError`` on ``field`` unless ``s`` can be UTF-8 encoded (a lone surrogate cannot:
     JSON's ``"\\ud800"`` escape decodes to one, and the tokenizer refuses it)."""
@@ -231,15 +282,8 @@ class PromptBuilder:
             prefix.append(self.speakers[spk])
         prefix += [cfg.codec_pad_id, cfg.codec_bos_id]
 
-        text_ids: list[int] = []
-        codec_ids: list[int] = []
-        mask: list[float] = []
-
-        def put(t: int, c: int | None) -> None:
-            text_ids.append(t)
-            codec_ids.append(0 if c is None else c)
-            mask.append(0.0 if c is None else 1.0)
-
+        rows = PromptRows()
+        put = rows.put
         if ins is not None:
             for t in self.encode(instruct_text(ins)):
                 put(t, None)
@@ -247,18 +291,8 @@ class PromptBuilder:
             put(t, None)
         for j, c in enumerate(prefix[:-1]):
             put(sp.tts_bos_token_id if j == len(prefix) - 2 else sp.tts_pad_token_id, c)
-        n_prefix = len(text_ids)
+        n_prefix = len(rows)
         trailing = self.put_target_text(put, words, text_mode)
-        return Prompt(
-            text_ids=np.asarray(text_ids, dtype=np.int32),
-            codec_ids=np.asarray(codec_ids, dtype=np.int32),
-            codec_mask=np.asarray(mask, dtype=np.float32),
-            trailing_ids=np.asarray(trailing, dtype=np.int32),
-            pad_id=sp.tts_pad_token_id,
-            n_text_tokens=len(words),
-            voice=spk,
-            language=lang,
-            text_mode=text_mode,
-            instruct=ins,
-            n_prefix=n_prefix,
-        )
+        return rows.to_prompt(trailing, pad_id=sp.tts_pad_token_id, n_text_tokens=len(words),
+                              language=lang, text_mode=text_mode, n_prefix=n_prefix,
+                              voice=spk, instruct=ins)
