@@ -25,10 +25,7 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,36 +34,9 @@ from typing import Any
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.load import start_server, stop_server
+
 TEXT = "Hello, how are you today?"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _serve(model: Path, threads: int, data: Path, log: Path) -> tuple[subprocess.Popen[bytes],
-                                                                      str]:  # fmt: skip
-    port = _free_port()
-    env = {**os.environ, "QTTS_MODEL": str(model), "QTTS_HOST": "127.0.0.1",
-           "QTTS_PORT": str(port), "QTTS_WORKERS": "1", "QTTS_THREADS_PER_WORKER": str(threads),
-           "QTTS_DATA_DIR": str(data), "QTTS_BACKEND": "cpu", "QTTS_LOG_LEVEL": "warning"}
-    proc = subprocess.Popen([sys.executable, "-m", "cli", "serve"], cwd=ROOT, env=env,
-                            stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"qtts serve exited:\n{log.read_text(errors='replace')}")
-        try:
-            if httpx.get(url + "/readyz", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError("qtts serve not ready in 600 s")
 
 
 def _create(client: httpx.Client, url: str, ref: bytes, transcript: str, name: str
@@ -111,7 +81,9 @@ def run(size: str, threads: int, dtype: str, seconds: float, repeats: int) -> di
     with tempfile.TemporaryDirectory() as tmp:
         ref_path, transcript = reference_audio(Path(tmp), seconds)
         ref = ref_path.read_bytes()
-        proc, url = _serve(served, threads, Path(tmp) / "data", Path(tmp) / "serve.log")
+        settings = {"QTTS_DATA_DIR": str(Path(tmp) / "data"), "QTTS_BACKEND": "cpu"}
+        proc, url = start_server(served, 1, threads, settings=settings,
+                                 log=Path(tmp) / "serve.log")
         try:
             creates, firsts, seconds_ = [], [], []
             with httpx.Client(timeout=300) as client:
@@ -134,10 +106,6 @@ def run(size: str, threads: int, dtype: str, seconds: float, repeats: int) -> di
             result["server_clone_stage_means_s"] = _stage_means(url)
             result["targets"] = {"create_s": 1.0, "first_audio_first_request_s": 0.25}
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
     print(json.dumps(result, indent=2))
     return result

@@ -136,20 +136,36 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(model: str, workers: int, threads: int, queue: int, max_batch: int = 1
-                 ) -> tuple[subprocess.Popen, str]:
+def start_server(model: str | Path, workers: int, threads: int, queue: int | None = None,
+                 max_batch: int = 1, settings: dict[str, str] | None = None,
+                 log: Path | None = None
+                 ) -> tuple[subprocess.Popen[bytes], str]:
+    """Start ``python -m cli serve`` on a free loopback port and wait for /readyz.
+
+    ``queue``: QTTS_QUEUE_SIZE (None: the server's default); ``settings``: more variables
+    (QTTS_DATA_DIR, QTTS_BACKEND, ...); ``log``: a file for the server's output (else its
+    stdout is dropped and its stderr told when it exits early)."""
     port = free_port()
-    env = {**os.environ, "QTTS_MODEL": model, "QTTS_PORT": str(port), "QTTS_HOST": "127.0.0.1",
-           "QTTS_WORKERS": str(workers), "QTTS_THREADS_PER_WORKER": str(threads),
-           "QTTS_QUEUE_SIZE": str(queue), "QTTS_LOG_LEVEL": "warning",
-           "QTTS_MAX_BATCH": str(max_batch)}
-    proc = subprocess.Popen([sys.executable, "-m", "cli", "serve"], cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    env = {**os.environ, "QTTS_MODEL": str(model), "QTTS_PORT": str(port),
+           "QTTS_HOST": "127.0.0.1", "QTTS_WORKERS": str(workers),
+           "QTTS_THREADS_PER_WORKER": str(threads), "QTTS_LOG_LEVEL": "warning",
+           "QTTS_MAX_BATCH": str(max_batch), **(settings or {})}
+    if queue is not None:
+        env["QTTS_QUEUE_SIZE"] = str(queue)
+    if log is None:
+        proc = subprocess.Popen([sys.executable, "-m", "cli", "serve"], cwd=ROOT, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    else:
+        with log.open("wb") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "cli", "serve"], cwd=ROOT, env=env,
+                                    stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"server exited: {proc.stderr.read().decode() if proc.stderr else ''}")
+            said = (log.read_text(errors="replace") if log is not None
+                    else proc.stderr.read().decode() if proc.stderr else "")
+            raise SystemExit(f"server exited: {said}")
         try:
             if httpx.get(url + "/readyz", timeout=1).status_code == 200:
                 return proc, url
@@ -158,6 +174,15 @@ def start_server(model: str, workers: int, threads: int, queue: int, max_batch: 
         time.sleep(0.2)
     proc.kill()
     raise SystemExit("server did not become ready")
+
+
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM (the server drains and exits), then kill after a minute."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
 
 
 def row(label: str, res: Result, d: dict[str, float]) -> str:
@@ -218,11 +243,7 @@ def main() -> int:
             label = f"{w} worker(s) x {threads} thread(s)" + (f", batch {b}" if b > 1 else "")
             print(row(label, res, d), flush=True)
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            stop_server(proc)
     return 0
 
 

@@ -44,7 +44,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from load import request_body, start_server
+from load import request_body, start_server, stop_server
 
 GIB = 1024**3
 MIB = 1024**2
@@ -162,11 +162,7 @@ def measure(label: str, model: Path, workers: int, threads: int, frames: int) ->
         if ok != workers:
             raise SystemExit(f"{label}: {workers - ok} of {workers} requests failed")
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
     return Row(label, model.stat().st_size, workers, idle, peak, kind)
 
 
