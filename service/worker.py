@@ -19,7 +19,8 @@ import sys
 import time
 import traceback
 from collections import OrderedDict
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -289,7 +290,7 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
     An engine error in a step fails every job of the batch (a 500 each) and the loop goes on
     with a fresh batch."""
     from engine.batching import BatchRunner, Finished
-    from engine.errors import InputError, QttsError
+    from engine.errors import QttsError
     from engine.pipeline import as_request
 
     runner = BatchRunner(synth.pipeline, max_batch)
@@ -332,11 +333,8 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
                         req: Any = job if voice is None else replace(as_request(job),
                                                                      voice_prompt=voice)
                         sid = runner.submit(req, cancel=flag(job.id))
-                    except InputError as e:
-                        conn.send(Failed(job.id, 400, e.field, str(e), e.code))
-                        continue
                     except QttsError as e:
-                        conn.send(Failed(job.id, 500, None, str(e)))
+                        conn.send(_failure(job.id, e))
                         continue
                     running[sid] = _Running(job)
                     _STATE["busy"] = True
@@ -388,10 +386,34 @@ def _on_sigterm(signum: int, frame: Any) -> None:
         raise SystemExit(0)
 
 
-def _run_job(conn: Any, cancel: Any, synth: Synthesizer, job: Job,
-             fault: Any = None) -> None:
+def _failure(job_id: int, e: Exception) -> Failed:
+    """A job's exception as its ``Failed`` answer: an ``InputError`` is a 400 naming its field,
+    another engine error a 500 with its message, anything else a 500 naming only its type (the
+    traceback goes to stderr, never to the client). Call it while handling ``e``."""
     from engine.errors import InputError, QttsError
 
+    if isinstance(e, InputError):
+        return Failed(job_id, 400, e.field, str(e), e.code)
+    if isinstance(e, QttsError):
+        return Failed(job_id, 500, None, str(e))
+    traceback.print_exc(file=sys.stderr)
+    return Failed(job_id, 500, None, f"internal error: {type(e).__name__}")
+
+
+@contextmanager
+def _answering_failures(conn: Any, job_id: int) -> Iterator[None]:
+    """Run one job: an exception becomes its ``Failed`` answer (``_failure``), except a broken
+    pipe to the front end, which goes on up (the worker's loop ends on it)."""
+    try:
+        yield
+    except (BrokenPipeError, EOFError, ConnectionResetError):
+        raise
+    except Exception as e:
+        conn.send(_failure(job_id, e))
+
+
+def _run_job(conn: Any, cancel: Any, synth: Synthesizer, job: Job,
+             fault: Any = None) -> None:
     def cancelled() -> bool:
         return bool(cancel.value == job.id)
 
@@ -400,7 +422,7 @@ def _run_job(conn: Any, cancel: Any, synth: Synthesizer, job: Job,
         return
     frames = sent = 0
     t0 = time.perf_counter()
-    try:
+    with _answering_failures(conn, job.id):
         gen = synth.stream(job, cancelled)
         while True:
             try:
@@ -414,31 +436,11 @@ def _run_job(conn: Any, cancel: Any, synth: Synthesizer, job: Job,
             frames += n
             conn.send(Chunk(job.id, audio, timings, n))
         conn.send(Done(job.id, finish, frames, time.perf_counter() - t0))
-    except InputError as e:
-        conn.send(Failed(job.id, 400, e.field, str(e), e.code))
-    except QttsError as e:
-        conn.send(Failed(job.id, 500, None, str(e)))
-    except (BrokenPipeError, EOFError, ConnectionResetError):
-        raise
-    except Exception as e:
-        traceback.print_exc(file=sys.stderr)
-        conn.send(Failed(job.id, 500, None, f"internal error: {type(e).__name__}"))
 
 
 def _run_clone(conn: Any, synth: Synthesizer, job: Job, fault: Any = None) -> None:
-    from engine.errors import InputError, QttsError
-
-    try:
+    with _answering_failures(conn, job.id):
         msg = synth.clone(job)
         if fault is not None:  # QTTS_TEST_FAULT (tests only): a crash mid-create
             fault.hit("clone")
         conn.send(msg)
-    except InputError as e:
-        conn.send(Failed(job.id, 400, e.field, str(e), e.code))
-    except QttsError as e:
-        conn.send(Failed(job.id, 500, None, str(e)))
-    except (BrokenPipeError, EOFError, ConnectionResetError):
-        raise
-    except Exception as e:
-        traceback.print_exc(file=sys.stderr)
-        conn.send(Failed(job.id, 500, None, f"internal error: {type(e).__name__}"))
