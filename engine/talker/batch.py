@@ -39,7 +39,7 @@ import numpy.typing as npt
 
 from engine.errors import InputError
 from engine.ggml import NULL, Graph, Tensor, lib
-from engine.talker.model import STEP_BUCKET, TalkerModel, _graph_nodes
+from engine.talker.model import STEP_BUCKET, TalkerModel, _graph_nodes, codes_embedding
 from engine.talker.qwen3 import Builder, KVCache, stack
 from engine.talker.runner import CachedGraph
 from engine.talker.weights import LayerWeights
@@ -137,11 +137,7 @@ class BatchedTalker:
             ctx = g.ctx
             b = Builder(g, shape, int8=False)
             codes = g.input("codes", (n_groups, n), np.int32)  # one row per codebook
-            es = int(codes.nb[1])
-            x = lib.ggml_get_rows(ctx, w.codec_embd, lib.ggml_view_1d(ctx, codes, n, 0))
-            for j, table in enumerate(w.cp_embd):
-                idx = lib.ggml_view_1d(ctx, codes, n, (j + 1) * es)
-                x = lib.ggml_add(ctx, x, lib.ggml_get_rows(ctx, table, idx))
+            x = codes_embedding(ctx, w, codes, n, int(codes.nb[1]))
             x = b.cb(lib.ggml_add(ctx, x, g.input("text_add", (n, shape.hidden))), "inp_embd")
             pos = g.input("pos", (n,), np.int32)
             rows = [_RowInputs(c, g.input(f"k_idx.{i}", (1,), np.int32),

@@ -149,12 +149,7 @@ class TalkerModel:
         The cache persists across utterances (allocated once per worker for typical lengths);
         it grows when needed and shrinks back only when it is both large and 4x oversized.
         """
-        if n_positions > int(self.cfg.max_position_embeddings):
-            raise InputError(
-                "max_frames",
-                f"prompt + frames = {n_positions} positions exceed the talker's "
-                f"{self.cfg.max_position_embeddings}",
-            )
+        self._check_positions(n_positions)
         floor = self._min_ctx
         if self.cache is not None and self.cache.n_ctx >= n_positions:
             # Keep a big cache for the next long request, unless it is far bigger than
@@ -166,9 +161,7 @@ class TalkerModel:
         self._drop_step_graph()
         if self.cache is not None:
             self.cache.close()
-        w = self.weights
-        self.cache = KVCache(self.backends, len(w.layers), w.talker_shape.kv_dim, n_ctx,
-                             self.kv_type, "talk")
+        self.cache = self._talker_cache(n_ctx)
 
     def trim(self) -> None:
         """Give the talker cache back down to the size reserved at warm-up (after a request
@@ -177,9 +170,20 @@ class TalkerModel:
             return
         self._drop_step_graph()
         self.cache.close()
+        self.cache = self._talker_cache(self._min_ctx)
+
+    def _check_positions(self, n_positions: int) -> None:
+        if n_positions > int(self.cfg.max_position_embeddings):
+            raise InputError(
+                "max_frames",
+                f"prompt + frames = {n_positions} positions exceed the talker's "
+                f"{self.cfg.max_position_embeddings}",
+            )
+
+    def _talker_cache(self, n_ctx: int) -> KVCache:
         w = self.weights
-        self.cache = KVCache(self.backends, len(w.layers), w.talker_shape.kv_dim, self._min_ctx,
-                             self.kv_type, "talk")
+        return KVCache(self.backends, len(w.layers), w.talker_shape.kv_dim, n_ctx, self.kv_type,
+                       "talk")
 
     def _drop_step_graph(self) -> None:
         if self._step is not None:
@@ -205,15 +209,8 @@ class TalkerModel:
     def new_cache(self, n_positions: int) -> KVCache:
         """A talker cache of its own for one session of a batch (``engine.talker.batch``):
         ``n_positions`` rounded up to the step bucket; freed by its ``close``."""
-        if n_positions > int(self.cfg.max_position_embeddings):
-            raise InputError(
-                "max_frames",
-                f"prompt + frames = {n_positions} positions exceed the talker's "
-                f"{self.cfg.max_position_embeddings}",
-            )
-        w = self.weights
-        return KVCache(self.backends, len(w.layers), w.talker_shape.kv_dim,
-                       -(-n_positions // STEP_BUCKET) * STEP_BUCKET, self.kv_type, "talk")
+        self._check_positions(n_positions)
+        return self._talker_cache(-(-n_positions // STEP_BUCKET) * STEP_BUCKET)
 
     def prefill_chunks(self, prompt: Prompt, capture: bool = False, reuse_prefix: bool = True,
                        cache: KVCache | None = None) -> Generator[int, None, PrefillOut]:
@@ -399,11 +396,7 @@ class TalkerModel:
         def build(g: Graph) -> None:
             ctx = g.ctx
             ids = g.input("codes_t", (n_groups, t), np.int32)  # one row per codebook
-            es = int(ids.nb[1])
-            x = lib.ggml_get_rows(ctx, w.codec_embd, lib.ggml_view_1d(ctx, ids, t, 0))
-            for j, table in enumerate(w.cp_embd):
-                idx = lib.ggml_view_1d(ctx, ids, t, (j + 1) * es)
-                x = lib.ggml_add(ctx, x, lib.ggml_get_rows(ctx, table, idx))
+            x = codes_embedding(ctx, w, ids, t, int(ids.nb[1]))
             g.output(_as_f32(ctx, x), "embd")
 
         out = execute_timed(self.backends, build, {"codes_t": np.ascontiguousarray(c.T)},
@@ -530,11 +523,7 @@ class TalkerModel:
             ctx = g.ctx
             b = Builder(g, w.talker_shape)
             codes = g.input("codes", (n_groups,), np.int32)
-            es = int(codes.nb[0])
-            x = lib.ggml_get_rows(ctx, w.codec_embd, lib.ggml_view_1d(ctx, codes, 1, 0))
-            for j, table in enumerate(w.cp_embd):
-                idx = lib.ggml_view_1d(ctx, codes, 1, (j + 1) * es)
-                x = lib.ggml_add(ctx, x, lib.ggml_get_rows(ctx, table, idx))
+            x = codes_embedding(ctx, w, codes, 1, int(codes.nb[0]))
             text_add = g.input("text_add", (1, w.talker_shape.hidden))
             x = b.cb(lib.ggml_add(ctx, x, text_add), "inp_embd")
             a = attn_inputs(g, cache, 1, n_kv, masked=True)
@@ -638,6 +627,16 @@ class TalkerModel:
             self.cache = None
         self.cp_cache.close()
         self.weights.close()
+
+
+def codes_embedding(ctx: Any, w: TalkerWeights, codes: Tensor, n: int, stride: int) -> Tensor:
+    """``C(c0) + sum_j cp_embd[j](c_j)`` of ``n`` frames, the talker input their codes make:
+    ``codes`` holds codebook j's ``n`` ids at byte offset ``j * stride``."""
+    x = lib.ggml_get_rows(ctx, w.codec_embd, lib.ggml_view_1d(ctx, codes, n, 0))
+    for j, table in enumerate(w.cp_embd):
+        idx = lib.ggml_view_1d(ctx, codes, n, (j + 1) * stride)
+        x = lib.ggml_add(ctx, x, lib.ggml_get_rows(ctx, table, idx))
+    return x
 
 
 def _prefix_key(prompt: Prompt, n_pre: int) -> tuple[bytes, bytes, bytes]:
