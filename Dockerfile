@@ -87,8 +87,8 @@ RUN apt-get update \
  && groupadd --system --gid 10001 qtts \
  && useradd --system --uid 10001 --gid qtts --home-dir /home/qtts --create-home \
         --shell /usr/sbin/nologin qtts \
- && mkdir -p /models \
- && chown qtts:qtts /models
+ && mkdir -p /models /data \
+ && chown qtts:qtts /models /data
 
 # the virtual environment (qtts installed from its wheel) and the native build's cache
 COPY --from=builder /opt/qtts /opt/qtts
@@ -103,11 +103,13 @@ ENV PATH=/opt/qtts/venv/bin:$PATH \
     QTTS_HOST=0.0.0.0 \
     QTTS_PORT=8000 \
     QTTS_MODELS_DIR=/models \
+    QTTS_DATA_DIR=/data \
     QTTS_LOG_FORMAT=json
 
 USER 10001:10001
 WORKDIR /home/qtts
-VOLUME ["/models"]
+# /data: the embedded voice store (SQLite) when no QTTS_VOICE_DB is given
+VOLUME ["/models", "/data"]
 EXPOSE 8000
 
 # healthy = ready: GET /readyz answers 200 only while every worker is loaded, warm and alive

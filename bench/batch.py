@@ -14,6 +14,12 @@ compute-bound (docs/performance.md keeps the table).
         --batch 1 2 3 4 6 --steps 32 --threads 2
     python bench/batch.py --batch 1 2 --steps 4 --chunk 2      # smoke run (a tiny model)
     python bench/batch.py --backend cuda --model ... --batch 1 2 4 8 16   # on a GPU
+    python bench/batch.py --model ... --memory --batch 1 4 --positions 1024
+
+``--memory``: the resident set of this process with B live sessions of the real batch loop
+(``BatchRunner``), each with a talker cache of ``--positions`` positions (the first session
+borrows the model's own cache, as in a worker), after a few rounds; then again after they were
+cancelled. Per extra session = (RSS at the largest B - RSS at B=1) / (B - 1).
 
 The machine is shared with other jobs: the load average is printed; treat times as upper bounds.
 """
@@ -21,6 +27,7 @@ The machine is shared with other jobs: the load average is printed; treat times 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -99,6 +106,38 @@ def measure(pipe: Pipeline, batch: int, steps: int, chunk: int) -> dict[str, flo
         bt.close()
 
 
+def rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def memory(pipe: Pipeline, batch: int, positions: int, rounds: int) -> dict[str, float]:
+    """RSS (MB) before, with ``batch`` live sessions of ``positions`` cache positions, after."""
+    from engine.batching import BatchRunner
+    from engine.pipeline import SynthesisRequest
+
+    assert pipe.talker is not None and pipe.prompts is not None
+    text, voice = TEXT * 8, next(iter(pipe.voices), None)
+    prompt_len = pipe.prompts.build(text, voice, None).length
+    gc.collect()
+    before = rss_mb()
+    runner = BatchRunner(pipe, batch)
+    sids = [runner.submit(SynthesisRequest(text, voice=voice, seed=i,
+                                           max_frames=positions - prompt_len))
+            for i in range(batch)]
+    for _ in range(rounds):
+        runner.step()
+    live = rss_mb()
+    for sid in sids:
+        runner.cancel(sid)
+    runner.step()
+    runner.close()
+    del runner
+    gc.collect()
+    pipe.release()
+    return {"before": before, "live": live, "after": rss_mb()}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="a GGUF with a talker (default: --size)")
@@ -110,6 +149,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--backend", default="cpu")
     ap.add_argument("--json", default=None, help="also write the results as JSON")
+    ap.add_argument("--memory", action="store_true", help="resident set per session instead")
+    ap.add_argument("--positions", type=int, default=1024,
+                    help="--memory: talker cache positions per session")
     args = ap.parse_args()
     if args.model is None:
         from engine.tools.make_model import make_model
@@ -123,6 +165,17 @@ def main() -> int:
     pipe.warm_up(pin_prefixes=True)
     print(f"model {args.model}  backend {args.backend}  threads {args.threads}  "
           f"load {os.getloadavg()[0]:.2f}")
+    if args.memory:
+        mem = {b: memory(pipe, b, args.positions, 4) for b in args.batch}
+        print(f"{'B':>3} {'RSS before MB':>14} {'live MB':>9} {'after MB':>9}")
+        for b, m in mem.items():
+            print(f"{b:>3} {m['before']:>14.0f} {m['live']:>9.0f} {m['after']:>9.0f}")
+        lo, hi = min(mem), max(mem)
+        if hi > lo:
+            per = (mem[hi]["live"] - mem[lo]["live"]) / (hi - lo)
+            print(f"per extra session at {args.positions} positions: {per:.0f} MB")
+        pipe.close()
+        return 0
     print(f"{'B':>3} {'talker ms':>10} {'cp ms':>8} {'decoder ms':>11} {'round ms':>9} "
           f"{'per session ms':>15} {'audio s/s':>10}")
     results = {}

@@ -41,7 +41,6 @@ from service.protocol import (
     TextIn,
     TicketState,
     WorkerDied,
-    WorkerOptions,
     WorkerState,
 )
 from service.settings import Settings
@@ -96,23 +95,13 @@ class WorkerPool:
     def _spawn(self, index: int) -> None:
         parent, child = self._ctx.Pipe(duplex=True)
         cancel = self._ctx.Value("q", 0, lock=False)
-        s = self.settings
-        opts = WorkerOptions(
-            index=index, model_path=str(s.model), precision=s.precision, env=s.worker_env(),
-            warmup_frames=s.warmup_frames, max_frames_cap=self.max_frames_cap,
-            chunk_max_frames=s.chunk_max_frames, pin_prefixes=s.pin_prefixes,
-            max_text_tokens=s.max_text_tokens, max_instruct_tokens=s.max_instruct_tokens,
-            segment_tokens=s.segment_tokens, prefill_chunk=s.prefill_chunk,
-            max_batch=s.max_batch,
-        )
-        proc = self._ctx.Process(
-            target=worker_main, name=f"qtts-worker-{index}", args=(child, cancel, opts),
-            daemon=True,
-        )
+        opts = self.settings.worker_options(index, self.max_frames_cap)
+        proc = self._ctx.Process(target=worker_main, name=f"qtts-worker-{index}",
+                                 args=(child, cancel, opts), daemon=True)
         proc.start()
         child.close()  # only the worker holds its end: its death is our EOF
         w = WorkerHandle(index=index, process=proc, conn=parent, cancel=cancel,
-                         slots=s.max_batch)
+                         slots=self.settings.max_batch)
         self._workers[index] = w
         threading.Thread(
             target=self._reader, args=(w,), name=f"qtts-reader-{index}", daemon=True

@@ -14,6 +14,8 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.protocol import WorkerOptions
+
 
 class Settings(BaseSettings):
     """Service configuration (environment variables ``QTTS_<NAME>``)."""
@@ -242,6 +244,18 @@ class Settings(BaseSettings):
         if v not in {"debug", "info", "warning", "error", "critical"}:
             raise ValueError("one of debug, info, warning, error, critical")
         return v
+
+    def worker_options(self, index: int, max_frames_cap: int) -> WorkerOptions:
+        """What worker ``index`` starts with (``max_frames_cap``: the server's longest audio in
+        the model's frames)."""
+        return WorkerOptions(
+            index=index, model_path=str(self.model), precision=self.precision,
+            env=self.worker_env(), warmup_frames=self.warmup_frames,
+            max_frames_cap=max_frames_cap, chunk_max_frames=self.chunk_max_frames,
+            pin_prefixes=self.pin_prefixes, max_text_tokens=self.max_text_tokens,
+            max_instruct_tokens=self.max_instruct_tokens, segment_tokens=self.segment_tokens,
+            prefill_chunk=self.prefill_chunk, max_batch=self.max_batch,
+        )
 
     def worker_env(self) -> dict[str, str]:
         """Extra environment for a worker process (the engine's own variables)."""

@@ -105,11 +105,11 @@ def test_multi_stage_non_root_healthcheck_labels() -> None:
     assert "/readyz" in HEALTHCHECK.read_text()
     assert runtime["ENTRYPOINT"] == '["/usr/local/bin/qtts-entrypoint"]'
     assert runtime["CMD"] == '["qtts", "serve"]'
-    assert runtime["VOLUME"] == '["/models"]'
+    assert runtime["VOLUME"] == '["/models", "/data"]'  # the models; the voice store
     assert runtime["EXPOSE"] == "8000"
     env = " ".join(a for i, a in runtime_all if i == "ENV")
     assert "QTTS_HOST=0.0.0.0" in env and "QTTS_PORT=8000" in env
-    assert "QTTS_MODELS_DIR=/models" in env
+    assert "QTTS_MODELS_DIR=/models" in env and "QTTS_DATA_DIR=/data" in env
     # OCI labels, with the version of pyproject.toml
     labels = " ".join(a for i, a in runtime_all if i == "LABEL")
     for key in ("title", "description", "version", "revision", "created", "licenses"):

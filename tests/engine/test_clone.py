@@ -16,6 +16,7 @@ from engine.backend import BackendSet
 from engine.clone import voice_file
 from engine.clone.audio import decode, load_reference, resample
 from engine.clone.prompt import build_clone_prompt, live_start_tokens
+from engine.decoder import StreamingDecoder
 from engine.errors import InputError
 from engine.gguf_model import open_model
 from engine.pipeline import Pipeline, StreamInfo, SynthesisRequest, synthesize
@@ -149,6 +150,29 @@ def test_cloned_stream_starts_with_new_speech(pipe: Pipeline, speech: Path) -> N
     codes = np.concatenate(info.codes, axis=1)
     assert not np.array_equal(codes[:, :1], voice.ref_codes[:1].T)
 
+
+
+def test_a_voice_primes_the_decoder_once(pipe: Pipeline, speech: Path) -> None:
+    """The primed decoder state of an in-context voice is kept: a second request does not
+    decode the reference frames again, and its audio is the first one's to the sample (the
+    first request did not write into the kept state)."""
+    voice = pipe.clone_voice(str(speech), REF_TEXT)
+    req = SynthesisRequest("Good morning.", voice_prompt=voice, greedy=True, max_frames=6)
+    pipe._primed.clear()
+    first = np.concatenate([c.audio for c in pipe.stream(req)])
+    assert len(pipe._primed) == 1
+    pushes: list[int] = []
+    real_push = StreamingDecoder.push
+
+    def counting_push(self: StreamingDecoder, codes: np.ndarray) -> object:
+        pushes.append(codes.shape[1])
+        return real_push(self, codes)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(StreamingDecoder, "push", counting_push)
+        second = np.concatenate([c.audio for c in pipe.stream(req)])
+    assert sum(pushes) == 6  # the new frames only: no 25-frame priming push
+    np.testing.assert_array_equal(first, second)
 
 
 @pytest.mark.parametrize("x_only", [True, False], ids=["x_vector", "icl"])
