@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -96,19 +97,46 @@ def native_ops() -> object:
     return ops
 
 
+# Model seeds of the stress model that the audio-checking tests run on (``stress_gguf_seeded``):
+# two different sets of weights, so a check that holds on one by luck shows on the other.
+STRESS_SEEDS = (0, 1)
+
+
 @pytest.fixture(scope="session")
-def stress_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny model on the ``stress`` weight recipe (engine/tools/make_model.py): every stage
-    O(1), the waveform O(0.3) and unclipped, the talker's logits peaked, so a broken stage
-    changes the audio (the default recipe's decoder clips and its pre-transformer is about the
-    identity). Checkpoint kept (the reference loads it)."""
-    folder = tmp_path_factory.mktemp("stress_model")
-    make_model(folder, size="tiny", seed=0, progress=False, keep_checkpoint=True,
-               recipe="stress")
-    return folder
+def stress_models(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int], Path]:
+    """``seed -> folder`` of a tiny model on the ``stress`` weight recipe
+    (engine/tools/make_model.py), each made once per session: every stage O(1), the waveform
+    O(0.3) and unclipped, the talker's logits peaked, so a broken stage changes the audio (the
+    default recipe's decoder clips and its pre-transformer is about the identity). Checkpoint
+    kept (the reference loads it)."""
+    made: dict[int, Path] = {}
+
+    def get(seed: int) -> Path:
+        if seed not in made:
+            folder = tmp_path_factory.mktemp(f"stress_model_seed{seed}")
+            make_model(folder, size="tiny", seed=seed, progress=False, keep_checkpoint=True,
+                       recipe="stress")
+            made[seed] = folder
+        return made[seed]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def stress_model_dir(stress_models: Callable[[int], Path]) -> Path:
+    """The stress model of seed 0 (``stress_models``)."""
+    return stress_models(0)
 
 
 @pytest.fixture(scope="session")
 def stress_gguf(stress_model_dir: Path) -> Path:
-    """Path of the stress model's ``model.gguf``."""
+    """Path of the stress model's ``model.gguf`` (seed 0)."""
     return stress_model_dir / "model.gguf"
+
+
+@pytest.fixture(scope="session", params=STRESS_SEEDS, ids=lambda s: f"model_seed{s}")
+def stress_gguf_seeded(request: pytest.FixtureRequest,
+                       stress_models: Callable[[int], Path]) -> Path:
+    """The stress model's ``model.gguf`` for each of ``STRESS_SEEDS``: a test using it runs
+    once per model seed."""
+    return stress_models(int(request.param)) / "model.gguf"

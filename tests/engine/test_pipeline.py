@@ -1,4 +1,5 @@
-"""Pipeline: text/codes -> streamed chunks, the ramp, timings, outcomes, cancellation, CLI."""
+"""Pipeline: text/codes -> streamed chunks, the ramp, timings, outcomes, cancellation, CLI (on the
+stress model: tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -29,10 +30,11 @@ from engine.tools.convert import convert
 from service.protocol import Job  # the object a worker hands the pipeline
 
 FRAME = 1920
-# Streamed vs one-pass decode differ by float rounding only; the synthetic tiny decoder runs
-# its activations large (the output saturates), so rounding reaches ~3e-4 here. The reference
-# comparison (tests/parity) holds 1e-4 on the reference fixture.
-STREAM_TOL = 1e-3
+# Streamed vs one-pass decode differ by float rounding only. The tests run the stress model
+# (tests/conftest.py): unclipped O(0.3) audio with every decoder stage O(1), so a chunk-boundary
+# bug in any stage's carried state (conv history, attention cache, upsampler overlap) moves
+# samples far beyond this; the default tiny model clips most samples at +-1 and hid them.
+STREAM_TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +43,8 @@ def backends() -> BackendSet:
 
 
 @pytest.fixture(scope="module")
-def pipe(tiny_gguf: Path, backends: BackendSet) -> Pipeline:
-    return Pipeline(open_model(tiny_gguf), backends, precision="exact", kv_type="f32",
+def pipe(stress_gguf: Path, backends: BackendSet) -> Pipeline:
+    return Pipeline(open_model(stress_gguf), backends, precision="exact", kv_type="f32",
                     chunk_max_frames=4)
 
 
@@ -157,10 +159,10 @@ def test_duck_typed_jobs(pipe: Pipeline) -> None:
         as_request(object())
 
 
-def test_decoder_only_model_refuses_text(tiny_model_dir: Path, backends: BackendSet,
+def test_decoder_only_model_refuses_text(stress_model_dir: Path, backends: BackendSet,
                                          tmp_path: Path) -> None:
     out = tmp_path / "decoder-only.gguf"
-    convert(tiny_model_dir, out, dtype="f32", parts="decoder", progress=False)
+    convert(stress_model_dir, out, dtype="f32", parts="decoder", progress=False)
     p = Pipeline(open_model(out), backends, precision="exact")
     assert not p.has_talker and p.voices == [] and p.languages == []
     with pytest.raises(InputError) as err:
@@ -176,13 +178,13 @@ def test_synthesize_helper(pipe: Pipeline) -> None:
     assert audio.size == 2 * FRAME and first > 0 and info.outcome == "truncated_no_eos"
 
 
-def test_cli_synth_and_voices(tiny_gguf: Path, tmp_path: Path,
+def test_cli_synth_and_voices(stress_gguf: Path, tmp_path: Path,
                               capsys: pytest.CaptureFixture[str],
                               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("QTTS_BACKEND", "cpu")
     monkeypatch.setenv("QTTS_THREADS", "1")
     wav, npy = tmp_path / "o.wav", tmp_path / "c.npy"
-    rc = main(["synth", "Hello there.", "--model", str(tiny_gguf), "--voice", "Ryan",
+    rc = main(["synth", "Hello there.", "--model", str(stress_gguf), "--voice", "Ryan",
                "--language", "English", "--seed", "4", "--max-frames", "3", "--save-codes",
                str(npy), "-o", str(wav)])
     assert rc == 0
@@ -191,38 +193,42 @@ def test_cli_synth_and_voices(tiny_gguf: Path, tmp_path: Path,
     assert np.load(npy).shape == (16, 3)
     err = capsys.readouterr().err
     assert "3 frames" in err and "truncated_no_eos" in err and "warning" in err
-    # the tiny model is synthetic: no advice to raise a budget it would fill with noise
+    # the stress model is synthetic too: no advice to raise a budget it would fill with noise
     assert "random weights" in err and "raise --max-frames" not in err
-    assert main(["synth", "x", "--model", str(tiny_gguf), "--voice", "bob", "-o", str(wav)]) == 2
+    assert main(["synth", "x", "--model", str(stress_gguf), "--voice", "bob", "-o", str(wav)]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("qtts: voice: unknown voice 'bob'; choose one of: aiden")
-    assert main(["voices", "--model", str(tiny_gguf)]) == 0
+    assert main(["voices", "--model", str(stress_gguf)]) == 0
     out = capsys.readouterr().out
     assert "ryan" in out and "eric  (speaks sichuan_dialect" in out
     assert "languages: auto, chinese" in out and "instructions: not supported" in out
 
 
 @pytest.fixture(scope="module")
-def stress_pipe(stress_gguf: Path, backends: BackendSet) -> Pipeline:
-    return Pipeline(open_model(stress_gguf), backends, precision="exact", kv_type="f32",
+def stress_pipe(stress_gguf_seeded: Path, backends: BackendSet) -> Pipeline:
+    """The stress model of each model seed (tests/conftest.py ``STRESS_SEEDS``)."""
+    return Pipeline(open_model(stress_gguf_seeded), backends, precision="exact", kv_type="f32",
                     chunk_max_frames=4)
 
 
 @pytest.mark.parametrize("seed", [3, 4])
 def test_stress_model_stream_is_the_whole_decode(stress_pipe: Pipeline, seed: int) -> None:
-    """On the stress model (unclipped O(0.3) audio, every decoder stage O(1)) the streamed
-    chunks equal one decode of the same codes to float rounding: a chunk-boundary bug in any
-    stage's carried state (conv history, attention cache, upsampler overlap) moves samples
-    that the default model's clipped output hides."""
+    """On each stress model the streamed chunks of a text request equal one decode of the same
+    codes to float rounding, and the audio is loud and unclipped (so the comparison sees
+    every sample)."""
     req = SynthesisRequest("Hello world, how are you?", "ryan", "english", seed=seed,
                            max_frames=20)
-    chunks, _, info = collect(stress_pipe, req)
-    assert [c.frames for c in chunks] == [1, 2, 4, 4, 4, 4, 1]
+    chunks, outcome, info = collect(stress_pipe, req)
+    # the stress talker may sample its end of speech before the budget (model seed 1 does at
+    # frame 19 with seed 4): the ramp up to whatever it spoke, several chunks in any case
+    assert outcome in ("ok", "truncated_no_eos") and 12 <= info.frames <= 20
+    full, last = divmod(info.frames - 3, 4)
+    assert [c.frames for c in chunks] == [1, 2] + [4] * full + [last] * (last > 0)
     audio = np.concatenate([c.audio for c in chunks])
     assert 0.1 < float(np.std(audio)) < 0.6
     assert float(np.mean(np.abs(audio) >= 0.999)) < 0.01
     whole, _ = decode(stress_pipe.decoder, np.concatenate(info.codes, axis=1), chunk=100)
-    assert np.abs(audio - whole).max() <= 1e-5
+    assert np.abs(audio - whole).max() <= STREAM_TOL
 
 
 def test_stress_model_seeds_give_different_speech(stress_pipe: Pipeline) -> None:

@@ -130,6 +130,12 @@ def test_frame_budget_formula_and_caps() -> None:
     assert frame_budget(10, None, 4096, 8192, limit=25) == 25
     assert frame_budget(10, None, 4096, 8192, limit=1000) == frame_budget(10, None, 4096, 8192)
     assert frame_budget(10, 300, 4096, 8192, limit=25) == 25
+    # the cap itself is allowed, one frame over it is refused (an off-by-one here refused
+    # requests for exactly the server's longest audio)
+    assert frame_budget(10, 4096, 4096, 8192) == 4096
+    with pytest.raises(InputError) as err:
+        frame_budget(10, 4097, 4096, 8192)
+    assert err.value.field == "max_frames" and "4097" in str(err.value)
     with pytest.raises(InputError) as err:
         frame_budget(10, 5000, 4096, 8192)
     assert err.value.field == "max_frames"

@@ -1,5 +1,5 @@
 """Service tests: a real ``qtts serve`` (``python -m cli serve``) on 127.0.0.1 at a free port,
-real worker processes on the tiny synthetic model, real HTTP clients (httpx, openai)."""
+real worker processes on the tiny stress model, real HTTP clients (httpx, openai)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,15 @@ from tests.service.helpers import Server
 
 
 @pytest.fixture(scope="session")
-def service_model(tiny_gguf: Path) -> Path:
-    """The model the servers load: ``$QTTS_TEST_MODEL``, else the session's tiny model."""
+def service_model(stress_gguf: Path) -> Path:
+    """The model the servers load: ``$QTTS_TEST_MODEL``, else the session's stress model
+    (tests/conftest.py): its audio is O(0.3) and unclipped and its talker's peaked logits
+    depend on every layer, so what a server sends shows a broken stage (the default recipe
+    clips most samples at full scale). Its talker, like the default one, rarely samples
+    end-of-speech (with the seeds the tests use, none of their requests ends early), so
+    budgets, truncation and cancellation mid-stream stay testable."""
     given = os.environ.get("QTTS_TEST_MODEL")
-    return Path(given) if given else tiny_gguf
+    return Path(given) if given else stress_gguf
 
 
 @pytest.fixture

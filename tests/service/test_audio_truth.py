@@ -19,13 +19,12 @@ N = 24  # frames: the ramp 1, 2, 4, 8 and one 9-frame chunk (QTTS_CHUNK_MAX_FRAM
 
 
 @pytest.fixture(scope="module")
-def service_model(stress_gguf: Path) -> Path:
-    """This module's server runs the stress model (tests/conftest.py): its audio is O(0.3) and
-    unclipped, so a wrong scale, a clipped or offset sample, or a codec that mangles the signal
-    shows (the default tiny model clips ~94 % of its samples at full scale).
-    ``$QTTS_TEST_MODEL`` still wins."""
+def service_model(stress_gguf_seeded: Path) -> Path:
+    """This module's server runs the stress model (tests/conftest.py) of each model seed: its
+    audio is O(0.3) and unclipped, so a wrong scale, a clipped or offset sample, or a codec
+    that mangles the signal shows. ``$QTTS_TEST_MODEL`` still wins."""
     given = os.environ.get("QTTS_TEST_MODEL")
-    return Path(given) if given else stress_gguf
+    return Path(given) if given else stress_gguf_seeded
 
 
 @pytest.fixture(scope="module")
