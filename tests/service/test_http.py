@@ -396,7 +396,9 @@ def test_one_structured_log_line_per_request(server: Server) -> None:
     assert rec["rtf"] > 0 and rec["ttfa_seconds"] > 0 and rec["queue_seconds"] >= 0
 
 
-def test_pcm_is_s16le_of_the_decoder_output(server: Server) -> None:
+def test_codes_to_pcm_gives_one_frame_of_samples_per_code_column(server: Server) -> None:
+    """Length and not silence only: that the samples are the decoder's, sample for sample, is
+    tests/service/test_audio_truth.py's check."""
     r = httpx.post(server.url + "/tts", json={"codes": codes(3), "format": "pcm"}, timeout=60)
     pcm = np.frombuffer(r.content, dtype="<i2")
     assert len(pcm) == 3 * FRAME_SAMPLES and np.abs(pcm).max() > 0
