@@ -109,6 +109,7 @@ class BatchRunner:
         st = _Stream(next(self._sids), plan, _cancel_fn(cancel),
                      info if info is not None else StreamInfo())
         st.info.seed, st.info.budget = plan.seed, plan.total
+        st.info.text_tokens = sum(p.n_text_tokens for p in plan.prompts)
         self._streams[st.sid] = st
         self._admit(st)
         return st.sid

@@ -132,6 +132,7 @@ class StreamInfo:
     frames: int = 0
     codes: list[npt.NDArray[np.int32]] = field(default_factory=list)  # [16, n] per chunk
     outcome: str = ""
+    text_tokens: int = 0  # the text's tokens (a live text: those spoken when it ended)
 
 
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "repetition_penalty",
@@ -445,6 +446,7 @@ class Pipeline:
         plan = self.plan_text(req)
         assert self.talker is not None
         info.seed, info.budget = plan.seed, plan.total
+        info.text_tokens = sum(p.n_text_tokens for p in plan.prompts)
         outcome = "ok"
         done = 0  # frames of the earlier segments
         for i, prompt in enumerate(plan.prompts):
@@ -594,7 +596,7 @@ class Pipeline:
                                       budget, rng, check)
         result = yield from self._chunks(frames, self._primed_decoder(vp),
                                          Ramp(self._chunk_max(req)), check, info)
-        info.outcome = result.outcome
+        info.outcome, info.text_tokens = result.outcome, len(live.ids)
         return result.outcome
 
     def _chunks(self, frames: Generator[Frame | None, None, Result], sd: StreamingDecoder,

@@ -171,6 +171,7 @@ class Done:
     finish: Finish
     frames: int
     seconds: float  # synthesis wall time
+    text_tokens: int = 0  # the text's tokens (0 for a codes job)
 
 
 @dataclass(frozen=True)

@@ -63,15 +63,15 @@ def sse_delta(payload: bytes) -> bytes:
 
 
 def sse_done(syn: Synthesis, frame_rate: float) -> bytes:
-    """OpenAI's closing ``speech.audio.done`` event: characters in, codec frames out; and under
+    """OpenAI's closing ``speech.audio.done`` event: text tokens in, codec frames out; and under
     ``qtts`` this request's own numbers (queue, first audio, synthesis time, real-time factor,
     seconds per engine stage), which the playground page shows."""
     gen_seconds = syn.frames / frame_rate
     rtf = syn.synth_seconds / gen_seconds if syn.synth_seconds and gen_seconds > 0 else None
     return _sse({
         "type": "speech.audio.done",
-        "usage": {"input_tokens": syn.chars, "output_tokens": syn.frames,
-                  "total_tokens": syn.chars + syn.frames},
+        "usage": {"input_tokens": syn.text_tokens, "output_tokens": syn.frames,
+                  "total_tokens": syn.text_tokens + syn.frames},
         "qtts": {
             "request_id": syn.request_id, "frames": syn.frames,
             "audio_seconds": round(syn.audio_seconds_out, 4),
@@ -322,6 +322,7 @@ class SynthesisResponse(Response):
     def _finished(self, done: Done) -> None:
         syn = self.syn
         syn.synth_seconds = done.seconds or None
+        syn.text_tokens = done.text_tokens
         if done.finish is Finish.TRUNCATED_NO_EOS:
             syn.outcome = "truncated_no_eos"
         elif done.finish is Finish.CANCELLED:

@@ -124,10 +124,12 @@ class Synthesizer:
         self.pipeline.warm_up(pin_prefixes=self.options.pin_prefixes)
         return time.perf_counter() - t0
 
-    def stream(self, job: Job, cancelled: Callable[[], bool]) -> Generator[Piece, None, Finish]:
+    def stream(self, job: Job, cancelled: Callable[[], bool], info: Any = None
+               ) -> Generator[Piece, None, Finish]:
         """Audio chunks of ``job`` as they are decoded; returns the pipeline's outcome:
         "ok", "truncated_no_eos" (frame budget spent without end of speech) or "cancelled".
-        The pipeline checks ``cancelled`` before every talker step and decoder push."""
+        The pipeline checks ``cancelled`` before every talker step and decoder push, and fills
+        ``info`` (an engine ``StreamInfo``: the text's tokens, the seed) as it goes."""
         req: Any = job
         voice = self.voice_of(job)
         if voice is not None:
@@ -136,9 +138,9 @@ class Synthesizer:
             req = replace(as_request(job), voice_prompt=voice)
         if job.live:
             gen = self.pipeline.stream_live(req, self.feed(job.id), cancel=cancelled,
-                                            min_tokens=job.min_tokens)
+                                            info=info, min_tokens=job.min_tokens)
         else:
-            gen = self.pipeline.stream(req, cancel=cancelled)
+            gen = self.pipeline.stream(req, cancel=cancelled, info=info)
         while True:
             try:
                 audio, timings, n = next(gen)

@@ -68,6 +68,7 @@ class Synthesis:
     queue_seconds: float | None = None
     ttfa: float | None = None
     frames: int = 0
+    text_tokens: int = 0  # the worker's count, when it finished
     audio_seconds_out: float = 0.0
     synth_seconds: float | None = None
     outcome: str = "ok"

@@ -108,8 +108,9 @@ _STATE = {"busy": False, "term": False}
 class _Running:
     """A job in the batch: what its Done reports."""
 
-    def __init__(self, job: Job) -> None:
+    def __init__(self, job: Job, info: Any) -> None:
         self.job = job
+        self.info = info  # the engine's StreamInfo of its stream
         self.frames = 0
         self.sent = 0
         self.t0 = time.perf_counter()
@@ -125,7 +126,7 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
     with a fresh batch."""
     from engine.batching import BatchRunner, Finished
     from engine.errors import QttsError
-    from engine.pipeline import as_request
+    from engine.pipeline import StreamInfo, as_request
 
     runner = BatchRunner(synth.pipeline, max_batch)
     running: dict[int, _Running] = {}  # stream id -> job
@@ -166,11 +167,12 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
                         voice = synth.voice_of(job)  # a stored voice: loaded once, cached
                         req: Any = job if voice is None else replace(as_request(job),
                                                                      voice_prompt=voice)
-                        sid = runner.submit(req, cancel=flag(job.id))
+                        info = StreamInfo()
+                        sid = runner.submit(req, cancel=flag(job.id), info=info)
                     except QttsError as e:
                         conn.send(_failure(job.id, e))
                         continue
-                    running[sid] = _Running(job)
+                    running[sid] = _Running(job, info)
                     _STATE["busy"] = True
         if not running:
             stop.clear()
@@ -201,7 +203,7 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
                 del running[sid]
                 stop.discard(r.job.id)
                 conn.send(Done(r.job.id, Finish(item.outcome), r.frames,
-                               time.perf_counter() - r.t0))
+                               time.perf_counter() - r.t0, r.info.text_tokens))
                 continue
             if fault is not None:  # QTTS_TEST_FAULT (tests only)
                 fault.hit("chunk", r.sent)
@@ -261,7 +263,10 @@ def _run_job(conn: Any, cancel: Any, synth: Synthesizer, job: Job,
     frames = sent = 0
     t0 = time.perf_counter()
     with _answering_failures(conn, job.id):
-        gen = synth.stream(job, cancelled)
+        from engine.pipeline import StreamInfo
+
+        info = StreamInfo()
+        gen = synth.stream(job, cancelled, info)
         while True:
             try:
                 audio, timings, n = next(gen)
@@ -273,7 +278,7 @@ def _run_job(conn: Any, cancel: Any, synth: Synthesizer, job: Job,
             sent += 1
             frames += n
             conn.send(Chunk(job.id, audio, timings, n))
-        conn.send(Done(job.id, finish, frames, time.perf_counter() - t0))
+        conn.send(Done(job.id, finish, frames, time.perf_counter() - t0, info.text_tokens))
 
 
 def _run_clone(conn: Any, synth: Synthesizer, job: Job, fault: Any = None) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -153,6 +154,28 @@ def test_openai_sse_stream_format(server: Server) -> None:
     assert len(deltas) >= 2
     pcm = b"".join(base64.b64decode(e["audio"]) for e in deltas)
     assert len(pcm) == n * FRAME_SAMPLES * 2
+
+
+def test_openai_sse_usage_counts_text_tokens(server: Server, service_model: Path) -> None:
+    """``usage.input_tokens`` is the text's tokens under the model's tokenizer (as OpenAI
+    counts them), not its characters."""
+    from cli.tokenize import tokenize
+
+    text = "Hello there, how are you today?"
+    events = []
+    with httpx.stream("POST", server.url + "/v1/audio/speech", timeout=60, json={
+        "model": "qtts", "voice": "ryan", "input": text, "response_format": "pcm",
+        "stream_format": "sse", "max_seconds": 0.5, "seed": 3,
+    }) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[6:]))
+    usage = events[-1]["usage"]
+    ids, _ = tokenize(str(service_model), text)
+    assert usage["input_tokens"] == len(ids) and len(ids) != len(text)
+    assert usage["output_tokens"] >= 1
+    assert usage["total_tokens"] == usage["input_tokens"] + usage["output_tokens"]
 
 
 def _text_ready(server: Server) -> bool:
