@@ -16,7 +16,6 @@ Makefile's default: x64, haswell, sapphirerapids).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import platform
 import shutil
@@ -145,10 +144,10 @@ def test_decode_under_emulation_matches_the_reference(portable_tree: Path, tmp_p
     """The parity fixture (random weights of a sane gain) decoded by the native build, the
     portable build on this CPU and the portable build on the emulated CPU: each within the
     decoder tolerance of the official PyTorch decoder, as tests/parity checks the native one."""
-    missing = [m for m in ("torch", "transformers", "qwen_tts")
-               if importlib.util.find_spec(m) is None]
-    if missing:
-        pytest.skip(f"PARITY REFERENCE NOT INSTALLED ({missing}): run `make parity-env`; "
+    from tests.parity.marks import MISSING
+
+    if MISSING:
+        pytest.skip(f"PARITY REFERENCE NOT INSTALLED ({MISSING}): run `make parity-env`; "
                     "test_decode_under_emulation_matches_the_native_build still runs")
     import torch
 

@@ -10,7 +10,6 @@ width != code-predictor width).
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,14 +24,11 @@ from engine.gguf_model import open_model
 from engine.talker import PromptBuilder, SamplingParams, TalkerModel, generate_frames, make_rng
 from engine.talker.prompt import Prompt
 from engine.tools.make_model import make_model
+from tests.parity.marks import MISSING as _MISSING
+from tests.parity.marks import PARITY_MARKS
 from tests.speech import SENTENCES, espeak_wav
 
-_MISSING = [m for m in ("torch", "transformers", "qwen_tts") if importlib.util.find_spec(m) is None]
-pytestmark = [
-    pytest.mark.parity,
-    pytest.mark.skipif(bool(_MISSING), reason=f"PARITY REFERENCE NOT INSTALLED ({_MISSING}): "
-                       "run `make parity-env`"),
-]
+pytestmark = PARITY_MARKS
 if not _MISSING:
     from tests.parity import reference_clone as rc
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -13,14 +12,10 @@ from engine.codec_encoder.encoder import CodecEncoder
 from engine.gguf_model import open_model
 from engine.tools.make_model import make_model
 from tests.parity import reference_clone as rc
+from tests.parity.marks import PARITY_MARKS
 from tests.speech import SENTENCES, speech_24k
 
-_MISSING = [m for m in ("torch", "transformers", "qwen_tts") if importlib.util.find_spec(m) is None]
-pytestmark = [
-    pytest.mark.parity,
-    pytest.mark.skipif(bool(_MISSING), reason=f"PARITY REFERENCE NOT INSTALLED ({_MISSING}): "
-                       "run `make parity-env`"),
-]
+pytestmark = PARITY_MARKS
 
 RELEASED_MIMI = {
     "hidden_size": 512, "num_filters": 64, "num_hidden_layers": 8, "num_attention_heads": 8,

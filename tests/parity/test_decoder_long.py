@@ -14,7 +14,6 @@ the qwen-tts / transformers / torch versions), so a warm run costs only our deco
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -26,13 +25,9 @@ from engine.decoder import DecoderModel, decode
 from engine.gguf_model import open_model
 from engine.tools.convert import convert
 from tests.parity import reference as ref
+from tests.parity.marks import PARITY_MARKS
 
-_MISSING = [m for m in ("torch", "transformers", "qwen_tts") if importlib.util.find_spec(m) is None]
-pytestmark = [
-    pytest.mark.parity,
-    pytest.mark.skipif(bool(_MISSING), reason=f"PARITY REFERENCE NOT INSTALLED ({_MISSING}): "
-                       "run `make parity-env`"),
-]
+pytestmark = PARITY_MARKS
 
 CHUNK = 300  # the official decode's chunk (frames); 25 frames of left context
 FRAMES = 340

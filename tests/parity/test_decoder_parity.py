@@ -7,7 +7,6 @@ The reference builds a random-weight ``speech_tokenizer/`` in the released layou
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 from typing import Any
@@ -20,14 +19,10 @@ from engine.decoder import DecoderModel, StreamingDecoder, decode
 from engine.gguf_model import open_model
 from engine.tools.convert import convert
 from tests.parity import reference as ref
+from tests.parity.marks import PARITY_MARKS
 from tests.parity.reference import snr_db
 
-_MISSING = [m for m in ("torch", "transformers", "qwen_tts") if importlib.util.find_spec(m) is None]
-pytestmark = [
-    pytest.mark.parity,
-    pytest.mark.skipif(bool(_MISSING), reason=f"PARITY REFERENCE NOT INSTALLED ({_MISSING}): "
-                       "run `make parity-env`"),
-]
+pytestmark = PARITY_MARKS
 
 # full: 80 frames so the 72-frame attention window slides (the cache is exercised)
 FRAMES = {"tiny": 24, "full": 80}

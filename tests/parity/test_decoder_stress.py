@@ -6,7 +6,6 @@ load-time calibration measures the same and meets its target."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +18,10 @@ from engine.decoder.precision import calibrate, default_f32
 from engine.gguf_model import open_model
 from engine.tools.convert import convert
 from tests.parity import reference as ref
+from tests.parity.marks import PARITY_MARKS
 from tests.parity.reference import snr_db
 
-_MISSING = [m for m in ("torch", "transformers", "qwen_tts") if importlib.util.find_spec(m) is None]
-pytestmark = [
-    pytest.mark.parity,
-    pytest.mark.skipif(bool(_MISSING), reason=f"PARITY REFERENCE NOT INSTALLED ({_MISSING}): "
-                       "run `make parity-env`"),
-]
+pytestmark = PARITY_MARKS
 
 FRAMES = 31
 FAST_MIN_DB = 35.0

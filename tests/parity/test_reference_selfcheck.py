@@ -9,7 +9,6 @@ Fixtures are cached under ``$QTTS_FIXTURE_CACHE`` (default ``~/.cache/qtts/fixtu
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import struct
 import sys
@@ -25,18 +24,9 @@ except ModuleNotFoundError:  # pytest run without the repository root on sys.pat
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from tests.parity import reference as ref
 
-_MISSING = [m for m in ("torch", "transformers", "qwen_tts") if importlib.util.find_spec(m) is None]
-pytestmark = [
-    pytest.mark.parity,
-    pytest.mark.skipif(
-        bool(_MISSING),
-        reason=(
-            f"PARITY REFERENCE NOT INSTALLED (missing: {', '.join(_MISSING)}): run "
-            "`pip install -e '.[parity]' && pip install --no-deps qwen-tts==0.1.1` "
-            "(make parity-env) to run the parity tests"
-        ),
-    ),
-]
+from tests.parity.marks import PARITY_MARKS
+
+pytestmark = PARITY_MARKS
 
 
 # ------------------------------------------------------------------------------------------

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -14,14 +13,10 @@ from engine.speaker.encoder import SpeakerEncoder
 from engine.speaker.mel import mel_filterbank
 from engine.tools.make_model import make_model
 from tests.parity import reference_clone as rc
+from tests.parity.marks import PARITY_MARKS
 from tests.speech import SENTENCES, speech_24k
 
-_MISSING = [m for m in ("torch", "transformers", "qwen_tts") if importlib.util.find_spec(m) is None]
-pytestmark = [
-    pytest.mark.parity,
-    pytest.mark.skipif(bool(_MISSING), reason=f"PARITY REFERENCE NOT INSTALLED ({_MISSING}): "
-                       "run `make parity-env`"),
-]
+pytestmark = PARITY_MARKS
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ pre-transformer is about the identity and the output clips, which hides most of 
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -21,13 +20,9 @@ from engine.decoder import StreamingDecoder
 from engine.gguf_model import open_model
 from engine.pipeline import Pipeline, StreamInfo, SynthesisRequest
 from tests.parity import reference as ref
+from tests.parity.marks import PARITY_MARKS
 
-_MISSING = [m for m in ("torch", "transformers", "qwen_tts") if importlib.util.find_spec(m) is None]
-pytestmark = [
-    pytest.mark.parity,
-    pytest.mark.skipif(bool(_MISSING), reason=f"PARITY REFERENCE NOT INSTALLED ({_MISSING}): "
-                       "run `make parity-env`"),
-]
+pytestmark = PARITY_MARKS
 
 FRAMES = 24  # the tiny decoder's 8-frame attention window slides
 STAGES = {  # reference tap -> ours (as tests/parity/test_decoder_parity.py)

@@ -11,7 +11,6 @@ torch versions), so a warm run costs one model load and a few frames.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +29,9 @@ from engine.talker import (
 )
 from engine.talker.prompt import assistant_text
 from engine.tools.convert import convert
+from tests.parity.marks import PARITY_MARKS
 
-_MISSING = [m for m in ("torch", "transformers", "qwen_tts") if importlib.util.find_spec(m) is None]
-pytestmark = [
-    pytest.mark.parity,
-    pytest.mark.skipif(bool(_MISSING), reason=f"PARITY REFERENCE NOT INSTALLED ({_MISSING}): "
-                       "run `make parity-env`"),
-]
+pytestmark = PARITY_MARKS
 
 LOGIT_TOL = 1e-3
 

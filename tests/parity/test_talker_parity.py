@@ -11,7 +11,6 @@ Quantised weights (Q8_0, Q4_0) are measured against the F32 reference logits.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +31,10 @@ from engine.talker import (
 from engine.talker.prompt import assistant_text, instruct_text
 from engine.talker.sampling import suppress_mask, talker_scores
 from engine.tools.convert import convert
+from tests.parity.marks import MISSING as _MISSING
+from tests.parity.marks import PARITY_MARKS
 
-_MISSING = [m for m in ("torch", "transformers", "qwen_tts") if importlib.util.find_spec(m) is None]
-pytestmark = [
-    pytest.mark.parity,
-    pytest.mark.skipif(bool(_MISSING), reason=f"PARITY REFERENCE NOT INSTALLED ({_MISSING}): "
-                       "run `make parity-env`"),
-]
+pytestmark = PARITY_MARKS
 
 if not _MISSING:
     from tests.parity import reference as ref
