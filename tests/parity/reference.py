@@ -598,6 +598,21 @@ def reference_decode_official(model: Any, codes: np.ndarray) -> np.ndarray:
     return np.array(out.audio_values[0].to(torch.float32).numpy(), dtype=np.float32)
 
 
+# The reference's stage taps (``reference_stage_outputs``) and our decoder's named intermediates
+# that hold the same values (ours time-major).
+DECODER_STAGES = {
+    "quant": "dec.rvq.out",
+    "preconv": "dec.pre_conv.out",
+    "pretr": "dec.pretr.out",
+    "upsample": "dec.up1.out",
+    "conv_in": "dec.conv_in.out",
+    "blk1": "dec.blk1.out",
+    "blk2": "dec.blk2.out",
+    "blk3": "dec.blk3.out",
+    "blk4": "dec.blk4.out",
+}
+
+
 def _stage_taps(dec: Any) -> list[tuple[str, Any, bool]]:
     """(key, module, time_major) for every hooked stage of a ``Qwen3TTSTokenizerV2Decoder``.
 

@@ -27,17 +27,7 @@ pytestmark = PARITY_MARKS
 # full: 80 frames so the 72-frame attention window slides (the cache is exercised)
 FRAMES = {"tiny": 24, "full": 80}
 # reference stage key -> our tapped intermediate
-STAGES = {
-    "quant": "dec.rvq.out",
-    "preconv": "dec.pre_conv.out",
-    "pretr": "dec.pretr.out",
-    "upsample": "dec.up1.out",
-    "conv_in": "dec.conv_in.out",
-    "blk1": "dec.blk1.out",
-    "blk2": "dec.blk2.out",
-    "blk3": "dec.blk3.out",
-    "blk4": "dec.blk4.out",
-}
+STAGES = ref.DECODER_STAGES
 
 
 class Case:

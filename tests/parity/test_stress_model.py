@@ -25,17 +25,7 @@ from tests.parity.marks import PARITY_MARKS
 pytestmark = PARITY_MARKS
 
 FRAMES = 24  # the tiny decoder's 8-frame attention window slides
-STAGES = {  # reference tap -> ours (as tests/parity/test_decoder_parity.py)
-    "quant": "dec.rvq.out",
-    "preconv": "dec.pre_conv.out",
-    "pretr": "dec.pretr.out",
-    "upsample": "dec.up1.out",
-    "conv_in": "dec.conv_in.out",
-    "blk1": "dec.blk1.out",
-    "blk2": "dec.blk2.out",
-    "blk3": "dec.blk3.out",
-    "blk4": "dec.blk4.out",
-}
+STAGES = ref.DECODER_STAGES
 
 
 class Run:
