@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.service.helpers import Server
+from tests.service.helpers import Server, server_starter
 
 
 @pytest.fixture(scope="session")
@@ -27,17 +27,7 @@ def service_model(stress_gguf: Path) -> Path:
 
 @pytest.fixture
 def make_server(service_model: Path, tmp_path: Path) -> Iterator[Any]:
-    servers: list[Server] = []
-
-    def start(**env: Any) -> Server:
-        s = Server(service_model, tmp_path, **env)
-        servers.append(s)
-        s.wait_ready()
-        return s
-
-    yield start
-    for s in servers:
-        s.stop()
+    yield from server_starter(service_model, tmp_path)
 
 
 @pytest.fixture(scope="module")

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +98,22 @@ class Server:
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
+
+
+def server_starter(model: Path, log_dir: Path) -> Iterator[Callable[..., Server]]:
+    """A fixture body: yields ``start(**settings)``, which starts a ready ``Server`` on
+    ``model``; every server started is stopped at the end."""
+    servers: list[Server] = []
+
+    def start(**env: Any) -> Server:
+        s = Server(model, log_dir, **env)
+        servers.append(s)
+        s.wait_ready()
+        return s
+
+    yield start
+    for s in servers:
+        s.stop()
 
 
 def parse_metrics(text: str) -> dict[str, float]:

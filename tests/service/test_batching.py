@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from engine.tools.make_model import make_model
-from tests.service.helpers import FRAME_SAMPLES, Server, metric, wait_metric
+from tests.service.helpers import FRAME_SAMPLES, Server, metric, server_starter, wait_metric
 
 FRAME_S = FRAME_SAMPLES / 24000
 TEXTS = ["Hello there, how are you?", "Batching shares the weights.", "A third voice joins."]
@@ -30,17 +30,7 @@ def q4_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def batch_server(q4_model: Path, tmp_path: Path) -> Any:
-    servers: list[Server] = []
-
-    def start(**env: Any) -> Server:
-        s = Server(q4_model, tmp_path, **env)
-        servers.append(s)
-        s.wait_ready()
-        return s
-
-    yield start
-    for s in servers:
-        s.stop()
+    yield from server_starter(q4_model, tmp_path)
 
 
 def _body(i: int, seconds: float = 2.0) -> dict[str, Any]:
