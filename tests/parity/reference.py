@@ -35,7 +35,7 @@ import sys
 import tempfile
 import types
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -469,10 +469,9 @@ def make_reference_tokenizer_dir(out_dir: str | os.PathLike[str], size: str, see
     if (target / "model.safetensors").is_file():
         return target
     ref = import_reference()
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=out_dir))
-    tmp.chmod(0o755)
-    try:
+    with fixture_folder(out_dir, key,
+                        lambda done: (done / "speech_tokenizer" / "model.safetensors").is_file()
+                        ) as tmp:
         st = tmp / "speech_tokenizer"
         model = build_reference_model(size, seed, recipe)
         model.save_pretrained(st, safe_serialization=True)
@@ -491,15 +490,30 @@ def make_reference_tokenizer_dir(out_dir: str | os.PathLike[str], size: str, see
             "torch": ref.torch.__version__,
         }
         (tmp / "fixture.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return target
+
+
+@contextlib.contextmanager
+def fixture_folder(out_dir: str | os.PathLike[str], key: str,
+                   done: Callable[[Path], bool]) -> Iterator[Path]:
+    """Build the cached fixture folder ``out_dir/key`` atomically: the block fills the yielded
+    temporary sibling, which is then renamed into place (when another process finished the
+    same fixture first, ``done(out_dir/key)`` holds and theirs is kept); whatever is left of
+    the temporary folder is removed, also on error."""
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    root = Path(out_dir) / key
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=out_dir))
+    tmp.chmod(0o755)
+    try:
+        yield tmp
         try:
             tmp.rename(root)
         except OSError:
-            if not (target / "model.safetensors").is_file():
+            if not done(root):
                 raise
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def load_reference_decoder(

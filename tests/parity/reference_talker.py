@@ -24,7 +24,6 @@ import copy
 import json
 import os
 import shutil
-import tempfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -261,10 +260,8 @@ def make_talker_fixture(out_dir: str | os.PathLike[str], seed: int = 0) -> Path:
     r = ref.import_reference()
     r.torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     st_dir = ref.make_reference_tokenizer_dir(out_dir, "tiny", seed)
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{fixture_key(seed)}.", dir=out_dir))
-    tmp.chmod(0o755)
-    try:
+    with ref.fixture_folder(out_dir, fixture_key(seed),
+                            lambda done: (done / "cases.npz").is_file()) as tmp:
         base_dir = tmp / "model"
         base_dir.mkdir()
         root, gen = talker_root_config(base_dir)
@@ -291,14 +288,6 @@ def make_talker_fixture(out_dir: str | os.PathLike[str], seed: int = 0) -> Path:
             meta["cases"][name] = {"frames": int(res["codes"].shape[1])}
         np.savez(tmp / "cases.npz", **arrays)
         (tmp / "fixture.json").write_text(json.dumps(meta, indent=2) + "\n")
-        try:
-            tmp.rename(root_dir)
-        except OSError:
-            if not (root_dir / "cases.npz").is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return root_dir
 
 
@@ -338,10 +327,8 @@ def make_full_talker_fixture(out_dir: str | os.PathLike[str], seed: int = 0) -> 
     r = ref.import_reference()
     r.torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     st_dir = ref.make_reference_tokenizer_dir(out_dir, "tiny", seed)
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{full_fixture_key(seed)}.", dir=out_dir))
-    tmp.chmod(0o755)
-    try:
+    with ref.fixture_folder(out_dir, full_fixture_key(seed),
+                            lambda done: (done / "cases.npz").is_file()) as tmp:
         base_dir = tmp / "model"
         base_dir.mkdir()
         root, _st_cfg, gen = build_configs("0.6b")
@@ -357,12 +344,4 @@ def make_full_talker_fixture(out_dir: str | os.PathLike[str], seed: int = 0) -> 
         (tmp / "fixture.json").write_text(json.dumps(
             {"seed": seed, "version": TALKER_GENERATOR_VERSION, "size": "0.6b",
              "frames": int(res["codes"].shape[1])}, indent=2) + "\n")
-        try:
-            tmp.rename(root_dir)
-        except OSError:
-            if not (root_dir / "cases.npz").is_file():
-                raise
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return root_dir
