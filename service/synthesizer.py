@@ -19,6 +19,7 @@ from service.protocol import Cloned, Finish, Job, StopWorker, TextIn, WorkerOpti
 
 if TYPE_CHECKING:
     from engine.options import EngineOptions
+    from engine.pipeline import StreamInfo
 
 Piece = tuple[np.ndarray[Any, Any], dict[str, float], int]
 # cloned voices a worker keeps decoded: one-shot references (by their audio's hash, so a client
@@ -124,12 +125,12 @@ class Synthesizer:
         self.pipeline.warm_up(pin_prefixes=self.options.pin_prefixes)
         return time.perf_counter() - t0
 
-    def stream(self, job: Job, cancelled: Callable[[], bool], info: Any = None
+    def stream(self, job: Job, cancelled: Callable[[], bool], info: StreamInfo | None = None
                ) -> Generator[Piece, None, Finish]:
         """Audio chunks of ``job`` as they are decoded; returns the pipeline's outcome:
         "ok", "truncated_no_eos" (frame budget spent without end of speech) or "cancelled".
         The pipeline checks ``cancelled`` before every talker step and decoder push, and fills
-        ``info`` (an engine ``StreamInfo``: the text's tokens, the seed) as it goes."""
+        ``info`` (the text's tokens, the seed) as it goes."""
         req: Any = job
         voice = self.voice_of(job)
         if voice is not None:

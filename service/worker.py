@@ -20,7 +20,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -41,6 +41,9 @@ from service.protocol import (
     batchable,
 )
 from service.synthesizer import Synthesizer, stage_seconds
+
+if TYPE_CHECKING:
+    from engine.pipeline import StreamInfo
 
 
 def worker_main(conn: Any, cancel: Any, opts: WorkerOptions) -> None:
@@ -108,9 +111,9 @@ _STATE = {"busy": False, "term": False}
 class _Running:
     """A job in the batch: what its Done reports."""
 
-    def __init__(self, job: Job, info: Any) -> None:
+    def __init__(self, job: Job, info: StreamInfo) -> None:
         self.job = job
-        self.info = info  # the engine's StreamInfo of its stream
+        self.info = info  # what the engine reports of its stream (the text's tokens)
         self.frames = 0
         self.sent = 0
         self.t0 = time.perf_counter()
