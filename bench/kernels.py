@@ -16,6 +16,9 @@
   gemm_i8: the talker prefill's projections (57 and 512 rows) as qtts_gemm_i8 (W8A8, VNNI)
         against ggml's mul_mat with the Q4_0 weight in the CPU_REPACK buffer (what the talker
         used before), with the cosine of each against the F32 product.
+  gemv_q4: the steps' Q4_0 products (1, 2 and 4 rows) as qtts_gemv_q4 against ggml's mul_mat on
+        the CPU_REPACK copy, over 4 matrices of 3072 x 1024 (7 MB: from the cache) and over 140
+        (248 MB, a 0.6B talker's worth: from memory), as weight GB/s; with 1 and 2 threads.
 
 ggml timings are ``ggml_backend_sched_graph_compute`` alone (graph allocated and inputs set
 beforehand; inputs re-set before each repetition, untimed). Each repetition also records how
@@ -26,7 +29,7 @@ qtts_ms, > 1 means the qtts kernel is faster), then the same runs as min CPU tim
 which time-slicing by other processes does not inflate.
 
   .venv/bin/python bench/kernels.py [--threads 2] [--reps 7]
-                                    [--only conv|snake|bf16|hist|wino|gemm_i8]
+                                    [--only conv|snake|bf16|hist|wino|gemm_i8|gemv_q4]
                                     [--extra]
 """
 
@@ -531,13 +534,68 @@ def bench_gemm_i8(cpu: BackendSet, reps: int, max_busy: float, threads: int) -> 
               f"| {busy:.0%} |", flush=True)
 
 
+GEMV_Q4_CASES = [(4, 1), (140, 1), (140, 2), (140, 4)]  # (matrices of 3072 x 1024, rows)
+
+
+def bench_gemv_q4(reps: int, max_busy: float, threads: int) -> None:
+    import gguf
+
+    from engine.ggml import gemv_q4 as gq
+    from engine.talker.weights import _Repacked
+
+    n, k = 3072, 1024
+    print(f"\n## Q4_0 steps: qtts gemv_q4 ({'VNNI' if gq.fast_available() else 'portable C'}) vs "
+          "ggml mul_mat (CPU_REPACK): min ms (weight GB/s)")
+    print("| matrices (MB), rows, threads | ggml Q4_0 | qtts gemv_q4 | speed-up | others' load |")
+    print("|---|---:|---:|---:|---:|")
+    rng = np.random.default_rng(0)
+    q4 = np.asarray(gguf.quants.quantize((rng.standard_normal((n, k)) * 0.05).astype(np.float32),
+                                         gguf.GGMLQuantizationType.Q4_0))
+    packed = gq.pack(q4, n, k)
+    for th in sorted({1, threads}):
+        cpu = BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": str(th)})
+        for mats, t in GEMV_Q4_CASES:
+            x = rng.standard_normal((t, k)).astype(np.float32)
+            stats: dict[str, dict[str, float]] = {}
+            for name in ("ggml", "qtts"):
+                g = Graph(max_nodes=4 * mats + 16)
+                tx = g.input("x", (t, k))
+                inputs: dict[str, np.ndarray[Any, Any]] = {"x": x}
+                rp = _Repacked(cpu, mats) if name == "ggml" else None
+                for i in range(mats):
+                    if rp is not None:
+                        w = rp.add(f"w{i}", lib.GGML_TYPE_Q4_0, (n, k), q4)
+                        y = lib.ggml_mul_mat(g.ctx, w, tx)
+                    else:
+                        w = set_name(new_tensor(g.ctx, lib.GGML_TYPE_I8, packed.shape), f"w{i}")
+                        lib.ggml_set_input(w)
+                        g.inputs[f"w{i}"] = w
+                        inputs[f"w{i}"] = packed
+                        y = gq.gemv_q4(g.ctx, tx, w)
+                    g.output(y, f"y{i}")
+                if rp is not None:
+                    rp.allocate()
+                r = GraphRunner(cpu, g, inputs)
+                # inputs once: re-setting 140 packed copies per repetition would warm the cache
+                stats[name] = timed(r.run, reps, max_busy, None, th)
+                g.close()
+                if rp is not None:
+                    rp.close()
+            gm, qm = stats["ggml"]["min"], stats["qtts"]["min"]
+            mb = mats * q4.nbytes / 1e6
+            busy = max(v["busy"] for v in stats.values())
+            print(f"| {mats} ({mb:.0f}), {t}, {th} | {gm:.2f} ({mb / gm:.1f}) | {qm:.2f} "
+                  f"({mb / qm:.1f}) | {gm / qm:.2f}x | {busy:.0%} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--max-busy", type=float, default=0.05,
                     help="drop repetitions where other processes used more of the machine")
-    ap.add_argument("--only", choices=["conv", "snake", "bf16", "hist", "wino", "gemm_i8"],
+    ap.add_argument("--only", choices=["conv", "snake", "bf16", "hist", "wino", "gemm_i8",
+                                       "gemv_q4"],
                     default=None)
     ap.add_argument("--extra", action="store_true",
                     help=f"also {EXTRA_CONV_CASES} (conv), {EXTRA_BF16_CASES} (bf16) and "
@@ -561,6 +619,8 @@ def main() -> None:
         bench_wino(cpu, args.reps, args.max_busy, args.threads)
     if args.only in (None, "gemm_i8"):
         bench_gemm_i8(cpu, args.reps, args.max_busy, args.threads)
+    if args.only in (None, "gemv_q4"):
+        bench_gemv_q4(args.reps, args.max_busy, args.threads)
 
 
 if __name__ == "__main__":

@@ -18,10 +18,11 @@ read once per step for every session and the same graphs run batched on an accel
 
 Same results as one session alone: every session's attention reads exactly its own rows, its
 sampling keeps its own RNG (``engine.talker.generate.FrameSampler``), and the matrix products run
-the kernels the unbatched graphs run (ggml's ``mul_mat`` on the stored weights where a session
-alone has one row; the int8 GEMM only in code-predictor pass 0, whose rows it rounds one by one,
-as alone). With Q4_0 weights (what a worker serves) ggml gives a row among several exactly what
-it gives it alone, so a session's logits and codes are bit for bit those it gets alone. With
+the kernels the unbatched graphs run (``TalkerWeights.mul_mat`` on the stored weights where a
+session alone has one row; the int8 GEMM only in code-predictor pass 0, whose rows it rounds one
+by one, as alone). With Q4_0 weights (what a worker serves) a row among several gets exactly what
+it gets alone (``engine.ggml.gemv_q4`` by construction, and ggml's Q4_0 kernels where that op is
+not used), so a session's logits and codes are bit for bit those it gets alone. With
 F16/F32 weights ggml multiplies one row with a dot product and several with its tiled GEMM
 (llamafile sgemm), which round differently: logits agree to float rounding, and the codes too
 unless two candidates tie within it. tests/engine/test_batch.py checks both.
@@ -135,7 +136,7 @@ class BatchedTalker:
 
         def build(g: Graph) -> None:
             ctx = g.ctx
-            b = Builder(g, shape, int8=False)
+            b = Builder(g, shape, int8=False, mul_mat=w.mul_mat)
             codes = g.input("codes", (n_groups, n), np.int32)  # one row per codebook
             x = codes_embedding(ctx, w, codes, n, int(codes.nb[1]))
             x = b.cb(lib.ggml_add(ctx, x, g.input("text_add", (n, shape.hidden))), "inp_embd")
@@ -151,7 +152,7 @@ class BatchedTalker:
             x = stack(b, w.layers, x, attn, None)
             x = b.cb(rms_norm(ctx, x, w.output_norm, shape.eps), "out_norm")
             g.output(x, "hidden")
-            g.output(lib.ggml_mul_mat(ctx, w.codec_head, x), "logits")
+            g.output(w.mul_mat(ctx, w.codec_head, x), "logits")
 
         return build
 
@@ -208,7 +209,7 @@ class BatchedTalker:
                 x = lib.ggml_cont(b.ctx, lib.ggml_view_2d(b.ctx, x, int(x.ne[0]), n,
                                                           per * x.nb[1], (per - 1) * x.nb[1]))
             x = b.cb(rms_norm(b.ctx, x, w.cp_output_norm, shape.eps), "out_norm")
-            g.output(lib.ggml_mul_mat(b.ctx, w.cp_heads[j], x), "logits")
+            g.output(w.mul_mat(b.ctx, w.cp_heads[j], x), "logits")
 
         def attn_fn(g: Graph, per: int, n_kv: int, masked: bool
                     ) -> Callable[[Builder, LayerWeights, int, Tensor], Tensor]:
@@ -228,7 +229,7 @@ class BatchedTalker:
             # two rows per slot: alone, pass 0 takes the int8 GEMM when the layers have int8
             # copies (``Builder.matmul``), and its rows are quantised one by one, so it does
             # batched too; the later passes are one row alone, so never the int8 GEMM here
-            b = Builder(g, shape)
+            b = Builder(g, shape, mul_mat=w.mul_mat)
             hs = w.talker_shape.hidden
             hidden = lib.ggml_reshape_3d(ctx, g.input("hidden", (n, hs)), hs, 1, n)
             e0 = lib.ggml_get_rows(ctx, w.codec_embd, g.input("code", (n,), np.int32))
@@ -239,7 +240,7 @@ class BatchedTalker:
 
         def nxt(j: int) -> Callable[[Graph], None]:
             def build(g: Graph) -> None:
-                b = Builder(g, shape, int8=False)
+                b = Builder(g, shape, int8=False, mul_mat=w.mul_mat)
                 code = g.input("code", (n,), np.int32)
                 x = project(b, b.cb(lib.ggml_get_rows(g.ctx, w.cp_embd[j - 1], code),
                                     "inp_embd"))

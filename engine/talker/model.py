@@ -302,7 +302,7 @@ class TalkerModel:
 
         def build(g: Graph) -> None:
             ctx = g.ctx
-            b = Builder(g, w.talker_shape, capture)
+            b = Builder(g, w.talker_shape, capture, mul_mat=w.mul_mat)
             x, txt = self._prompt_embeddings(b, n, n_text, prompt.embed_add is not None)
             if last:
                 hs = int(txt.ne[0])
@@ -322,7 +322,7 @@ class TalkerModel:
             x = b.cb(rms_norm(ctx, last_column(b, x), w.output_norm, w.talker_shape.eps),
                      "out_norm")
             g.output(x, "hidden")
-            g.output(lib.ggml_mul_mat(ctx, w.codec_head, x), "logits")
+            g.output(w.mul_mat(ctx, w.codec_head, x), "logits")
 
         up: dict[str, np.ndarray[Any, Any]] = {
             "text_ids": text_ids,
@@ -355,7 +355,7 @@ class TalkerModel:
         n = int(arr.shape[0])
 
         def build(g: Graph) -> None:
-            b = Builder(g, w.talker_shape, False)
+            b = Builder(g, w.talker_shape, False, mul_mat=w.mul_mat)
             t = g.input("text_ids", (n,), np.int32)
             e = lib.ggml_get_rows(g.ctx, w.text_embd, t)
             h = lib.ggml_silu(g.ctx, b.linear(e, w.text_fc1_w, w.text_fc1_b))
@@ -452,7 +452,7 @@ class TalkerModel:
         with_add = any(p.embed_add is not None for _, p in batch)
 
         def build(g: Graph) -> None:
-            b = Builder(g, w.talker_shape)
+            b = Builder(g, w.talker_shape, mul_mat=w.mul_mat)
             x, _ = self._prompt_embeddings(b, n, n, with_add)
             a = prefill_inputs(g, n, n_kv)
             a.snapshot = n  # the K/V rows are the outputs; nothing past them is computed
@@ -521,7 +521,7 @@ class TalkerModel:
 
         def build(g: Graph) -> None:
             ctx = g.ctx
-            b = Builder(g, w.talker_shape)
+            b = Builder(g, w.talker_shape, mul_mat=w.mul_mat)
             codes = g.input("codes", (n_groups,), np.int32)
             x = codes_embedding(ctx, w, codes, 1, int(codes.nb[0]))
             text_add = g.input("text_add", (1, w.talker_shape.hidden))
@@ -530,7 +530,7 @@ class TalkerModel:
             x = stack(b, w.layers, x, a, cache)
             x = b.cb(rms_norm(b.ctx, x, w.output_norm, w.talker_shape.eps), "out_norm")
             g.output(x, "hidden")
-            g.output(lib.ggml_mul_mat(ctx, w.codec_head, x), "logits")
+            g.output(w.mul_mat(ctx, w.codec_head, x), "logits")
 
         return build
 
@@ -549,10 +549,10 @@ class TalkerModel:
 
         def head(b: Builder, g: Graph, x: Tensor, j: int) -> None:
             x = b.cb(rms_norm(b.ctx, last_column(b, x), w.cp_output_norm, shape.eps), "out_norm")
-            g.output(lib.ggml_mul_mat(b.ctx, w.cp_heads[j], x), "logits")
+            g.output(w.mul_mat(b.ctx, w.cp_heads[j], x), "logits")
 
         def first(g: Graph) -> None:
-            b = Builder(g, shape)
+            b = Builder(g, shape, mul_mat=w.mul_mat)
             hidden = g.input("hidden", (1, w.talker_shape.hidden))
             c0 = g.input("code", (1,), np.int32)
             e0 = lib.ggml_get_rows(g.ctx, w.codec_embd, c0)
@@ -562,7 +562,7 @@ class TalkerModel:
 
         def nxt(j: int) -> Callable[[Graph], None]:
             def build(g: Graph) -> None:
-                b = Builder(g, shape)
+                b = Builder(g, shape, mul_mat=w.mul_mat)
                 code = g.input("code", (1,), np.int32)
                 e = b.cb(lib.ggml_get_rows(g.ctx, w.cp_embd[j - 1], code), "inp_embd")
                 x = project(b, e)

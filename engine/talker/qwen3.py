@@ -44,6 +44,7 @@ _NAMES: dict[tuple[str, int, str], bytes] = {}
 KV_READ_PAD = 16  # see prefill_n_kv
 # Rows from which a layer with int8 copies multiplies through gemm_i8 (see ``Builder.matmul``)
 I8_MIN_ROWS = 2
+MulMat = Callable[[Any, Tensor, Tensor], Tensor]
 
 
 def _name_bytes(prefix: str, il: int, name: str) -> bytes:
@@ -59,13 +60,15 @@ class Builder:
     """Graph-building helpers bound to one ``Graph`` and one stack's hyper-parameters."""
 
     def __init__(self, g: Graph, shape: StackShape, capture: bool = False,
-                 int8: bool = True) -> None:
+                 int8: bool = True, mul_mat: MulMat = lib.ggml_mul_mat) -> None:
         self.g = g
         self.ctx = g.ctx
         self.shape = shape
         self.capture = capture
         # False: never the int8 GEMM (a batched step's rows must multiply exactly as one row)
         self.int8 = int8
+        # W x for a stored weight: TalkerWeights.mul_mat, which knows the re-laid-out matrices
+        self.mul_mat = mul_mat
 
     def cb(self, t: Tensor, name: str, il: int = -1) -> Tensor:
         """Name an intermediate ``<prefix>.blk<il>.<name>`` (or ``<prefix>.<name>``).
@@ -82,15 +85,15 @@ class Builder:
 
         Several rows (a prefill) with int8 copies present: the W8A8 ``gemm_i8`` (compute-bound
         work, where it beats ggml's Q4_0 GEMM); one row (a step): ggml's ``mul_mat`` on the stored
-        matrix, which is memory-bound and reads fewer bytes that way.
+        matrix (``mul_mat``), which is memory-bound and reads fewer bytes that way.
         """
         if self.int8 and lw.i8 is not None and int(x.ne[1]) >= I8_MIN_ROWS:
             return gemm_i8(self.ctx, x, lw.i8[field])
-        return lib.ggml_mul_mat(self.ctx, getattr(lw, field), x)
+        return self.mul_mat(self.ctx, getattr(lw, field), x)
 
     def linear(self, x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
         """``W x (+ b)``."""
-        y = lib.ggml_mul_mat(self.ctx, w, x)
+        y = self.mul_mat(self.ctx, w, x)
         return lib.ggml_add(self.ctx, y, b) if b is not None else y
 
 

@@ -5,11 +5,15 @@ F32/F16/BF16 tables for ``get_rows``, F32 norms and biases. So nothing is conver
 the WeightStore binds each tensor to its span of the file (CPU workers share those pages; an
 accelerator backend gets one upload). Names are the GGUF names (``engine.gguf_schema``).
 
-One exception, on the CPU backend only: Q4_0 matrix weights go to ggml's ``CPU_REPACK`` buffer
-type, which re-lays them out at load into interleaved 8-row blocks (``q4_0_8x8``) for its AVX2 /
-AVX-512 GEMV kernels (faster than plain Q4_0 GEMV; docs/performance.md). That costs a private
-copy (the Q4_0 matrices of the talker and code predictor, ~0.3 GB for 0.6B) instead of shared
-file pages; ``repack=False`` keeps everything zero-copy.
+One exception, on the CPU backend only: Q4_0 matrix weights are re-laid out at load for the
+steps' kernels. With AVX512-VNNI and qtts's custom ops, into ``engine.ggml.gemv_q4``'s layout
+(nibbles and scales in one stream per 16 rows; about twice ggml's GEMV on weights read from
+memory, and a batched step reads them once; docs/performance.md): ``mul_mat`` then routes every
+product with such a matrix through that op, for any number of rows, so one row and a batch of
+rows get the same bits. Otherwise into ggml's ``CPU_REPACK`` buffer type (interleaved 8-row
+blocks, ``q4_0_8x8``, for its AVX2 / AVX-512 GEMV). Either costs a private copy (the Q4_0
+matrices of the talker and code predictor, ~0.3 GB for 0.6B) instead of shared file pages;
+``repack=False`` keeps everything zero-copy.
 
 And for the prefill of a quantised (Q8_0/Q4_0) talker on the CPU, an int8 copy of its layers'
 seven matrices for ``engine.ggml.gemm_i8`` (W8A8 with AVX512-VNNI, several times ggml's Q4_0
@@ -24,11 +28,11 @@ from typing import Any
 
 from engine.backend import BackendSet, WeightStore
 from engine.errors import BackendError
-from engine.ggml import NULL, Tensor, ffi, gemm_i8, lib
+from engine.ggml import NULL, Tensor, ffi, gemm_i8, gemv_q4, lib
 from engine.ggml.graph import new_tensor, no_alloc_context, set_name
 from engine.gguf_schema import GGML_Q4_0, GGML_Q8_0, PART_TALKER, talker_tensor_specs
 
-# Matrix weights (mul_mat src0) that the repack buffer may hold; never embedding tables.
+# Matrix weights (mul_mat src0) that may be re-laid out; never embedding tables.
 _MATMUL_SUFFIXES = (
     "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_out.weight", "ffn_gate.weight",
     "ffn_up.weight", "ffn_down.weight", "codec_head.weight", "fc1.weight", "fc2.weight",
@@ -99,9 +103,13 @@ class TalkerWeights:
         self.cp_cfg = cp
         specs = talker_tensor_specs(t, cp)
         n_i8 = 3 * len(I8_MATRICES) * int(t.num_hidden_layers)
-        self.store: WeightStore = backends.weight_store(max_tensors=len(specs) + n_i8 + 16)
+        self.store: WeightStore = backends.weight_store(
+            max_tensors=2 * len(specs) + n_i8 + 16)
         self.types: dict[str, int] = {}
-        self.repacked = _Repacked(backends, len(specs)) if repack else None
+        # stored matrix (its tensor's address) -> its gemv_q4 layout
+        self._q4: dict[int, Tensor] = {}
+        step_q4 = repack and gemv_q4_possible(backends)
+        self.repacked = _Repacked(backends, len(specs)) if repack and not step_q4 else None
         if self.repacked is not None and self.repacked.buft is None:
             self.repacked = None
         mm = model.mmap
@@ -109,13 +117,16 @@ class TalkerWeights:
         for spec in specs:
             info = model.tensor_info(spec.name)
             self.types[spec.name] = info.ggml_type
-            if (self.repacked is not None and info.ggml_type == GGML_Q4_0
-                    and spec.name.endswith(_MATMUL_SUFFIXES) and spec.shape[0] % 8 == 0):
+            q4_matrix = info.ggml_type == GGML_Q4_0 and spec.name.endswith(_MATMUL_SUFFIXES)
+            if q4_matrix and self.repacked is not None and spec.shape[0] % 8 == 0:
                 tensors[spec.name] = self.repacked.add(spec.name, info.ggml_type, spec.shape,
                                                        model.tensor(spec.name))
-            else:
-                tensors[spec.name] = self.store.add_mapped(spec.name, info.ggml_type,
+                continue
+            bound = tensors[spec.name] = self.store.add_mapped(spec.name, info.ggml_type,
                                                            spec.shape, mm, info.offset)
+            if q4_matrix and step_q4 and gemv_q4.packable(*spec.shape):
+                packed = gemv_q4.pack(model.tensor(spec.name), *spec.shape)
+                self._q4[_address(bound)] = self.store.add_array(f"{spec.name}.q4", packed)
         w = tensors
         self.layers = [_layer(w, f"talk.blk.{i}.") for i in range(t.num_hidden_layers)]
         if int8_prefill and int8_prefill_possible(model, backends):
@@ -158,6 +169,19 @@ class TalkerWeights:
             wc = self.store.add_array(f"{name}.i8c", p.wc)
             out[field_name] = gemm_i8.I8Matrix(p.n, p.k, wq, ws, wc)
         return out
+
+    def mul_mat(self, ctx: Any, w: Tensor, x: Tensor) -> Tensor:
+        """``W x`` (ggml's ``mul_mat`` shapes) for a weight ``w`` of this set: through
+        ``gemv_q4`` when ``w`` has that layout (any number of rows), else ggml's ``mul_mat``."""
+        packed = self._q4.get(_address(w)) if self._q4 else None
+        if packed is not None:
+            return gemv_q4.gemv_q4(ctx, x, packed)
+        return lib.ggml_mul_mat(ctx, w, x)
+
+    @property
+    def q4_matrices(self) -> int:
+        """How many matrices multiply through ``gemv_q4``."""
+        return len(self._q4)
 
     @property
     def int8_prefill(self) -> bool:
@@ -235,6 +259,18 @@ def cpu_repack_buffer_type(backends: BackendSet) -> Any | None:
             return bufts[i]
         i += 1
     return None
+
+
+def gemv_q4_possible(backends: BackendSet) -> bool:
+    """Whether Q4_0 matrices can take ``gemv_q4``'s layout: the primary backend is the CPU,
+    qtts's custom ops are on (``QTTS_CUSTOM_OPS``) and libqtts_ops has the VNNI kernel (the
+    portable one gives the same bits, slower than ggml's repacked GEMV)."""
+    return (backends.primary == backends.cpu and backends.custom_ops
+            and gemv_q4.fast_available())
+
+
+def _address(t: Tensor) -> int:
+    return int(ffi.cast("uintptr_t", t))
 
 
 def int8_prefill_possible(model: Any, backends: BackendSet) -> bool:

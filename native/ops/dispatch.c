@@ -27,7 +27,8 @@ volatile int qtts_amx_on;
     X(v, int, qtts_conv1d_tm_block, (void), ())                                                  \
     X(v, int, qtts_conv1d_tm_bf16_fast, (void), ())                                              \
     X(v, int, qtts_conv1d_tm_bf16_amx_built, (void), ())                                         \
-    X(v, int, qtts_gemm_i8_fast, (void), ())
+    X(v, int, qtts_gemm_i8_fast, (void), ())                                                     \
+    X(v, int, qtts_gemv_q4_fast, (void), ())
 
 #define QTTS_OP_ARGS (struct ggml_tensor * dst, int ith, int nth, void * userdata)
 #define QTTS_VOID_FUNCS(X, v)                                                                    \
@@ -44,7 +45,10 @@ volatile int qtts_amx_on;
     X(v, void, qtts_gemm_i8_op, QTTS_OP_ARGS, (dst, ith, nth, userdata))                         \
     X(v, void, qtts_gemm_i8_pack,                                                                \
       (const float * W, int64_t N, int64_t K, int8_t * wq, float * ws, int32_t * wc),            \
-      (W, N, K, wq, ws, wc))
+      (W, N, K, wq, ws, wc))                                                                     \
+    X(v, void, qtts_gemv_q4_op, QTTS_OP_ARGS, (dst, ith, nth, userdata))                         \
+    X(v, void, qtts_gemv_q4_pack, (const uint8_t * q4, int64_t N, int64_t K, uint8_t * out),     \
+      (q4, N, K, out))
 
 #define QTTS_FUNCS(X, v) QTTS_VALUE_FUNCS(X, v) QTTS_VOID_FUNCS(X, v)
 

@@ -128,6 +128,27 @@ void qtts_gemm_i8_pack(const float * W, int64_t N, int64_t K, int8_t * wq, float
 /* 1 when qtts_gemm_i8_op has its AVX512_VNNI kernel, 0 for the slow portable path. */
 int qtts_gemm_i8_fast(void);
 
+/* Q4_0 matrix x a few rows (W4A8; the steps of quantised talkers), as a ggml_custom_op_t for
+ * ggml_custom_4d(ctx, F32, N, ne1, ne2, ne3, {x, w}, 2, qtts_gemv_q4_op, n, NULL):
+ *   dst[t, o] = sum_b d_w[o, b] * d_x[t, b] * (sum_{k in b} u[o, k] * xq[t, k] - 8 * sum xq[t, b])
+ * over blocks b of 32 inputs: the weight's Q4_0 blocks (scale d_w, nibbles u), x rounded per
+ * (row, block) inside the op as ggml's Q8_0 activations (d_x = F16(max|x| / 127), q = nearest
+ * even of x * 127 / max|x|).
+ * x: F32 ne = [K, ne1, ne2, ne3], K a multiple of 32, rows contiguous (nb[0] = 4, any strides);
+ * w: I8 contiguous ne = [QTTS_GEMV_Q4_BYTES, K/32, N/QTTS_GEMV_Q4_ROWS] from qtts_gemv_q4_pack;
+ * dst: F32 contiguous, N outputs per row. Each output is one F32 fma chain over the blocks in
+ * order with exact integer block sums: independent of the row count, thread count and path. */
+#define QTTS_GEMV_Q4_ROWS 16
+#define QTTS_GEMV_Q4_BYTES 288
+void qtts_gemv_q4_op(struct ggml_tensor * dst, int ith, int nth, void * userdata);
+
+/* A GGUF Q4_0 matrix (N rows of K/32 blocks of 18 bytes; N a multiple of QTTS_GEMV_Q4_ROWS) ->
+ * the layout of qtts_gemv_q4_op's w: N/16 * K/32 * QTTS_GEMV_Q4_BYTES bytes. */
+void qtts_gemv_q4_pack(const uint8_t * q4, int64_t N, int64_t K, uint8_t * out);
+
+/* 1 when qtts_gemv_q4_op has its AVX512_VNNI kernel, 0 for the portable path (same bits). */
+int qtts_gemv_q4_fast(void);
+
 /* The K = 7 BF16 conv of qtts_conv1d_tm_bf16_op (same sources, flags, userdata and result
  * contract, BF16 rounding aside) by Winograd F(2,3) over output pairs (t, t+d): 10
  * channel-contractions per pair instead of 14. w: BF16 contiguous,

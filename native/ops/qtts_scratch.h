@@ -8,7 +8,8 @@
 #define QTTS_SCRATCH_F32_STAGE 1  /* conv1d_tm.c: history + first new rows, joined */
 #define QTTS_SCRATCH_I8_INPUT 2    /* gemm_i8.c: the row chunk's input as int8 + scales */
 #define QTTS_SCRATCH_WINO 3         /* conv1d_wino_bf16.c: staged rows, records, BF16 rows */
-#define QTTS_SCRATCH_SLOTS 4
+#define QTTS_SCRATCH_Q4_INPUT 4     /* gemv_q4.c: the rows as int8 blocks + scales + sums */
+#define QTTS_SCRATCH_SLOTS 5
 
 /* A 64-byte aligned buffer of at least `bytes` for the calling thread, kept between calls
  * (grown when too small; its old contents are not kept) and freed when the thread exits.

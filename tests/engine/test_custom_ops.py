@@ -13,11 +13,13 @@ import pytest
 
 from engine.backend import BackendSet
 from engine.errors import NativeBuildError
-from engine.ggml import Graph, ffi, gemm_i8, lib, native_info, ops
+from engine.ggml import Graph, ffi, gemm_i8, gemv_q4, lib, native_info, ops
 from engine.ggml import custom_ops as co
 from engine.ggml.graph import new_tensor, set_name
 from tests.engine.test_gemm_i8 import data as gemm_data
 from tests.engine.test_gemm_i8 import run_gemm
+from tests.engine.test_gemv_q4 import products as gemv_q4_products
+from tests.engine.test_gemv_q4 import quantised, rows
 
 # the ops are part of the repository: a library that did not load fails these tests
 needs_ops = pytest.mark.usefixtures("native_ops")
@@ -831,6 +833,13 @@ def test_other_isa_paths(cpu1: BackendSet, cpu2: BackendSet, tmp_path: Path,
         assert np.abs(y - gemm_i8.reference(w, x)).max() <= 1e-6 * np.abs(y).max()
         if gemm_i8.fast_available():  # VPDPBUSD + FMA give the same sums, rounded the same
             assert np.array_equal(y, run_gemm(cpu2, w, x))
+    assert not gemv_q4.fast_available(library)  # the portable Q4_0 step kernel: the same bits
+    for n, k, t in [(96, 256, 1), (48, 1024, 5)]:
+        q4, x = quantised(rng, n, k), rows(rng, t, k)
+        y, z = gemv_q4_products(cpu2, q4, n, k, x, library)
+        assert np.abs(y - z).max() <= 2e-6 * np.abs(z).max()
+        if gemv_q4.fast_available():  # VPDPBUSD sums and the FMA chain, rounded the same
+            assert np.array_equal(y, gemv_q4_products(cpu2, q4, n, k, x)[0])
     for op in ("f32", "bf16"):  # the history apart (hist=): bit for bit the concat
         for c, t, k, d in [(96, 2, 7, 3), (95, 50, 7, 9), (40, 300, 3, 1)]:
             p = (k - 1) * d
