@@ -12,6 +12,11 @@ immediate,auto``), and reads the audio. Printed per run (one row per policy):
   worst gap ms      the longest such underrun
   behind ms         from the end message to the last audio byte (how far speech trails text)
 
+With ``--first-audio N`` each policy first runs N utterances one after another on one
+connection that stop at their first audio (``cancel``), and prints the first audio's p50 / max
+and the server's stage times of that first chunk (from its ``audio`` event): one long run is
+one sample of first audio, these are N.
+
   python bench/realtime.py --model ~/.cache/qtts/models/synthetic-full-q4_0-seed0/model.gguf \
       --sessions 1,3 --threads 2
   python bench/realtime.py --url http://127.0.0.1:8000 --voice ryan
@@ -99,6 +104,49 @@ async def session(url: str, headers: dict[str, str], voice: str, policy: str, wo
         run.audio_seconds += received
 
 
+async def first_audio(url: str, headers: dict[str, str], voice: str, policy: str, n: int,
+                      tps: float) -> tuple[list[float], dict[str, list[float]]]:
+    """N utterances, each cancelled at its first audio: (seconds from the first delta to the
+    first audio byte, and the server's stage ms of each first chunk)."""
+    delay = TOKENS_PER_WORD / tps
+    times: list[float] = []
+    stages: dict[str, list[float]] = {}
+    async with connect(url, additional_headers=headers, max_size=None) as ws:
+        await ws.recv()
+        start: str | int = int(policy) if policy.isdigit() else policy
+        await ws.send(json.dumps({"type": "session", "voice": voice, "start": start}))
+        await ws.recv()
+        for u in range(n):
+            pieces = [WORDS[(u + i) % len(WORDS)] if i == 0 else " " + WORDS[(u + i) % len(WORDS)]
+                      for i in range(12)]
+
+            async def writer(pieces: list[str] = pieces) -> None:
+                for p in pieces:
+                    await ws.send(json.dumps({"type": "text", "text": p}))
+                    await asyncio.sleep(delay)
+
+            t0 = time.perf_counter()
+            wtask = asyncio.create_task(writer())
+            got = False
+            async for msg in ws:
+                if isinstance(msg, bytes):
+                    if not got:
+                        got = True
+                        times.append(time.perf_counter() - t0)
+                        wtask.cancel()
+                        await ws.send(json.dumps({"type": "cancel"}))
+                    continue
+                ev = json.loads(msg)
+                if ev["type"] == "audio" and ev.get("seq") == 0:
+                    for k, v in ev.get("timings_ms", {}).items():
+                        stages.setdefault(k, []).append(float(v))
+                if ev["type"] in ("done", "error"):
+                    break
+            if not wtask.done():
+                wtask.cancel()
+    return times, stages
+
+
 async def bench(url: str, headers: dict[str, str], voice: str, policy: str, sessions: int,
                 words: int, tps: float) -> Run:
     run = Run()
@@ -124,6 +172,8 @@ def main() -> int:
     ap.add_argument("--policies", default="immediate,auto", help="start policies to compare")
     ap.add_argument("--voice", default="ryan")
     ap.add_argument("--api-key", default=os.environ.get("QTTS_API_KEY"))
+    ap.add_argument("--first-audio", type=int, default=0, metavar="N",
+                    help="also N utterances per policy stopped at their first audio")
     args = ap.parse_args()
     counts = [int(x) for x in args.sessions.split(",")]
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -141,6 +191,14 @@ def main() -> int:
             proc, url = start_server(args.model, n, args.threads, 2)
         ws_url = url.replace("http://", "ws://") + "/v1/tts/realtime"
         try:
+            for policy in args.policies.split(",") if args.first_audio and n == 1 else []:
+                times, stages = asyncio.run(first_audio(ws_url, headers, args.voice, policy,
+                                                        args.first_audio,
+                                                        args.tokens_per_second))
+                split = ", ".join(f"{k} {np.median(v):.1f}" for k, v in stages.items() if v)
+                print(f"|   | {policy}: {len(times)} utterances stopped at first audio | "
+                      f"{fmt(times)} | server ms, first chunk (median): {split} | | | | |",
+                      flush=True)
             for policy in args.policies.split(","):
                 run = asyncio.run(bench(ws_url, headers, args.voice, policy, n, args.words,
                                         args.tokens_per_second))

@@ -110,6 +110,9 @@ INLINE void kernel(const int NB, const int NT, const uint8_t * w, const q4_rows 
                    float * y, int64_t ys) {
     const __m512i m4 = _mm512_set1_epi8(0x0F);
     const int64_t nkb = r->nkb, wstride = nkb * BB;
+    /* one row: low and high nibbles in two accumulator chains each (VPDPBUSD's latency); more
+     * rows have chains enough, and one accumulator per (block, row) keeps them in registers */
+    const int SPLIT = NT == 1;
     __m512 f[2][NTG];
 #pragma GCC unroll 2
     for (int n = 0; n < NB; n++) {
@@ -129,7 +132,7 @@ INLINE void kernel(const int NB, const int NT, const uint8_t * w, const q4_rows 
 #pragma GCC unroll 4
             for (int t = 0; t < NT; t++) {
                 lo[n][t] = _mm512_set1_epi32(-r->xs[(t0 + t) * nkb + b]);
-                hi[n][t] = _mm512_setzero_si512();
+                if (SPLIT) hi[n][t] = _mm512_setzero_si512();
             }
         }
 #pragma GCC unroll 4
@@ -149,7 +152,11 @@ INLINE void kernel(const int NB, const int NT, const uint8_t * w, const q4_rows 
 #pragma GCC unroll 2
                 for (int n = 0; n < NB; n++) {
                     lo[n][t] = dpbusd(lo[n][t], ul[n], xl);
-                    hi[n][t] = dpbusd(hi[n][t], uh[n], xh);
+                    if (SPLIT) {
+                        hi[n][t] = dpbusd(hi[n][t], uh[n], xh);
+                    } else {
+                        lo[n][t] = dpbusd(lo[n][t], uh[n], xh);
+                    }
                 }
             }
         }
@@ -160,7 +167,7 @@ INLINE void kernel(const int NB, const int NT, const uint8_t * w, const q4_rows 
 #pragma GCC unroll 4
             for (int t = 0; t < NT; t++) {
                 const __m512 d = _mm512_mul_ps(dw, _mm512_set1_ps(r->xd[(t0 + t) * nkb + b]));
-                const __m512i s = _mm512_add_epi32(lo[n][t], hi[n][t]);
+                const __m512i s = SPLIT ? _mm512_add_epi32(lo[n][t], hi[n][t]) : lo[n][t];
                 f[n][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), d, f[n][t]);
             }
         }

@@ -145,8 +145,9 @@ def _same(a: Run, b: Run, exact: bool = True) -> None:
 
 
 # Q4_0 (what a worker serves): gemv_q4 (and ggml's Q4_0 kernels without it) give one row exactly
-# what they give it among several, so the logits are equal bit for bit. F32 weights: ggml multiplies one row with its
-# dot product and several with its tiled GEMM, which round differently (engine/talker/batch.py).
+# what they give it among several, so the logits are equal bit for bit. F32 weights: ggml
+# multiplies one row with its dot product and several with its tiled GEMM, which round
+# differently (engine/talker/batch.py).
 @pytest.mark.parametrize(("weights", "kv_type"), [("f32", "f32"), ("f32", "f16"),
                                                   ("q4_0", "f16"), ("q4_0", "f32")])
 def test_batched_equals_alone(weights: str, kv_type: str, tiny_gguf: Path, q4_gguf: Path,

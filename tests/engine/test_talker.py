@@ -189,7 +189,7 @@ def test_q4_0_repack_matches_plain_layout(tiny_model_dir: Path, backends: Backen
     packed = TalkerModel(m, backends, kv_type="f32", repack=True)
     assert plain.weights.repacked is None and plain.weights.q4_matrices == 0
     assert (packed.weights.q4_matrices > 0
-            or packed.weights.repacked is not None and packed.weights.repacked.nbytes > 0)
+            or (packed.weights.repacked is not None and packed.weights.repacked.nbytes > 0))
     a, ta, _ = run(plain, m, "Hello world.", 4)
     b, tb, _ = run(packed, m, "Hello world.", 4)
     assert np.array_equal(a, b)
