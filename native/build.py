@@ -352,7 +352,7 @@ def lib_dir(prefix: Path) -> Path:
 # support; the names and their order are dispatch.c's too.
 X86_OPS_VARIANTS: list[tuple[str, list[str]]] = [
     ("amx_bf16", ["-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16", "-mamx-tile",
-                  "-mamx-bf16"]),
+                  "-mamx-bf16", "-mamx-int8"]),
     ("avx512_bf16", ["-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"]),
     ("avx512_vnni", ["-march=x86-64-v4", "-mavx512vnni"]),
     ("avx512", ["-march=x86-64-v4"]),

@@ -100,8 +100,16 @@ def kernel_paths(library: Any | None = None) -> dict[str, str]:
         "conv1d_tm": f"{isa} (block {conv_block(library)})",
         "conv1d_tm_bf16": "amx_bf16 (tiles)" if amx(library) else bf16_path,
         "conv1d_wino_bf16": bf16_path,
-        "gemm_i8": "avx512_vnni" if i8 else "portable C",
+        "gemm_i8": ("amx_int8 (tiles)" if i8 and amx(library) and gemm_i8_amx(library)
+                    else "avx512_vnni" if i8 else "portable C"),
+        "gemv_q4": "avx512_vnni" if has_fast_path(library, "qtts_gemv_q4_fast") else "portable C",
     }
+
+
+def gemm_i8_amx(library: Any | None = None) -> bool:
+    """Whether the variant in use has the int8 GEMM's AMX-INT8 tile path (it runs while
+    ``amx()``, on matrices of whole 256-input and 32-output blocks)."""
+    return has_fast_path(library, "qtts_gemm_i8_amx_built")
 
 
 def amx(library: Any | None = None) -> bool:

@@ -28,6 +28,7 @@ volatile int qtts_amx_on;
     X(v, int, qtts_conv1d_tm_bf16_fast, (void), ())                                              \
     X(v, int, qtts_conv1d_tm_bf16_amx_built, (void), ())                                         \
     X(v, int, qtts_gemm_i8_fast, (void), ())                                                     \
+    X(v, int, qtts_gemm_i8_amx_built, (void), ())                                                \
     X(v, int, qtts_gemv_q4_fast, (void), ())
 
 #define QTTS_OP_ARGS (struct ggml_tensor * dst, int ith, int nth, void * userdata)
@@ -76,7 +77,8 @@ static int cpu_avx512_bf16(void) {
 static int cpu_avx2(void) { return __builtin_cpu_supports("x86-64-v3"); }
 #endif
 
-/* AMX-BF16: CPUID.(7,0):EDX bits 22 (AMX-BF16) and 24 (AMX-TILE), the OS enabling the tile
+/* AMX-BF16: CPUID.(7,0):EDX bits 22 (AMX-BF16), 24 (AMX-TILE) and 25 (AMX-INT8: the int8 GEMM's
+ * tiles; every AMX CPU has all three), the OS enabling the tile
  * state in XCR0 (bits 17, 18), and Linux granting this process the tile data: it is off until
  * asked for (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA), once per process. GCC 12's
  * __builtin_cpu_supports("amx-bf16") reads 0 on such CPUs, hence CPUID by hand. Checked once. */
@@ -88,7 +90,7 @@ static int cpu_amx_ready(void) {
 #if defined(__x86_64__) && defined(__linux__)
         unsigned a, b, c, d;
         if (cpu_avx512_bf16() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 22 & 1) &&
-            (d >> 24 & 1)) {
+            (d >> 24 & 1) && (d >> 25 & 1)) {
             unsigned lo, hi;
             __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
             (void)hi;

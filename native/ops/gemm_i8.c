@@ -32,9 +32,16 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "qtts_amx.h"
 #include "qtts_ops.h"
 #include "qtts_scratch.h"
 #include "qtts_tiles.h"
+
+#if AMX_BF16 && defined(__AMX_INT8__)
+#define AMX_I8 1
+#else
+#define AMX_I8 0
+#endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512F__) && defined(__AVX512BW__)
 #define I8_SIMD 1
@@ -59,7 +66,6 @@ INLINE __m512i dpbusd(__m512i acc, __m512i x, __m512i w) {
 #define NT_MAIN 12            /* rows per tile */
 #define TCHUNK (NT_MAIN * 32) /* most rows per work unit */
 
-int qtts_gemm_i8_fast(void) { return I8_SIMD; }
 
 /* ---- rounding to int8 ------------------------------------------------------------------------ */
 
@@ -261,6 +267,83 @@ static const i8tile_fn I8TILE_FULL[NT_MAIN + 1] = QTTS_TILE_TABLE(i8tile_, full)
 static const i8tile_fn I8TILE_MASK[NT_MAIN + 1] = QTTS_TILE_TABLE(i8tile_, mask);
 static const i8tile_fn I8TILE_HALF[NT_MAIN + 1] = QTTS_TILE_TABLE(i8tile_, half);
 
+int qtts_gemm_i8_fast(void) { return I8_SIMD; }
+int qtts_gemm_i8_amx_built(void) { return AMX_I8; }
+
+/* ---- AMX-INT8 tiles --------------------------------------------------------------------------- */
+
+#if AMX_I8
+/* Tiles (palette 1, all 16 rows x 64 bytes): 0-3 int32 sums (tmm0/1: rows 0-15 x channels 0-15 /
+ * 16-31, tmm2/3: rows 16-31), 4-5 the input (16 rows x 64 bytes of one input block), 6-7 the
+ * weights (16 groups of 4 inputs x 16 channels: the packed block's groups are 128 bytes, channels
+ * 0-15 first, so a tile is a 64-byte column of them). TDPBUSD: u8 input x s8 weight, int32 sums,
+ * exact as VPDPBUSD's; the epilogue is the VNNI path's, so the results are the same bits. */
+typedef struct __attribute__((packed)) {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_i8_cfg;
+
+static void amx_i8_configure(void) {
+    amx_i8_cfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        cfg.colsb[i] = 64;
+        cfg.rows[i] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* Input block b of NG x 16 rows (x: the first row's block, rows xs bytes apart; rows past nt are
+ * read and dropped) x 32 channels, added to out (rows ys apart; written at b == 0). */
+INLINE void amx_i8_block(const int NG, float * out, int64_t ys, int nt, const i8_args * a,
+                         const uint8_t * x, int64_t xs, int64_t b) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (NG == 2) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int s = 0; s < KB / 64; s++) {
+        const int8_t * w = a->w + (b * (KB / 4) + s * 16) * OB * 4;
+        _tile_loadd(6, w, OB * 4);
+        _tile_loadd(7, w + VW * 4, OB * 4);
+        _tile_loadd(4, x + s * 64, xs);
+        _tile_dpbusd(0, 4, 6);
+        _tile_dpbusd(1, 4, 7);
+        if (NG == 2) {
+            _tile_loadd(5, x + 16 * xs + s * 64, xs);
+            _tile_dpbusd(2, 5, 6);
+            _tile_dpbusd(3, 5, 7);
+        }
+    }
+    int32_t sums[32][OB] __attribute__((aligned(64)));
+    _tile_stored(0, &sums[0][0], OB * sizeof(int32_t));
+    _tile_stored(1, &sums[0][VW], OB * sizeof(int32_t));
+    if (NG == 2) {
+        _tile_stored(2, &sums[16][0], OB * sizeof(int32_t));
+        _tile_stored(3, &sums[16][VW], OB * sizeof(int32_t));
+    }
+    const __m512i c0 = _mm512_loadu_si512((const void *)(a->wc + b * OB));
+    const __m512i c1 = _mm512_loadu_si512((const void *)(a->wc + b * OB + VW));
+    const __m512 s0 = _mm512_loadu_ps(a->wsc + b * OB), s1 = _mm512_loadu_ps(a->wsc + b * OB + VW);
+    for (int j = 0; j < nt; j++) {
+        float * o = out + j * ys;
+        const __m512 xsc = _mm512_set1_ps(a->xsc[j * a->nkb + b]);
+        const __m512i i0 = _mm512_add_epi32(_mm512_load_si512((const void *)&sums[j][0]), c0);
+        const __m512i i1 = _mm512_add_epi32(_mm512_load_si512((const void *)&sums[j][VW]), c1);
+        const __m512 p0 = b == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(o);
+        const __m512 p1 = b == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(o + VW);
+        _mm512_storeu_ps(o, _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(s0, xsc), p0));
+        _mm512_storeu_ps(o + VW, _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), _mm512_mul_ps(s1, xsc),
+                                                 p1));
+    }
+}
+#endif
+
 /* ---- the op ---------------------------------------------------------------------------------- */
 
 void qtts_gemm_i8_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
@@ -294,10 +377,17 @@ void qtts_gemm_i8_op(struct ggml_tensor * dst, int ith, int nth, void * userdata
     const int64_t u0 = units * ith / nth, u1 = units * (ith + 1) / nth;
     if (u0 >= u1) return;
 
+#if AMX_I8
+    /* whole 256-input blocks and 32-channel blocks only (every talker matrix) */
+    const int amx = qtts_amx_on && K % KB == 0 && N % OB == 0;
+#else
+    const int amx = 0;
+#endif
     /* this thread's copy of a row chunk's input as int8, block-major (block b of row r at
-     * xq + (b * rows + r) * KB) so that a tile's block is one contiguous run */
+     * xq + (b * rows + r) * KB) so that a tile's block is one contiguous run; with tiles, 32 rows
+     * more, read past the chunk's last row and dropped */
     const int64_t rows = T < tch ? T : tch;
-    const size_t q_bytes = ((size_t)(nkb * rows * KB) + 63) & ~(size_t)63;
+    const size_t q_bytes = ((size_t)(nkb * rows * KB + (amx ? 32 * KB : 0)) + 63) & ~(size_t)63;
     /* then the unit's output rows, OB floats each: contiguous, where dst's rows (N floats
      * apart, a multiple of 4 KB for most matrices) would all fall in one L1 set */
     const size_t acc_bytes = (size_t)(rows * OB) * sizeof(float);
@@ -313,6 +403,9 @@ void qtts_gemm_i8_op(struct ggml_tensor * dst, int ith, int nth, void * userdata
     const int32_t * wc = (const int32_t *)ct->data;
     float * y = (float *)dst->data;
     int64_t have_tc = -1;
+#if AMX_I8
+    if (amx) amx_i8_configure(); /* per thread, per call: the ggml worker threads run other code */
+#endif
     for (int64_t u = u0; u < u1; u++) {
         const int64_t tc = u / n_ob, ob = u % n_ob;
         const int64_t t0 = tc * tch, t_end = t0 + tch < T ? t0 + tch : T;
@@ -324,6 +417,29 @@ void qtts_gemm_i8_op(struct ggml_tensor * dst, int ith, int nth, void * userdata
         }
         const int64_t o0 = ob * OB;
         const int width = (int)(N - o0 < OB ? N - o0 : OB);
+#if AMX_I8
+        if (amx) {
+            const i8_args a = {.xsc = xsc, .w = w + ob * ng * OB * 4, .wsc = ws + ob * nkb * OB,
+                               .wc = wc + ob * nkb * OB, .nkb = nkb, .ng = ng};
+            for (int64_t b = 0; b < nkb; b++) {
+                for (int64_t t = t0; t < t_end; t += 32) {
+                    const int nt = (int)(t_end - t < 32 ? t_end - t : 32);
+                    const i8_args at = {.xsc = xsc + (t - t0) * nkb, .w = a.w, .wsc = a.wsc,
+                                        .wc = a.wc, .nkb = nkb, .ng = ng};
+                    const uint8_t * xb = xq + (b * rows + (t - t0)) * KB;
+                    if (nt > 16) {
+                        amx_i8_block(2, yacc + (t - t0) * OB, OB, nt, &at, xb, KB, b);
+                    } else {
+                        amx_i8_block(1, yacc + (t - t0) * OB, OB, nt, &at, xb, KB, b);
+                    }
+                }
+            }
+            for (int64_t t = t0; t < t_end; t++) {
+                memcpy(y + t * N + o0, yacc + (t - t0) * OB, (size_t)width * sizeof(float));
+            }
+            continue;
+        }
+#endif
         const i8tile_fn * fns = width == OB ? I8TILE_FULL : (width <= VW ? I8TILE_HALF : I8TILE_MASK);
         /* block-outer: the block's weights (B x KB bytes) stay in L1 across the chunk's tiles */
         for (int64_t b = 0; b < nkb; b++) {
@@ -341,4 +457,7 @@ void qtts_gemm_i8_op(struct ggml_tensor * dst, int ith, int nth, void * userdata
             memcpy(y + t * N + o0, yacc + (t - t0) * OB, (size_t)width * sizeof(float));
         }
     }
+#if AMX_I8
+    if (amx) _tile_release();
+#endif
 }

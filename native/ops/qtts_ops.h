@@ -128,6 +128,11 @@ void qtts_gemm_i8_pack(const float * W, int64_t N, int64_t K, int8_t * wq, float
 /* 1 when qtts_gemm_i8_op has its AVX512_VNNI kernel, 0 for the slow portable path. */
 int qtts_gemm_i8_fast(void);
 
+/* 1 when this variant's qtts_gemm_i8_op has its AMX-INT8 tile path, which runs while the AMX
+ * tiles are on (qtts_ops_amx) for matrices of whole 256-input and 32-output blocks: the same
+ * bits as the VNNI kernel (exact integer sums, the same epilogue). */
+int qtts_gemm_i8_amx_built(void);
+
 /* Q4_0 matrix x a few rows (W4A8; the steps of quantised talkers), as a ggml_custom_op_t for
  * ggml_custom_4d(ctx, F32, N, ne1, ne2, ne3, {x, w}, 2, qtts_gemv_q4_op, n, NULL):
  *   dst[t, o] = sum_b d_w[o, b] * d_x[t, b] * (sum_{k in b} u[o, k] * xq[t, k] - 8 * sum xq[t, b])

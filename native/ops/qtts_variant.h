@@ -28,6 +28,7 @@
 #define qtts_gemm_i8_op QTTS_V(qtts_gemm_i8_op)
 #define qtts_gemm_i8_pack QTTS_V(qtts_gemm_i8_pack)
 #define qtts_gemm_i8_fast QTTS_V(qtts_gemm_i8_fast)
+#define qtts_gemm_i8_amx_built QTTS_V(qtts_gemm_i8_amx_built)
 #define qtts_gemv_q4_op QTTS_V(qtts_gemv_q4_op)
 #define qtts_gemv_q4_pack QTTS_V(qtts_gemv_q4_pack)
 #define qtts_gemv_q4_fast QTTS_V(qtts_gemv_q4_fast)

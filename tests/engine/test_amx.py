@@ -1,4 +1,5 @@
-"""The AMX-BF16 tile path of the BF16 conv (native/ops/conv1d_tm_bf16.c) and its switch.
+"""The AMX tile paths (the BF16 conv, native/ops/conv1d_tm_bf16.c; the int8 GEMM,
+native/ops/gemm_i8.c) and their switch.
 
 On a CPU with AMX-BF16 (and the OS granting the tile state) the BF16 conv runs on tiles by
 default, so every BF16 conv test runs that path there; these tests add the shapes the tiles cut
@@ -125,6 +126,29 @@ def test_amx_on_a_strided_view(amx_on: None, cpu2: BackendSet) -> None:
 
 
 @needs_ops
+@pytest.mark.parametrize("n,k,t", [(64, 1024, 57), (3072, 1024, 134), (32, 512, 400),
+                                   (96, 3072, 1), (64, 256, 17), (100, 300, 13)])
+def test_amx_int8_gemm_is_the_vnni_gemm_bit_for_bit(amx_on: None, cpu1: BackendSet,
+                                                    cpu2: BackendSet, n: int, k: int,
+                                                    t: int) -> None:
+    """The int8 GEMM on AMX-INT8 tiles (whole 256-input and 32-channel blocks; other shapes
+    stay on VPDPBUSD): exact integer sums and the same epilogue, so the same bits as the VNNI
+    kernel, for row counts that fill one, two or part of a 32-row tile, on any thread count."""
+    from engine.ggml import gemm_i8 as gi
+    from tests.engine.test_gemm_i8 import data, run_gemm
+
+    if not gi.fast_available():
+        pytest.skip("no AVX512-VNNI: the int8 GEMM's portable path")
+    w, x = data(np.random.default_rng(n + k + t), n, k, t)
+    tiles = run_gemm(cpu2, w, x)
+    assert np.array_equal(tiles, run_gemm(cpu1, w, x))
+    assert not co.set_amx(False)
+    vector = run_gemm(cpu2, w, x)
+    assert np.array_equal(tiles, vector)
+    assert np.abs(tiles - gi.reference(w, x)).max() <= 1e-6 * np.abs(tiles).max()
+
+
+@needs_ops
 def test_amx_is_another_path_than_avx512(amx_on: None, cpu2: BackendSet) -> None:
     """The switch really changes the kernel (the tiles sum in another order), and both paths
     stay within the BF16 contract."""
@@ -192,6 +216,11 @@ def test_portable_dispatch_names_and_leaves_amx(tmp_path: Path, cpu2: BackendSet
     assert co.variants(library) == ["amx_bf16", "avx512_bf16"]
     assert co.variant(library) == "amx_bf16" and co.amx(library)
     assert co.kernel_paths(library)["conv1d_tm_bf16"] == "amx_bf16 (tiles)"
+    assert co.kernel_paths(library)["gemm_i8"] == "amx_int8 (tiles)"
+    from tests.engine.test_gemm_i8 import data, run_gemm
+
+    w8, x8 = data(np.random.default_rng(8), 96, 1024, 45)
+    i8_tiles = run_gemm(cpu2, w8, x8, library)
     rng = np.random.default_rng(6)
     xp, w, b = conv_data(rng, 200, 70, 401, 7, 1)
     ref = conv_ref_bf16(xp, w, b, 1)
@@ -200,6 +229,8 @@ def test_portable_dispatch_names_and_leaves_amx(tmp_path: Path, cpu2: BackendSet
     assert not co.set_amx(False, library)
     assert co.variant(library) == "avx512_bf16" and not co.amx(library)
     assert co.kernel_paths(library)["conv1d_tm_bf16"] == "avx512_bf16"
+    assert co.kernel_paths(library)["gemm_i8"] == "avx512_vnni"
+    assert np.array_equal(i8_tiles, run_gemm(cpu2, w8, x8, library))
     vector = run_conv_bf16(cpu2, xp, w, b, 1, library)
     check_conv(vector, ref)
     assert not np.array_equal(tiles, vector)
