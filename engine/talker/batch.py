@@ -40,13 +40,7 @@ import numpy.typing as npt
 
 from engine.errors import InputError
 from engine.ggml import NULL, Graph, Tensor, lib
-from engine.talker.model import (
-    CP_KV_TYPE,
-    STEP_BUCKET,
-    TalkerModel,
-    _graph_nodes,
-    codes_embedding,
-)
+from engine.talker.model import STEP_BUCKET, TalkerModel, _graph_nodes, codes_embedding
 from engine.talker.qwen3 import Builder, KVCache, stack
 from engine.talker.runner import CachedGraph
 from engine.talker.weights import LayerWeights
@@ -202,7 +196,7 @@ class BatchedTalker:
         w = t.weights
         shape = w.cp_shape
         n_slot = t.n_groups
-        cache = KVCache(t.backends, len(w.cp_layers), shape.kv_dim, n_slot * n, CP_KV_TYPE, "cpb")
+        cache = KVCache(t.backends, len(w.cp_layers), shape.kv_dim, n_slot * n, t.kv_type, "cpb")
         nodes = _graph_nodes(len(w.cp_layers), 2)
 
         def project(b: Builder, x: Tensor) -> Tensor:

@@ -54,9 +54,6 @@ F32 = npt.NDArray[np.float32]
 I32 = npt.NDArray[np.int32]
 
 KV_TYPES: dict[str, int] = {"f32": lib.GGML_TYPE_F32, "f16": lib.GGML_TYPE_F16}
-# The code predictor's cache is 16 positions (a few hundred KB at F32) and read by 15 passes a
-# frame: F32 whatever kv_type says, where ggml's attention reads it ~3x faster than F16.
-CP_KV_TYPE = lib.GGML_TYPE_F32
 STEP_BUCKET = 64  # talker-step graphs are rebuilt when the cache prefix crosses a bucket
 SHRINK_BYTES = 64 << 20  # a talker cache over this size shrinks when 4x bigger than needed
 PREFIX_CACHE_ENTRIES = 32  # prompt prefixes (voice x language x instruction) kept, LRU
@@ -94,9 +91,8 @@ class PrefillOut:
 class TalkerModel:
     """Talker + code predictor weights, their KV caches and cached step graphs.
 
-    One utterance at a time (the caches are shared state). ``kv_type``: the talker cache's type,
-    "f16" (default; half the cache memory and bandwidth) or "f32" (parity with the F32 reference
-    to ~1e-5); the code predictor's 16-position cache is F32 always (``CP_KV_TYPE``).
+    One utterance at a time (the caches are shared state). ``kv_type``: "f16" (default; half
+    the cache memory and bandwidth) or "f32" (parity with the F32 reference to ~1e-5).
     ``repack``: Q4_0 matrices in ggml's CPU_REPACK layout (see ``engine.talker.weights``).
     ``int8_prefill``: int8 copies of a Q8_0/Q4_0 talker's matrices for prefills (ibid.); None:
     as the BackendSet's options say (``EngineOptions.int8_prefill``). ``prefill_chunk``:
@@ -125,7 +121,7 @@ class TalkerModel:
         self._min_ctx = 0  # talker cache positions never given back (set by warm_up)
         self._step: tuple[int, CachedGraph] | None = None
         self.cp_cache = KVCache(backends, len(w.cp_layers), w.cp_shape.kv_dim, self.n_groups,
-                                CP_KV_TYPE, "cp")
+                                self.kv_type, "cp")
         self._cp_graphs: list[CachedGraph] = []
         self._cp_uploads: list[dict[str, np.ndarray[Any, Any]]] = []
         # prompt-prefix key -> (K rows, V rows) as [n_layers, P, kv_dim] in the cache's dtype
