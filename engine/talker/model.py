@@ -93,7 +93,8 @@ class TalkerModel:
 
     One utterance at a time (the caches are shared state). ``kv_type``: "f16" (default; half
     the cache memory and bandwidth) or "f32" (parity with the F32 reference to ~1e-5).
-    ``repack``: Q4_0 matrices in ggml's CPU_REPACK layout (see ``engine.talker.weights``).
+    ``repack``: Q4_0 matrices re-laid out for the steps' kernels, qtts's ``gemv_q4`` or ggml's
+    CPU_REPACK (see ``engine.talker.weights``).
     ``int8_prefill``: int8 copies of a Q8_0/Q4_0 talker's matrices for prefills (ibid.); None:
     as the BackendSet's options say (``EngineOptions.int8_prefill``). ``prefill_chunk``:
     prompt positions per prefill graph (see ``prefill``).
