@@ -66,7 +66,6 @@ INLINE __m512i dpbusd(__m512i acc, __m512i x, __m512i w) {
 #define NT_MAIN 12            /* rows per tile */
 #define TCHUNK (NT_MAIN * 32) /* most rows per work unit */
 
-
 /* ---- rounding to int8 ------------------------------------------------------------------------ */
 
 /* Scale of one block: max|v| / 127 (0 for an all-zero block). */
@@ -419,13 +418,12 @@ void qtts_gemm_i8_op(struct ggml_tensor * dst, int ith, int nth, void * userdata
         const int width = (int)(N - o0 < OB ? N - o0 : OB);
 #if AMX_I8
         if (amx) {
-            const i8_args a = {.xsc = xsc, .w = w + ob * ng * OB * 4, .wsc = ws + ob * nkb * OB,
-                               .wc = wc + ob * nkb * OB, .nkb = nkb, .ng = ng};
             for (int64_t b = 0; b < nkb; b++) {
                 for (int64_t t = t0; t < t_end; t += 32) {
                     const int nt = (int)(t_end - t < 32 ? t_end - t : 32);
-                    const i8_args at = {.xsc = xsc + (t - t0) * nkb, .w = a.w, .wsc = a.wsc,
-                                        .wc = a.wc, .nkb = nkb, .ng = ng};
+                    const i8_args at = {.xsc = xsc + (t - t0) * nkb, .w = w + ob * ng * OB * 4,
+                                        .wsc = ws + ob * nkb * OB, .wc = wc + ob * nkb * OB,
+                                        .nkb = nkb, .ng = ng};
                     const uint8_t * xb = xq + (b * rows + (t - t0)) * KB;
                     if (nt > 16) {
                         amx_i8_block(2, yacc + (t - t0) * OB, OB, nt, &at, xb, KB, b);
