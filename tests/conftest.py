@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,6 +25,17 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_gguf(tiny_model_dir: Path) -> Path:
     """Path of the tiny model's ``model.gguf``."""
     return tiny_model_dir / "model.gguf"
+
+
+@pytest.fixture(scope="session")
+def tiny_q4_model(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The tiny model converted to Q4_0 talker weights (the type a worker serves), opened."""
+    from engine.gguf_model import open_model
+    from engine.tools.convert import convert
+
+    out = tmp_path_factory.mktemp("q4") / "q4.gguf"
+    convert(tiny_model_dir, out, dtype="q4_0", progress=False)
+    return open_model(out)
 
 
 @pytest.fixture(scope="session")

@@ -265,25 +265,7 @@ static const btile_fn BTILE_HALF[NT_MAIN + 1] = QTTS_TILE_TABLE(btile_, half);
  * channels 0-15, tmm1: steps 0-15 x 16-31, tmm2/3: steps 16-31), 4-5 the input (16 steps x 16
  * BF16 pairs each), 6-7 the weights (16 pairs x 16 channels x 2, the VNNI layout the packed
  * block already has: pair p's 32 channels are 128 bytes, channels 0-15 first). All 16 rows x
- * 64 bytes. */
-typedef struct __attribute__((packed)) {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} amx_tilecfg;
-
-static void amx_configure(void) {
-    amx_tilecfg cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int i = 0; i < 8; i++) {
-        cfg.colsb[i] = 64;
-        cfg.rows[i] = 16;
-    }
-    _tile_loadconfig(&cfg);
-}
+ * 64 bytes (qtts_amx_configure). */
 
 /* One 16 or 32 (NG = 1, 2) steps x 32 channels tile over the whole reduction (every tap, every
  * pair), then bias (+ res) added and the valid rows / channels stored. x: the scratch row of the
@@ -417,7 +399,7 @@ void qtts_conv1d_tm_bf16_op(struct ggml_tensor * dst, int ith, int nth, void * u
     uint16_t wtail[16 * 2 * OB] __attribute__((aligned(64)));
     if (amx) {
         memset(wtail, 0, sizeof wtail);
-        amx_configure(); /* per thread, per call: the ggml worker threads run other code too */
+        qtts_amx_configure(); /* per thread, per call: the ggml worker threads run other code too */
     }
 #endif
     for (int64_t u = u0; u < u1; u++) {

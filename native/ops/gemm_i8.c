@@ -276,25 +276,8 @@ int qtts_gemm_i8_amx_built(void) { return AMX_I8; }
  * 16-31, tmm2/3: rows 16-31), 4-5 the input (16 rows x 64 bytes of one input block), 6-7 the
  * weights (16 groups of 4 inputs x 16 channels: the packed block's groups are 128 bytes, channels
  * 0-15 first, so a tile is a 64-byte column of them). TDPBUSD: u8 input x s8 weight, int32 sums,
- * exact as VPDPBUSD's; the epilogue is the VNNI path's, so the results are the same bits. */
-typedef struct __attribute__((packed)) {
-    uint8_t palette;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} amx_i8_cfg;
-
-static void amx_i8_configure(void) {
-    amx_i8_cfg cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int i = 0; i < 8; i++) {
-        cfg.colsb[i] = 64;
-        cfg.rows[i] = 16;
-    }
-    _tile_loadconfig(&cfg);
-}
+ * exact as VPDPBUSD's; the epilogue is the VNNI path's, so the results are the same bits.
+ * (qtts_amx_configure: every tile 16 rows x 64 bytes.) */
 
 /* Input block b of NG x 16 rows (x: the first row's block, rows xs bytes apart; rows past nt are
  * read and dropped) x 32 channels, added to out (rows ys apart; written at b == 0). */
@@ -403,7 +386,7 @@ void qtts_gemm_i8_op(struct ggml_tensor * dst, int ith, int nth, void * userdata
     float * y = (float *)dst->data;
     int64_t have_tc = -1;
 #if AMX_I8
-    if (amx) amx_i8_configure(); /* per thread, per call: the ggml worker threads run other code */
+    if (amx) qtts_amx_configure(); /* per thread, per call: the ggml worker threads run other code */
 #endif
     for (int64_t u = u0; u < u1; u++) {
         const int64_t tc = u / n_ob, ob = u % n_ob;

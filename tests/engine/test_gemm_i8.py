@@ -143,29 +143,20 @@ def test_gemm_i8_rejects_what_the_kernel_cannot_take() -> None:
 # The talker's prefill on the int8 copies
 
 
-@pytest.fixture(scope="module")
-def q4_model(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from engine.gguf_model import open_model
-    from engine.tools.convert import convert
-
-    out = tmp_path_factory.mktemp("q4") / "q4.gguf"
-    convert(tiny_model_dir, out, dtype="q4_0", progress=False)
-    return open_model(out)
-
-
 @needs_ops
-def test_int8_prefill_is_close_to_the_plain_prefill(q4_model: Any, cpu2: BackendSet) -> None:
+def test_int8_prefill_is_close_to_the_plain_prefill(tiny_q4_model: Any, cpu2: BackendSet) -> None:
     from engine.talker.model import TalkerModel
     from engine.talker.prompt import PromptBuilder
 
     if not gi.fast_available():
         pytest.skip("no AVX512-VNNI: the talker keeps ggml's GEMM")
-    plain = TalkerModel(q4_model, cpu2, kv_type="f32", int8_prefill=False)
-    i8 = TalkerModel(q4_model, cpu2, kv_type="f32", int8_prefill=True)
+    plain = TalkerModel(tiny_q4_model, cpu2, kv_type="f32", int8_prefill=False)
+    i8 = TalkerModel(tiny_q4_model, cpu2, kv_type="f32", int8_prefill=True)
     assert not plain.weights.int8_prefill and plain.weights.i8_nbytes == 0
     assert i8.weights.int8_prefill and i8.weights.i8_nbytes > 0
     assert all(lw.i8 is None for lw in i8.weights.cp_layers)  # one-row work: no copies
-    prompt = PromptBuilder(q4_model).build("Hello there, how are you today?", "ryan", "english")
+    prompt = PromptBuilder(tiny_q4_model).build("Hello there, how are you today?", "ryan",
+                                                "english")
     a, b = plain.prefill(prompt), i8.prefill(prompt)
     cos = float(np.dot(a.logits, b.logits) / np.linalg.norm(a.logits) / np.linalg.norm(b.logits))
     assert cos >= 0.999
@@ -175,7 +166,7 @@ def test_int8_prefill_is_close_to_the_plain_prefill(q4_model: Any, cpu2: Backend
 
 
 @needs_ops
-def test_int8_prefill_only_for_quantised_cpu_talkers(tiny_gguf: Path, q4_model: Any,
+def test_int8_prefill_only_for_quantised_cpu_talkers(tiny_gguf: Path, tiny_q4_model: Any,
                                                     cpu2: BackendSet,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     from engine.gguf_model import open_model
@@ -187,15 +178,15 @@ def test_int8_prefill_only_for_quantised_cpu_talkers(tiny_gguf: Path, q4_model: 
     t = TalkerModel(m, cpu2, kv_type="f32")
     assert not t.weights.int8_prefill
     t.close()
-    assert int8_prefill_possible(q4_model, cpu2) == gi.fast_available()
+    assert int8_prefill_possible(tiny_q4_model, cpu2) == gi.fast_available()
     monkeypatch.setattr(gi, "fast_available", lambda library=None: False)
-    assert not int8_prefill_possible(q4_model, cpu2)
+    assert not int8_prefill_possible(tiny_q4_model, cpu2)
     monkeypatch.undo()
     stock = BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "2",
                                  "QTTS_CUSTOM_OPS": "0"})
-    assert not int8_prefill_possible(q4_model, stock)
+    assert not int8_prefill_possible(tiny_q4_model, stock)
     no_i8 = BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "2",
                                  "QTTS_INT8_PREFILL": "0"})
-    t = TalkerModel(q4_model, no_i8, kv_type="f32")
+    t = TalkerModel(tiny_q4_model, no_i8, kv_type="f32")
     assert not t.weights.int8_prefill
     t.close()

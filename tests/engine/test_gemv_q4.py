@@ -3,7 +3,6 @@ product, and the talker that routes its steps through it."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import gguf
@@ -169,23 +168,14 @@ def test_gemv_q4_rejects_what_the_kernel_cannot_take() -> None:
 # The talker's steps on it
 
 
-@pytest.fixture(scope="module")
-def q4_model(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from engine.gguf_model import open_model
-    from engine.tools.convert import convert
-
-    out = tmp_path_factory.mktemp("q4") / "q4.gguf"
-    convert(tiny_model_dir, out, dtype="q4_0", progress=False)
-    return open_model(out)
-
-
 @needs_ops
-def test_the_talker_steps_through_gemv_q4_where_it_can(q4_model: Any, cpu2: BackendSet) -> None:
+def test_the_talker_steps_through_gemv_q4_where_it_can(tiny_q4_model: Any,
+                                                       cpu2: BackendSet) -> None:
     from engine.talker.model import TalkerModel
     from engine.talker.weights import gemv_q4_possible
 
     assert gemv_q4_possible(cpu2) == gq.fast_available()
-    t = TalkerModel(q4_model, cpu2, kv_type="f32")
+    t = TalkerModel(tiny_q4_model, cpu2, kv_type="f32")
     if gq.fast_available():
         # every Q4_0 matrix of the talker and code predictor: no ggml repack copy
         assert t.weights.q4_matrices > 0 and t.weights.repacked is None
@@ -195,6 +185,6 @@ def test_the_talker_steps_through_gemv_q4_where_it_can(q4_model: Any, cpu2: Back
     stock = BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "2",
                                  "QTTS_CUSTOM_OPS": "0"})
     assert not gemv_q4_possible(stock)
-    t = TalkerModel(q4_model, stock, kv_type="f32")
+    t = TalkerModel(tiny_q4_model, stock, kv_type="f32")
     assert t.weights.q4_matrices == 0
     t.close()
