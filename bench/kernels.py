@@ -47,7 +47,6 @@ import numpy as np
 from engine.backend import BackendSet
 from engine.ggml import Graph, ffi, lib
 from engine.ggml import custom_ops as co
-from engine.ggml.graph import new_tensor, set_name
 
 CONV_CASES = [  # (C, T, dilation, K)
     (96, 59520, 1, 7),
@@ -64,6 +63,7 @@ BF16_CONV_CASES = [  # (C, T, dilation, K): the decoder's residual-unit convs, ~
 EXTRA_BF16_CASES = [(96, 59520, 9, 7), (384, 4960, 9, 7), (96, 59520, 1, 1), (384, 4960, 1, 1)]
 HIST_CASES = [(96, 59520, 1, 7)]  # (C, T, dilation, K)
 EXTRA_HIST_CASES = [(96, 59520, 9, 7), (384, 4960, 1, 7)]
+BF16 = lib.GGML_TYPE_BF16  # weight inputs uploaded as co.bf16_bits
 
 
 def _cpu_ticks() -> tuple[int, int]:
@@ -147,7 +147,7 @@ def conv_graph_mulmat(c: int, t: int, d: int, k: int, bf16: bool = False) -> Gra
     g = Graph()
     xp = g.input("xp", (t + (k - 1) * d, c))
     # [K, C_out, C_in]: W_k is the k-th [C_out, C_in] slice
-    w = _bf16_input(g, "w", (k, c, c)) if bf16 else g.input("w", (k, c, c))
+    w = g.input("w", (k, c, c), ggml_type=BF16 if bf16 else None)
     b = g.input("b", (c,))
     y = None
     for i in range(k):
@@ -243,19 +243,12 @@ def bench_conv(cpu: BackendSet, cases: list[tuple[int, int, int, int]], reps: in
     print("\n".join(cpu_rows), flush=True)
 
 
-def _bf16_input(g: Graph, name: str, shape: tuple[int, ...]) -> Any:
-    """A BF16 graph input (upload uint16 bits: co.bf16_bits)."""
-    t = set_name(new_tensor(g.ctx, lib.GGML_TYPE_BF16, shape), name)
-    lib.ggml_set_input(t)
-    g.inputs[name] = t
-    return t
-
-
 def conv_graph_custom_bf16(c: int, t: int, d: int, k: int) -> Graph:
     g = Graph()
     xp = g.input("xp", (t + (k - 1) * d, c))
     blk = co.CONV_BF16_BLOCK
-    w = _bf16_input(g, "w", (-(-c // blk), k, -(-c // 2), 2 * blk))  # pack_conv_weight_bf16
+    w = g.input("w", (-(-c // blk), k, -(-c // 2), 2 * blk),  # pack_conv_weight_bf16
+                ggml_type=BF16)
     b = g.input("b", (c,))
     g.output(co.conv1d_tm_bf16(g.ctx, xp, w, b, d), "y")
     return g
@@ -341,7 +334,7 @@ def conv_graph_hist(c: int, t: int, d: int, k: int, dtype: str, apart: bool) -> 
     b = g.input("b", (c,))
     if dtype == "bf16":
         blk = co.CONV_BF16_BLOCK
-        w = _bf16_input(g, "w", (-(-c // blk), k, -(-c // 2), 2 * blk))
+        w = g.input("w", (-(-c // blk), k, -(-c // 2), 2 * blk), ggml_type=BF16)
         fn = co.conv1d_tm_bf16
     else:
         blk = co.conv_block()
@@ -463,8 +456,8 @@ def bench_wino(cpu: BackendSet, reps: int, max_busy: float, threads: int) -> Non
                                  ("wino", co.pack_conv_weight_wino_bf16, co.conv1d_wino_bf16)]:
             wp = co.bf16_bits(pack(w))
             g = Graph()
-            tx, tb, tw = g.input("xp", xp.shape), g.input("b", b.shape), _bf16_input(g, "w",
-                                                                                    wp.shape)
+            tx, tb = g.input("xp", xp.shape), g.input("b", b.shape)
+            tw = g.input("w", wp.shape, ggml_type=BF16)
             g.output(conv(g.ctx, tx, tw, tb, d), "y")
             r = GraphRunner(cpu, g, {"xp": xp, "w": wp, "b": b})
             stats[name] = timed(r.run, reps, max_busy, r.set_inputs, threads)
@@ -511,12 +504,8 @@ def bench_gemm_i8(cpu: BackendSet, reps: int, max_busy: float, threads: int) -> 
             if name == "q4_0":
                 y = lib.ggml_mul_mat(g.ctx, wt, tx)
             else:
-                wq = set_name(new_tensor(g.ctx, lib.GGML_TYPE_I8, p.wq.shape), "wq")
-                wc = set_name(new_tensor(g.ctx, lib.GGML_TYPE_I32, p.wc.shape), "wc")
-                for tt, nm in ((wq, "wq"), (wc, "wc")):
-                    lib.ggml_set_input(tt)
-                    g.inputs[nm] = tt
-                m = gi.I8Matrix(n, k, wq, g.input("ws", p.ws.shape), wc)
+                m = gi.I8Matrix(n, k, g.input("wq", p.wq.shape, np.int8),
+                                g.input("ws", p.ws.shape), g.input("wc", p.wc.shape, np.int32))
                 y = gi.gemm_i8(g.ctx, tx, m)
                 inputs.update(wq=p.wq, ws=p.ws, wc=p.wc)
             g.output(y, "y")
@@ -567,9 +556,7 @@ def bench_gemv_q4(reps: int, max_busy: float, threads: int) -> None:
                         w = rp.add(f"w{i}", lib.GGML_TYPE_Q4_0, (n, k), q4)
                         y = lib.ggml_mul_mat(g.ctx, w, tx)
                     else:
-                        w = set_name(new_tensor(g.ctx, lib.GGML_TYPE_I8, packed.shape), f"w{i}")
-                        lib.ggml_set_input(w)
-                        g.inputs[f"w{i}"] = w
+                        w = g.input(f"w{i}", packed.shape, np.int8)
                         inputs[f"w{i}"] = packed
                         y = gq.gemv_q4(g.ctx, tx, w)
                     g.output(y, f"y{i}")

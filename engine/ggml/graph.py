@@ -93,10 +93,14 @@ class Graph:
         self.inputs: dict[str, Tensor] = {}
         self.outputs: dict[str, Tensor] = {}
 
-    def input(self, name: str, shape: Sequence[int], dtype: type | np.dtype[Any] = np.float32
-              ) -> Tensor:
-        """A named graph input of numpy-order ``shape``; its data is uploaded at execute."""
-        t = set_name(new_tensor(self.ctx, ggml_type_of(dtype), shape), name)
+    def input(self, name: str, shape: Sequence[int], dtype: type | np.dtype[Any] = np.float32,
+              ggml_type: int | None = None) -> Tensor:
+        """A named graph input of numpy-order ``shape``; its data is uploaded at execute.
+
+        ``ggml_type``: a type no numpy dtype holds element for element (BF16 given as uint16
+        bits, a quantised matrix given as its blocks' bytes), instead of ``dtype``'s."""
+        gt = ggml_type_of(dtype) if ggml_type is None else ggml_type
+        t = set_name(new_tensor(self.ctx, gt, shape), name)
         lib.ggml_set_input(t)
         self.inputs[name] = t
         return t

@@ -27,7 +27,7 @@ from engine.ggml import Graph, ffi, lib, native_info
 from engine.ggml import custom_ops as co
 from engine.gguf_model import open_model
 from tests.engine.test_custom_ops import (
-    bf16_input,
+    BF16,
     check_conv,
     conv_data,
     conv_ref_bf16,
@@ -117,7 +117,7 @@ def test_amx_on_a_strided_view(amx_on: None, cpu2: BackendSet) -> None:
     wp = co.bf16_bits(co.pack_conv_weight_bf16(w))
     g = Graph()
     tx, tb = g.input("x", wide.shape), g.input("b", b.shape)
-    tw = bf16_input(g, "w", wp.shape)
+    tw = g.input("w", wp.shape, ggml_type=BF16)
     view = lib.ggml_view_2d(g.ctx, tx, c, wide.shape[0], tx.nb[1], 4 * (c + 1))
     g.output(co.conv1d_tm_bf16(g.ctx, view, tw, tb, d), "y")
     y = cpu2.execute(g, {"x": wide, "w": wp, "b": b})["y"].reshape(t, c)

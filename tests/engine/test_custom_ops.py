@@ -15,7 +15,7 @@ from engine.backend import BackendSet
 from engine.errors import NativeBuildError
 from engine.ggml import Graph, ffi, gemm_i8, gemv_q4, lib, native_info, ops
 from engine.ggml import custom_ops as co
-from engine.ggml.graph import new_tensor, set_name
+from engine.ggml.graph import new_tensor
 from tests.engine.test_gemm_i8 import data as gemm_data
 from tests.engine.test_gemm_i8 import run_gemm
 from tests.engine.test_gemv_q4 import products as gemv_q4_products
@@ -24,6 +24,7 @@ from tests.engine.test_gemv_q4 import quantised, rows
 # the ops are part of the repository: a library that did not load fails these tests
 needs_ops = pytest.mark.usefixtures("native_ops")
 REPO = Path(__file__).resolve().parents[2]
+BF16 = lib.GGML_TYPE_BF16  # BF16 inputs are uploaded as co.bf16_bits of the values
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,7 +186,7 @@ def test_missing_library_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> No
         with pytest.raises(NativeBuildError, match="libqtts_ops"):
             co.conv1d_tm(g.ctx, x, w, bias)
         with pytest.raises(NativeBuildError, match="libqtts_ops"):
-            co.conv1d_tm_bf16(g.ctx, x, bf16_input(g, "wb", (1, 1, 4, 64)), bias)
+            co.conv1d_tm_bf16(g.ctx, x, g.input("wb", (1, 1, 4, 64), ggml_type=BF16), bias)
     assert not co.bf16_available()
 
 
@@ -333,13 +334,6 @@ def test_pack_conv_weight() -> None:
 # BF16 causal dilated conv1d, time-major (fast mode)
 
 
-def bf16_input(g: Graph, name: str, shape: tuple[int, ...]) -> Any:
-    """A BF16 graph input (upload ``co.bf16_bits`` of the values)."""
-    t = set_name(new_tensor(g.ctx, lib.GGML_TYPE_BF16, shape), name)
-    lib.ggml_set_input(t)
-    g.inputs[name] = t
-    return t
-
 
 def run_conv_bf16(be: BackendSet, xp: np.ndarray[Any, Any], w_oik: np.ndarray[Any, Any],
                   b: np.ndarray[Any, Any], d: int, library: Any = None, wino: bool = False
@@ -350,7 +344,7 @@ def run_conv_bf16(be: BackendSet, xp: np.ndarray[Any, Any], w_oik: np.ndarray[An
     wp = co.bf16_bits(pack(w_oik))
     g = Graph()
     tx, tb = g.input("x", xp.shape), g.input("b", b.shape)
-    tw = bf16_input(g, "w", wp.shape)
+    tw = g.input("w", wp.shape, ggml_type=BF16)
     g.output(conv(g.ctx, tx, tw, tb, d, library=library), "y")
     t = xp.shape[0] - (w_oik.shape[2] - 1) * d
     return be.execute(g, {"x": xp, "w": wp, "b": b})["y"].reshape(t, w_oik.shape[0])
@@ -428,7 +422,7 @@ def test_conv_bf16_on_a_strided_view(cpu2: BackendSet) -> None:
     wp = co.bf16_bits(co.pack_conv_weight_bf16(w))
     g = Graph()
     tx, tb = g.input("x", wide.shape), g.input("b", b.shape)
-    tw = bf16_input(g, "w", wp.shape)
+    tw = g.input("w", wp.shape, ggml_type=BF16)
     view = lib.ggml_view_2d(g.ctx, tx, c, t + 6 * d, tx.nb[1], 4 * c)  # the right half
     g.output(co.conv1d_tm_bf16(g.ctx, view, tw, tb, d), "y")
     y = cpu2.execute(g, {"x": wide, "w": wp, "b": b})["y"]
@@ -460,7 +454,7 @@ def test_conv_bf16_weight_through_the_weight_store(cpu2: BackendSet) -> None:
 def test_conv_bf16_rejects_what_the_kernel_cannot_take() -> None:
     with Graph() as g:
         x = g.input("x", (20, 96))
-        w, b = bf16_input(g, "w", (3, 7, 48, 64)), g.input("b", (96,))
+        w, b = g.input("w", (3, 7, 48, 64), ggml_type=BF16), g.input("b", (96,))
         with pytest.raises(ValueError, match="history"):
             co.conv1d_tm_bf16(g.ctx, x, w, b, 9)  # 20 rows < 6*9 + 1
         with pytest.raises(ValueError, match="channels"):
@@ -470,11 +464,11 @@ def test_conv_bf16_rejects_what_the_kernel_cannot_take() -> None:
         with pytest.raises(ValueError, match="pack_conv_weight_bf16"):
             co.conv1d_tm_bf16(g.ctx, x, w, g.input("b2", (97,)), 1)
         with pytest.raises(ValueError, match="pack_conv_weight_bf16"):
-            co.conv1d_tm_bf16(g.ctx, x, bf16_input(g, "w_torch", (96, 96, 7)), b, 1)
+            co.conv1d_tm_bf16(g.ctx, x, g.input("w_torch", (96, 96, 7), ggml_type=BF16), b, 1)
         with pytest.raises(TypeError, match="BF16"):  # the F32 op's packing
             co.conv1d_tm_bf16(g.ctx, x, g.input("w32", (3, 7, 48, 64)), b, 1)
         with pytest.raises(TypeError, match="F32"):
-            co.conv1d_tm_bf16(g.ctx, bf16_input(g, "xb", (20, 96)), w, b, 1)
+            co.conv1d_tm_bf16(g.ctx, g.input("xb", (20, 96), ggml_type=BF16), w, b, 1)
         with pytest.raises(ValueError, match="dilation"):
             co.conv1d_tm_bf16(g.ctx, x, w, b, 0)
         with pytest.raises(ValueError, match="contiguous"):
@@ -543,7 +537,7 @@ def _conv_op_inputs(g: Graph, op: str, w_oik: np.ndarray[Any, Any], library: Any
     if op in ("bf16", "wino"):
         pack = co.pack_conv_weight_wino_bf16 if op == "wino" else co.pack_conv_weight_bf16
         wp = co.bf16_bits(pack(w_oik))
-        tw = bf16_input(g, "w", wp.shape)
+        tw = g.input("w", wp.shape, ggml_type=BF16)
     else:
         wp = co.pack_conv_weight(w_oik, library=library)
         tw = g.input("w", wp.shape)
@@ -1017,4 +1011,4 @@ def test_conv_bf16_fusions_reject_bad_sources() -> None:
             co.conv1d_tm_bf16(g.ctx, x, tw, tb, 1, snake=(ea, ib),
                               residual=g.input("r", (13, c)))
         with pytest.raises(TypeError, match="residual"):
-            co.conv1d_tm_bf16(g.ctx, x, tw, tb, 1, residual=bf16_input(g, "rb", (14, c)))
+            co.conv1d_tm_bf16(g.ctx, x, tw, tb, 1, residual=g.input("rb", (14, c), ggml_type=BF16))

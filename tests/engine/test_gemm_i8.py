@@ -12,18 +12,9 @@ import pytest
 from engine.backend import BackendSet
 from engine.ggml import Graph, lib
 from engine.ggml import gemm_i8 as gi
-from engine.ggml.graph import new_tensor
 
 # the ops are part of the repository: a library that did not load fails these tests
 needs_ops = pytest.mark.usefixtures("native_ops")
-
-
-def _typed_input(g: Graph, name: str, arr: np.ndarray[Any, Any], ggml_type: int) -> Any:
-    t = new_tensor(g.ctx, ggml_type, arr.shape)
-    lib.ggml_set_input(t)
-    lib.ggml_set_name(t, name.encode())
-    g.inputs[name] = t
-    return t
 
 
 def run_gemm(be: BackendSet, w: np.ndarray[Any, Any], x: np.ndarray[Any, Any],
@@ -32,8 +23,8 @@ def run_gemm(be: BackendSet, w: np.ndarray[Any, Any], x: np.ndarray[Any, Any],
     p = gi.pack(w, library=library)
     g = Graph()
     tx = g.input("x", x.shape)
-    m = gi.I8Matrix(p.n, p.k, _typed_input(g, "wq", p.wq, lib.GGML_TYPE_I8),
-                    g.input("ws", p.ws.shape), _typed_input(g, "wc", p.wc, lib.GGML_TYPE_I32))
+    m = gi.I8Matrix(p.n, p.k, g.input("wq", p.wq.shape, np.int8),
+                    g.input("ws", p.ws.shape), g.input("wc", p.wc.shape, np.int32))
     g.output(gi.gemm_i8(g.ctx, tx, m, library=library), "y")
     out = be.execute(g, {"x": x, "wq": p.wq, "ws": p.ws, "wc": p.wc})["y"]
     return np.asarray(out).reshape(x.shape[0], w.shape[0])
@@ -120,14 +111,13 @@ def test_gemm_i8_rejects_what_the_kernel_cannot_take() -> None:
     w = np.zeros((64, 256), np.float32)
     p = gi.pack(w)
     with Graph() as g:
-        wq = _typed_input(g, "wq", p.wq, lib.GGML_TYPE_I8)
-        ws, wc = g.input("ws", p.ws.shape), _typed_input(g, "wc", p.wc, lib.GGML_TYPE_I32)
+        wq = g.input("wq", p.wq.shape, np.int8)
+        ws, wc = g.input("ws", p.ws.shape), g.input("wc", p.wc.shape, np.int32)
         m = gi.I8Matrix(64, 256, wq, ws, wc)
         with pytest.raises(ValueError, match="x has ne"):
             gi.gemm_i8(g.ctx, g.input("x", (5, 255)), m)
         with pytest.raises(TypeError):
-            gi.gemm_i8(g.ctx, _typed_input(g, "xi", np.zeros((5, 256), np.int32),
-                                           lib.GGML_TYPE_I32), m)
+            gi.gemm_i8(g.ctx, g.input("xi", (5, 256), np.int32), m)
         with pytest.raises(ValueError, match="wq must be"):
             gi.gemm_i8(g.ctx, g.input("x2", (5, 256)), gi.I8Matrix(64, 256, ws, ws, wc))
         with pytest.raises(ValueError, match="wc must be"):

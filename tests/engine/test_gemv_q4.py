@@ -12,17 +12,8 @@ import pytest
 from engine.backend import BackendSet
 from engine.ggml import Graph, lib
 from engine.ggml import gemv_q4 as gq
-from engine.ggml.graph import new_tensor
 
 needs_ops = pytest.mark.usefixtures("native_ops")
-
-
-def _typed_input(g: Graph, name: str, shape: tuple[int, ...], ggml_type: int) -> Any:
-    t = new_tensor(g.ctx, ggml_type, shape)
-    lib.ggml_set_input(t)
-    lib.ggml_set_name(t, name.encode())
-    g.inputs[name] = t
-    return t
 
 
 def quantised(rng: np.random.Generator, n: int, k: int, scale: float = 1.0) -> np.ndarray[Any, Any]:
@@ -40,8 +31,8 @@ def products(be: BackendSet, q4: np.ndarray[Any, Any], n: int, k: int,
     packed = gq.pack(q4, n, k, library=library)
     g = Graph()
     tx = g.input("x", x.shape)
-    w = _typed_input(g, "w", packed.shape, lib.GGML_TYPE_I8)
-    wq = _typed_input(g, "wq", (n, k), lib.GGML_TYPE_Q4_0)
+    w = g.input("w", packed.shape, np.int8)
+    wq = g.input("wq", (n, k), ggml_type=lib.GGML_TYPE_Q4_0)
     g.output(gq.gemv_q4(g.ctx, tx, w, library=library), "y")
     g.output(lib.ggml_mul_mat(g.ctx, wq, tx), "z")
     out = be.execute(g, {"x": x, "w": packed, "wq": q4})
@@ -114,7 +105,7 @@ def test_gemv_q4_takes_strided_rows(cpu2: BackendSet) -> None:
     x = rows(rng, 6, k)
     g = Graph()
     tx = g.input("x", x.shape)
-    w = _typed_input(g, "w", packed.shape, lib.GGML_TYPE_I8)
+    w = g.input("w", packed.shape, np.int8)
     last = lib.ggml_view_2d(g.ctx, tx, k, 1, int(tx.nb[1]), 5 * int(tx.nb[1]))
     every_other = lib.ggml_view_3d(g.ctx, tx, k, 1, 3, int(tx.nb[1]), 2 * int(tx.nb[1]), 0)
     g.output(gq.gemv_q4(g.ctx, last, w), "last")
@@ -154,7 +145,7 @@ def test_gemv_q4_rejects_what_the_kernel_cannot_take() -> None:
         gq.pack(q4[:10], 32, 64)
     packed = gq.pack(q4, 32, 64)
     with Graph() as g:
-        w = _typed_input(g, "w", packed.shape, lib.GGML_TYPE_I8)
+        w = g.input("w", packed.shape, np.int8)
         with pytest.raises(ValueError, match="packed I8 tensor"):
             gq.gemv_q4(g.ctx, g.input("x", (1, 96)), w)
         with pytest.raises(ValueError, match="packed I8 tensor"):
