@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from engine.ggml.custom_ops import GGML_N_TASKS_MAX, _check_f32, _fn, _library, has_fast_path
 from engine.ggml.graph import Tensor
@@ -26,8 +27,7 @@ from engine.ggml.native import ffi, lib
 
 ROWS = 16  # QTTS_GEMV_Q4_ROWS: output rows per packed block
 BYTES = 288  # QTTS_GEMV_Q4_BYTES: packed bytes per (16 rows, 32 inputs)
-QK = 32  # inputs per Q4_0 block
-Q4_0_BLOCK_BYTES = 18
+QK, Q4_0_BLOCK_BYTES = GGML_QUANT_SIZES[GGMLQuantizationType.Q4_0]  # 32 inputs in 18 bytes
 
 
 def fast_available(library: Any | None = None) -> bool:
