@@ -32,6 +32,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from websockets.asyncio.client import connect
@@ -58,21 +59,36 @@ class Run:
     errors: int = 0
 
 
+def word_pieces(words: int, first: int = 0) -> list[str]:
+    """The answer's text deltas: ``words`` words from WORDS[first], each after the first with
+    its leading space, as an LLM's tokens come."""
+    return [("" if i == 0 else " ") + WORDS[(first + i) % len(WORDS)] for i in range(words)]
+
+
+async def open_session(ws: Any, voice: str, policy: str) -> None:
+    """The server's hello, our session settings, its answer."""
+    await ws.recv()
+    start: str | int = int(policy) if policy.isdigit() else policy
+    await ws.send(json.dumps({"type": "session", "voice": voice, "start": start}))
+    await ws.recv()
+
+
+async def send_text(ws: Any, pieces: list[str], delay: float) -> None:
+    """The deltas, ``delay`` seconds apart (an LLM writing at its pace)."""
+    for p in pieces:
+        await ws.send(json.dumps({"type": "text", "text": p}))
+        await asyncio.sleep(delay)
+
+
 async def session(url: str, headers: dict[str, str], voice: str, policy: str, words: int,
                   tps: float, run: Run) -> None:
-    pieces = [(WORDS[i % len(WORDS)] if i == 0 else " " + WORDS[i % len(WORDS)])
-              for i in range(words)]
+    pieces = word_pieces(words)
     delay = TOKENS_PER_WORD / tps
     async with connect(url, additional_headers=headers, max_size=None) as ws:
-        await ws.recv()
-        start: str | int = int(policy) if policy.isdigit() else policy
-        await ws.send(json.dumps({"type": "session", "voice": voice, "start": start}))
-        await ws.recv()
+        await open_session(ws, voice, policy)
 
         async def writer() -> float:
-            for p in pieces:
-                await ws.send(json.dumps({"type": "text", "text": p}))
-                await asyncio.sleep(delay)
+            await send_text(ws, pieces, delay)
             await ws.send(json.dumps({"type": "end"}))
             return time.perf_counter()
 
@@ -112,21 +128,10 @@ async def first_audio(url: str, headers: dict[str, str], voice: str, policy: str
     times: list[float] = []
     stages: dict[str, list[float]] = {}
     async with connect(url, additional_headers=headers, max_size=None) as ws:
-        await ws.recv()
-        start: str | int = int(policy) if policy.isdigit() else policy
-        await ws.send(json.dumps({"type": "session", "voice": voice, "start": start}))
-        await ws.recv()
+        await open_session(ws, voice, policy)
         for u in range(n):
-            pieces = [WORDS[(u + i) % len(WORDS)] if i == 0 else " " + WORDS[(u + i) % len(WORDS)]
-                      for i in range(12)]
-
-            async def writer(pieces: list[str] = pieces) -> None:
-                for p in pieces:
-                    await ws.send(json.dumps({"type": "text", "text": p}))
-                    await asyncio.sleep(delay)
-
             t0 = time.perf_counter()
-            wtask = asyncio.create_task(writer())
+            wtask = asyncio.create_task(send_text(ws, word_pieces(12, u), delay))
             got = False
             async for msg in ws:
                 if isinstance(msg, bytes):
