@@ -51,6 +51,8 @@ int qtts_gemv_q4_fast(void) { return Q4_SIMD; }
 
 void qtts_gemv_q4_pack(const uint8_t * q4, int64_t N, int64_t K, uint8_t * out) {
     const int64_t nkb = K / QK, nob = N / OR;
+    /* at load time, for every Q4_0 matrix of a talker: use the machine's cores */
+#pragma omp parallel for schedule(static)
     for (int64_t j = 0; j < nob; j++) {
         for (int64_t b = 0; b < nkb; b++) {
             uint8_t * o = out + (j * nkb + b) * BB;
