@@ -79,6 +79,18 @@ class Server:
                     out.append(rec)
         return out
 
+    def wait_request_lines(self, match: Callable[[dict[str, Any]], bool], count: int = 1,
+                           timeout: float = 30.0) -> list[dict[str, Any]]:
+        """The request log lines that ``match``, once there are ``count`` of them, or those there
+        are at ``timeout`` (a line is written just after its response's last byte, so it may
+        trail the client by a moment)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            lines = [rec for rec in self.request_lines() if match(rec)]
+            if len(lines) >= count or time.monotonic() > deadline:
+                return lines
+            time.sleep(0.05)
+
     def metrics(self) -> dict[str, float]:
         return parse_metrics(httpx.get(self.url + "/metrics", timeout=5).text)
 

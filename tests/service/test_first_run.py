@@ -51,13 +51,9 @@ def _budget(model: Path, text: str, voice: str, cap_frames: int) -> int:
 
 
 def _request_line(server: Server, rid: str) -> dict[str, Any]:
-    deadline = time.monotonic() + 5  # the line is written just after the last byte is sent
-    while True:
-        lines = [rec for rec in server.request_lines() if rec.get("id") == rid]
-        if lines or time.monotonic() > deadline:
-            assert len(lines) == 1, lines
-            return lines[0]
-        time.sleep(0.05)
+    lines = server.wait_request_lines(lambda rec: rec.get("id") == rid, timeout=5)
+    assert len(lines) == 1, lines
+    return lines[0]
 
 
 def _speak(server: Server, rid: str, **body: Any) -> tuple[bytes, dict[str, Any]]:

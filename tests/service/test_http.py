@@ -386,13 +386,10 @@ def test_metrics_after_requests(server: Server) -> None:
 
 def wait_log_line(server: Server, rid: str) -> dict:
     """The request's log line (written just after its last byte)."""
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        lines = [rec for rec in server.request_lines() if rec.get("id") == rid]
-        if lines:
-            return lines[0]
-        time.sleep(0.05)
-    raise AssertionError(f"no request log line for {rid}")
+    lines = server.wait_request_lines(lambda rec: rec.get("id") == rid)
+    if not lines:
+        raise AssertionError(f"no request log line for {rid}")
+    return lines[0]
 
 
 HISTOGRAMS = ("qtts_time_to_first_audio_seconds", "qtts_request_queue_seconds",

@@ -72,7 +72,7 @@ def test_create_list_get_use_delete(base: Server, ref: bytes) -> None:
         "model": "qtts", "input": "Hello there.", "voice": {"id": vid}, "response_format": "wav",
         "max_seconds": 0.5, "stream": False})
     assert_speech(r)
-    lines = [x for x in base.request_lines() if x.get("voice") == vid]
+    lines = base.wait_request_lines(lambda x: x.get("voice") == vid, 3)
     assert len(lines) == 3  # the request log names the cloned voice
     # streamed like a built-in voice
     with httpx.stream("POST", base.url + "/tts", timeout=120, json={
