@@ -46,6 +46,18 @@ def qtts_cache_dir() -> Path:
     return folder
 
 
+def pytest_report_header(config: pytest.Config) -> str:
+    """Free disk where the run writes: a run needs ~5 GB of temp space and, with a cold cache,
+    ~30 GB of cached fixtures and models; a full disk otherwise shows only as failed writes."""
+    import shutil
+    import tempfile
+
+    cache = Path(os.environ.get("QTTS_CACHE_DIR") or "~/.cache/qtts").expanduser()
+    where = [Path(tempfile.gettempdir()), cache if cache.exists() else cache.parent]
+    return "disk free: " + ", ".join(
+        f"{shutil.disk_usage(p).free / 2**30:.1f} GiB at {p}" for p in where)
+
+
 @pytest.fixture(scope="session")
 def cpu2() -> BackendSet:
     """The CPU backend with 2 threads (the kernels' thread-split cases)."""

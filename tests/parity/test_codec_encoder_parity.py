@@ -58,10 +58,10 @@ def test_codes_long_clip(base_tiny: Path, cpu2: BackendSet, tmp_path: Path) -> N
 
 
 def test_codes_released_size(
-    tmp_path_factory: pytest.TempPathFactory, cpu2: BackendSet, tmp_path: Path
+    cpu2: BackendSet, tmp_path: Path
 ) -> None:
     """The released Mimi encoder dims (512 hidden, 8 layers, 64 filters, 256-d codebooks)."""
-    folder = tmp_path_factory.mktemp("base_enc_released")
+    folder = tmp_path / "model"
     make_model(folder, "tiny", seed=6, variant="base", progress=False, keep_checkpoint=True,
                overrides={"mimi": RELEASED_MIMI})
     wav = speech_24k(tmp_path, SENTENCES[2])

@@ -14,6 +14,8 @@ the qwen-tts / transformers / torch versions), so a warm run costs only our deco
 
 from __future__ import annotations
 
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -87,8 +89,10 @@ def test_tiny_equals_the_official_chunked_decode(tiny: Long) -> None:
 
 
 @pytest.fixture(scope="module")
-def full(tmp_path_factory: pytest.TempPathFactory) -> Long:
-    return Long("full", "stress", 0, tmp_path_factory.mktemp("long-full"))
+def full(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Long]:
+    folder = tmp_path_factory.mktemp("long-full")
+    yield Long("full", "stress", 0, folder)
+    shutil.rmtree(folder)  # a 0.45 GB GGUF
 
 
 def test_full_size_past_300_frames(full: Long, record_property: Any) -> None:

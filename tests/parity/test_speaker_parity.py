@@ -56,10 +56,10 @@ RELEASED_SPEAKER = {
 
 
 def test_x_vector_released_size(
-    tmp_path_factory: pytest.TempPathFactory, cpu2: BackendSet, tmp_path: Path
+    cpu2: BackendSet, tmp_path: Path
 ) -> None:
     """The released ECAPA-TDNN (512 channels, scale 8, enc_dim 1024) on a small talker."""
-    folder = tmp_path_factory.mktemp("base_spk_released")
+    folder = tmp_path / "model"
     make_model(folder, "tiny", seed=5, variant="base", progress=False, keep_checkpoint=True,
                overrides={"talker": {"hidden_size": 1024}, "speaker": RELEASED_SPEAKER})
     wav = speech_24k(tmp_path, SENTENCES[1])
