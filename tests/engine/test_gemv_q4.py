@@ -82,6 +82,38 @@ def test_gemv_q4_rows_and_threads_do_not_change_a_row(cpu1: BackendSet, cpu2: Ba
                 assert np.array_equal(y[r], alone[r]), (be.options.threads, t, r)
 
 
+def unit_matrix(n: int) -> np.ndarray[Any, Any]:
+    """GGUF Q4_0 bytes of the ``[N, N]`` identity: scale 1, nibble 9 on the diagonal, 8 off it."""
+    u = np.full((n, n), 8, np.uint8)
+    u[np.arange(n), np.arange(n)] = 9
+    blocks = u.reshape(n, n // 32, 32)
+    out = np.empty((n, n // 32, 18), np.uint8)
+    out[:, :, :2] = np.frombuffer(np.float16(1.0).tobytes(), np.uint8)
+    out[:, :, 2:] = blocks[:, :, :16] | blocks[:, :, 16:] << 4
+    return out.reshape(-1)
+
+
+@needs_ops
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gemv_q4_rounds_its_input_as_ggml_q8_0(cpu1: BackendSet, cpu2: BackendSet,
+                                               threads: int) -> None:
+    """Through the identity each output is one product, q * d exactly: the kernel's int8
+    values and F16 scales are ggml's Q8_0 rounding bit for bit (ties, outliers, zero blocks,
+    values at the clamp)."""
+    rng = np.random.default_rng(3)
+    n = 256
+    x = rows(rng, 5, n)
+    x[1, :32] = 0.0
+    x[2, 32:64] = np.arange(32, dtype=np.float32) - 15.5  # halves at scale 1: ties to even
+    x[2, 32] = 127.0
+    x[3, 64:96] = 127.0  # every value at the scale's clamp
+    x[4] *= 1e-30  # tiny scales
+    y = products(cpu1 if threads == 1 else cpu2, unit_matrix(n), n, n, x)[0]
+    q, d = gq._q8_rows(x)
+    want = q.reshape(5, n).astype(np.float32) * np.repeat(d, 32, axis=1)
+    assert np.array_equal(y, want)
+
+
 @needs_ops
 def test_gemv_q4_zero_rows_and_blocks(cpu2: BackendSet) -> None:
     rng = np.random.default_rng(5)
