@@ -38,6 +38,7 @@ _MATMUL_SUFFIXES = (
     "ffn_up.weight", "ffn_down.weight", "codec_head.weight", "fc1.weight", "fc2.weight",
     "mtp_proj.weight",
 )
+_CP_HEAD = "cp.head."  # the code predictor's 15 heads: one product per pass, like a layer's
 
 
 # The matrices of a layer that a prefill multiplies by many rows: LayerWeights field -> GGUF name
@@ -117,7 +118,8 @@ class TalkerWeights:
         for spec in specs:
             info = model.tensor_info(spec.name)
             self.types[spec.name] = info.ggml_type
-            q4_matrix = info.ggml_type == GGML_Q4_0 and spec.name.endswith(_MATMUL_SUFFIXES)
+            q4_matrix = info.ggml_type == GGML_Q4_0 and (
+                spec.name.endswith(_MATMUL_SUFFIXES) or spec.name.startswith(_CP_HEAD))
             if q4_matrix and self.repacked is not None and spec.shape[0] % 8 == 0:
                 tensors[spec.name] = self.repacked.add(spec.name, info.ggml_type, spec.shape,
                                                        model.tensor(spec.name))
