@@ -75,7 +75,33 @@ void qtts_gemv_q4_pack(const uint8_t * q4, int64_t N, int64_t K, uint8_t * out) 
     }
 }
 
-/* One input row -> int8 blocks, their F16-rounded scales and 8 * their sums (ggml's Q8_0). */
+/* One input row -> int8 blocks, their F16-rounded scales and 8 * their sums (ggml's Q8_0).
+ * Every thread rounds every row of every product, so the AVX-512 form matters as soon as a step
+ * has a few rows (docs/performance.md, Kernels); it gives the scalar loop's bits for finite
+ * inputs (IEEE multiply, round-to-nearest-even, the F16 scale through ggml's conversion). */
+#if Q4_SIMD
+/* 16 values x id -> nearest-even integers clamped to [-127, 127] (as int32) */
+INLINE __m512i to_q8(__m512 v, __m512 id) {
+    const int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const __m512i i = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(v, id), rn));
+    return _mm512_max_epi32(_mm512_min_epi32(i, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+}
+
+static void quantize_row(int8_t * q, float * d, int32_t * s8, const float * x, int64_t K) {
+    const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
+    for (int64_t b = 0; b < K / QK; b++) {
+        const __m512 v0 = _mm512_loadu_ps(x + b * QK), v1 = _mm512_loadu_ps(x + b * QK + 16);
+        const float amax = _mm512_reduce_max_ps(
+            _mm512_max_ps(_mm512_and_ps(v0, abs_mask), _mm512_and_ps(v1, abs_mask)));
+        const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
+        d[b] = ggml_fp16_to_fp32(ggml_fp32_to_fp16(amax / 127.0f));
+        const __m512i c0 = to_q8(v0, _mm512_set1_ps(id)), c1 = to_q8(v1, _mm512_set1_ps(id));
+        _mm_storeu_si128((__m128i *)(void *)(q + b * QK), _mm512_cvtepi32_epi8(c0));
+        _mm_storeu_si128((__m128i *)(void *)(q + b * QK + 16), _mm512_cvtepi32_epi8(c1));
+        s8[b] = 8 * _mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));
+    }
+}
+#else
 static void quantize_row(int8_t * q, float * d, int32_t * s8, const float * x, int64_t K) {
     for (int64_t b = 0; b < K / QK; b++) {
         const float * v = x + b * QK;
@@ -93,35 +119,6 @@ static void quantize_row(int8_t * q, float * d, int32_t * s8, const float * x, i
         s8[b] = 8 * sum;
     }
 }
-
-#if Q4_SIMD
-/* quantize_row's values with AVX-512, bit for bit (IEEE multiply, round-to-nearest-even, F16
- * scales through ggml's own conversion) for finite inputs: the scalar loop cost ~4 us per 1024
- * inputs, paid by every thread for every row of every product (a batched code-predictor pass
- * of 4 rows spent ~0.8 ms of its ~3 ms there) */
-static void quantize_row_simd(int8_t * q, float * d, int32_t * s8, const float * x, int64_t K) {
-    const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF));
-    for (int64_t b = 0; b < K / QK; b++) {
-        const __m512 v0 = _mm512_loadu_ps(x + b * QK), v1 = _mm512_loadu_ps(x + b * QK + 16);
-        const float amax = _mm512_reduce_max_ps(
-            _mm512_max_ps(_mm512_and_ps(v0, sign), _mm512_and_ps(v1, sign)));
-        const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
-        d[b] = ggml_fp16_to_fp32(ggml_fp32_to_fp16(amax / 127.0f));
-        const __m512 vid = _mm512_set1_ps(id);
-        const int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-        const __m512i i0 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(v0, vid), rn));
-        const __m512i i1 = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(v1, vid), rn));
-        const __m512i lim = _mm512_set1_epi32(127);
-        const __m512i c0 = _mm512_max_epi32(_mm512_min_epi32(i0, lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
-        const __m512i c1 = _mm512_max_epi32(_mm512_min_epi32(i1, lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim));
-        _mm_storeu_si128((__m128i *)(void *)(q + b * QK), _mm512_cvtepi32_epi8(c0));
-        _mm_storeu_si128((__m128i *)(void *)(q + b * QK + 16), _mm512_cvtepi32_epi8(c1));
-        s8[b] = 8 * _mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));
-    }
-}
-#define QUANTIZE_ROW quantize_row_simd
-#else
-#define QUANTIZE_ROW quantize_row
 #endif
 
 typedef struct {
@@ -284,7 +281,7 @@ void qtts_gemv_q4_op(struct ggml_tensor * dst, int ith, int nth, void * userdata
             for (int64_t i1 = 0; i1 < xt->ne[1]; i1++, t++) {
                 const float * row = (const float *)(const void *)((const char *)xt->data +
                     (size_t)i1 * xt->nb[1] + (size_t)i2 * xt->nb[2] + (size_t)i3 * xt->nb[3]);
-                QUANTIZE_ROW(xq + t * K, xd + t * nkb, xs + t * nkb, row, K);
+                quantize_row(xq + t * K, xd + t * nkb, xs + t * nkb, row, K);
             }
         }
     }
