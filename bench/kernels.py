@@ -16,9 +16,10 @@
   gemm_i8: the talker prefill's projections (57 and 512 rows) as qtts_gemm_i8 (W8A8, VNNI)
         against ggml's mul_mat with the Q4_0 weight in the CPU_REPACK buffer (what the talker
         used before), with the cosine of each against the F32 product.
-  gemv_q4: the steps' Q4_0 products (1, 2 and 4 rows) as qtts_gemv_q4 against ggml's mul_mat on
-        the CPU_REPACK copy, over 4 matrices of 3072 x 1024 (7 MB: from the cache) and over 140
-        (248 MB, a 0.6B talker's worth: from memory), as weight GB/s; with 1 and 2 threads.
+  gemv_q4: the steps' Q4_0 products (1 to 8 rows) as qtts_gemv_q4 against ggml's mul_mat on
+        the CPU_REPACK copy, over 4 matrices of 3072 x 1024 (7 MB: from the cache), 14 (25 MB,
+        a code-predictor pass's worth) and 140 (248 MB, a 0.6B talker's worth: from memory), as
+        weight GB/s; with 1 and 2 threads.
 
 ggml timings are ``ggml_backend_sched_graph_compute`` alone (graph allocated and inputs set
 beforehand; inputs re-set before each repetition, untimed). Each repetition also records how
@@ -523,7 +524,9 @@ def bench_gemm_i8(cpu: BackendSet, reps: int, max_busy: float, threads: int) -> 
               f"| {busy:.0%} |", flush=True)
 
 
-GEMV_Q4_CASES = [(4, 1), (140, 1), (140, 2), (140, 4)]  # (matrices of 3072 x 1024, rows)
+# (matrices of 3072 x 1024, rows): 14 is a code-predictor pass's weights (~25 MB, read from the
+# cache), 140 a talker step's (248 MB, from memory); 4 and 8 rows are batched steps
+GEMV_Q4_CASES = [(4, 1), (14, 1), (14, 4), (14, 8), (140, 1), (140, 2), (140, 4), (140, 8)]
 
 
 def bench_gemv_q4(reps: int, max_busy: float, threads: int) -> None:
