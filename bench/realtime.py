@@ -7,9 +7,11 @@ answer as text deltas at ``--tokens-per-second`` (one delta per word piece, a wo
 immediate,auto``), and reads the audio. Printed per run (one row per policy):
 
   first audio ms    from the first text delta sent to the first audio byte received
-  gaps after 1 s    audio chunks that arrived after the audio already received had played out
-                    (counted from 1 s of audio on; a client plays from its first byte)
-  worst gap ms      the longest such underrun
+  gaps after 1 s    stalls: audio chunks that arrived after the audio already received had
+                    played out (counted from 1 s of audio on). The client plays from its first
+                    byte and, when it runs dry, waits for the next chunk and plays on from
+                    there, as a player does (the service's qtts_stream_gaps_total counts alike)
+  worst gap ms      the longest such stall
   behind ms         from the end message to the last audio byte (how far speech trails text)
 
 With ``--first-audio N`` each policy first runs N utterances one after another on one
@@ -95,18 +97,21 @@ async def session(url: str, headers: dict[str, str], voice: str, policy: str, wo
         t0 = time.perf_counter()
         wtask = asyncio.create_task(writer())
         first: float | None = None
+        play_end = 0.0  # when the audio received so far has played out (a player that waits)
         received = 0.0  # seconds of audio received
         last = 0.0
         async for msg in ws:
             now = time.perf_counter()
             if isinstance(msg, bytes):
                 if first is None:
-                    first = now
+                    first = play_end = now
                     run.first_audio.append(now - t0)
-                played = now - first
-                if received >= 1.0 and played > received:
-                    run.gaps += 1
-                    run.worst_gap = max(run.worst_gap, played - received)
+                if now > play_end:
+                    if received >= 1.0:
+                        run.gaps += 1
+                        run.worst_gap = max(run.worst_gap, now - play_end)
+                    play_end = now
+                play_end += len(msg) / BYTES_PER_SECOND
                 received += len(msg) / BYTES_PER_SECOND
                 last = now
                 continue

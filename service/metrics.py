@@ -102,7 +102,8 @@ class Metrics:
         )
         self.stream_gaps = Counter(
             "qtts_stream_gaps",
-            "Streamed chunks that arrived after the audio already sent had played out.",
+            "Stalls of streamed audio: chunks sent after the audio already sent had played "
+            "out (a client playing as it receives waits there, then plays on).",
             registry=r,
         )
         self.realtime_sessions = Gauge(

@@ -250,23 +250,30 @@ class SynthesisResponse(Response):
         content_type = SSE_CONTENT_TYPE if syn.sse else encoder.content_type
         await send({"type": "http.response.start", "status": 200,
                     "headers": self._head(content_type)})
-        # playback model for stream gaps: audio starts playing when its first byte is sent
-        play_start: float | None = None
+        # Playback model for stream gaps: a client plays audio as it is sent, from the first
+        # byte on; when what it holds has played out before the next chunk, it waits (one gap,
+        # what a listener hears) and plays on from that chunk.
+        play_end: float | None = None
         try:
             while isinstance(ev, Chunk):
-                if play_start is not None and time.monotonic() > play_start + syn.audio_seconds_out:
+                now = time.monotonic()
+                if play_end is not None and now > play_end:
                     syn.gaps += 1
                     st.metrics.stream_gaps.inc()
+                    play_end = now
                 audio = self._account(ev)
                 if stretch is not None:
                     audio = stretch.push(audio)
+                sent_before = syn.audio_seconds_out
                 payload = self._encode(encoder, audio, final=False)
                 if payload:
                     body = sse_delta(payload) if syn.sse else payload
                     await send({"type": "http.response.body", "body": body, "more_body": True})
-                    if play_start is None:
+                    if play_end is None:
                         self._first_audio()
-                        play_start = time.monotonic()
+                        play_end = time.monotonic()
+                if play_end is not None:
+                    play_end += syn.audio_seconds_out - sent_before
                 ev = await self._next()
             if not isinstance(ev, Done):
                 self._ended_mid_stream(ev)
