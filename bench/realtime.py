@@ -12,6 +12,7 @@ immediate,auto``), and reads the audio. Printed per run (one row per policy):
                     byte and, when it runs dry, waits for the next chunk and plays on from
                     there, as a player does (the service's qtts_stream_gaps_total counts alike)
   worst gap ms      the longest such stall
+  stalled ms        all the stalls together (what a listener waited in all)
   behind ms         from the end message to the last audio byte (how far speech trails text)
 
 With ``--first-audio N`` each policy first runs N utterances one after another on one
@@ -56,6 +57,7 @@ class Run:
     first_audio: list[float] = field(default_factory=list)
     gaps: int = 0
     worst_gap: float = 0.0
+    stalled: float = 0.0
     behind: list[float] = field(default_factory=list)
     audio_seconds: float = 0.0
     errors: int = 0
@@ -110,6 +112,7 @@ async def session(url: str, headers: dict[str, str], voice: str, policy: str, wo
                     if received >= 1.0:
                         run.gaps += 1
                         run.worst_gap = max(run.worst_gap, now - play_end)
+                        run.stalled += now - play_end
                     play_end = now
                 play_end += len(msg) / BYTES_PER_SECOND
                 received += len(msg) / BYTES_PER_SECOND
@@ -190,8 +193,8 @@ def main() -> int:
     print(f"{args.words} words at {args.tokens_per_second:g} tokens/s; load average at start "
           f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     print("| sessions | start | first audio ms p50 / max | gaps after 1 s | worst gap ms | "
-          "behind ms p50 / max | audio s | errors |")
-    print("|---|---|---|---|---|---|---|---|")
+          "stalled ms | behind ms p50 / max | audio s | errors |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for n in counts:
         proc = None
         url = args.url
@@ -207,13 +210,14 @@ def main() -> int:
                                                         args.tokens_per_second))
                 split = ", ".join(f"{k} {np.median(v):.1f}" for k, v in stages.items() if v)
                 print(f"|   | {policy}: {len(times)} utterances stopped at first audio | "
-                      f"{fmt(times)} | server ms, first chunk (median): {split} | | | | |",
+                      f"{fmt(times)} | server ms, first chunk (median): {split} | | | | | |",
                       flush=True)
             for policy in args.policies.split(","):
                 run = asyncio.run(bench(ws_url, headers, args.voice, policy, n, args.words,
                                         args.tokens_per_second))
                 print(f"| {n} | {policy} | {fmt(run.first_audio)} | {run.gaps} | "
-                      f"{run.worst_gap * 1000:.0f} | {fmt(run.behind)} | "
+                      f"{run.worst_gap * 1000:.0f} | {run.stalled * 1000:.0f} | "
+                      f"{fmt(run.behind)} | "
                       f"{run.audio_seconds:.1f} | {run.errors} |", flush=True)
         finally:
             if proc is not None:
