@@ -196,28 +196,12 @@ class Ramp:
         self.target = next(self._sizes)
 
 
-# Past this many frames the ramp grows by an eighth per chunk instead of doubling
-RAMP_DOUBLING_FRAMES = 8
-
-
 def chunk_sizes(chunk_max_frames: int) -> Generator[int, None, None]:
-    """The chunk ramp 1, 2, 4, 8, then 9, 10, ... (an eighth more per chunk), capped at
-    ``chunk_max_frames`` (forever).
-
-    Why not double to the cap: a client without a buffer of its own plays each chunk as it
-    comes, and a chunk of n frames takes n x RTF x 80 ms to make, while the client holds only
-    what the earlier chunks gave beyond their own making time. Doubling 8 -> 16 at an RTF of
-    0.8 asks ~1 s of making against ~0.3 s held: the stream stalls. Growing by an eighth keeps
-    each chunk within what the client holds for a stream up to ~0.85 RTF (docs/performance.md,
-    Realtime), at the cost of one more decoder push in the first ~9 s (115 frames: 12 pushes
-    against 11).
-    """
-    cap = max(1, chunk_max_frames)
+    """The chunk ramp 1, 2, 4, ... capped at ``chunk_max_frames`` (forever)."""
     size = 1
     while True:
         yield size
-        step = size if size < RAMP_DOUBLING_FRAMES else size // RAMP_DOUBLING_FRAMES
-        size = min(size + step, cap)
+        size = min(size * 2, max(1, chunk_max_frames))
 
 
 class Pipeline:

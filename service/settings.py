@@ -135,8 +135,8 @@ class Settings(BaseSettings):
         ge=1,
         le=256,
         description=(
-            "largest chunk of the decoder ramp 1, 2, 4, 8, 9, 10, ... 16, 16, ... frames "
-            "(unset: the engine's default, 16)"
+            "largest chunk of the decoder ramp 1, 2, 4, 8, 16, 16, ... frames (unset: the "
+            "engine's default, 16)"
         ),
     )
     drain_seconds: float = Field(

@@ -76,7 +76,7 @@ def encoded(fmt: str, mode: str) -> bytes:
     if mode == "whole":
         return encode_whole(fmt, x, SR)
     enc = make_encoder(fmt, SR)
-    bounds = np.cumsum([0, 1, 2, 4, 8, 9, 10]) * 1920  # the worker's chunk ramp, then the rest
+    bounds = np.cumsum([0, 1, 2, 4, 8, 16]) * 1920  # the worker's chunk ramp, then the rest
     out = [enc.encode(x[a:b]) for a, b in itertools.pairwise(bounds)]
     out.append(enc.encode(x[bounds[-1] :]))
     return b"".join(out) + enc.finish()
