@@ -10,7 +10,8 @@ immediate,auto``), and reads the audio. Printed per run (one row per policy):
   gaps after 1 s    stalls: audio chunks that arrived after the audio already received had
                     played out (counted from 1 s of audio on). The client plays from its first
                     byte and, when it runs dry, waits for the next chunk and plays on from
-                    there, as a player does (the service's qtts_stream_gaps_total counts alike)
+                    there, as a player does (service.playback: the service's
+                    qtts_stream_gaps_total counts with the same clock)
   worst gap ms      the longest such stall
   stalled ms        all the stalls together (what a listener waited in all)
   behind ms         from the end message to the last audio byte (how far speech trails text)
@@ -43,6 +44,7 @@ from websockets.asyncio.client import connect
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.load import start_server
+from service.playback import PlaybackClock
 
 BYTES_PER_SECOND = 24000 * 2
 TOKENS_PER_WORD = 1.3
@@ -98,23 +100,20 @@ async def session(url: str, headers: dict[str, str], voice: str, policy: str, wo
 
         t0 = time.perf_counter()
         wtask = asyncio.create_task(writer())
-        first: float | None = None
-        play_end = 0.0  # when the audio received so far has played out (a player that waits)
+        player = PlaybackClock()
         received = 0.0  # seconds of audio received
         last = 0.0
         async for msg in ws:
             now = time.perf_counter()
             if isinstance(msg, bytes):
-                if first is None:
-                    first = play_end = now
+                if not player.started:
                     run.first_audio.append(now - t0)
-                if now > play_end:
-                    if received >= 1.0:
-                        run.gaps += 1
-                        run.worst_gap = max(run.worst_gap, now - play_end)
-                        run.stalled += now - play_end
-                    play_end = now
-                play_end += len(msg) / BYTES_PER_SECOND
+                waited = player.wait(now)
+                if waited > 0.0 and received >= 1.0:
+                    run.gaps += 1
+                    run.worst_gap = max(run.worst_gap, waited)
+                    run.stalled += waited
+                player.hand_over(now, len(msg) / BYTES_PER_SECOND)
                 received += len(msg) / BYTES_PER_SECOND
                 last = now
                 continue

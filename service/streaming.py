@@ -26,6 +26,7 @@ from service.fields import api_field
 from service.guard import TrackedSend
 from service.handles import Ticket
 from service.logs import round_or_none
+from service.playback import PlaybackClock
 from service.pool import PoolDraining, PoolFull, PoolNotReady
 from service.protocol import (
     Chunk,
@@ -250,17 +251,12 @@ class SynthesisResponse(Response):
         content_type = SSE_CONTENT_TYPE if syn.sse else encoder.content_type
         await send({"type": "http.response.start", "status": 200,
                     "headers": self._head(content_type)})
-        # Playback model for stream gaps: a client plays audio as it is sent, from the first
-        # byte on; when what it holds has played out before the next chunk, it waits (one gap,
-        # what a listener hears) and plays on from that chunk.
-        play_end: float | None = None
+        player = PlaybackClock()  # the stream-gap count: a client playing as it receives
         try:
             while isinstance(ev, Chunk):
-                now = time.monotonic()
-                if play_end is not None and now > play_end:
+                if player.wait(time.monotonic()) > 0.0:
                     syn.gaps += 1
                     st.metrics.stream_gaps.inc()
-                    play_end = now
                 audio = self._account(ev)
                 if stretch is not None:
                     audio = stretch.push(audio)
@@ -269,11 +265,10 @@ class SynthesisResponse(Response):
                 if payload:
                     body = sse_delta(payload) if syn.sse else payload
                     await send({"type": "http.response.body", "body": body, "more_body": True})
-                    if play_end is None:
+                    if not player.started:
                         self._first_audio()
-                        play_end = time.monotonic()
-                if play_end is not None:
-                    play_end += syn.audio_seconds_out - sent_before
+                if payload or player.started:
+                    player.hand_over(time.monotonic(), syn.audio_seconds_out - sent_before)
                 ev = await self._next()
             if not isinstance(ev, Done):
                 self._ended_mid_stream(ev)
