@@ -103,7 +103,8 @@ class Metrics:
         self.stream_gaps = Counter(
             "qtts_stream_gaps",
             "Stalls of streamed audio: chunks sent after the audio already sent had played "
-            "out (a client playing as it receives waits there, then plays on).",
+            "out (a client playing as it receives waits there, then plays on); realtime "
+            "utterances count those after their whole text had arrived.",
             registry=r,
         )
         self.realtime_sessions = Gauge(

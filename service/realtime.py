@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from service.playback import PlaybackClock
 from service.schemas import Sampling
 
 CLOSE_UNSUPPORTED = 1003  # a binary message: the protocol is JSON text
@@ -124,7 +125,18 @@ class Utterance:
     last_audio_at: float | None = None
     ended: bool = False  # the client sent end: later text is the next utterance's
     cancelled: bool = False
+    player: PlaybackClock = field(default_factory=PlaybackClock)
+    gaps: int = 0  # stalls once all the text had arrived (see ``stalled``)
+
+    def stalled(self, now: float) -> bool:
+        """Whether a chunk at ``now`` ends a stall that is the server's: the client's audio ran
+        out after its whole text had arrived. Before the end of the text a stall may be the
+        text's (the session waits for more of it), so it is not counted."""
+        waited = self.player.wait(now)
+        return (waited > 0.0 and not self.cancelled and self.end_at is not None
+                and self.end_at <= now - waited)
 
     def usage(self, sample_rate: int, outcome: str) -> dict[str, Any]:
         return {"characters": self.chars, "frames": self.frames,
-                "audio_seconds": round(self.samples / sample_rate, 4), "outcome": outcome}
+                "audio_seconds": round(self.samples / sample_rate, 4), "stream_gaps": self.gaps,
+                "outcome": outcome}

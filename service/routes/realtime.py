@@ -322,6 +322,10 @@ class Session:
                     self.emit({"type": "audio.first", "id": utt.job_id,
                                "text_to_first_audio_ms": round(ttfa * 1000, 1)})
                 utt.last_audio_at = now
+                if utt.stalled(now):
+                    utt.gaps += 1
+                    self.st.metrics.stream_gaps.inc()
+                utt.player.hand_over(now, audio.shape[0] / self.sample_rate)
                 utt.frames += frames
                 utt.samples += int(audio.shape[0])
                 utt.chunks += 1

@@ -125,6 +125,29 @@ def test_letters_and_a_pause_longer_than_the_buffer(rt_server: Server) -> None:
     assert len(audio) == 2 * 1920 * events[-1]["usage"]["frames"]
 
 
+def test_a_late_chunk_after_the_text_is_a_stream_gap(make_server: Any) -> None:
+    """The worker sleeps 1.5 s before its fourth chunk (QTTS_TEST_FAULT), long after the whole
+    text arrived: a client playing the 7 frames it had ran dry, so the utterance reports a
+    stream gap and the server's counter has it."""
+    s: Server = make_server(test_fault="sleep=1.5@chunk=3")
+    before = metric(s.metrics(), "qtts_stream_gaps_total")
+
+    async def go() -> tuple[list[dict[str, Any]], bytes]:
+        async with connect(ws_url(s)) as ws:
+            await ws.recv()
+            await send(ws, type="session", voice="ryan", start="immediate", seed=5)
+            await ws.recv()
+            await send(ws, type="text", text="Hello there, this is a test of the realtime route.")
+            await send(ws, type="end")
+            return await collect(ws)
+
+    events, _ = run(go())
+    assert sum(e["type"] == "audio" for e in events) >= 4, events  # the late chunk came
+    gaps = events[-1]["usage"]["stream_gaps"]
+    assert gaps >= 1
+    assert metric(s.metrics(), "qtts_stream_gaps_total") - before == gaps
+
+
 def test_identity_with_post_tts_stream(rt_server: Server) -> None:
     """All text at once: the same samples as POST /tts with text_mode stream and the seed."""
     async def go() -> bytes:
