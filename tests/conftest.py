@@ -47,13 +47,16 @@ def qtts_cache_dir() -> Path:
 
 
 def pytest_report_header(config: pytest.Config) -> str:
-    """Free disk where the run writes: a run needs ~5 GB of temp space and, with a cold cache,
-    ~30 GB of cached fixtures and models; a full disk otherwise shows only as failed writes."""
+    """Free disk where the run writes (its temp folder, and the cache that a cold run fills
+    with fixtures and models; docs/testing.md): a full disk otherwise shows only as failed
+    writes deep in the log."""
     import shutil
     import tempfile
 
-    cache = Path(os.environ.get("QTTS_CACHE_DIR") or "~/.cache/qtts").expanduser()
-    where = [Path(tempfile.gettempdir()), cache if cache.exists() else cache.parent]
+    cache = Path(os.environ.get("QTTS_CACHE_DIR") or "~/.cache/qtts").expanduser().absolute()
+    while not cache.exists():  # not made yet: the disk it will be on
+        cache = cache.parent
+    where = [Path(tempfile.gettempdir()), cache]
     return "disk free: " + ", ".join(
         f"{shutil.disk_usage(p).free / 2**30:.1f} GiB at {p}" for p in where)
 
