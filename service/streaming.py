@@ -260,7 +260,6 @@ class SynthesisResponse(Response):
                 audio = self._account(ev)
                 if stretch is not None:
                     audio = stretch.push(audio)
-                sent_before = syn.audio_seconds_out
                 payload = self._encode(encoder, audio, final=False)
                 if payload:
                     body = sse_delta(payload) if syn.sse else payload
@@ -268,7 +267,7 @@ class SynthesisResponse(Response):
                     if not player.started:
                         self._first_audio()
                 if payload or player.started:
-                    player.hand_over(time.monotonic(), syn.audio_seconds_out - sent_before)
+                    player.hand_over(time.monotonic(), len(audio) / st.model.sample_rate)
                 ev = await self._next()
             if not isinstance(ev, Done):
                 self._ended_mid_stream(ev)
