@@ -95,7 +95,8 @@ static void quantize_row(int8_t * q, float * d, int32_t * s8, const float * x, i
             _mm512_max_ps(_mm512_and_ps(v0, abs_mask), _mm512_and_ps(v1, abs_mask)));
         const float id = amax != 0.0f ? 127.0f / amax : 0.0f;
         d[b] = ggml_fp16_to_fp32(ggml_fp32_to_fp16(amax / 127.0f));
-        const __m512i c0 = to_q8(v0, _mm512_set1_ps(id)), c1 = to_q8(v1, _mm512_set1_ps(id));
+        const __m512 vid = _mm512_set1_ps(id);
+        const __m512i c0 = to_q8(v0, vid), c1 = to_q8(v1, vid);
         _mm_storeu_si128((__m128i *)(void *)(q + b * QK), _mm512_cvtepi32_epi8(c0));
         _mm_storeu_si128((__m128i *)(void *)(q + b * QK + 16), _mm512_cvtepi32_epi8(c1));
         s8[b] = 8 * _mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));

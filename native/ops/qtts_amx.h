@@ -1,8 +1,9 @@
 /* Internal to libqtts_ops (not part of the cffi binding): the AMX tile paths (the BF16 conv's,
- * and the int8 GEMM's where AMX-INT8 is compiled in too). AMX_BF16: the tile kernels are compiled (by -march); they run only while qtts_amx_on is
- * set, which dispatch.c does when the CPU has AMX-BF16, the OS lets this process use the tile
- * data (arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)), the chosen variant has the tile
- * kernels and nobody turned them off (qtts_ops_set_amx). Otherwise the AVX512-BF16 kernels run. */
+ * and the int8 GEMM's where AMX-INT8 is compiled in too). AMX_BF16: the tile kernels are
+ * compiled (by -march); they run only while qtts_amx_on is set, which dispatch.c does when the
+ * CPU has AMX-BF16, the OS lets this process use the tile data (arch_prctl(ARCH_REQ_XCOMP_PERM,
+ * XFEATURE_XTILEDATA)), the chosen variant has the tile kernels and nobody turned them off
+ * (qtts_ops_set_amx). Otherwise the AVX512-BF16 kernels run. */
 #pragma once
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) &&             \
