@@ -14,6 +14,7 @@ import base64
 import io
 import itertools
 import json
+import os
 import shutil
 import subprocess
 import threading
@@ -244,11 +245,13 @@ def browser_decoded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[s
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     profile = tmp_path_factory.mktemp("chromium")
+    # its singleton-socket folder (org.chromium.Chromium.*) goes to TMPDIR: this run's folder
+    env = {**os.environ, "TMPDIR": str(tmp_path_factory.mktemp("chromium-tmp"))}
     proc = subprocess.Popen(
         [exe, "--headless=new", "--no-sandbox", "--disable-gpu", "--no-first-run",
          "--autoplay-policy=no-user-gesture-required", f"--user-data-dir={profile}",
          f"http://127.0.0.1:{httpd.server_address[1]}/"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
         assert handler.done.wait(120), "the browser page never reported"
         yield handler.result

@@ -46,9 +46,12 @@ STATE = """() => {
 
 
 @pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    # Chromium leaves its singleton-socket folder (org.chromium.Chromium.*) in TMPDIR: a
+    # folder of this run's, removed with it, instead of /tmp
+    env = {**os.environ, "TMPDIR": str(tmp_path_factory.mktemp("chromium-tmp"))}
     with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), args=FLAGS)
+        b = p.chromium.launch(executable_path=str(CHROMIUM), args=FLAGS, env=env)
         try:
             yield b
         finally:
