@@ -93,7 +93,9 @@ class SpeechRequest(Sampling):
 
     model: Text = Field(description="model id (GET /v1/models); one model is served")
     input: Text = Field(description="text to speak; empty when `codes` is sent")
-    voice: Text | VoiceRef = Field(description="voice name (GET /v1/audio/voices)")
+    voice: Text | VoiceRef | None = Field(
+        default=None, description="voice name or cloned voice id (GET /v1/audio/voices); "
+        "required unless `ref_audio` is sent")
     instructions: Text | None = Field(default=None, description="style instruction")
     response_format: AudioFormat = Field(default="mp3", description="mp3|opus|aac|flac|wav|pcm")
     speed: float = Field(default=1.0, ge=0.25, le=4.0, description="0.25..4.0 (time-stretch)")
@@ -104,7 +106,12 @@ class SpeechRequest(Sampling):
     stream: bool = Field(default=True, description="qtts: false = one file with Content-Length; "
                          "flac: one file unless true is sent")
     max_seconds: float | None = Field(default=None, gt=0, description="qtts: cap on audio")
+    ref_audio: str | None = Field(
+        default=None, description="qtts, one-shot cloning (Base models): reference audio, "
+        "base64, instead of `voice` (the openai client, which needs a voice: `voice=\"\"`)")
+    ref_text: Text | None = Field(default=None, description="qtts: transcript of `ref_audio`")
+    x_vector_only: bool = Field(default=False, description="qtts: ignore `ref_text`")
 
     @property
-    def voice_name(self) -> str:
+    def voice_name(self) -> str | None:
         return self.voice.id if isinstance(self.voice, VoiceRef) else self.voice

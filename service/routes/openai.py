@@ -9,6 +9,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
 from service.audio import CONTENT_TYPES, stream_wanted
+from service.errors import ApiError
 from service.openapi import ERRORS_GET_API, ERRORS_SYNTH
 from service.routes.context import request_context
 from service.schemas import SpeechRequest
@@ -42,7 +43,11 @@ async def models(st: StateDep) -> dict[str, Any]:
 )
 async def speech(body: SpeechRequest, request: Request, st: StateDep) -> Response:
     rid, arrival = request_context(request)
-    clone = await clone_use(st, request_owner(request), body.voice_name)
+    if body.voice is None and body.ref_audio is None:
+        raise ApiError(400, "voice: Field required (a voice name or id; or ref_audio, to clone "
+                       "a voice for this request)", field="voice", code="invalid_value")
+    clone = await clone_use(st, request_owner(request), body.voice_name, body.ref_audio,
+                            body.ref_text, body.x_vector_only)
     inp = SynthesisInput(
         route="/v1/audio/speech", request_id=rid, arrival=arrival, text=body.input,
         text_field="input", codes=body.codes, voice=body.voice_name, language=body.language,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import io
 import json
 import sqlite3
 import threading
@@ -149,6 +150,33 @@ def test_one_shot_reference_json_and_form(base: Server, ref: bytes) -> None:
     silent = speak(base, None, ref_audio=base64.b64encode(wav_bytes(np.zeros(48000))).decode())
     assert silent.status_code == 400 and "silent" in silent.json()["error"]["message"]
     assert silent.json()["error"]["field"] == "ref_audio"
+
+
+def test_openai_sdk_clones_for_one_request(base: Server, ref: bytes) -> None:
+    """One-shot cloning on /v1/audio/speech through the official client (extra_body; the
+    client needs a voice: ``""``): the same samples as POST /tts with that reference."""
+    openai = pytest.importorskip("openai")
+    import soundfile as sf
+
+    # a reference of its own, so this test's cache entry is not the other one-shot test's
+    audio, rate = sf.read(io.BytesIO(ref), dtype="float32")
+    b64 = base64.b64encode(wav_bytes(0.8 * audio, rate)).decode()
+    client = openai.OpenAI(base_url=base.url + "/v1", api_key="unused", max_retries=0)
+    extra = {"ref_audio": b64, "ref_text": REF_TEXT, "seed": 1, "max_seconds": 0.5,
+             "stream": False}
+    speech = client.audio.speech.create(model="qtts", voice="", input="Hello there.",
+                                        response_format="wav", extra_body=extra)
+    via_tts = speak(base, None, ref_audio=b64, ref_text=REF_TEXT)
+    assert_speech(via_tts)
+    got, _ = sf.read(io.BytesIO(speech.content), dtype="float32")
+    want, _ = sf.read(io.BytesIO(via_tts.content), dtype="float32")
+    assert got.size > 0 and np.array_equal(got, want)
+    body = {"model": "qtts", "input": "Hello there.", "max_seconds": 0.5}
+    both = httpx.post(base.url + "/v1/audio/speech", timeout=30,
+                      json={**body, "voice": "voice_0", "ref_audio": b64})
+    assert both.status_code == 400 and both.json()["error"]["field"] == "ref_audio"
+    neither = httpx.post(base.url + "/v1/audio/speech", timeout=30, json=body)
+    assert neither.status_code == 400 and neither.json()["error"]["field"] == "voice"
 
 
 def _tone(seconds: float, rate: int = 24000) -> bytes:
