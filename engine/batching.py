@@ -9,8 +9,11 @@ due: every stream keeps its own ``StreamingDecoder`` and chunk ramp, exactly as
 segment that ends flushes its last frames and the stream's next segment joins at once (its
 slot is free); a cancelled stream leaves at the next step, before any more work for it.
 
-Text requests only (``SynthesisRequest``, whole text); codes and live-text requests run on the
-unbatched ``Pipeline.stream`` / ``stream_live``.
+Live text (``submit_live``: text still being written, ``Pipeline.stream_live``'s requests)
+shares the batch too: a live stream waits outside the scheduler until its start policy is met,
+then its utterance sits out of the steps whenever its text runs dry (engine/talker/scheduler.py);
+its frames, pauses and chunks are those ``stream_live`` makes. Codes requests run on the
+unbatched ``Pipeline.stream``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from engine.errors import InputError
 from engine.pipeline import (
     AudioChunk,
     Cancel,
+    LivePlan,
     Pipeline,
     StreamInfo,
     SynthesisRequest,
@@ -36,7 +40,8 @@ from engine.pipeline import (
 )
 from engine.talker.batch import BatchedTalker
 from engine.talker.generate import FrameSampler, is_cancelled
-from engine.talker.scheduler import Emitted, Ended, FrameScheduler, StepStats
+from engine.talker.live import LiveRows, TextFeed
+from engine.talker.scheduler import Emitted, Ended, FrameScheduler, Paused, StepStats
 from engine.timings import StageTimings
 
 
@@ -48,11 +53,29 @@ class Finished:
 
 
 @dataclass
+class Rejected:
+    """A stream ended on a bad request found after its submit (live text that ended empty)."""
+
+    error: InputError
+
+
+@dataclass
+class _Live:
+    """A live stream's text side: its plan until it starts, then its rows."""
+
+    plan: LivePlan
+    feed: TextFeed
+    budget: Callable[[int], int] | None = None
+    rows: LiveRows | None = None
+
+
+@dataclass
 class _Stream:
     sid: int
-    plan: TextPlan
+    plan: TextPlan | None  # None: a live stream that has not started
     cancel: Callable[[], bool] | None
     info: StreamInfo
+    live: _Live | None = None
     segment: int = 0
     done: int = 0  # frames of the finished segments
     outcome: str = "ok"
@@ -61,7 +84,7 @@ class _Stream:
     acc: StageTimings = field(default_factory=StageTimings)
 
 
-Event = tuple[int, AudioChunk | Finished]
+Event = tuple[int, AudioChunk | Finished | Rejected]
 
 
 class BatchRunner:
@@ -77,7 +100,9 @@ class BatchRunner:
         self._sids = itertools.count(1)
         self._streams: dict[int, _Stream] = {}
         self._by_uid: dict[int, _Stream] = {}
+        self._starting: list[_Stream] = []  # live streams waiting for their start
         self.decoder_s = 0.0  # decoder seconds of the last step
+        self.idle = False  # the last step did nothing: every stream waits for text
 
     @property
     def max_batch(self) -> int:
@@ -105,21 +130,75 @@ class BatchRunner:
             raise InputError("text", "the batch runs text requests only")
         if not self.free:
             raise RuntimeError("the batch is full")
-        plan = self.pipeline.plan_text(req)
-        st = _Stream(next(self._sids), plan, _cancel_fn(cancel),
+        st = _Stream(next(self._sids), None, _cancel_fn(cancel),
                      info if info is not None else StreamInfo())
+        self._start_text(st, req)
+        self._streams[st.sid] = st
+        return st.sid
+
+    def submit_live(self, request: object, feed: TextFeed, cancel: Cancel = None,
+                    info: StreamInfo | None = None, min_tokens: int = 1) -> int:
+        """Admit a live-text request (``Pipeline.stream_live``'s arguments); returns its stream
+        id. ``InputError`` for a bad request, ``RuntimeError`` when every slot is taken. It
+        starts in a later ``step`` once its start policy is met."""
+        if not self.free:
+            raise RuntimeError("the batch is full")
+        plan = self.pipeline.plan_live(request, min_tokens)
+        st = _Stream(next(self._sids), None, _cancel_fn(cancel),
+                     info if info is not None else StreamInfo(), live=_Live(plan, feed))
+        self._streams[st.sid] = st
+        self._starting.append(st)
+        return st.sid
+
+    def _start_text(self, st: _Stream, req: SynthesisRequest) -> None:
+        plan = st.plan = self.pipeline.plan_text(req)
         st.info.seed, st.info.budget = plan.seed, plan.total
         st.info.text_tokens = sum(p.n_text_tokens for p in plan.prompts)
-        self._streams[st.sid] = st
         self._admit(st)
-        return st.sid
+
+    def _start_live(self, out: list[Event]) -> None:
+        # live streams whose start policy is met (or whose text ended) join the scheduler
+        for st in list(self._starting):
+            lv = st.live
+            assert lv is not None
+            if is_cancelled(st.cancel):
+                self._starting.remove(st)
+                self._finish(st, "cancelled", out)
+                continue
+            update = lv.feed.take(0)
+            if update is not None:
+                lv.plan.live.add(update)
+            if not lv.plan.ready():
+                continue
+            self._starting.remove(st)
+            live = lv.plan.live
+            try:
+                if not live.ids:
+                    raise InputError("text", "is empty")
+                if live.ended:  # the whole text came first: a streaming-text request
+                    st.live = None
+                    self._start_text(st, lv.plan.whole())
+                    continue
+            except InputError as e:
+                self._streams.pop(st.sid, None)
+                st.info.outcome = "rejected"
+                out.append((st.sid, Rejected(e)))
+                continue
+            st.plan, lv.budget = self.pipeline.live_text_plan(lv.plan)
+            st.plan.prompts = [lv.plan.opening(list(live.ids))]
+            st.info.seed, st.info.budget = st.plan.seed, st.plan.total
+            assert self.pipeline.prompts is not None
+            lv.rows = LiveRows(self.talker, self.pipeline.prompts, live, lv.feed, lv.budget)
+            self._admit(st)
 
     def _admit(self, st: _Stream) -> None:
         talker = self.talker
+        assert st.plan is not None
         budget = self.pipeline.segment_budget(st.plan, st.segment, st.done)
         sampler = FrameSampler(int(talker.cfg.vocab_size), talker.eos_id, st.plan.params,
                                st.plan.rng)
-        st.uid = self.frames.add(st.plan.prompts[st.segment], sampler, budget, st.cancel)
+        rows = st.live.rows if st.live is not None else None
+        st.uid = self.frames.add(st.plan.prompts[st.segment], sampler, budget, st.cancel, rows)
         self._by_uid[st.uid] = st
 
     def cancel(self, sid: int) -> bool:
@@ -127,6 +206,8 @@ class BatchRunner:
         st = self._streams.pop(sid, None)
         if st is None:
             return False
+        if st in self._starting:
+            self._starting.remove(st)
         self._by_uid.pop(st.uid, None)
         self.frames.cancel(st.uid)
         st.info.outcome = "cancelled"
@@ -136,10 +217,16 @@ class BatchRunner:
         """One round for every stream; returns (stream id, chunk or ``Finished``) in order."""
         out: list[Event] = []
         self.decoder_s = 0.0
-        for ev in self.frames.iterate():
+        if self._starting:
+            self._start_live(out)
+        events = self.frames.iterate()
+        last = self.frames.last
+        self.idle = not (out or events or last.cp_rows or last.batch or last.prefill_s)
+        for ev in events:
             st = self._by_uid.get(ev.uid)
             if st is None:
                 continue
+            assert st.plan is not None
             if isinstance(ev, Emitted):
                 st.pending.append(ev.frame.codes)
                 st.acc = st.acc + ev.frame.timings
@@ -149,12 +236,20 @@ class BatchRunner:
                         continue
                     out.append((st.sid, self._push(st, StageTimings())))
                     st.plan.ramp.advance()
+            elif isinstance(ev, Paused):
+                # as Pipeline._chunks on a pause: the frames held go out, the ramp restarts
+                if st.pending:
+                    if is_cancelled(st.cancel):
+                        self._finish(st, "cancelled", out)
+                        continue
+                    out.append((st.sid, self._push(st, StageTimings())))
+                st.plan.ramp.advance(restart=True)
             else:
-                assert isinstance(ev, Ended)
                 self._segment_ended(st, ev, out)
         return out
 
     def _push(self, st: _Stream, extra: StageTimings) -> AudioChunk:
+        assert st.plan is not None
         t0 = time.perf_counter()
         chunk = self.pipeline._push(st.plan.decoder, st.pending, st.acc + extra, st.info)
         self.decoder_s += time.perf_counter() - t0
@@ -163,6 +258,7 @@ class BatchRunner:
 
     def _segment_ended(self, st: _Stream, ev: Ended, out: list[Event]) -> None:
         self._by_uid.pop(ev.uid, None)
+        assert st.plan is not None
         r = ev.result
         if r.outcome == "cancelled":
             self._finish(st, "cancelled", out)
@@ -185,6 +281,8 @@ class BatchRunner:
 
     def _finish(self, st: _Stream, outcome: str, out: list[Event]) -> None:
         self._streams.pop(st.sid, None)
+        if st.live is not None and st.live.rows is not None:
+            st.info.text_tokens = len(st.live.plan.live.ids)
         if st.uid in self._by_uid:
             self._by_uid.pop(st.uid)
             self.frames.cancel(st.uid)
@@ -196,3 +294,4 @@ class BatchRunner:
         self.frames.close()
         self._streams.clear()
         self._by_uid.clear()
+        self._starting.clear()

@@ -181,6 +181,29 @@ class TextPlan:
     ramp: Ramp
 
 
+@dataclass
+class LivePlan:
+    """A live-text request waiting to start (``Pipeline.plan_live``): the text so far, how its
+    prompt opens, and when it may start."""
+
+    request: SynthesisRequest
+    live: LiveText
+    opening: Callable[[list[int]], Any]  # the prompt for the stable ids known at the start
+    need: int  # stable ids an in-context voice needs before it starts
+    min_tokens: int  # the start policy: stable ids before speech starts
+
+    def ready(self) -> bool:
+        """Whether generation may start: the start policy met (and an in-context voice's
+        reference covered), or the text ended."""
+        live = self.live
+        return live.ended or (live.text_ready(self.min_tokens) and len(live.ids) >= self.need)
+
+    def whole(self) -> SynthesisRequest:
+        """The request for the whole text, once it ended before speech started: exactly a
+        streaming-text request."""
+        return replace(self.request, text=self.live.text, text_mode="stream")
+
+
 class Ramp:
     """Where a stream is on the chunk ramp: ``target`` frames make the next decoder push."""
 
@@ -537,25 +560,16 @@ class Pipeline:
         return build_clone_prompt(self.prompts, vp, req.text, req.language, req.text_mode,
                                   self.talker.frame_embeddings, live_ids)
 
-    def stream_live(self, request: Any, feed: TextFeed, cancel: Cancel = None,
-                    info: StreamInfo | None = None, min_tokens: int = 1
-                    ) -> Generator[AudioChunk, None, str]:
-        """Speak text that is still being written: ``request.text`` is what is known at the
-        start, ``feed`` delivers the rest (engine/talker/live.py). Generation starts once
-        ``min_tokens`` stable tokens, a flush or the end of the text are there. When the whole
-        text (and its end) is known at the start this is exactly ``stream`` with
-        ``text_mode="stream"``. After a pause for text the chunk ramp restarts at one frame.
-        An in-context cloned voice starts once the text covers its reference frames
-        (``live_start_tokens``) or ends."""
+    def plan_live(self, request: Any, min_tokens: int = 1) -> LivePlan:
+        """A live-text request checked (voice, language, instruction) before any text is
+        awaited, with ``request.text`` taken as the text known so far. Shared by
+        ``stream_live`` and the batch scheduler (engine/batching.py)."""
         req = as_request(request)
         if not isinstance(req, SynthesisRequest):
             raise InputError("text", "live text needs a text request")
         if self.talker is None or self.prompts is None or self.defaults is None:
             raise InputError("text", "this model file has no talker: it cannot speak text")
-        check = _cancel_fn(cancel)
-        info = info if info is not None else StreamInfo()
         live = LiveText(self.prompts)
-        # validate voice/language/instruction before waiting for text
         vp = req.voice_prompt
         opening: Callable[[list[int]], Any]
         if vp is not None:
@@ -568,20 +582,14 @@ class Pipeline:
             opening = opening_prompt(self.prompts, req.voice, req.language, req.instruct)
             need = 1
         live.add(TextUpdate(req.text, end=False))
-        while not live.ended and not (live.text_ready(min_tokens) and len(live.ids) >= need):
-            if is_cancelled(check):
-                info.outcome = "cancelled"
-                return "cancelled"
-            update = feed.take(0.02)
-            if update is not None:
-                live.add(update)
-        if not live.ids:
-            raise InputError("text", "is empty")
-        if live.ended:
-            whole = replace(req, text=live.text, text_mode="stream")
-            outcome = yield from self._stream_text(whole, check, info)
-            info.outcome = outcome
-            return outcome
+        return LivePlan(req, live, opening, need, min_tokens)
+
+    def live_text_plan(self, plan: LivePlan) -> tuple[TextPlan, Callable[[int], int]]:
+        """What a live request needs once it starts (sampling, RNG, a primed decoder, the
+        ramp; no prompts: the opening is laid out from the ids known then), and its frame
+        budget as a function of the text's tokens so far."""
+        req = plan.request
+        assert self.defaults is not None
         params = self.defaults.with_overrides(
             greedy=req.greedy, **{k: getattr(req, k) for k in _SAMPLING_FIELDS})
         cap = self.max_frames_cap
@@ -591,11 +599,43 @@ class Pipeline:
                                 self._max_new_tokens, req.frame_limit)
 
         rng, seed = make_rng(req.seed)
-        info.seed, info.budget = seed, budget(1 << 20)
-        frames = generate_live_frames(self.talker, self.prompts, live, feed, opening, params,
-                                      budget, rng, check)
-        result = yield from self._chunks(frames, self._primed_decoder(vp),
-                                         Ramp(self._chunk_max(req)), check, info)
+        return TextPlan([], params, budget(1 << 20), rng, seed,
+                        self._primed_decoder(req.voice_prompt),
+                        Ramp(self._chunk_max(req))), budget
+
+    def stream_live(self, request: Any, feed: TextFeed, cancel: Cancel = None,
+                    info: StreamInfo | None = None, min_tokens: int = 1
+                    ) -> Generator[AudioChunk, None, str]:
+        """Speak text that is still being written: ``request.text`` is what is known at the
+        start, ``feed`` delivers the rest (engine/talker/live.py). Generation starts once
+        ``min_tokens`` stable tokens, a flush or the end of the text are there. When the whole
+        text (and its end) is known at the start this is exactly ``stream`` with
+        ``text_mode="stream"``. After a pause for text the chunk ramp restarts at one frame.
+        An in-context cloned voice starts once the text covers its reference frames
+        (``live_start_tokens``) or ends."""
+        check = _cancel_fn(cancel)
+        info = info if info is not None else StreamInfo()
+        plan = self.plan_live(request, min_tokens)
+        live = plan.live
+        while not plan.ready():
+            if is_cancelled(check):
+                info.outcome = "cancelled"
+                return "cancelled"
+            update = feed.take(0.02)
+            if update is not None:
+                live.add(update)
+        if not live.ids:
+            raise InputError("text", "is empty")
+        if live.ended:
+            outcome = yield from self._stream_text(plan.whole(), check, info)
+            info.outcome = outcome
+            return outcome
+        assert self.talker is not None and self.prompts is not None
+        tp, budget = self.live_text_plan(plan)
+        info.seed, info.budget = tp.seed, tp.total
+        frames = generate_live_frames(self.talker, self.prompts, live, feed, plan.opening,
+                                      tp.params, budget, tp.rng, check)
+        result = yield from self._chunks(frames, tp.decoder, tp.ramp, check, info)
         info.outcome, info.text_tokens = result.outcome, len(live.ids)
         return result.outcome
 

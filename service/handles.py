@@ -59,8 +59,8 @@ class WorkerHandle:
 
     def takes(self, job: Job) -> bool:
         """Whether it may start ``job`` now: a free slot, and a job that must run alone (codes,
-        live text: the batch loop runs them to their end) only on an empty worker, and nothing
-        beside one."""
+        a one-shot reference: the batch loop runs them to their end) only on an empty worker,
+        and nothing beside one."""
         if self.state not in (WorkerState.IDLE, WorkerState.BUSY):
             return False
         if not self.tickets:

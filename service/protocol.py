@@ -73,10 +73,10 @@ class Job:
 
 
 def batchable(job: Job) -> bool:
-    """Whether a job may share its worker's steps with others: a whole text, in a built-in or
-    stored voice. Codes, live text, clone jobs and one-shot references (their cloning takes
+    """Whether a job may share its worker's steps with others: a text, whole or live, in a
+    built-in or stored voice. Codes, clone jobs and one-shot references (their cloning takes
     seconds) run alone."""
-    return job.kind == "text" and not job.live and job.ref_audio is None
+    return job.kind == "text" and job.ref_audio is None
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,8 @@ class Settings(BaseSettings):
         default=1, ge=1, le=64,
         description=(
             "text requests one worker speaks at once: their talker and code-predictor steps "
-            "run as one batch (1 = one request at a time; codes and live-text requests always "
-            "run alone)"
+            "run as one batch, realtime sessions among them (1 = one request at a time; codes "
+            "and one-shot `ref_audio` requests always run alone)"
         ),
     )
     threads_per_worker: int = Field(

@@ -175,6 +175,28 @@ class PipeFeed:
         return TextUpdate(text, flush, end) if got else None
 
 
+class BufferFeed:
+    """The engine's ``TextFeed`` of a live job in the batch loop: the loop reads the pipe and
+    puts each of the job's ``TextIn`` here; the runner takes them between steps, merged as
+    ``PipeFeed`` merges what it reads at once."""
+
+    def __init__(self) -> None:
+        self._pending: list[TextIn] = []
+
+    def put(self, msg: TextIn) -> None:
+        self._pending.append(msg)
+
+    def take(self, timeout: float) -> Any:
+        """What came since the last take (never waits: the loop waits on the pipe)."""
+        from engine.talker.live import TextUpdate
+
+        got, self._pending = self._pending, []
+        if not got:
+            return None
+        return TextUpdate("".join(m.text for m in got), any(m.flush for m in got),
+                          any(m.end for m in got))
+
+
 def stage_seconds(t: Any) -> dict[str, float]:
     """StageTimings (or a dict) -> {stage: seconds} with every stage that took time."""
     if t is None:

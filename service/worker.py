@@ -40,7 +40,7 @@ from service.protocol import (
     WorkerOptions,
     batchable,
 )
-from service.synthesizer import Synthesizer, stage_seconds
+from service.synthesizer import BufferFeed, Synthesizer, stage_seconds
 
 if TYPE_CHECKING:
     from engine.pipeline import StreamInfo
@@ -121,19 +121,22 @@ class _Running:
 
 def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
                    max_batch: int) -> None:
-    """The batch loop (QTTS_MAX_BATCH > 1): up to ``max_batch`` text jobs share each step
-    (engine/batching.py). Between steps it reads its pipe: new jobs join, ``CancelJob`` marks
-    a job to stop (the runner drops it before its next frame). A job that must run alone (codes,
-    live text; the pool sends one only to an empty worker) runs to its end as without batching.
+    """The batch loop (QTTS_MAX_BATCH > 1): up to ``max_batch`` text jobs, live text among
+    them, share each step (engine/batching.py). Between steps it reads its pipe: new jobs join,
+    ``TextIn`` goes to its live job's feed, ``CancelJob`` marks a job to stop (the runner drops
+    it before its next frame). A job that must run alone (codes, a one-shot reference; the pool
+    sends one only to an empty worker) runs to its end as without batching. While every live
+    job waits for text, the loop waits on its pipe instead of spinning.
     An engine error in a step fails every job of the batch (a 500 each) and the loop goes on
     with a fresh batch."""
-    from engine.batching import BatchRunner, Finished
+    from engine.batching import BatchRunner, Finished, Rejected
     from engine.errors import QttsError
     from engine.pipeline import StreamInfo, as_request
 
     runner = BatchRunner(synth.pipeline, max_batch)
     running: dict[int, _Running] = {}  # stream id -> job
     stop: set[int] = set()  # ids of the jobs to cancel
+    feeds: dict[int, BufferFeed] = {}  # job id -> its live text
 
     def flag(job_id: int) -> Callable[[], bool]:
         return lambda: job_id in stop or cancel.value == job_id
@@ -141,7 +144,8 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
     while True:
         if _STATE["term"] and not running:
             return
-        wait: float | None = 0 if running else 0.25  # idle: wake now and then for SIGTERM
+        # idle: wake now and then for SIGTERM; every live job waiting for text: for its text
+        wait: float | None = (0.02 if runner.idle else 0) if running else 0.25
         while conn.poll(wait):
             wait = 0
             try:
@@ -155,8 +159,10 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
                     _STATE["term"] = True
                 case CancelJob(job_id=jid):
                     stop.add(jid)
-                case TextIn():
-                    pass
+                case TextIn(job_id=jid):
+                    feed = feeds.get(jid)
+                    if feed is not None:
+                        feed.put(msg)
                 case RunJob(job=job) if not batchable(job):
                     _STATE["busy"] = True
                     try:
@@ -171,7 +177,13 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
                         req: Any = job if voice is None else replace(as_request(job),
                                                                      voice_prompt=voice)
                         info = StreamInfo()
-                        sid = runner.submit(req, cancel=flag(job.id), info=info)
+                        if job.live:
+                            feed = BufferFeed()
+                            sid = runner.submit_live(req, feed, cancel=flag(job.id), info=info,
+                                                     min_tokens=job.min_tokens)
+                            feeds[job.id] = feed
+                        else:
+                            sid = runner.submit(req, cancel=flag(job.id), info=info)
                     except QttsError as e:
                         conn.send(_failure(job.id, e))
                         continue
@@ -192,6 +204,7 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
             for r in running.values():
                 conn.send(Failed(r.job.id, 500, None, message))
             running.clear()
+            feeds.clear()
             runner.close()
             runner = BatchRunner(synth.pipeline, max_batch)
             _STATE["busy"] = False
@@ -202,9 +215,13 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
                                last.code_predictor_s, runner.decoder_s))
         for sid, item in events:
             r = running[sid]
-            if isinstance(item, Finished):
+            if isinstance(item, Finished | Rejected):
                 del running[sid]
                 stop.discard(r.job.id)
+                feeds.pop(r.job.id, None)
+                if isinstance(item, Rejected):
+                    conn.send(_failure(r.job.id, item.error))
+                    continue
                 conn.send(Done(r.job.id, Finish(item.outcome), r.frames,
                                time.perf_counter() - r.t0, r.info.text_tokens))
                 continue

@@ -26,7 +26,7 @@ import numpy.typing as npt
 
 from engine.errors import InputError
 from engine.talker.generate import Frame, FrameSampler, Result, frame_loop, is_cancelled
-from engine.talker.model import TalkerModel
+from engine.talker.model import PrefillOut, TalkerModel
 from engine.talker.prompt import (
     ROLE_TOKENS,
     TAIL_TOKENS,
@@ -119,6 +119,67 @@ def opening_prompt(prompts: PromptBuilder, voice: str | None, language: str | No
     return opening
 
 
+class LiveRows:
+    """The talker's text rows of a live utterance: the opening prompt's trailing rows, then one
+    row per stable id as the feed delivers them, EOS once the text has ended, then PAD.
+
+    ``row(i)`` is None while row ``i`` is not known yet (the text ran dry): the frame loop
+    waits then, whether alone (``generate_live_frames``) or in a batch
+    (engine/talker/scheduler.py), so both feed the same rows in the same order."""
+
+    def __init__(self, talker: TalkerModel, prompts: PromptBuilder, live: LiveText,
+                 feed: TextFeed, budget_fn: Callable[[int], int]) -> None:
+        self.talker = talker
+        self.live = live
+        self.feed = feed
+        self.budget_fn = budget_fn
+        self._tts_eos = prompts.special.tts_eos_token_id
+        self._start = len(live.ids)  # ids placed by the opening prompt
+        self._later: list[npt.NDArray[np.float32]] = []  # rows of the ids after those
+        self._eos: npt.NDArray[np.float32] | None = None
+
+    def absorb(self, update: TextUpdate | None) -> None:
+        """Take a feed update: its new stable ids become rows."""
+        if update is None:
+            return
+        before = len(self.live.ids)
+        self.live.add(update)
+        new = self.live.ids[before:]
+        if new:
+            self._later.extend(self.talker.project_text(new))
+        if self.live.ended and self._eos is None:
+            self._eos = self.talker.project_text([self._tts_eos])[0]
+
+    def poll(self) -> None:
+        """Take what the feed holds now, without waiting."""
+        self.absorb(self.feed.take(0))
+
+    def at_budget(self, k: int) -> bool:
+        """Frame ``k`` is over the budget of the text known so far."""
+        return k >= self.budget_fn(len(self.live.ids))
+
+    def frame_waits(self, k: int) -> bool:
+        """Frame ``k`` must wait for more text: the budget of the known text is spent and more
+        text will come (at the end of the text the budget ends the utterance instead)."""
+        return not self.live.ended and self.at_budget(k)
+
+    def row(self, i: int, pre: PrefillOut) -> npt.NDArray[np.float32] | None:
+        """The text row added after frame ``i`` (``pre``: the opening's prefill), or None while
+        it is not known: more text will come, never PAD before the end of the text."""
+        n0 = int(pre.trailing.shape[0])
+        if i < n0:
+            first: npt.NDArray[np.float32] = pre.trailing[i]
+            return first
+        j = i - n0
+        if j < len(self._later):
+            return self._later[j]
+        if not self.live.ended:
+            return None
+        if j == len(self._later) and self._eos is not None:
+            return self._eos
+        return pre.pad
+
+
 def generate_live_frames(
     talker: TalkerModel,
     prompts: PromptBuilder,
@@ -145,34 +206,20 @@ def generate_live_frames(
     if is_cancelled(cancel):
         result.outcome = "cancelled"
         return result
-    sp = prompts.special
     sampler = FrameSampler(int(talker.cfg.vocab_size), talker.eos_id, params, rng)
     prompt = opening(list(live.ids))
+    text = LiveRows(talker, prompts, live, feed, budget_fn)
     cap = budget_fn(1 << 30)
     talker.reserve(prompt.length + cap + 1)
     t0 = time.perf_counter()
     pre = talker.prefill(prompt)
     pending = StageTimings(prefill=time.perf_counter() - t0)
-    rows: list[npt.NDArray[np.float32]] = list(pre.trailing)
-    eos_row: npt.NDArray[np.float32] | None = None
-
-    def absorb(update: TextUpdate | None) -> None:
-        nonlocal eos_row
-        if update is None:
-            return
-        before = len(live.ids)
-        live.add(update)
-        new = live.ids[before:]
-        if new:
-            rows.extend(talker.project_text(new))
-        if live.ended and eos_row is None:
-            eos_row = talker.project_text([sp.tts_eos_token_id])[0]
 
     def wait(hungry: Callable[[], bool]) -> Generator[None, None, bool]:
         """Take what the feed holds; while ``hungry()`` and more text will come, yield None
         (once: the caller decodes the frames it holds) and block on the feed. False when
         cancelled meanwhile."""
-        absorb(feed.take(0))
+        text.poll()
         waited = False
         while not live.ended and hungry():
             if is_cancelled(cancel):
@@ -180,23 +227,17 @@ def generate_live_frames(
             if not waited:
                 waited = True
                 yield None
-            absorb(feed.take(poll_seconds))
+            text.absorb(feed.take(poll_seconds))
         return True
 
-    def at_budget(k: int) -> bool:
-        return k >= budget_fn(len(live.ids))
-
     def text_row(i: int) -> npt.NDArray[np.float32]:
-        if i < len(rows):
-            return rows[i]
-        if i == len(rows) and eos_row is not None:
-            return eos_row
-        return pre.pad
+        row = text.row(i, pre)
+        return pre.pad if row is None else row
 
     # pause while the model has spoken every known token (or its budget) and more will come;
     # when the text runs dry, wait for the next token rather than feed PAD
     return (yield from frame_loop(
-        talker, sampler, pre, prompt.length, pending, cancel, at_budget, text_row,
-        wait_frame=lambda k: wait(lambda: at_budget(k)),
-        wait_text=lambda i: wait(lambda: i >= len(rows)),
+        talker, sampler, pre, prompt.length, pending, cancel, text.at_budget, text_row,
+        wait_frame=lambda k: wait(lambda: text.at_budget(k)),
+        wait_text=lambda i: wait(lambda: text.row(i, pre) is None),
     ))

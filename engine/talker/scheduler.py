@@ -9,7 +9,12 @@
    batched code-predictor pass over those that go on: their frames are complete;
 3. one batched talker step for every utterance whose frame was not its last.
 
-It returns what happened: ``Frame``s and ``Ended`` results, per utterance. An utterance that ends
+A live-text utterance (``LiveRows``: text still being written) sits out of steps 2 and 3 while
+its next frame or text row waits for text, exactly where ``generate_live_frames`` would block,
+and joins again once the text is there; the rest of the batch goes on meanwhile.
+
+It returns what happened: ``Frame``s, ``Paused`` (a live utterance began to wait: its caller
+decodes the frames it holds) and ``Ended`` results, per utterance. An utterance that ends
 (EOS, budget, cancel) leaves at once and its cache is freed. The per-utterance order of sampling
 decisions and checks is exactly ``generate_frames``', so an utterance's codes are those it gets
 alone (engine/talker/batch.py says why the graphs keep that true).
@@ -28,6 +33,7 @@ import numpy.typing as npt
 from engine.errors import InputError
 from engine.talker.batch import BatchedTalker, StepRow
 from engine.talker.generate import Frame, FrameSampler, Result, decide, is_cancelled
+from engine.talker.live import LiveRows
 from engine.talker.model import PrefillOut, TalkerModel
 from engine.talker.prompt import Prompt
 from engine.talker.qwen3 import KVCache
@@ -53,6 +59,12 @@ class Utterance:
     k: int = 0  # frames generated
     pending: StageTimings = field(default_factory=StageTimings)
     result: Result = field(default_factory=Result)
+    text: LiveRows | None = None  # live text (None: the prompt's trailing rows, then PAD)
+    held: npt.NDArray[np.int32] | None = None  # a frame's codes whose step waits for text
+    waiting: bool = False  # a live utterance waiting for text (``Paused`` was said)
+
+    def at_budget(self) -> bool:
+        return self.text.at_budget(self.k) if self.text is not None else self.k >= self.budget
 
 
 @dataclass
@@ -71,7 +83,15 @@ class Emitted:
     frame: Frame
 
 
-Event = Emitted | Ended
+@dataclass
+class Paused:
+    """Live utterance ``uid`` waits for text (said once per wait, as ``generate_live_frames``
+    yields None)."""
+
+    uid: int
+
+
+Event = Emitted | Ended | Paused
 
 
 @dataclass
@@ -109,14 +129,15 @@ class FrameScheduler:
         return self.max_batch - len(self._live)
 
     def add(self, prompt: Prompt, sampler: FrameSampler, budget: int,
-            cancel: Callable[[], bool] | None = None) -> int:
+            cancel: Callable[[], bool] | None = None, text: LiveRows | None = None) -> int:
         """Admit an utterance (its cache is allocated now; its prefill runs in ``iterate``);
-        returns its id. ``RuntimeError`` when the batch is full."""
+        returns its id. ``RuntimeError`` when the batch is full. ``text``: live text, whose
+        frame budget grows with the text (``budget``: the most it may reach)."""
         if budget < 1:
             raise InputError("max_frames", f"must be >= 1, got {budget}")
         if not self.free:
             raise RuntimeError("the batch is full")
-        u = Utterance(next(self._uids), prompt, sampler, budget, cancel)
+        u = Utterance(next(self._uids), prompt, sampler, budget, cancel, text=text)
         u.cache = self._take_cache(prompt.length + budget)
         u.chunks = self.talker.prefill_chunks(prompt, cache=u.cache)
         self._live[u.uid] = u
@@ -161,27 +182,81 @@ class FrameScheduler:
         events: list[Event] = []
         stats = self.last = StepStats()
         self._prefill_one(events, stats)
-        ready = [u for u in self._live.values() if u.logits is not None]
+        rows: list[StepRow] = []
+        stepping: list[Utterance] = []
         go: list[tuple[Utterance, int]] = []
-        for u in ready:
-            assert u.logits is not None
-            c0 = decide(u.sampler, u.logits, u.k >= u.budget, u.cancel)
+        for u in list(self._live.values()):
+            if u.text is not None:
+                u.text.poll()
+            if u.held is not None:  # a frame made earlier whose text row has come
+                if is_cancelled(u.cancel):
+                    u.result.outcome = "cancelled"
+                    events.append(self._end(u))
+                elif (row := self._text_row(u, events)) is not None:
+                    rows.append(self._step_row(u, u.held, row))
+                    stepping.append(u)
+                    u.held = None
+                continue
+            if u.logits is None:
+                continue
+            if u.text is not None and u.text.frame_waits(u.k):
+                if is_cancelled(u.cancel):
+                    u.result.outcome = "cancelled"
+                    events.append(self._end(u))
+                else:
+                    self._wait(u, events)
+                continue
+            c0 = decide(u.sampler, u.logits, u.at_budget(), u.cancel)
             u.logits = None
+            u.waiting = False
             if isinstance(c0, str):
                 u.result.outcome = c0
                 events.append(self._end(u))
             else:
                 go.append((u, c0))
-        if not go:
-            return events
+        if go:
+            self._predict(go, events, stats, rows, stepping)
+        if rows:
+            t2 = time.perf_counter()
+            logits, hidden_out = self.batched.step(rows)
+            stats.talker_s = time.perf_counter() - t2
+            stats.batch = len(rows)
+            for i, u in enumerate(stepping):
+                u.logits, u.hidden = logits[i], hidden_out[i]
+                u.pending.talker_step += stats.talker_s
+        return events
+
+    def _wait(self, u: Utterance, events: list[Event]) -> None:
+        if not u.waiting:
+            u.waiting = True
+            events.append(Paused(u.uid))
+
+    def _text_row(self, u: Utterance, events: list[Event]) -> F32 | None:
+        # the text row after frame k-1: live text's when known (else the utterance waits)
+        pre = u.pre
+        assert pre is not None
+        if u.text is not None:
+            row = u.text.row(u.k - 1, pre)
+            if row is None:
+                self._wait(u, events)
+            else:
+                u.waiting = False
+            return row
+        return pre.trailing[u.k - 1] if u.k - 1 < pre.trailing.shape[0] else pre.pad
+
+    def _step_row(self, u: Utterance, codes: npt.NDArray[np.int32], text_add: F32) -> StepRow:
+        assert u.cache is not None
+        return StepRow(u.cache, codes, text_add, u.prompt.length + u.k - 1)
+
+    def _predict(self, go: list[tuple[Utterance, int]], events: list[Event], stats: StepStats,
+                 rows: list[StepRow], stepping: list[Utterance]) -> None:
+        # the batched code-predictor pass: frames complete, then each utterance's step row
         t1 = time.perf_counter()
         hidden = np.stack([np.asarray(u.hidden, dtype=np.float32) for u, _ in go])
         rest = self.batched.predict(hidden, [c0 for _, c0 in go],
                                     [u.sampler.sub for u, _ in go])
         stats.code_predictor_s = time.perf_counter() - t1
         stats.cp_rows = len(go)
-        rows: list[StepRow] = []
-        stepping: list[Utterance] = []
         for (u, c0), r in zip(go, rest, strict=True):
             u.pending.code_predictor += stats.code_predictor_s
             codes = np.concatenate([np.asarray([c0], dtype=np.int32), r])
@@ -193,20 +268,12 @@ class FrameScheduler:
                 u.result.outcome = "cancelled"
                 events.append(self._end(u))
                 continue
-            pre = u.pre
-            assert pre is not None and u.cache is not None
-            text_add = pre.trailing[u.k - 1] if u.k - 1 < pre.trailing.shape[0] else pre.pad
-            rows.append(StepRow(u.cache, codes, text_add, u.prompt.length + u.k - 1))
+            row = self._text_row(u, events)
+            if row is None:
+                u.held = codes  # its step waits for the text row
+                continue
+            rows.append(self._step_row(u, codes, row))
             stepping.append(u)
-        if rows:
-            t2 = time.perf_counter()
-            logits, hidden_out = self.batched.step(rows)
-            stats.talker_s = time.perf_counter() - t2
-            stats.batch = len(rows)
-            for i, u in enumerate(stepping):
-                u.logits, u.hidden = logits[i], hidden_out[i]
-                u.pending.talker_step += stats.talker_s
-        return events
 
     def _prefill_one(self, events: list[Event], stats: StepStats) -> None:
         # one chunk of the first utterance still prefilling

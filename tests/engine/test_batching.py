@@ -9,11 +9,13 @@ import numpy as np
 import pytest
 
 from engine.backend import BackendSet
-from engine.batching import BatchRunner, Finished
+from engine.batching import BatchRunner, Finished, Rejected
 from engine.errors import InputError
 from engine.gguf_model import open_model
 from engine.pipeline import AudioChunk, CodesRequest, Pipeline, StreamInfo, SynthesisRequest
+from engine.talker.live import TextUpdate
 from engine.tools.make_model import make_model
+from tests.engine.live_feed import QueueFeed
 
 REQUESTS = [
     SynthesisRequest("Hello there.", voice="ryan", seed=1, max_frames=9),
@@ -120,3 +122,119 @@ def test_admission_errors(pipeline: Pipeline) -> None:
         assert not runner.cancel(sid)
     finally:
         runner.close()
+
+
+LIVE_TEXT = "Hello there, how are you today? I hope the weather is fine."
+
+
+class StepFeed:
+    """A live text scripted by the runner's steps: word i is there from step ``at[i]`` on, and
+    the end of the text with the last word."""
+
+    def __init__(self, text: str, at: list[int]) -> None:
+        words = text.split(" ")
+        self.pieces = [words[0]] + [" " + w for w in words[1:]]
+        assert len(at) == len(self.pieces)
+        self.at, self.step, self.given = at, 0, 0
+
+    def take(self, timeout: float) -> TextUpdate | None:
+        n = sum(1 for a in self.at if a <= self.step)
+        if n == self.given:
+            return None
+        text, self.given = "".join(self.pieces[self.given:n]), n
+        return TextUpdate(text, end=n == len(self.pieces))
+
+
+def _run_live(p: Pipeline, feeds: dict[int, StepFeed], reqs: dict[int, SynthesisRequest],
+              max_batch: int, cancel_at: dict[int, int] | None = None,
+              ) -> tuple[dict[int, list[AudioChunk]], dict[int, StreamInfo], dict[int, object]]:
+    """Live streams (``feeds``, submitted at step 0) and whole-text ones (``reqs``: submitted
+    at the step given) in one batch; their chunks, infos and last events by key."""
+    runner = BatchRunner(p, max_batch)
+    chunks: dict[int, list[AudioChunk]] = {k: [] for k in [*feeds, *reqs]}
+    infos = {k: StreamInfo() for k in chunks}
+    ends: dict[int, object] = {}
+    flags = {k: threading.Event() for k in chunks}
+    key_of: dict[int, int] = {}
+    try:
+        for k, feed in feeds.items():
+            key_of[runner.submit_live(SynthesisRequest("", voice="ryan", seed=5 + k), feed,
+                                      flags[k], infos[k])] = k
+        for it in range(2000):
+            for feed in feeds.values():
+                feed.step = it
+            for k, at in reqs.items():
+                if at == it:
+                    key_of[runner.submit(REQUESTS[k], flags[k], infos[k])] = k
+            for k, at in (cancel_at or {}).items():
+                if at == it:
+                    flags[k].set()
+            for sid, item in runner.step():
+                if isinstance(item, AudioChunk):
+                    chunks[key_of[sid]].append(item)
+                else:
+                    ends[key_of[sid]] = item
+            if len(ends) == len(chunks):
+                break
+    finally:
+        runner.close()
+    return chunks, infos, ends
+
+
+def _live_alone(p: Pipeline, text: str, seed: int, info: StreamInfo) -> list[AudioChunk]:
+    # unbatched: the first words, then (once it speaks) the rest and the end
+    feed = QueueFeed()
+    words = text.split(" ")
+    feed.q.put(TextUpdate(" ".join(words[:4])))
+    chunks = []
+    for c in p.stream_live(SynthesisRequest("", voice="ryan", seed=seed), feed, info=info):
+        if not chunks:
+            feed.q.put(TextUpdate(" " + " ".join(words[4:]), end=True))
+        chunks.append(c)
+    return chunks
+
+
+def test_live_streams_share_the_batch(pipeline: Pipeline) -> None:
+    """Two live texts that run dry mid-speech and a whole text joining later, in one batch:
+    each live stream's codes are those it gets alone (``stream_live``) with the same seed, it
+    paused (a one-frame chunk after its first), and the whole text gets its
+    chunks alone, sample for sample."""
+    n = len(LIVE_TEXT.split(" "))
+    feeds = {10: StepFeed(LIVE_TEXT, [0, 0, 1, 2] + [40] * (n - 4)),
+             11: StepFeed(LIVE_TEXT, [0, 5] + [25 + i for i in range(n - 2)])}
+    chunks, infos, ends = _run_live(pipeline, feeds, {0: 3}, max_batch=3)
+    for k in feeds:
+        ref = StreamInfo()
+        ref_chunks = _live_alone(pipeline, LIVE_TEXT, 5 + k, ref)
+        end = ends[k]
+        assert isinstance(end, Finished) and end.outcome == ref.outcome
+        np.testing.assert_array_equal(np.concatenate(infos[k].codes, 1),
+                                      np.concatenate(ref.codes, 1))
+        assert infos[k].text_tokens == ref.text_tokens
+        got = sum(c.audio.shape[0] for c in chunks[k])
+        assert got == sum(c.audio.shape[0] for c in ref_chunks) == 1920 * sum(
+            c.frames for c in chunks[k])
+        assert 1 in [c.frames for c in chunks[k][1:]], "it never paused for text"
+    alone, _ = _alone(pipeline, REQUESTS[0])
+    assert [c.frames for c in chunks[0]] == [c.frames for c in alone]
+    for x, y in zip(alone, chunks[0], strict=True):
+        np.testing.assert_array_equal(x.audio, y.audio)
+
+
+def test_live_stream_start_cancel_and_empty_text(pipeline: Pipeline) -> None:
+    """A live text whose end comes before its start is the streaming-text request exactly; a
+    live stream cancelled while it waits for text ends "cancelled"; one that ends with no
+    words is rejected naming the text."""
+    whole = StepFeed(LIVE_TEXT, [0] * len(LIVE_TEXT.split(" ")))
+    waiting = StepFeed("Never finished words", [0, 0, 10**6])
+    chunks, _, ends = _run_live(pipeline, {0: whole, 1: waiting}, {}, max_batch=2,
+                                    cancel_at={1: 30})
+    ref = StreamInfo()
+    ref_chunks = list(pipeline.stream(SynthesisRequest(LIVE_TEXT, voice="ryan", seed=5,
+                                                       text_mode="stream"), info=ref))
+    for x, y in zip(ref_chunks, chunks[0], strict=True):
+        np.testing.assert_array_equal(x.audio, y.audio)
+    assert isinstance(ends[1], Finished) and ends[1].outcome == "cancelled"
+    empty = StepFeed(" ", [3, 3])
+    _, _, ends = _run_live(pipeline, {0: empty}, {}, max_batch=1)
+    assert isinstance(ends[0], Rejected) and ends[0].error.field == "text"

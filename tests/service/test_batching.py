@@ -131,3 +131,75 @@ def test_cancel_one_stream_others_finish(batch_server: Any) -> None:
     assert out[1] == alone
     ms = wait_metric(server, "qtts_requests_total", 1, route="/tts", outcome="client_gone")
     assert metric(ms, "qtts_requests_running") == 0
+
+
+def test_realtime_sessions_share_a_batching_worker(batch_server: Any) -> None:
+    """Three realtime sessions writing their text over ~1.5 s, one of them pausing longer than
+    its buffer, on ONE worker with QTTS_MAX_BATCH=3: they speak at once (each later session's
+    first audio comes before the first session is done; the steps carried several rows), each
+    utterance is whole; and all text at once still equals POST /tts with text_mode stream."""
+    import asyncio
+    import json
+
+    from websockets.asyncio.client import connect
+
+    from tests.service.realtime_helpers import collect, run, send, words, ws_url
+
+    server = batch_server(workers=1, max_batch=3)
+    text = "Batching lets several voices speak at once on one worker, step by step."
+
+    async def session(i: int, t0: float) -> tuple[float, float, list[dict[str, Any]], bytes]:
+        await asyncio.sleep(0.15 * i)
+        async with connect(ws_url(server)) as ws:
+            await ws.recv()
+            await send(ws, type="session", voice="ryan", seed=20 + i, start="immediate")
+            await ws.recv()
+            first = 0.0
+
+            async def write() -> None:
+                for j, w in enumerate(words(text)):
+                    await send(ws, type="text", text=w)
+                    await asyncio.sleep(0.6 if (i == 1 and j == 3) else 0.08)
+                await send(ws, type="end")
+
+            writer = asyncio.create_task(write())
+            events: list[dict[str, Any]] = []
+            audio = b""
+            async for msg in ws:
+                if isinstance(msg, bytes):
+                    first = first or time.monotonic() - t0
+                    audio += msg
+                    continue
+                events.append(json.loads(msg))
+                if events[-1]["type"] == "done":
+                    break
+            await writer
+            return first, time.monotonic() - t0, events, audio
+
+    async def together() -> list[tuple[float, float, list[dict[str, Any]], bytes]]:
+        t0 = time.monotonic()
+        return list(await asyncio.gather(*(session(i, t0) for i in range(3))))
+
+    out = run(together())
+    for first, _, events, audio in out:
+        usage = events[-1]["usage"]
+        assert usage["outcome"] in ("ok", "truncated_no_eos"), events[-1]
+        assert first > 0 and len(audio) == 2 * FRAME_SAMPLES * usage["frames"]
+    assert out[1][0] < out[0][1] and out[2][0] < out[0][1]  # not one after another
+    ms = server.metrics()
+    assert metric(ms, "qtts_batch_size_bucket", le="1.0") < metric(ms, "qtts_batch_size_count")
+
+    async def at_once() -> bytes:
+        async with connect(ws_url(server)) as ws:
+            await ws.recv()
+            await send(ws, type="session", voice="ryan", seed=11)
+            await ws.recv()
+            await send(ws, type="text", text=text)
+            await send(ws, type="end")
+            return (await collect(ws))[1]
+
+    got = run(at_once())
+    r = httpx.post(server.url + "/tts", json={"text": text, "seed": 11, "format": "pcm",
+                                              "voice": "ryan", "text_mode": "stream"},
+                   timeout=120)
+    assert r.status_code == 200 and len(got) > 0 and got == r.content

@@ -15,10 +15,11 @@ from typing import Any
 
 import httpx
 import pytest
-from websockets.asyncio.client import ClientConnection, connect
+from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from tests.service.helpers import Server, decoded_seconds, metric
+from tests.service.realtime_helpers import collect, run, send, words, ws_url
 
 SENTENCE = "The quick brown fox jumps over the lazy dog, then rests in the sun."
 KEY = "s3cret-key"
@@ -32,39 +33,6 @@ def rt_server(service_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         yield s
     finally:
         s.stop()
-
-
-def ws_url(server: Server) -> str:
-    return server.url.replace("http://", "ws://") + "/v1/tts/realtime"
-
-
-async def collect(ws: ClientConnection) -> tuple[list[dict[str, Any]], bytes]:
-    """Every event and the audio of one utterance, up to and with its done (or an error that
-    closes the session)."""
-    events: list[dict[str, Any]] = []
-    audio = b""
-    async for msg in ws:
-        if isinstance(msg, bytes):
-            audio += msg
-            continue
-        ev = json.loads(msg)
-        events.append(ev)
-        if ev["type"] == "done":
-            break
-    return events, audio
-
-
-async def send(ws: ClientConnection, **msg: Any) -> None:
-    await ws.send(json.dumps(msg))
-
-
-def run(coro: Any) -> Any:
-    return asyncio.run(coro)
-
-
-def words(text: str) -> list[str]:
-    parts = text.split(" ")
-    return [parts[0]] + [" " + p for p in parts[1:]]
 
 
 def test_deltas_with_delays_then_end(rt_server: Server) -> None:

@@ -1,0 +1,44 @@
+"""The realtime route's client side for tests: the URL, one utterance's events and audio."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from websockets.asyncio.client import ClientConnection
+
+from tests.service.helpers import Server
+
+
+def ws_url(server: Server) -> str:
+    return server.url.replace("http://", "ws://") + "/v1/tts/realtime"
+
+
+async def collect(ws: ClientConnection) -> tuple[list[dict[str, Any]], bytes]:
+    """Every event and the audio of one utterance, up to and with its done (or an error that
+    closes the session)."""
+    events: list[dict[str, Any]] = []
+    audio = b""
+    async for msg in ws:
+        if isinstance(msg, bytes):
+            audio += msg
+            continue
+        ev = json.loads(msg)
+        events.append(ev)
+        if ev["type"] == "done":
+            break
+    return events, audio
+
+
+async def send(ws: ClientConnection, **msg: Any) -> None:
+    await ws.send(json.dumps(msg))
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def words(text: str) -> list[str]:
+    parts = text.split(" ")
+    return [parts[0]] + [" " + p for p in parts[1:]]
