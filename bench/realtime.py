@@ -23,6 +23,7 @@ one sample of first audio, these are N.
 
   python bench/realtime.py --model ~/.cache/qtts/models/synthetic-full-q4_0-seed0/model.gguf \
       --sessions 1,3 --threads 2
+  python bench/realtime.py --model ... --sessions 3 --max-batch 3 --threads 2   # one worker
   python bench/realtime.py --url http://127.0.0.1:8000 --voice ryan
 """
 
@@ -179,6 +180,9 @@ def main() -> int:
     ap.add_argument("--url", default=None, help="bench this running server (http://host:port)")
     ap.add_argument("--sessions", default="1,3", help="concurrent sessions, comma-separated")
     ap.add_argument("--threads", type=int, default=0, help="threads per worker (0: default)")
+    ap.add_argument("--max-batch", type=int, default=1,
+                    help="QTTS_MAX_BATCH: with B > 1, ceil(sessions / B) workers share them "
+                    "(1: one worker per session)")
     ap.add_argument("--words", type=int, default=60)
     ap.add_argument("--tokens-per-second", type=float, default=30.0)
     ap.add_argument("--policies", default="immediate,auto", help="start policies to compare")
@@ -189,8 +193,9 @@ def main() -> int:
     args = ap.parse_args()
     counts = [int(x) for x in args.sessions.split(",")]
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    print(f"{args.words} words at {args.tokens_per_second:g} tokens/s; load average at start "
-          f"{os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+    print(f"{args.words} words at {args.tokens_per_second:g} tokens/s; max batch "
+          f"{args.max_batch}; load average at start {os.getloadavg()[0]:.2f} on "
+          f"{os.cpu_count()} CPUs")
     print("| sessions | start | first audio ms p50 / max | gaps after 1 s | worst gap ms | "
           "stalled ms | behind ms p50 / max | audio s | errors |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -200,7 +205,8 @@ def main() -> int:
         if url is None:
             if not args.model:
                 ap.error("--model (or QTTS_MODEL) is required without --url")
-            proc, url = start_server(args.model, n, args.threads, 2)
+            workers = -(-n // args.max_batch)
+            proc, url = start_server(args.model, workers, args.threads, 2, args.max_batch)
         ws_url = url.replace("http://", "ws://") + "/v1/tts/realtime"
         try:
             for policy in args.policies.split(",") if args.first_audio and n == 1 else []:
