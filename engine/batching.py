@@ -82,9 +82,30 @@ class _Stream:
     uid: int = 0  # the current segment's id in the scheduler
     pending: list[npt.NDArray[np.int32]] = field(default_factory=list)
     acc: StageTimings = field(default_factory=StageTimings)
+    first_t: float | None = None  # when its first chunk was made
+    audio_s: float = 0.0  # audio made so far
+
+    def ahead(self, now: float) -> float:
+        """Seconds of audio made beyond what a listener who started at the first chunk has
+        heard by ``now`` (-inf before the first chunk: nothing to play yet)."""
+        return -np.inf if self.first_t is None else self.audio_s - (now - self.first_t)
 
 
 Event = tuple[int, AudioChunk | Finished | Rejected]
+Deliver = Callable[[int, AudioChunk | Finished | Rejected], None]
+
+
+class _Out(list[Event]):
+    """A step's events, each also handed to ``deliver`` the moment it is made."""
+
+    def __init__(self, deliver: Deliver | None) -> None:
+        super().__init__()
+        self.deliver = deliver
+
+    def append(self, ev: Event) -> None:
+        super().append(ev)
+        if self.deliver is not None:
+            self.deliver(*ev)
 
 
 class BatchRunner:
@@ -213,16 +234,27 @@ class BatchRunner:
         st.info.outcome = "cancelled"
         return True
 
-    def step(self) -> list[Event]:
-        """One round for every stream; returns (stream id, chunk or ``Finished``) in order."""
-        out: list[Event] = []
+    def step(self, deliver: Deliver | None = None) -> list[Event]:
+        """One round for every stream; returns (stream id, chunk or ``Finished``), each
+        stream's in order, and hands each to ``deliver`` as soon as it is made (a chunk need
+        not wait for the other streams' decoder pushes).
+
+        The streams' decoder work runs most urgent first: streams without audio yet (their
+        first chunk is their time to first audio), then by how little audio they are ahead
+        of a listener. Each stream's chunks are the same whatever the order."""
+        out = _Out(deliver)
         self.decoder_s = 0.0
         if self._starting:
             self._start_live(out)
         events = self.frames.iterate()
         last = self.frames.last
         self.idle = not (out or events or last.cp_rows or last.batch or last.prefill_s)
+        by_stream: dict[int, list[Emitted | Ended | Paused]] = {}
         for ev in events:
+            by_stream.setdefault(ev.uid, []).append(ev)
+        now = time.perf_counter()
+        order = sorted(by_stream, key=lambda uid: self._urgency(uid, now))
+        for ev in (ev for uid in order for ev in by_stream[uid]):
             st = self._by_uid.get(ev.uid)
             if st is None:
                 continue
@@ -248,12 +280,20 @@ class BatchRunner:
                 self._segment_ended(st, ev, out)
         return out
 
+    def _urgency(self, uid: int, now: float) -> float:
+        st = self._by_uid.get(uid)
+        return np.inf if st is None else st.ahead(now)
+
     def _push(self, st: _Stream, extra: StageTimings) -> AudioChunk:
         assert st.plan is not None
         t0 = time.perf_counter()
         chunk = self.pipeline._push(st.plan.decoder, st.pending, st.acc + extra, st.info)
-        self.decoder_s += time.perf_counter() - t0
+        t1 = time.perf_counter()
+        self.decoder_s += t1 - t0
         st.pending, st.acc = [], StageTimings()
+        if st.first_t is None:
+            st.first_t = t1
+        st.audio_s += chunk.audio.shape[0] / self.pipeline.decoder.sample_rate
         return chunk
 
     def _segment_ended(self, st: _Stream, ev: Ended, out: list[Event]) -> None:

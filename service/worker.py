@@ -141,6 +141,25 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
     def flag(job_id: int) -> Callable[[], bool]:
         return lambda: job_id in stop or cancel.value == job_id
 
+    def deliver(sid: int, item: Any) -> None:
+        r = running[sid]
+        if isinstance(item, Finished | Rejected):
+            del running[sid]
+            stop.discard(r.job.id)
+            feeds.pop(r.job.id, None)
+            if isinstance(item, Rejected):
+                conn.send(_failure(r.job.id, item.error))
+                return
+            conn.send(Done(r.job.id, Finish(item.outcome), r.frames,
+                           time.perf_counter() - r.t0, r.info.text_tokens))
+            return
+        if fault is not None:  # QTTS_TEST_FAULT (tests only)
+            fault.hit("chunk", r.sent)
+        r.sent += 1
+        r.frames += item.frames
+        conn.send(Chunk(r.job.id, np.asarray(item.audio, dtype=np.float32),
+                        stage_seconds(item.timings), int(item.frames)))
+
     while True:
         if _STATE["term"] and not running:
             return
@@ -193,7 +212,8 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
             stop.clear()
             continue
         try:
-            events = runner.step()
+            # each chunk goes out as soon as it is decoded, not after the batch's other pushes
+            runner.step(deliver)
         except (BrokenPipeError, EOFError, ConnectionResetError):
             return
         except Exception as e:
@@ -213,24 +233,6 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
         if last.cp_rows:
             conn.send(StepDone(max(last.batch, last.cp_rows), last.talker_s,
                                last.code_predictor_s, runner.decoder_s))
-        for sid, item in events:
-            r = running[sid]
-            if isinstance(item, Finished | Rejected):
-                del running[sid]
-                stop.discard(r.job.id)
-                feeds.pop(r.job.id, None)
-                if isinstance(item, Rejected):
-                    conn.send(_failure(r.job.id, item.error))
-                    continue
-                conn.send(Done(r.job.id, Finish(item.outcome), r.frames,
-                               time.perf_counter() - r.t0, r.info.text_tokens))
-                continue
-            if fault is not None:  # QTTS_TEST_FAULT (tests only)
-                fault.hit("chunk", r.sent)
-            r.sent += 1
-            r.frames += item.frames
-            conn.send(Chunk(r.job.id, np.asarray(item.audio, dtype=np.float32),
-                            stage_seconds(item.timings), int(item.frames)))
         _STATE["busy"] = bool(running)
         if not running:
             synth.pipeline.release()

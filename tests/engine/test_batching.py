@@ -238,3 +238,29 @@ def test_live_stream_start_cancel_and_empty_text(pipeline: Pipeline) -> None:
     empty = StepFeed(" ", [3, 3])
     _, _, ends = _run_live(pipeline, {0: empty}, {}, max_batch=1)
     assert isinstance(ends[0], Rejected) and ends[0].error.field == "text"
+
+
+def test_each_chunk_is_delivered_as_made_most_urgent_first(pipeline: Pipeline) -> None:
+    """``step(deliver)`` hands every event over before it returns, in the returned order, and
+    a stream's first chunk is decoded before another stream's push of the same step (A pushes
+    at its frames 1, 3, 7, ...: B joins at A's seventh frame)."""
+    runner = BatchRunner(pipeline, 2)
+    a = runner.submit(REQUESTS[1])
+    seen: list[tuple[int, object]] = []
+    both_steps = 0
+    try:
+        for it in range(60):
+            if it == 6:
+                b = runner.submit(REQUESTS[0])
+            seen.clear()
+            out = runner.step(lambda sid, item: seen.append((sid, item)))
+            assert seen == out
+            pushed = [sid for sid, item in out if isinstance(item, AudioChunk)]
+            if it == 6:
+                assert pushed == [b, a]  # without the ordering: [a, b]
+                both_steps += 1
+            if not len(runner):
+                break
+    finally:
+        runner.close()
+    assert both_steps == 1
