@@ -239,16 +239,21 @@ class BatchRunner:
         stream's in order, and hands each to ``deliver`` as soon as it is made (a chunk need
         not wait for the other streams' decoder pushes).
 
-        The streams' decoder work runs most urgent first: streams without audio yet (their
-        first chunk is their time to first audio), then by how little audio they are ahead
-        of a listener. Each stream's chunks are the same whatever the order."""
+        The round's decoder work runs before its talker step (``FrameScheduler.iterate``'s
+        ``before_step``), most urgent stream first: streams without audio yet (their first
+        chunk is their time to first audio), then by how little audio they are ahead of a
+        listener. Each stream's chunks are the same whatever the order."""
         out = _Out(deliver)
         self.decoder_s = 0.0
         if self._starting:
             self._start_live(out)
-        events = self.frames.iterate()
+        events = self.frames.iterate(lambda evs: self._handle(evs, out))
         last = self.frames.last
         self.idle = not (out or events or last.cp_rows or last.batch or last.prefill_s)
+        return out
+
+    def _handle(self, events: list[Emitted | Ended | Paused], out: list[Event]) -> None:
+        # the scheduler's events of this round, before its talker step
         by_stream: dict[int, list[Emitted | Ended | Paused]] = {}
         for ev in events:
             by_stream.setdefault(ev.uid, []).append(ev)
@@ -278,7 +283,6 @@ class BatchRunner:
                 st.plan.ramp.advance(restart=True)
             else:
                 self._segment_ended(st, ev, out)
-        return out
 
     def _urgency(self, uid: int, now: float) -> float:
         st = self._by_uid.get(uid)

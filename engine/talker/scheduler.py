@@ -177,8 +177,11 @@ class FrameScheduler:
         u.result.leftover = u.pending
         return Ended(u.uid, u.result)
 
-    def iterate(self) -> list[Event]:
-        """One round (module docstring); returns its events in order."""
+    def iterate(self, before_step: Callable[[list[Event]], None] | None = None) -> list[Event]:
+        """One round (module docstring); returns its events in order. ``before_step(events)``
+        runs after the code-predictor pass, before the talker step: the caller decodes the
+        frames that are due there, so a chunk does not wait for the step (a joining stream's
+        first audio the least). It may cancel utterances: they leave before the step."""
         events: list[Event] = []
         stats = self.last = StepStats()
         self._prefill_one(events, stats)
@@ -216,6 +219,10 @@ class FrameScheduler:
                 go.append((u, c0))
         if go:
             self._predict(go, events, stats, rows, stepping)
+        if before_step is not None:
+            before_step(events)
+            keep = [i for i, u in enumerate(stepping) if u.uid in self._live]
+            rows, stepping = [rows[i] for i in keep], [stepping[i] for i in keep]
         if rows:
             t2 = time.perf_counter()
             logits, hidden_out = self.batched.step(rows)

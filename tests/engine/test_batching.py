@@ -242,18 +242,25 @@ def test_live_stream_start_cancel_and_empty_text(pipeline: Pipeline) -> None:
 
 def test_each_chunk_is_delivered_as_made_most_urgent_first(pipeline: Pipeline) -> None:
     """``step(deliver)`` hands every event over before it returns, in the returned order, and
-    a stream's first chunk is decoded before another stream's push of the same step (A pushes
-    at its frames 1, 3, 7, ...: B joins at A's seventh frame)."""
+    before the round's talker step; a stream's first chunk is decoded before another stream's
+    push of the same step (A pushes at its frames 1, 3, 7, ...: B joins at A's seventh
+    frame)."""
     runner = BatchRunner(pipeline, 2)
     a = runner.submit(REQUESTS[1])
     seen: list[tuple[int, object]] = []
+    rows_stepped: list[int] = []  # the round's talker-step rows when each chunk came
     both_steps = 0
+
+    def deliver(sid: int, item: object) -> None:
+        seen.append((sid, item))
+        rows_stepped.append(runner.last.batch)
+
     try:
         for it in range(60):
             if it == 6:
                 b = runner.submit(REQUESTS[0])
             seen.clear()
-            out = runner.step(lambda sid, item: seen.append((sid, item)))
+            out = runner.step(deliver)
             assert seen == out
             pushed = [sid for sid, item in out if isinstance(item, AudioChunk)]
             if it == 6:
@@ -264,3 +271,4 @@ def test_each_chunk_is_delivered_as_made_most_urgent_first(pipeline: Pipeline) -
     finally:
         runner.close()
     assert both_steps == 1
+    assert rows_stepped and not any(rows_stepped)  # no chunk waited for a talker step
