@@ -34,7 +34,7 @@ import numpy.typing as npt
 
 from engine.backend import BackendSet
 from engine.errors import BackendError
-from engine.ggml import NULL, Graph, Tensor, lib
+from engine.ggml import NULL, Graph, Tensor, ffi, lib
 from engine.ggml.gemm_i8 import gemm_i8
 from engine.ggml.graph import new_tensor, no_alloc_context, set_name
 from engine.talker.weights import LayerWeights, StackShape
@@ -147,6 +147,26 @@ class KVCache:
             raise BackendError(f"cannot allocate the {name} KV cache ({n_ctx} positions)")
         lib.ggml_backend_buffer_clear(self.buffer, 0)
         self.nbytes = int(lib.ggml_backend_buffer_get_size(self.buffer))
+
+    def copy_into(self, dst: KVCache) -> None:
+        """Every position of every layer into the first positions of ``dst`` (a cache of the
+        same layers and type, at least as long): how a growing session keeps its rows."""
+        if (dst.n_layers, dst.kv_dim, dst.type) != (self.n_layers, self.kv_dim, self.type) or \
+                dst.n_ctx < self.n_ctx:
+            raise BackendError("copy_into: the destination cache does not fit")
+        es = int(lib.ggml_type_size(self.type))
+        row = self.n_ctx * es  # one V channel (or the K rows' bytes per channel)
+        k = np.empty(self.kv_dim * row, dtype=np.uint8)
+        v = np.empty((self.kv_dim, row), dtype=np.uint8)
+        v_dst = np.zeros((self.kv_dim, dst.n_ctx * es), dtype=np.uint8)
+        for il in range(self.n_layers):
+            # K: one row per position, so the old rows are the new cache's first bytes
+            lib.ggml_backend_tensor_get(self.k[il], ffi.from_buffer(k), 0, k.nbytes)
+            lib.ggml_backend_tensor_set(dst.k[il], ffi.from_buffer(k), 0, k.nbytes)
+            # V: one row per channel, each longer in the new cache
+            lib.ggml_backend_tensor_get(self.v[il], ffi.from_buffer(v), 0, v.nbytes)
+            v_dst[:, :row] = v
+            lib.ggml_backend_tensor_set(dst.v[il], ffi.from_buffer(v_dst), 0, v_dst.nbytes)
 
     def v_index(self, positions: npt.NDArray[np.int32]) -> npt.NDArray[np.int32]:
         """Flat indices into the transposed V of channel e at position p: ``e * n_ctx + p``.

@@ -40,6 +40,7 @@ from engine.talker.qwen3 import KVCache
 from engine.timings import StageTimings
 
 F32 = npt.NDArray[np.float32]
+LIVE_CACHE_FRAMES = 256  # frames a live utterance's cache holds at first (20 s; then it doubles)
 
 
 @dataclass
@@ -138,7 +139,10 @@ class FrameScheduler:
         if not self.free:
             raise RuntimeError("the batch is full")
         u = Utterance(next(self._uids), prompt, sampler, budget, cancel, text=text)
-        u.cache = self._take_cache(prompt.length + budget)
+        # live text may reach the server's cap of frames, or stop early: its cache starts at
+        # LIVE_CACHE_FRAMES and grows as it speaks (``_step_row``)
+        frames = budget if text is None else min(budget, LIVE_CACHE_FRAMES)
+        u.cache = self._take_cache(prompt.length + frames + 1)
         u.chunks = self.talker.prefill_chunks(prompt, cache=u.cache)
         self._live[u.uid] = u
         return u.uid
@@ -253,7 +257,25 @@ class FrameScheduler:
 
     def _step_row(self, u: Utterance, codes: npt.NDArray[np.int32], text_add: F32) -> StepRow:
         assert u.cache is not None
-        return StepRow(u.cache, codes, text_add, u.prompt.length + u.k - 1)
+        pos = u.prompt.length + u.k - 1
+        if pos >= u.cache.n_ctx:
+            self._grow(u, pos + 1)
+        return StepRow(u.cache, codes, text_add, pos)
+
+    def _grow(self, u: Utterance, n_positions: int) -> None:
+        # a longer cache for a live utterance: twice the length (within its budget), its rows
+        # copied over; the old one is freed, or given back if it was the model's own
+        assert u.cache is not None
+        cap = u.prompt.length + u.budget + 1
+        new = self.talker.new_cache(min(max(2 * u.cache.n_ctx, n_positions), max(cap,
+                                                                                 n_positions)))
+        u.cache.copy_into(new)
+        self.batched.drop_step_graph()  # it refers to the old cache
+        if u.cache is self._lent:
+            self._lent = None
+        else:
+            u.cache.close()
+        u.cache = new
 
     def _predict(self, go: list[tuple[Utterance, int]], events: list[Event], stats: StepStats,
                  rows: list[StepRow], stepping: list[Utterance]) -> None:

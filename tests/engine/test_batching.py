@@ -194,11 +194,20 @@ def _live_alone(p: Pipeline, text: str, seed: int, info: StreamInfo) -> list[Aud
     return chunks
 
 
-def test_live_streams_share_the_batch(pipeline: Pipeline) -> None:
+def test_live_streams_share_the_batch(pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch
+                                      ) -> None:
     """Two live texts that run dry mid-speech and a whole text joining later, in one batch:
     each live stream's codes are those it gets alone (``stream_live``) with the same seed, it
     paused (a one-frame chunk after its first), and the whole text gets its
-    chunks alone, sample for sample."""
+    chunks alone, sample for sample. The live caches start at 16 frames, so they grow (their
+    rows copied) several times on the way."""
+    import engine.talker.scheduler as sched
+
+    monkeypatch.setattr(sched, "LIVE_CACHE_FRAMES", 16)
+    grown: list[int] = []
+    grow = sched.FrameScheduler._grow
+    monkeypatch.setattr(sched.FrameScheduler, "_grow", lambda self, u, n: (
+        grown.append(n), grow(self, u, n))[1])
     n = len(LIVE_TEXT.split(" "))
     feeds = {10: StepFeed(LIVE_TEXT, [0, 0, 1, 2] + [40] * (n - 4)),
              11: StepFeed(LIVE_TEXT, [0, 5] + [25 + i for i in range(n - 2)])}
@@ -215,6 +224,7 @@ def test_live_streams_share_the_batch(pipeline: Pipeline) -> None:
         assert got == sum(c.audio.shape[0] for c in ref_chunks) == 1920 * sum(
             c.frames for c in chunks[k])
         assert 1 in [c.frames for c in chunks[k][1:]], "it never paused for text"
+    assert len(grown) >= 2  # (the first stream may hold the model's own, long cache)
     alone, _ = _alone(pipeline, REQUESTS[0])
     assert [c.frames for c in chunks[0]] == [c.frames for c in alone]
     for x, y in zip(alone, chunks[0], strict=True):
