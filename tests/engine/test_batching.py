@@ -233,8 +233,8 @@ def test_live_streams_share_the_batch(pipeline: Pipeline, monkeypatch: pytest.Mo
 
 def test_live_stream_start_cancel_and_empty_text(pipeline: Pipeline) -> None:
     """A live text whose end comes before its start is the streaming-text request exactly; a
-    live stream cancelled while it waits for text ends "cancelled"; one that ends with no
-    words is rejected naming the text."""
+    live stream cancelled while it waits for text, or before its first word, ends
+    "cancelled"; one that ends with no words is rejected naming the text."""
     whole = StepFeed(LIVE_TEXT, [0] * len(LIVE_TEXT.split(" ")))
     waiting = StepFeed("Never finished words", [0, 0, 10**6])
     chunks, _, ends = _run_live(pipeline, {0: whole, 1: waiting}, {}, max_batch=2,
@@ -245,6 +245,10 @@ def test_live_stream_start_cancel_and_empty_text(pipeline: Pipeline) -> None:
     for x, y in zip(ref_chunks, chunks[0], strict=True):
         np.testing.assert_array_equal(x.audio, y.audio)
     assert isinstance(ends[1], Finished) and ends[1].outcome == "cancelled"
+    # cancelled before its start: no word ever came
+    _, _, ends = _run_live(pipeline, {0: StepFeed("silence", [10**6])}, {}, max_batch=1,
+                           cancel_at={0: 5})
+    assert isinstance(ends[0], Finished) and ends[0].outcome == "cancelled"
     empty = StepFeed(" ", [3, 3])
     _, _, ends = _run_live(pipeline, {0: empty}, {}, max_batch=1)
     assert isinstance(ends[0], Rejected) and ends[0].error.field == "text"
