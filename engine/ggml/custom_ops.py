@@ -18,7 +18,8 @@ server side; not tried). Pin custom nodes to the CPU
 (``ggml_backend_sched_set_tensor_backend(sched, node, cpu)``) whenever RPC is in the set.
 Neither op is eligible for ggml-alloc's in-place reuse, so dst never aliases an input.
 
-Ops: ``snake_beta``; ``elu`` (vectorised ELU); ``conv1d_tm`` (exact F32 direct conv, weights
+Ops: ``snake_beta``; ``elu`` (vectorised ELU); ``kv_write_transposed`` (a prefill's V rows into
+the channel-major cache); ``conv1d_tm`` (exact F32 direct conv, weights
 from ``pack_conv_weight``); ``conv1d_tm_bf16`` (its fast-mode twin: BF16 weights from
 ``pack_conv_weight_bf16`` and BF16-rounded input, F32 sums; AVX512_BF16 when
 ``bf16_available()``, else a slow portable path). Both convs
@@ -185,6 +186,25 @@ def elu(ctx: Any, x: Tensor, *, library: Any | None = None) -> Tensor:
         raise ValueError("elu: x must be contiguous (ggml_cont it first)")
     fn = _fn(library, "qtts_elu_op", "ggml_custom1_op_t")
     return lib.ggml_map_custom1(ctx, x, fn, GGML_N_TASKS_MAX, ffi.NULL)
+
+
+def kv_write_transposed(ctx: Any, dst: Tensor, v: Tensor, *,
+                        library: Any | None = None) -> Tensor:
+    """``dst[c, p] = v[p, c]``, in place: a block of new V rows (F32 ``[C, n]``, contiguous
+    rows) into a view of a cache's channel-major V (F16 or F32 ``[n, C]``, contiguous rows, any
+    row stride), converted as ggml's CPY converts. Returns the written view (read the cache
+    through it, so the reads come after the write). ~10x ggml's CPY through a transposed view,
+    which strides across the cache for every element."""
+    _check_f32(v, "kv_write_transposed: v")
+    if int(dst.type) not in (lib.GGML_TYPE_F16, lib.GGML_TYPE_F32):
+        raise TypeError("kv_write_transposed: the cache must be F16 or F32")
+    if int(dst.nb[0]) != int(lib.ggml_type_size(dst.type)) or int(v.nb[0]) != 4:
+        raise ValueError("kv_write_transposed: rows must be contiguous")
+    if (int(dst.ne[0]), int(dst.ne[1])) != (int(v.ne[1]), int(v.ne[0])) or any(
+            int(t.ne[i]) != 1 for t in (dst, v) for i in (2, 3)):
+        raise ValueError("kv_write_transposed: dst must be v transposed, both 2-D")
+    fn = _fn(library, "qtts_kv_write_transposed_op", "ggml_custom2_op_t")
+    return lib.ggml_map_custom2_inplace(ctx, dst, v, fn, GGML_N_TASKS_MAX, ffi.NULL)
 
 
 def _check_rows(t: Tensor, c_in: int, what: str, name: str) -> None:

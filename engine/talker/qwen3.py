@@ -34,7 +34,7 @@ import numpy.typing as npt
 
 from engine.backend import BackendSet
 from engine.errors import BackendError
-from engine.ggml import NULL, Graph, Tensor, ffi, lib
+from engine.ggml import NULL, Graph, Tensor, custom_ops, ffi, lib
 from engine.ggml.gemm_i8 import gemm_i8
 from engine.ggml.graph import new_tensor, no_alloc_context, set_name
 from engine.talker.weights import LayerWeights, StackShape
@@ -147,6 +147,7 @@ class KVCache:
             raise BackendError(f"cannot allocate the {name} KV cache ({n_ctx} positions)")
         lib.ggml_backend_buffer_clear(self.buffer, 0)
         self.nbytes = int(lib.ggml_backend_buffer_get_size(self.buffer))
+        self.host = bool(lib.ggml_backend_buffer_is_host(self.buffer))
 
     def copy_into(self, dst: KVCache) -> None:
         """Every position of every layer into the first positions of ``dst`` (a cache of the
@@ -317,9 +318,16 @@ def _write_kv_block(b: Builder, a: AttnInputs, il: int, k_rows: Tensor, v: Tenso
     n = int(k_rows.ne[1])
     ck, cv = cache.k[il], cache.v[il]
     k_w = lib.ggml_cpy(ctx, k_rows, lib.ggml_view_2d(ctx, ck, kv, n, ck.nb[1], 0))
-    v_w = lib.ggml_cpy(ctx, lib.ggml_transpose(ctx, v),
-                       lib.ggml_view_2d(ctx, cv, n, kv, cv.nb[1], 0))
+    v_w = _write_v_transposed(ctx, cache, v, lib.ggml_view_2d(ctx, cv, n, kv, cv.nb[1], 0))
     return k_w, v_w
+
+
+def _write_v_transposed(ctx: Any, cache: KVCache, v: Tensor, dst: Tensor) -> Tensor:
+    # V rows [kv_dim, n] into the channel-major cache view dst [n, kv_dim]: qtts's op on a cache
+    # in host memory (the CPU backend), ggml's CPY through a transposed view elsewhere
+    if cache.host and custom_ops.available() and int(v.nb[0]) == 4:
+        return custom_ops.kv_write_transposed(ctx, dst, v)
+    return lib.ggml_cpy(ctx, lib.ggml_transpose(ctx, v), dst)
 
 
 def _write_kv_rows_at(b: Builder, row0: int, k_rows: Tensor, v: Tensor, cache: KVCache,
@@ -337,8 +345,8 @@ def _write_kv_rows_at(b: Builder, row0: int, k_rows: Tensor, v: Tensor, cache: K
         raise BackendError(f"prefill rows {row0}..{row0 + n - 1} past the cache ({cache.n_ctx})")
     b.g.expand(lib.ggml_cpy(ctx, k_rows, lib.ggml_view_2d(ctx, ck, kv, n, ck.nb[1],
                                                           row0 * ck.nb[1])))
-    b.g.expand(lib.ggml_cpy(ctx, lib.ggml_transpose(ctx, v),
-                            lib.ggml_view_2d(ctx, cv, n, kv, cv.nb[1], row0 * es)))
+    b.g.expand(_write_v_transposed(ctx, cache, v,
+                                   lib.ggml_view_2d(ctx, cv, n, kv, cv.nb[1], row0 * es)))
     return ck, cv
 
 

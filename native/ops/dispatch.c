@@ -40,6 +40,10 @@ volatile int qtts_amx_on;
     X(v, void, qtts_elu_op,                                                                      \
       (struct ggml_tensor * dst, const struct ggml_tensor * a, int ith, int nth, void * userdata), \
       (dst, a, ith, nth, userdata))                                                              \
+    X(v, void, qtts_kv_write_transposed_op,                                                      \
+      (struct ggml_tensor * dst, const struct ggml_tensor * a, const struct ggml_tensor * b,     \
+       int ith, int nth, void * userdata),                                                       \
+      (dst, a, b, ith, nth, userdata))                                                           \
     X(v, void, qtts_conv1d_tm_op, QTTS_OP_ARGS, (dst, ith, nth, userdata))                       \
     X(v, void, qtts_conv1d_tm_bf16_op, QTTS_OP_ARGS, (dst, ith, nth, userdata))                  \
     X(v, void, qtts_conv1d_wino_bf16_op, QTTS_OP_ARGS, (dst, ith, nth, userdata))                \

@@ -42,6 +42,16 @@ void qtts_snake_beta_op(struct ggml_tensor * dst, const struct ggml_tensor * a,
 void qtts_elu_op(struct ggml_tensor * dst, const struct ggml_tensor * a, int ith, int nth,
                  void * userdata);
 
+/* The transposed V write of a prefill as a ggml_custom2_op_t for
+ * ggml_map_custom2_inplace(ctx, cache_view, v, qtts_kv_write_transposed_op, n, NULL):
+ *   cache_view[c, p] = v[p, c]   (converted to the cache's type)
+ * cache_view: F16 or F32 ne = [n, C], contiguous rows (nb[0] = type size), any row stride (a view
+ * of the cache's channel-major V); v: F32 ne = [C, n], contiguous rows, any row stride. Channel
+ * blocks of 16 are split across the nth threads. F32 -> F16 rounds to nearest even: the bits
+ * ggml's CPY writes. */
+void qtts_kv_write_transposed_op(struct ggml_tensor * dst, const struct ggml_tensor * a,
+                                 const struct ggml_tensor * b, int ith, int nth, void * userdata);
+
 /* Causal dilated conv1d, time-major, as a ggml_custom_op_t for
  * ggml_custom_4d(ctx, F32, C_out, T, 1, 1, {xp, w, bias}, 3, qtts_conv1d_tm_op, n, (void*)d)
  * or, with the history in a tensor of its own (no concat),

@@ -1012,3 +1012,61 @@ def test_conv_bf16_fusions_reject_bad_sources() -> None:
                               residual=g.input("r", (13, c)))
         with pytest.raises(TypeError, match="residual"):
             co.conv1d_tm_bf16(g.ctx, x, tw, tb, 1, residual=g.input("rb", (14, c), ggml_type=BF16))
+
+
+# ---------------------------------------------------------------------------------------------
+# The transposed V write of a prefill
+
+
+def _v_written(be: BackendSet, v: np.ndarray[Any, Any], ggml_type: int, row0: int,
+               ours: bool) -> np.ndarray[Any, Any]:
+    """The channel-major cache V (bytes) after writing ``v`` ([n, C]) at positions row0..."""
+    from engine.talker.qwen3 import KVCache
+
+    n, c = v.shape
+    cache = KVCache(be, 1, c, 64, ggml_type, "t")
+    try:
+        g = Graph()
+        tv = g.input("v", v.shape)
+        cv = cache.v[0]
+        es = int(lib.ggml_type_size(ggml_type))
+        dst = lib.ggml_view_2d(g.ctx, cv, n, c, cv.nb[1], row0 * es)
+        g.expand(co.kv_write_transposed(g.ctx, dst, tv) if ours else
+                 lib.ggml_cpy(g.ctx, lib.ggml_transpose(g.ctx, tv), dst))
+        be.execute(g, {"v": v})
+        out = np.empty(c * 64 * es, dtype=np.uint8)
+        lib.ggml_backend_tensor_get(cv, ffi.from_buffer(out), 0, out.nbytes)
+        return out
+    finally:
+        cache.close()
+
+
+@needs_ops
+@pytest.mark.parametrize("ggml_type", [lib.GGML_TYPE_F16, lib.GGML_TYPE_F32])
+@pytest.mark.parametrize("n,c,row0", [(23, 40, 0), (7, 16, 5), (64, 33, 0), (1, 128, 63)])
+def test_kv_write_transposed_is_ggmls_cpy_bit_for_bit(cpu1: BackendSet, cpu2: BackendSet,
+                                                      ggml_type: int, n: int, c: int,
+                                                      row0: int) -> None:
+    """The channel-major cache after the op holds exactly what ggml's CPY through a transposed
+    view writes: every rounding to F16 (ties to even, subnormals, overflow to inf), channel
+    counts with and without a tail of 16, on 1 and 2 threads; nothing outside the block."""
+    rng = np.random.default_rng(n * c + row0)
+    v = (rng.standard_normal((n, c)) * 10.0 ** rng.uniform(-7, 5.5, (n, c))).astype(np.float32)
+    v.flat[::7] = np.float32(1 + 2.0 ** -11)  # a tie: F16 rounds it to 1.0 (even)
+    v.flat[3::11] = np.float32(1 + 3 * 2.0 ** -11)  # the other tie: up to 1 + 2^-9
+    want = _v_written(cpu2, v, ggml_type, row0, ours=False)
+    assert np.array_equal(_v_written(cpu2, v, ggml_type, row0, ours=True), want)
+    assert np.array_equal(_v_written(cpu1, v, ggml_type, row0, ours=True), want)
+
+
+@needs_ops
+def test_kv_write_transposed_rejects_what_the_kernel_cannot_take() -> None:
+    g = Graph()
+    v = g.input("v", (5, 8))  # ne [8, 5]
+    good = new_tensor(g.ctx, lib.GGML_TYPE_F16, (8, 5))  # ne [5, 8]
+    with pytest.raises(ValueError, match="transposed"):
+        co.kv_write_transposed(g.ctx, new_tensor(g.ctx, lib.GGML_TYPE_F16, (5, 8)), v)
+    with pytest.raises(TypeError, match="F16 or F32"):
+        co.kv_write_transposed(g.ctx, new_tensor(g.ctx, lib.GGML_TYPE_Q8_0, (8, 32)), v)
+    with pytest.raises(ValueError, match="contiguous"):
+        co.kv_write_transposed(g.ctx, good, lib.ggml_transpose(g.ctx, g.input("w", (8, 5))))
