@@ -65,7 +65,6 @@ class _Live:
 
     plan: LivePlan
     feed: TextFeed
-    budget: Callable[[int], int] | None = None
     rows: LiveRows | None = None
 
 
@@ -186,9 +185,7 @@ class BatchRunner:
                 self._starting.remove(st)
                 self._finish(st, "cancelled", out)
                 continue
-            update = lv.feed.take(0)
-            if update is not None:
-                lv.plan.live.add(update)
+            lv.plan.poll(lv.feed, 0)
             if not lv.plan.ready():
                 continue
             self._starting.remove(st)
@@ -205,11 +202,11 @@ class BatchRunner:
                 st.info.outcome = "rejected"
                 out.append((st.sid, Rejected(e)))
                 continue
-            st.plan, lv.budget = self.pipeline.live_text_plan(lv.plan)
+            st.plan, budget = self.pipeline.live_text_plan(lv.plan)
             st.plan.prompts = [lv.plan.opening(list(live.ids))]
             st.info.seed, st.info.budget = st.plan.seed, st.plan.total
             assert self.pipeline.prompts is not None
-            lv.rows = LiveRows(self.talker, self.pipeline.prompts, live, lv.feed, lv.budget)
+            lv.rows = LiveRows(self.talker, self.pipeline.prompts, live, lv.feed, budget)
             self._admit(st)
 
     def _admit(self, st: _Stream) -> None:
@@ -267,22 +264,22 @@ class BatchRunner:
             if isinstance(ev, Emitted):
                 st.pending.append(ev.frame.codes)
                 st.acc = st.acc + ev.frame.timings
-                if len(st.pending) >= st.plan.ramp.target:
-                    if is_cancelled(st.cancel):
-                        self._finish(st, "cancelled", out)
-                        continue
-                    out.append((st.sid, self._push(st, StageTimings())))
+                if len(st.pending) >= st.plan.ramp.target and self._push_due(st, out):
                     st.plan.ramp.advance()
             elif isinstance(ev, Paused):
                 # as Pipeline._chunks on a pause: the frames held go out, the ramp restarts
-                if st.pending:
-                    if is_cancelled(st.cancel):
-                        self._finish(st, "cancelled", out)
-                        continue
-                    out.append((st.sid, self._push(st, StageTimings())))
-                st.plan.ramp.advance(restart=True)
+                if not st.pending or self._push_due(st, out):
+                    st.plan.ramp.advance(restart=True)
             else:
                 self._segment_ended(st, ev, out)
+
+    def _push_due(self, st: _Stream, out: list[Event]) -> bool:
+        # the frames held go out, unless the stream was cancelled meanwhile (False: it ended)
+        if is_cancelled(st.cancel):
+            self._finish(st, "cancelled", out)
+            return False
+        out.append((st.sid, self._push(st, StageTimings())))
+        return True
 
     def _urgency(self, uid: int, now: float) -> float:
         st = self._by_uid.get(uid)

@@ -198,6 +198,12 @@ class LivePlan:
         live = self.live
         return live.ended or (live.text_ready(self.min_tokens) and len(live.ids) >= self.need)
 
+    def poll(self, feed: TextFeed, timeout: float) -> None:
+        """Take what ``feed`` delivers within ``timeout`` seconds (0: what it holds now)."""
+        update = feed.take(timeout)
+        if update is not None:
+            self.live.add(update)
+
     def whole(self) -> SynthesisRequest:
         """The request for the whole text, once it ended before speech started: exactly a
         streaming-text request."""
@@ -419,8 +425,7 @@ class Pipeline:
         else:
             prompts = [self.prompts.build(t, req.voice, req.language, req.instruct,
                                           req.text_mode) for t in segments]
-        params = self.defaults.with_overrides(
-            greedy=req.greedy, **{k: getattr(req, k) for k in _SAMPLING_FIELDS})
+        params = self._sampling(req)
         if len(prompts) == 1:
             total = frame_budget(prompts[0].n_text_tokens, req.max_frames, self.max_frames_cap,
                                  self._max_new_tokens, req.frame_limit)
@@ -584,14 +589,18 @@ class Pipeline:
         live.add(TextUpdate(req.text, end=False))
         return LivePlan(req, live, opening, need, min_tokens)
 
+    def _sampling(self, req: SynthesisRequest) -> SamplingParams:
+        # the model's generation defaults with the request's overrides
+        assert self.defaults is not None
+        return self.defaults.with_overrides(
+            greedy=req.greedy, **{k: getattr(req, k) for k in _SAMPLING_FIELDS})
+
     def live_text_plan(self, plan: LivePlan) -> tuple[TextPlan, Callable[[int], int]]:
         """What a live request needs once it starts (sampling, RNG, a primed decoder, the
         ramp; no prompts: the opening is laid out from the ids known then), and its frame
         budget as a function of the text's tokens so far."""
         req = plan.request
-        assert self.defaults is not None
-        params = self.defaults.with_overrides(
-            greedy=req.greedy, **{k: getattr(req, k) for k in _SAMPLING_FIELDS})
+        params = self._sampling(req)
         cap = self.max_frames_cap
 
         def budget(n_tokens: int) -> int:
@@ -621,9 +630,7 @@ class Pipeline:
             if is_cancelled(check):
                 info.outcome = "cancelled"
                 return "cancelled"
-            update = feed.take(0.02)
-            if update is not None:
-                live.add(update)
+            plan.poll(feed, 0.02)
         if not live.ids:
             raise InputError("text", "is empty")
         if live.ended:

@@ -134,7 +134,6 @@ class LiveRows:
         self.feed = feed
         self.budget_fn = budget_fn
         self._tts_eos = prompts.special.tts_eos_token_id
-        self._start = len(live.ids)  # ids placed by the opening prompt
         self._later: list[npt.NDArray[np.float32]] = []  # rows of the ids after those
         self._eos: npt.NDArray[np.float32] | None = None
 

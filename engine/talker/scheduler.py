@@ -267,8 +267,7 @@ class FrameScheduler:
         # copied over; the old one is freed, or given back if it was the model's own
         assert u.cache is not None
         cap = u.prompt.length + u.budget + 1
-        new = self.talker.new_cache(min(max(2 * u.cache.n_ctx, n_positions), max(cap,
-                                                                                 n_positions)))
+        new = self.talker.new_cache(max(n_positions, min(2 * u.cache.n_ctx, cap)))
         u.cache.copy_into(new)
         self.batched.drop_step_graph()  # it refers to the old cache
         if u.cache is self._lent:
