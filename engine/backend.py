@@ -519,8 +519,11 @@ class BackendSet:
 
     def _upload(self, graph: Graph, uploads: Mapping[str, np.ndarray[Any, Any]]) -> None:
         for name, arr in uploads.items():
+            t = graph.inputs[name]
+            if t.buffer == ffi.NULL:  # an input no node reads (e.g. the mask of a fused attention)
+                continue
             src = np.ascontiguousarray(arr)
-            lib.ggml_backend_tensor_set(graph.inputs[name], ffi.from_buffer(src), 0, src.nbytes)
+            lib.ggml_backend_tensor_set(t, ffi.from_buffer(src), 0, src.nbytes)
 
     def _compute(self, graph: Graph) -> None:
         status = lib.ggml_backend_sched_graph_compute(self.sched, graph.gf)

@@ -19,7 +19,8 @@ server side; not tried). Pin custom nodes to the CPU
 Neither op is eligible for ggml-alloc's in-place reuse, so dst never aliases an input.
 
 Ops: ``snake_beta``; ``elu`` (vectorised ELU); ``kv_write_transposed`` (a prefill's V rows into
-the channel-major cache); ``conv1d_tm`` (exact F32 direct conv, weights
+the channel-major cache); ``attn_causal`` (a prefill's attention over the talker cache, fused);
+``conv1d_tm`` (exact F32 direct conv, weights
 from ``pack_conv_weight``); ``conv1d_tm_bf16`` (its fast-mode twin: BF16 weights from
 ``pack_conv_weight_bf16`` and BF16-rounded input, F32 sums; AVX512_BF16 when
 ``bf16_available()``, else a slow portable path). Both convs
@@ -205,6 +206,38 @@ def kv_write_transposed(ctx: Any, dst: Tensor, v: Tensor, *,
         raise ValueError("kv_write_transposed: dst must be v transposed, both 2-D")
     fn = _fn(library, "qtts_kv_write_transposed_op", "ggml_custom2_op_t")
     return lib.ggml_map_custom2_inplace(ctx, dst, v, fn, GGML_N_TASKS_MAX, ffi.NULL)
+
+
+def attn_causal(ctx: Any, q: Tensor, k: Tensor, v: Tensor, pos: Tensor, *,
+                library: Any | None = None) -> Tensor:
+    """Causal GQA attention over a KV cache in one node: ``softmax(K q / sqrt(d)) V`` per
+    query head, a query at position ``p`` seeing cache rows ``0 .. p``; the heads merged,
+    ``[d * H, T]`` (F32). ``q``: F32 ``[d, H, T]`` (rows of ``d`` contiguous); ``k``: the
+    cache's position-major K, ``[d * H_kv, n_kv]``; ``v``: its channel-major V,
+    ``[n_kv, d * H_kv]`` (F16 or F32, contiguous rows, any row stride); ``pos``: I32 ``[T]``,
+    each below ``n_kv`` (a larger one reads rows up to ``n_kv`` only). F32 sums throughout;
+    keys past a query's position are never scored."""
+    _check_f32(q, "attn_causal: q")
+    d, n_head, t = int(q.ne[0]), int(q.ne[1]), int(q.ne[2])
+    kv_dim, n_kv = int(k.ne[0]), int(k.ne[1])
+    for x, name in ((k, "k"), (v, "v")):
+        if int(x.type) not in (lib.GGML_TYPE_F16, lib.GGML_TYPE_F32):
+            raise TypeError(f"attn_causal: {name} must be F16 or F32")
+        if int(x.nb[0]) != int(lib.ggml_type_size(x.type)) or int(x.ne[2]) != 1:
+            raise ValueError(f"attn_causal: {name} must be 2-D with contiguous rows")
+    if int(q.nb[0]) != 4 or int(q.ne[3]) != 1:
+        raise ValueError("attn_causal: q must be [d, H, T] with contiguous rows")
+    if kv_dim % d or n_head % (kv_dim // d) or n_head // (kv_dim // d) > 16:
+        raise ValueError(f"attn_causal: {n_head} query heads of {d} over a K of {kv_dim} "
+                         "channels: need a whole number (<= 16) of query heads per KV head")
+    if (int(v.ne[0]), int(v.ne[1])) != (n_kv, kv_dim):
+        raise ValueError("attn_causal: v must be [n_kv, d * H_kv], k's shape transposed")
+    if int(pos.type) != lib.GGML_TYPE_I32 or int(pos.ne[0]) != t or not lib.ggml_is_contiguous(pos):
+        raise ValueError("attn_causal: pos must be a contiguous I32 [T]")
+    fn = _fn(library, "qtts_attn_causal_op", "ggml_custom_op_t")
+    args = ffi.new("struct ggml_tensor *[4]", [q, k, v, pos])
+    return lib.ggml_custom_4d(ctx, lib.GGML_TYPE_F32, d * n_head, t, 1, 1, args, 4, fn,
+                              GGML_N_TASKS_MAX, ffi.NULL)
 
 
 def _check_rows(t: Tensor, c_in: int, what: str, name: str) -> None:

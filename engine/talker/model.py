@@ -456,6 +456,7 @@ class TalkerModel:
             b = Builder(g, w.talker_shape, mul_mat=w.mul_mat)
             x, _ = self._prompt_embeddings(b, n, n, with_add)
             a = prefill_inputs(g, n, n_kv)
+            a.causal = False  # the mask below is block-diagonal
             a.snapshot = n  # the K/V rows are the outputs; nothing past them is computed
             stack(b, w.layers, x, a, cache)
 

@@ -119,6 +119,9 @@ class AttnInputs:
     # Prefill chunk after the first (chunked prefill): cache position of this graph's first row.
     # The rows before it are already in the cache, written by earlier chunks.
     row0: int = 0
+    # The mask is "cache rows <= the query's position" (attn_uploads), which a fused attention
+    # can apply itself; False for any other mask (a batch of pinned prefixes).
+    causal: bool = False
 
 
 class KVCache:
@@ -208,7 +211,7 @@ def prefill_inputs(g: Graph, n_new: int, n_kv: int, row0: int = 0) -> AttnInputs
     ``row0``: cache position of the first new row (a later chunk of a chunked prefill).
     """
     return AttnInputs(pos=g.input("pos", (n_new,), np.int32),
-                      mask=g.input("mask", (n_new, n_kv)), n_kv=n_kv, row0=row0)
+                      mask=g.input("mask", (n_new, n_kv)), n_kv=n_kv, row0=row0, causal=True)
 
 
 def attn_uploads(cache: KVCache, pos0: int, n_new: int, n_kv: int | None,
@@ -282,6 +285,11 @@ def attention(b: Builder, lw: LayerWeights, il: int, x: Tensor, a: AttnInputs,
     # Views of the write results (from cache position 0, which both writes start at or cover),
     # so every read is ordered after the writes; n_kv may reach past the rows written here.
     n_kv, es = a.n_kv, int(cache.k[il].nb[0])
+    if _fused_attention(b, a, cache):
+        kk = lib.ggml_view_2d(ctx, k_w, s.kv_dim, n_kv, cache.k[il].nb[1], 0)
+        vv = lib.ggml_view_2d(ctx, v_w, n_kv, s.kv_dim, cache.v[il].nb[1], 0)
+        merged = b.cb(custom_ops.attn_causal(ctx, q, kk, vv, pos_q), "kqv_merged", il)
+        return b.cb(b.matmul(lw, "o", merged), "attn_out", il)
     kk = lib.ggml_view_3d(ctx, k_w, d, n_kv_head, n_kv, d * es, s.kv_dim * es, 0)
     kk = lib.ggml_permute(ctx, kk, 0, 2, 1, 3)  # [d, n_kv, H_kv]
     vv = lib.ggml_view_3d(ctx, v_w, n_kv, d, n_kv_head, cache.n_ctx * es,
@@ -289,6 +297,15 @@ def attention(b: Builder, lw: LayerWeights, il: int, x: Tensor, a: AttnInputs,
     merged = b.cb(attend(ctx, q, kk, vv, mask_q, lambda t, name: b.cb(t, name, il)),
                   "kqv_merged", il)
     return b.cb(b.matmul(lw, "o", merged), "attn_out", il)
+
+
+def _fused_attention(b: Builder, a: AttnInputs, cache: KVCache) -> bool:
+    # qtts's fused op where it fits: a prefill graph with the causal mask (the op applies it
+    # itself) over a cache in host memory
+    s = b.shape
+    return (a.causal and a.k_idx is None and cache.host
+            and custom_ops.available() and s.n_head % s.n_kv_head == 0
+            and s.n_head // s.n_kv_head <= 16)
 
 
 def _scatter_kv(b: Builder, a: AttnInputs, il: int, k_rows: Tensor, v: Tensor,

@@ -52,6 +52,19 @@ void qtts_elu_op(struct ggml_tensor * dst, const struct ggml_tensor * a, int ith
 void qtts_kv_write_transposed_op(struct ggml_tensor * dst, const struct ggml_tensor * a,
                                  const struct ggml_tensor * b, int ith, int nth, void * userdata);
 
+/* Causal GQA attention of a prefill, fused (scores, softmax, product with V), as a
+ * ggml_custom_op_t for
+ * ggml_custom_4d(ctx, F32, d * H, T, 1, 1, {q, k, v, pos}, 4, qtts_attn_causal_op, n, NULL):
+ *   dst[t, h*d + c] = sum_j softmax_j(K[j, hk] . q[t, h] / sqrt(d)) V[j, hk, c] over the keys
+ *   j <= pos[t], hk = h / (H / H_kv)
+ * q: F32 ne = [d, H, T], contiguous rows of d (any head and position strides); k: a view of the
+ * cache's position-major K, F16 or F32 ne = [d * H_kv, n_kv], contiguous rows; v: a view of the
+ * cache's channel-major V, F16 or F32 ne = [n_kv, d * H_kv], contiguous rows; pos: I32 ne =
+ * [T], every value in 0 .. n_kv - 1 (a query at position p sees cache rows 0 .. p); H a multiple
+ * of H_kv with H / H_kv <= 16. F32 sums; (KV head, block of 16 / (H / H_kv) queries) items are
+ * split across the nth threads. */
+void qtts_attn_causal_op(struct ggml_tensor * dst, int ith, int nth, void * userdata);
+
 /* Causal dilated conv1d, time-major, as a ggml_custom_op_t for
  * ggml_custom_4d(ctx, F32, C_out, T, 1, 1, {xp, w, bias}, 3, qtts_conv1d_tm_op, n, (void*)d)
  * or, with the history in a tensor of its own (no concat),

@@ -1070,3 +1070,97 @@ def test_kv_write_transposed_rejects_what_the_kernel_cannot_take() -> None:
         co.kv_write_transposed(g.ctx, new_tensor(g.ctx, lib.GGML_TYPE_Q8_0, (8, 32)), v)
     with pytest.raises(ValueError, match="contiguous"):
         co.kv_write_transposed(g.ctx, good, lib.ggml_transpose(g.ctx, g.input("w", (8, 5))))
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused causal attention of a prefill
+
+
+def _attn_causal(be: BackendSet, q: np.ndarray[Any, Any], k: np.ndarray[Any, Any],
+                 vt: np.ndarray[Any, Any], pos: np.ndarray[Any, Any], n_kv: int
+                 ) -> np.ndarray[Any, Any]:
+    """The op on q [T, H, d], a position-major K [n_ctx, kv] and a channel-major V [kv, n_ctx]
+    (of k's dtype; both read through views of n_kv rows, V's rows n_ctx apart)."""
+    t, h, d = q.shape
+    kv = k.shape[1]
+    g = Graph()
+    tq = g.input("q", q.shape)
+    tk = g.input("k", k.shape, k.dtype)
+    tv = g.input("v", vt.shape, vt.dtype)
+    tp = g.input("pos", pos.shape, np.int32)
+    kk = lib.ggml_view_2d(g.ctx, tk, kv, n_kv, tk.nb[1], 0)
+    vv = lib.ggml_view_2d(g.ctx, tv, n_kv, kv, tv.nb[1], 0)
+    g.output(co.attn_causal(g.ctx, tq, kk, vv, tp), "out")
+    return be.execute(g, {"q": q, "k": k, "v": vt, "pos": pos})["out"].reshape(t, h * d)
+
+
+def _attn_reference(q: np.ndarray[Any, Any], k: np.ndarray[Any, Any], vt: np.ndarray[Any, Any],
+                    pos: np.ndarray[Any, Any]) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """float64 causal GQA attention, and the scale of each output's float32 rounding: sum of
+    |p v|, times the largest sum of |q k| / sqrt(d) over its keys (a score's rounding error
+    scales with that sum and moves the probabilities by as much)."""
+    t, h, d = q.shape
+    hkv = k.shape[1] // d
+    out = np.zeros((t, h * d))
+    mag = np.zeros((t, h * d))
+    kd, vd = k.astype(np.float64), vt.astype(np.float64)
+    for i in range(t):
+        for hh in range(h):
+            hk = hh // (h // hkv)
+            keys = kd[: pos[i] + 1, hk * d:(hk + 1) * d]
+            s = keys @ q[i, hh].astype(np.float64) / np.sqrt(d)
+            p = np.exp(s - s.max())
+            p /= p.sum()
+            vals = vd[hk * d:(hk + 1) * d, : pos[i] + 1]
+            out[i, hh * d:(hh + 1) * d] = vals @ p
+            terms = np.abs(keys) @ np.abs(q[i, hh].astype(np.float64)) / np.sqrt(d)
+            mag[i, hh * d:(hh + 1) * d] = (np.abs(vals) @ p) * (1 + terms.max())
+    return out, mag
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("d,h,hkv,t,pos0,n_kv,scale", [
+    (128, 16, 8, 134, 9, 144, 1.0),  # a cloned voice's prefill after its pinned prefix
+    (128, 16, 8, 1, 250, 256, 1.0),  # the last layer: the last position only
+    (128, 16, 2, 33, 300, 352, 3.0),  # 8 query heads per KV head, keys in three blocks
+    (64, 4, 4, 5, 0, 16, 1.0),  # no GQA, a block of queries mostly spare
+    (24, 8, 2, 20, 3, 32, 8.0),  # head size not a multiple of 8: the tails; peaked softmax
+])
+def test_attn_causal_matches_float64(cpu1: BackendSet, cpu2: BackendSet, dtype: Any, d: int,
+                                     h: int, hkv: int, t: int, pos0: int, n_kv: int,
+                                     scale: float) -> None:
+    """Every query head attends to its KV head's rows 0..position and nothing past them, on
+    1 and 2 threads, F16 and F32 caches: within float32 rounding of float64 (the F16 values
+    taken as they are stored)."""
+    rng = np.random.default_rng(d * t + pos0)
+    n_ctx = n_kv + 64
+    q = (rng.standard_normal((t, h, d)) * scale).astype(np.float32)
+    k = (rng.standard_normal((n_ctx, hkv * d)) * scale).astype(dtype)
+    vt = (rng.standard_normal((hkv * d, n_ctx)) * 10.0 ** rng.uniform(-2, 2, (hkv * d, 1))
+          ).astype(dtype)
+    k[pos0 + t:] = 1e4  # rows past every position: scored, they would dominate
+    vt[:, pos0 + t:] = np.nan
+    pos = np.arange(pos0, pos0 + t, dtype=np.int32)
+    want, mag = _attn_reference(q, k, vt, pos)
+    for be in (cpu1, cpu2):
+        got = _attn_causal(be, q, k, vt, pos, n_kv)
+        assert np.all(np.abs(got - want) <= 1e-6 * mag + 1e-30), np.abs(got - want).max()
+
+
+@needs_ops
+def test_attn_causal_rejects_what_the_kernel_cannot_take() -> None:
+    g = Graph()
+    q = g.input("q", (3, 4, 8))  # ne [8, 4, 3]: d 8, 4 heads, 3 positions
+    pos = g.input("pos", (3,), np.int32)
+    k = g.input("k", (10, 16), np.float16)  # ne [16, 10]: 2 KV heads
+    v = g.input("v", (16, 10), np.float16)  # ne [10, 16]
+    co.attn_causal(g.ctx, q, k, v, pos)
+    with pytest.raises(ValueError, match="transposed"):
+        co.attn_causal(g.ctx, q, k, g.input("v2", (10, 16), np.float16), pos)
+    with pytest.raises(ValueError, match="query heads"):
+        co.attn_causal(g.ctx, q, g.input("k3", (10, 24), np.float16), v, pos)
+    with pytest.raises(TypeError, match="F16 or F32"):
+        co.attn_causal(g.ctx, q, g.input("k4", (10, 16), np.int32), v, pos)
+    with pytest.raises(ValueError, match="pos"):
+        co.attn_causal(g.ctx, q, k, v, g.input("p2", (4,), np.int32))

@@ -1,0 +1,272 @@
+/* Causal GQA attention of a prefill over the talker's KV cache (see qtts_ops.h), fused:
+ * scores, softmax and the product with V in one pass per head and block of queries.
+ *
+ * Why: ggml's path is four nodes per layer (K.Q, softmax over the padded key range, the
+ * product with V, the merge of the heads), rounds Q and the probabilities to F16 for its F16
+ * products, and scores every key of the padded range, the half a causal mask throws away
+ * included. On a cloned voice's ~134-position prefill those nodes were a third of the time.
+ *
+ * Layout of one work item (a KV head and QB = 16 / G queries, G = query heads per KV head): the
+ * 16 SIMD lanes are the item's G x QB query rows, so every step below is a vertical operation
+ * across lanes: a score is sum_c K[j][c] * Q^T[c][lanes] (K's rows broadcast, Q transposed once
+ * per item), the softmax's max and sum run down the key axis, and the output is
+ * O^T[c][lanes] += V^T[c][j] * P[j][lanes], reading the cache's channel-major V as it lies. Keys
+ * go in blocks of KB with a running max and sum (flash style), so the scratch is bounded
+ * whatever the cache length. All sums are F32; the cache's F16 values are converted exactly;
+ * the exponential is a Cephes-style polynomial (about 1 ulp) scaled by 2^n (scalef: no
+ * overflow, gradual underflow to 0 for masked keys). */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "qtts_ops.h"
+#include "qtts_scratch.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define LANES 16
+#define KB 128 /* keys per block */
+
+static inline float load_f(const char * row, int f16, int64_t i) {
+    return f16 ? ggml_fp16_to_fp32(((const ggml_fp16_t *)row)[i]) : ((const float *)row)[i];
+}
+
+/* n values of a cache row (F16 or F32) as F32 */
+static void to_f32(const char * row, int f16, int64_t n, float * out) {
+    if (!f16) {
+        memcpy(out, row, (size_t)n * sizeof(float));
+        return;
+    }
+    int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    for (; i < n; i += 16) {
+        const __mmask16 live = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+        _mm512_mask_storeu_ps(out + i, live,
+                              _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, row + 2 * i)));
+    }
+#endif
+    for (; i < n; i++) {
+        out[i] = load_f(row, 1, i);
+    }
+}
+
+#if defined(__AVX512F__)
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-110.0f)); /* -inf (masked) -> exactly 0 */
+    const __m512 n =
+        _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+/* S[j][lanes] = sum_c Kf[j][c] * QT[c][lanes] for the block's nk keys; lanes whose query sits
+ * before key j0 + j get -inf. */
+static void block_scores(const float * Kf, const float * QT, int64_t d, int64_t nk, int64_t j0,
+                         const int32_t * lpos, float * S) {
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    const __m512i vpos = _mm512_loadu_si512(lpos);
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    for (; j + 8 <= nk; j += 8) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0,
+               a7 = a0;
+        const float * k0 = Kf + j * d;
+        for (int64_t c = 0; c < d; c++) {
+            const __m512 qt = _mm512_loadu_ps(QT + c * LANES);
+            a0 = _mm512_fmadd_ps(_mm512_set1_ps(k0[c]), qt, a0);
+            a1 = _mm512_fmadd_ps(_mm512_set1_ps(k0[d + c]), qt, a1);
+            a2 = _mm512_fmadd_ps(_mm512_set1_ps(k0[2 * d + c]), qt, a2);
+            a3 = _mm512_fmadd_ps(_mm512_set1_ps(k0[3 * d + c]), qt, a3);
+            a4 = _mm512_fmadd_ps(_mm512_set1_ps(k0[4 * d + c]), qt, a4);
+            a5 = _mm512_fmadd_ps(_mm512_set1_ps(k0[5 * d + c]), qt, a5);
+            a6 = _mm512_fmadd_ps(_mm512_set1_ps(k0[6 * d + c]), qt, a6);
+            a7 = _mm512_fmadd_ps(_mm512_set1_ps(k0[7 * d + c]), qt, a7);
+        }
+        const __m512 acc[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
+        for (int i = 0; i < 8; i++) {
+            const __mmask16 hidden =
+                _mm512_cmplt_epi32_mask(vpos, _mm512_set1_epi32((int32_t)(j0 + j + i)));
+            _mm512_storeu_ps(S + (j + i) * LANES, _mm512_mask_mov_ps(acc[i], hidden, ninf));
+        }
+    }
+#endif
+    for (; j < nk; j++) {
+        float acc[LANES] = {0};
+        for (int64_t c = 0; c < d; c++) {
+            const float kc = Kf[j * d + c];
+            for (int r = 0; r < LANES; r++) {
+                acc[r] += kc * QT[c * LANES + r];
+            }
+        }
+        for (int r = 0; r < LANES; r++) {
+            S[j * LANES + r] = lpos[r] < j0 + j ? -INFINITY : acc[r];
+        }
+    }
+}
+
+/* The running softmax over one block: m, l updated; S becomes P = exp(S - m_new); alpha[lanes]
+ * = exp(m_old - m_new), the factor of what was summed before. */
+static void block_softmax(float * S, int64_t nk, float * m, float * l, float * alpha) {
+#if defined(__AVX512F__)
+    __m512 mb = _mm512_loadu_ps(m);
+    for (int64_t j = 0; j < nk; j++) {
+        mb = _mm512_max_ps(mb, _mm512_loadu_ps(S + j * LANES));
+    }
+    const __m512 a = exp16(_mm512_sub_ps(_mm512_loadu_ps(m), mb));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < nk; j++) {
+        const __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(S + j * LANES), mb));
+        _mm512_storeu_ps(S + j * LANES, p);
+        sum = _mm512_add_ps(sum, p);
+    }
+    _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), a, sum));
+    _mm512_storeu_ps(m, mb);
+    _mm512_storeu_ps(alpha, a);
+#else
+    for (int r = 0; r < LANES; r++) {
+        float mb = m[r];
+        for (int64_t j = 0; j < nk; j++) {
+            mb = fmaxf(mb, S[j * LANES + r]);
+        }
+        const float a = m[r] == -INFINITY ? 0.0f : expf(m[r] - mb);
+        float sum = 0.0f;
+        for (int64_t j = 0; j < nk; j++) {
+            const float p = expf(S[j * LANES + r] - mb);
+            S[j * LANES + r] = p;
+            sum += p;
+        }
+        l[r] = l[r] * a + sum;
+        m[r] = mb;
+        alpha[r] = a;
+    }
+#endif
+}
+
+/* OT[c][lanes] = alpha * OT[c][lanes] + sum_j Vf[c][j] * P[j][lanes] (Vf rows of KB) */
+static void block_output(const float * Vf, const float * P, const float * alpha, int64_t d,
+                         int64_t nk, float * OT) {
+    int64_t c = 0;
+#if defined(__AVX512F__)
+    const __m512 a = _mm512_loadu_ps(alpha);
+    for (; c + 8 <= d; c += 8) {
+        __m512 o[8];
+        for (int i = 0; i < 8; i++) {
+            o[i] = _mm512_mul_ps(_mm512_loadu_ps(OT + (c + i) * LANES), a);
+        }
+        const float * v0 = Vf + c * KB;
+        for (int64_t j = 0; j < nk; j++) {
+            const __m512 p = _mm512_loadu_ps(P + j * LANES);
+            o[0] = _mm512_fmadd_ps(_mm512_set1_ps(v0[j]), p, o[0]);
+            o[1] = _mm512_fmadd_ps(_mm512_set1_ps(v0[KB + j]), p, o[1]);
+            o[2] = _mm512_fmadd_ps(_mm512_set1_ps(v0[2 * KB + j]), p, o[2]);
+            o[3] = _mm512_fmadd_ps(_mm512_set1_ps(v0[3 * KB + j]), p, o[3]);
+            o[4] = _mm512_fmadd_ps(_mm512_set1_ps(v0[4 * KB + j]), p, o[4]);
+            o[5] = _mm512_fmadd_ps(_mm512_set1_ps(v0[5 * KB + j]), p, o[5]);
+            o[6] = _mm512_fmadd_ps(_mm512_set1_ps(v0[6 * KB + j]), p, o[6]);
+            o[7] = _mm512_fmadd_ps(_mm512_set1_ps(v0[7 * KB + j]), p, o[7]);
+        }
+        for (int i = 0; i < 8; i++) {
+            _mm512_storeu_ps(OT + (c + i) * LANES, o[i]);
+        }
+    }
+#endif
+    for (; c < d; c++) {
+        float o[LANES];
+        for (int r = 0; r < LANES; r++) {
+            o[r] = OT[c * LANES + r] * alpha[r];
+        }
+        for (int64_t j = 0; j < nk; j++) {
+            const float vj = Vf[c * KB + j];
+            for (int r = 0; r < LANES; r++) {
+                o[r] += vj * P[j * LANES + r];
+            }
+        }
+        memcpy(OT + c * LANES, o, sizeof(o));
+    }
+}
+
+void qtts_attn_causal_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    (void)userdata;
+    const struct ggml_tensor * q = dst->src[0];
+    const struct ggml_tensor * k = dst->src[1];
+    const struct ggml_tensor * v = dst->src[2];
+    const struct ggml_tensor * pos = dst->src[3];
+    const int64_t d = q->ne[0], H = q->ne[1], T = q->ne[2];
+    const int64_t Hkv = k->ne[0] / d, G = H / Hkv, QB = LANES / G;
+    const int64_t n_kv = k->ne[1];
+    const int fk = k->type == GGML_TYPE_F16, fv = v->type == GGML_TYPE_F16;
+    const float scale = 1.0f / sqrtf((float)d);
+    const int64_t n_items = (T + QB - 1) / QB * Hkv;
+
+    float * QT = (float *)qtts_scratch_get(
+        QTTS_SCRATCH_ATTN, (size_t)(2 * d * LANES + KB * LANES + 2 * KB * d) * sizeof(float));
+    float * OT = QT + d * LANES;
+    float * S = OT + d * LANES;
+    float * Kf = S + KB * LANES;
+    float * Vf = Kf + KB * d;
+
+    for (int64_t item = ith; item < n_items; item += nth) {
+        const int64_t hk = item % Hkv, t0 = item / Hkv * QB;
+        int32_t lpos[LANES];
+        int64_t jmax = 0;
+        for (int r = 0; r < LANES; r++) {
+            const int64_t t = t0 + r % QB;
+            lpos[r] = t < T ? ((const int32_t *)pos->data)[t] : 0; /* a spare lane: key 0 */
+            jmax = lpos[r] + 1 > jmax ? lpos[r] + 1 : jmax;
+        }
+        if (jmax > n_kv) {
+            jmax = n_kv; /* (the wrapper checks positions < n_kv; never taken) */
+        }
+        for (int r = 0; r < LANES; r++) {
+            const int64_t t = t0 + r % QB, h = hk * G + r / QB;
+            const float * qr = (const float *)((const char *)q->data + t * q->nb[2] +
+                                               h * q->nb[1]);
+            for (int64_t c = 0; c < d; c++) {
+                QT[c * LANES + r] = t < T ? qr[c] * scale : 0.0f;
+            }
+        }
+        float m[LANES], l[LANES], alpha[LANES];
+        for (int r = 0; r < LANES; r++) {
+            m[r] = -INFINITY;
+            l[r] = 0.0f;
+        }
+        memset(OT, 0, (size_t)(d * LANES) * sizeof(float));
+        for (int64_t j0 = 0; j0 < jmax; j0 += KB) {
+            const int64_t nk = jmax - j0 < KB ? jmax - j0 : KB;
+            for (int64_t j = 0; j < nk; j++) {
+                to_f32((const char *)k->data + (j0 + j) * k->nb[1] + hk * d * (fk ? 2 : 4), fk,
+                       d, Kf + j * d);
+            }
+            block_scores(Kf, QT, d, nk, j0, lpos, S);
+            block_softmax(S, nk, m, l, alpha);
+            for (int64_t c = 0; c < d; c++) {
+                to_f32((const char *)v->data + (hk * d + c) * v->nb[1] + j0 * (fv ? 2 : 4), fv,
+                       nk, Vf + c * KB);
+            }
+            block_output(Vf, S, alpha, d, nk, OT);
+        }
+        for (int r = 0; r < LANES; r++) {
+            const int64_t t = t0 + r % QB, h = hk * G + r / QB;
+            if (t >= T) {
+                continue;
+            }
+            float * out = (float *)((char *)dst->data + t * dst->nb[1]) + h * d;
+            const float inv = 1.0f / l[r];
+            for (int64_t c = 0; c < d; c++) {
+                out[c] = OT[c * LANES + r] * inv;
+            }
+        }
+    }
+}
