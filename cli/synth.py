@@ -25,8 +25,9 @@ def add_synth_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--instruct", default=None, help="style instruction (1.7B / VoiceDesign)")
     p.add_argument("--seed", type=int, default=None, help="random seed (reproducible sampling)")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (no sampling)")
-    p.add_argument("--text-mode", choices=["full", "stream"], default="full",
-                   help="full: whole text in the prompt (default); stream: one token per frame")
+    p.add_argument("--text-mode", choices=["full", "stream"], default=None,
+                   help="full: whole text in the prompt; stream: one token per frame (default: "
+                   "stream for a cloned voice, as the reference clones, else full)")
     p.add_argument("--max-frames", type=int, default=None,
                    help="frame budget (default: 40 + 12 per text token)")
     p.add_argument("--save-codes", default=None, help="also write the codes [16, T] as .npy")

@@ -58,7 +58,7 @@ from engine.talker.live import (
     opening_prompt,
 )
 from engine.talker.model import PREFILL_CHUNK, TalkerModel
-from engine.talker.prompt import PromptBuilder
+from engine.talker.prompt import PromptBuilder, default_text_mode
 from engine.talker.sampling import SamplingParams, make_rng
 from engine.talker.segment import split_segments
 from engine.timings import StageTimings
@@ -89,7 +89,7 @@ class SynthesisRequest:
     voice: str | None = None
     language: str | None = None  # None or "auto": the model decides
     instruct: str | None = None
-    text_mode: str = "full"  # "full" (non-streaming text, default) | "stream"
+    text_mode: str | None = None  # "full" | "stream"; None: default_text_mode (by voice kind)
     seed: int | None = None
     greedy: bool = False
     temperature: float | None = None
@@ -160,7 +160,7 @@ def as_request(obj: Any) -> SynthesisRequest | CodesRequest:
         return SynthesisRequest(
             text=obj.text, voice=getattr(obj, "voice", None),
             language=getattr(obj, "language", None), instruct=getattr(obj, "instruct", None),
-            text_mode=getattr(obj, "text_mode", None) or "full",
+            text_mode=getattr(obj, "text_mode", None) or None,
             seed=sampling.get("seed"), greedy=bool(getattr(obj, "greedy", False)),
             max_frames=max_frames, frame_limit=getattr(obj, "frame_limit", None) or None,
             chunk_max_frames=chunk, **kwargs,
@@ -423,8 +423,9 @@ class Pipeline:
         if req.voice_prompt is not None:
             prompts = [self._clone_prompt(replace(req, text=t)) for t in segments]
         else:
-            prompts = [self.prompts.build(t, req.voice, req.language, req.instruct,
-                                          req.text_mode) for t in segments]
+            mode = req.text_mode or default_text_mode(cloned=False)
+            prompts = [self.prompts.build(t, req.voice, req.language, req.instruct, mode)
+                       for t in segments]
         params = self._sampling(req)
         if len(prompts) == 1:
             total = frame_budget(prompts[0].n_text_tokens, req.max_frames, self.max_frames_cap,
@@ -540,7 +541,8 @@ class Pipeline:
     def pin_voice(self, voice: VoicePrompt) -> None:
         """Compute a stored voice's prompt prefix in every language now and keep it (like the
         built-in voices'), so its requests prefill only their own text; and its primed decoder
-        state."""
+        state. The prefix is the default text mode's (streaming, as the realtime route's too): a
+        request asking for ``full`` computes its own once and keeps it among the recent ones."""
         if self.talker is None or self.prompts is None:
             raise InputError("voice_prompt", "this model file has no talker")
         self.talker.pin_prefixes([
@@ -562,7 +564,8 @@ class Pipeline:
         if vp.fingerprint != self.voice_fingerprint:
             raise InputError("voice_prompt", "this voice was made for another model; clone "
                              "it again with this model")  # fmt: skip
-        return build_clone_prompt(self.prompts, vp, req.text, req.language, req.text_mode,
+        return build_clone_prompt(self.prompts, vp, req.text, req.language,
+                                  req.text_mode or default_text_mode(cloned=True),
                                   self.talker.frame_embeddings, live_ids)
 
     def plan_live(self, request: Any, min_tokens: int = 1) -> LivePlan:

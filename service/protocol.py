@@ -59,7 +59,7 @@ class Job:
     max_frames: int = 0  # codes: decode at most this many frames (0: all)
     frame_limit: int | None = None  # text: lowers the engine's text-length budget
     chunk_max_frames: int | None = None  # None: the engine's default
-    text_mode: str | None = None  # "stream": streaming-text prompt (None: the engine's "full")
+    text_mode: str | None = None  # "full" | "stream" (None: the engine's default_text_mode)
     live: bool = False  # text: more arrives as TextIn messages while the job runs
     min_tokens: int = 1  # live: stable tokens before generation starts (start policy)
     # cloned voices (Base models). text: a stored voice (``voice_prompt``, a .qvoice file's

@@ -68,9 +68,10 @@ class TTSRequest(Sampling):
     stream: bool = Field(default=True, description="chunked streaming (true) or one file; "
                          "flac: one file unless true is sent")
     speed: float = Field(default=1.0, ge=0.25, le=4.0, description="playback speed 0.25..4")
-    text_mode: Literal["full", "stream"] = Field(
-        default="full", description="full: whole text in the prompt; stream: one text token "
-        "per frame (what WS /v1/tts/realtime uses)")
+    text_mode: Literal["full", "stream"] | None = Field(
+        default=None, description="full: whole text in the prompt; stream: one text token "
+        "per frame (what WS /v1/tts/realtime uses); default: stream for a cloned voice (as "
+        "the reference clones), full otherwise")
     max_seconds: float | None = Field(default=None, gt=0, description="cap on audio length")
     # one-shot cloning (Base models): a reference that is not stored
     ref_audio: str | None = Field(

@@ -46,7 +46,7 @@ class SynthesisInput:
     max_seconds: float | None
     sampling: Sampling
     instruct_field: str = "instruct"  # the body's name of the instruction
-    text_mode: str = "full"  # "stream": the streaming-text prompt (as a realtime session uses)
+    text_mode: str | None = None  # "full" | "stream"; None: the engine's default_text_mode
     clone: CloneUse | None = None  # a cloned voice (stored, or a one-shot reference)
 
 

@@ -41,6 +41,14 @@ from engine.talker.voices import VoiceCatalog
 TextMode = Literal["full", "stream"]
 TEXT_MODES: tuple[str, ...] = ("full", "stream")
 
+
+def default_text_mode(cloned: bool) -> str:
+    """The text mode of a request that names none: the reference's default for its kind.
+    ``generate_voice_clone`` lays the text out streaming (``non_streaming_mode=False``), which
+    also lets an in-context voice's prefix run through its transcript; ``generate_custom_voice``
+    and ``generate_voice_design`` put the whole text in the prompt."""
+    return "stream" if cloned else "full"
+
 # The reference relies on these token counts; they hold for the Qwen2 tokenizer.
 ROLE_TOKENS = 3  # "<|im_start|>", "assistant", "\n"
 TAIL_TOKENS = 5  # "<|im_end|>", "\n", "<|im_start|>", "assistant", "\n"

@@ -152,6 +152,33 @@ def test_cloned_stream_starts_with_new_speech(pipe: Pipeline, speech: Path) -> N
 
 
 
+@pytest.mark.parametrize("x_only", [True, False], ids=["x_vector", "icl"])
+def test_a_cloned_voice_defaults_to_streaming_text(pipe: Pipeline, speech: Path,
+                                                   x_only: bool) -> None:
+    """As the reference's ``generate_voice_clone`` (``non_streaming_mode=False``): a request in
+    a cloned voice that names no text mode is laid out streaming, and a pinned voice's prefix
+    runs through its transcript (an in-context request prefills less than its ``full`` twin)."""
+    voice = pipe.clone_voice(str(speech), REF_TEXT, x_vector_only=x_only)
+    pipe.pin_voice(voice)
+
+    def run(mode: str | None) -> tuple[np.ndarray, int]:
+        info = StreamInfo()
+        req = SynthesisRequest("Good morning, how are you?", voice_prompt=voice, greedy=True,
+                               max_frames=5, text_mode=mode)  # fmt: skip
+        list(pipe.stream(req, info=info))
+        assert pipe.talker is not None
+        return np.concatenate(info.codes, axis=1), pipe.talker.last_prefill_positions
+
+    default, n_default = run(None)
+    stream, n_stream = run("stream")
+    full, n_full = run("full")
+    np.testing.assert_array_equal(default, stream)
+    assert not np.array_equal(default, full)
+    assert n_default == n_stream
+    if not x_only:
+        assert n_stream < n_full
+
+
 def test_a_voice_primes_the_decoder_once(pipe: Pipeline, speech: Path) -> None:
     """The primed decoder state of an in-context voice is kept: a second request does not
     decode the reference frames again, and its audio is the first one's to the sample (the
