@@ -208,6 +208,23 @@ def kv_write_transposed(ctx: Any, dst: Tensor, v: Tensor, *,
     return lib.ggml_map_custom2_inplace(ctx, dst, v, fn, GGML_N_TASKS_MAX, ffi.NULL)
 
 
+def channel_join(ctx: Any, parts: list[Tensor], *, library: Any | None = None) -> Tensor:
+    """``[T, C_0 + C_1 + ...]`` from time-major parts ``[T, C_i]`` (F32, contiguous rows, any
+    row stride: channel-range views too), up to ``GGML_MAX_SRC`` of them, in one node: a
+    memcpy per part and row, where ggml's CONCAT joins two at a time element by element."""
+    if not 1 <= len(parts) <= int(lib.GGML_MAX_SRC):
+        raise ValueError(f"channel_join: 1 to {int(lib.GGML_MAX_SRC)} parts, got {len(parts)}")
+    t = int(parts[0].ne[1])
+    for i, p in enumerate(parts):
+        _check_f32(p, f"channel_join: part {i}")
+        if int(p.nb[0]) != 4 or int(p.ne[1]) != t or int(p.ne[2]) != 1 or int(p.ne[3]) != 1:
+            raise ValueError(f"channel_join: part {i} must be [{t}, C] with contiguous rows")
+    fn = _fn(library, "qtts_channel_join_op", "ggml_custom_op_t")
+    args = ffi.new(f"struct ggml_tensor *[{len(parts)}]", parts)
+    return lib.ggml_custom_4d(ctx, lib.GGML_TYPE_F32, sum(int(p.ne[0]) for p in parts), t, 1, 1,
+                              args, len(parts), fn, GGML_N_TASKS_MAX, ffi.NULL)
+
+
 def attn_causal(ctx: Any, q: Tensor, k: Tensor, v: Tensor, pos: Tensor, *,
                 library: Any | None = None) -> Tensor:
     """Causal GQA attention over a KV cache in one node: ``softmax(K q / sqrt(d)) V`` per

@@ -96,6 +96,25 @@ class ConvForm:
         folded = lib.ggml_reshape_2d(ctx, xp, c * stride, n // stride)
         return self.conv(ctx, w, b, folded, hist=hist)
 
+    def join(self, ctx: Any, parts: list[Tensor]) -> Tensor:
+        """``[T, C_0 + C_1 + ...]`` from time-major parts (channel-range views too): the native
+        join (a memcpy per part and row), or ggml's CONCAT two at a time."""
+        if self.direct and len(parts) <= int(lib.GGML_MAX_SRC):
+            return co.channel_join(ctx, parts)
+        out = parts[0] if lib.ggml_is_contiguous(parts[0]) else lib.ggml_cont(ctx, parts[0])
+        for p in parts[1:]:
+            out = lib.ggml_concat(ctx, out, p, 0)
+        return out
+
+    def channel_major(self, ctx: Any, x: Tensor) -> Tensor:
+        """Time-major ``x`` [T, C] (contiguous rows) -> channel-major (ne ``[T, C]``: each
+        channel's T values contiguous): the native transposing copy (16 channels a load, each
+        row filled in order), or ggml's copy of a transposed view (one strided element a step)."""
+        if self.direct and int(x.nb[0]) == 4:
+            dst = lib.ggml_new_tensor_2d(ctx, lib.GGML_TYPE_F32, int(x.ne[1]), int(x.ne[0]))
+            return co.kv_write_transposed(ctx, dst, x)
+        return lib.ggml_cont(ctx, lib.ggml_transpose(ctx, x))
+
     def elu(self, ctx: Any, x: Tensor) -> Tensor:
         """ELU: the vectorised native op, or ggml's."""
         return co.elu(ctx, x) if self.direct else lib.ggml_elu(ctx, x)

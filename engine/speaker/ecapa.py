@@ -94,26 +94,21 @@ def _as_column(ctx: Any, per_channel: Tensor) -> Tensor:
     return lib.ggml_reshape_2d(ctx, lib.ggml_cont(ctx, per_channel), int(per_channel.ne[1]), 1)
 
 
-def _channel_major(ctx: Any, x: Tensor) -> Tensor:
-    """Time-major ``[T, C]`` -> channel-major (ne ``[T, C]``: time contiguous, per channel)."""
-    return lib.ggml_cont(ctx, lib.ggml_transpose(ctx, x))
-
-
 def _se_res2net(ctx: Any, W: Callable[[str], Tensor], pads: Pads, form: ConvForm,
                 c: SpeakerEncoderConfig, i: int, x: Tensor) -> Tensor:  # fmt: skip
     g = f"spk.blk.{i}"
     h = _tdnn(ctx, W, pads, form, f"{g}.tdnn1", x)
     s, width = c.enc_res2net_scale, c.enc_channels[i] // c.enc_res2net_scale
-    out = lib.ggml_cont(ctx, channels(ctx, h, 0, width))
+    parts = [channels(ctx, h, 0, width)]
     prev: Tensor | None = None
     for j in range(1, s):
         chunk = channels(ctx, h, j * width, width)
         inp = chunk if prev is None else lib.ggml_add(ctx, chunk, prev)
         prev = _tdnn(ctx, W, pads, form, f"{g}.res2net.{j - 1}", inp, c.enc_dilations[i])
-        out = lib.ggml_concat(ctx, out, prev, 0)
-    h = _tdnn(ctx, W, pads, form, f"{g}.tdnn2", out)
+        parts.append(prev)
+    h = _tdnn(ctx, W, pads, form, f"{g}.tdnn2", form.join(ctx, parts))
     # squeeze-excitation: channel gates from the time mean
-    m = _as_column(ctx, lib.ggml_mean(ctx, _channel_major(ctx, h)))
+    m = _as_column(ctx, lib.ggml_mean(ctx, form.channel_major(ctx, h)))
     m = lib.ggml_relu(ctx, _pointwise_vec(ctx, W, f"{g}.se1", m))
     gate = lib.ggml_sigmoid(ctx, _pointwise_vec(ctx, W, f"{g}.se2", m))
     return lib.ggml_add(ctx, lib.ggml_mul(ctx, h, gate), x)
@@ -143,11 +138,8 @@ def x_vector(ctx: Any, W: Callable[[str], Tensor], c: SpeakerEncoderConfig, mel:
     for i in range(1, len(c.enc_channels) - 1):
         h = _se_res2net(ctx, W, pads, form, c, i, h)
         outs.append(h)
-    cat = outs[0]
-    for o in outs[1:]:
-        cat = lib.ggml_concat(ctx, cat, o, 0)
-    ht = _tdnn(ctx, W, pads, form, "spk.mfa", cat, c.enc_dilations[-1])  # time-major
-    h = _channel_major(ctx, ht)
+    ht = _tdnn(ctx, W, pads, form, "spk.mfa", form.join(ctx, outs), c.enc_dilations[-1])
+    h = form.channel_major(ctx, ht)  # ht: time-major
     # attentive statistics pooling; the TDNN's share of [mean, std] is a bias (packed_weights)
     mean, std = _stats(ctx, h, None)
     stats = lib.ggml_concat(ctx, _as_column(ctx, mean), _as_column(ctx, std), 0)

@@ -52,6 +52,13 @@ void qtts_elu_op(struct ggml_tensor * dst, const struct ggml_tensor * a, int ith
 void qtts_kv_write_transposed_op(struct ggml_tensor * dst, const struct ggml_tensor * a,
                                  const struct ggml_tensor * b, int ith, int nth, void * userdata);
 
+/* Channel join of time-major activations as a ggml_custom_op_t for
+ * ggml_custom_4d(ctx, F32, C_0 + ... + C_{n-1}, T, 1, 1, parts, n, qtts_channel_join_op, n, NULL):
+ *   dst[t, :] = [part0[t, :] | part1[t, :] | ...]   (n <= GGML_MAX_SRC parts)
+ * parts: F32 ne = [C_i, T], contiguous rows (nb[0] = 4), any row stride (views of channel
+ * ranges too); dst: contiguous. Rows are split across the nth threads. */
+void qtts_channel_join_op(struct ggml_tensor * dst, int ith, int nth, void * userdata);
+
 /* Causal GQA attention of a prefill, fused (scores, softmax, product with V), as a
  * ggml_custom_op_t for
  * ggml_custom_4d(ctx, F32, d * H, T, 1, 1, {q, k, v, pos}, 4, qtts_attn_causal_op, n, NULL):

@@ -1164,3 +1164,40 @@ def test_attn_causal_rejects_what_the_kernel_cannot_take() -> None:
         co.attn_causal(g.ctx, q, g.input("k4", (10, 16), np.int32), v, pos)
     with pytest.raises(ValueError, match="pos"):
         co.attn_causal(g.ctx, q, k, v, g.input("p2", (4,), np.int32))
+
+
+# ---------------------------------------------------------------------------------------------
+# The channel join of time-major parts
+
+
+@needs_ops
+@pytest.mark.parametrize("widths", [[64] * 8, [512, 512, 512], [3, 1, 17], [40]])
+def test_channel_join_is_numpys_concatenate(cpu1: BackendSet, cpu2: BackendSet,
+                                            widths: list[int]) -> None:
+    """Parts side by side in every row, the first one a channel-range view of a wider tensor
+    (rows strided), on 1 and 2 threads; as many parts as ggml allows a node."""
+    rng = np.random.default_rng(sum(widths))
+    t = 37
+    wide = rng.standard_normal((t, widths[0] + 5)).astype(np.float32)
+    rest = [rng.standard_normal((t, w)).astype(np.float32) for w in widths[1:]]
+    for be in (cpu1, cpu2):
+        g = Graph()
+        tw = g.input("wide", wide.shape)
+        parts = [lib.ggml_view_2d(g.ctx, tw, widths[0], t, tw.nb[1], 2 * 4)]
+        parts += [g.input(f"p{i}", r.shape) for i, r in enumerate(rest)]
+        g.output(co.channel_join(g.ctx, parts), "out")
+        got = be.execute(g, {"wide": wide, **{f"p{i}": r for i, r in enumerate(rest)}})["out"]
+        want = np.concatenate([wide[:, 2:2 + widths[0]], *rest], axis=1)
+        assert np.array_equal(got.reshape(want.shape), want)
+
+
+@needs_ops
+def test_channel_join_rejects_what_the_kernel_cannot_take() -> None:
+    g = Graph()
+    a, b = g.input("a", (5, 8)), g.input("b", (6, 8))
+    with pytest.raises(ValueError, match="part 1"):
+        co.channel_join(g.ctx, [a, b])
+    with pytest.raises(ValueError, match="1 to 10 parts"):
+        co.channel_join(g.ctx, [a] * 11)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        co.channel_join(g.ctx, [a, lib.ggml_transpose(g.ctx, g.input("c", (8, 5)))])
