@@ -10,9 +10,11 @@
  * 16 SIMD lanes are the item's G x QB query rows, so every step below is a vertical operation
  * across lanes: a score is sum_c K[j][c] * Q^T[c][lanes] (K's rows broadcast, Q transposed once
  * per item), the softmax's max and sum run down the key axis, and the output is
- * O^T[c][lanes] += V^T[c][j] * P[j][lanes], reading the cache's channel-major V as it lies. Keys
- * go in blocks of KB with a running max and sum (flash style), so the scratch is bounded
- * whatever the cache length. All sums are F32; the cache's F16 values are converted exactly;
+ * O^T[c][lanes] += V^T[c][j] * P[j][lanes], reading the cache's channel-major V as it lies. A
+ * thread takes its items head by head and converts that head's K and V rows to F32 once, for
+ * all its query blocks (the V rows are a cache length apart: re-reading them per block cost a
+ * fifth of the op at a 4096-position cache). Keys go in blocks of KB with a running max and sum
+ * (flash style), so the scores stay KB x 16. All sums are F32; F16 values are converted exactly;
  * the exponential is a Cephes-style polynomial (about 1 ulp) scaled by 2^n (scalef: no
  * overflow, gradual underflow to 0 for masked keys). */
 #include <math.h>
@@ -154,9 +156,9 @@ static void block_softmax(float * S, int64_t nk, float * m, float * l, float * a
 #endif
 }
 
-/* OT[c][lanes] = alpha * OT[c][lanes] + sum_j Vf[c][j] * P[j][lanes] (Vf rows of KB) */
-static void block_output(const float * Vf, const float * P, const float * alpha, int64_t d,
-                         int64_t nk, float * OT) {
+/* OT[c][lanes] = alpha * OT[c][lanes] + sum_j Vf[c][j] * P[j][lanes] (Vf rows vs apart) */
+static void block_output(const float * Vf, int64_t vs, const float * P, const float * alpha,
+                         int64_t d, int64_t nk, float * OT) {
     int64_t c = 0;
 #if defined(__AVX512F__)
     const __m512 a = _mm512_loadu_ps(alpha);
@@ -165,17 +167,17 @@ static void block_output(const float * Vf, const float * P, const float * alpha,
         for (int i = 0; i < 8; i++) {
             o[i] = _mm512_mul_ps(_mm512_loadu_ps(OT + (c + i) * LANES), a);
         }
-        const float * v0 = Vf + c * KB;
+        const float * v0 = Vf + c * vs;
         for (int64_t j = 0; j < nk; j++) {
             const __m512 p = _mm512_loadu_ps(P + j * LANES);
             o[0] = _mm512_fmadd_ps(_mm512_set1_ps(v0[j]), p, o[0]);
-            o[1] = _mm512_fmadd_ps(_mm512_set1_ps(v0[KB + j]), p, o[1]);
-            o[2] = _mm512_fmadd_ps(_mm512_set1_ps(v0[2 * KB + j]), p, o[2]);
-            o[3] = _mm512_fmadd_ps(_mm512_set1_ps(v0[3 * KB + j]), p, o[3]);
-            o[4] = _mm512_fmadd_ps(_mm512_set1_ps(v0[4 * KB + j]), p, o[4]);
-            o[5] = _mm512_fmadd_ps(_mm512_set1_ps(v0[5 * KB + j]), p, o[5]);
-            o[6] = _mm512_fmadd_ps(_mm512_set1_ps(v0[6 * KB + j]), p, o[6]);
-            o[7] = _mm512_fmadd_ps(_mm512_set1_ps(v0[7 * KB + j]), p, o[7]);
+            o[1] = _mm512_fmadd_ps(_mm512_set1_ps(v0[vs + j]), p, o[1]);
+            o[2] = _mm512_fmadd_ps(_mm512_set1_ps(v0[2 * vs + j]), p, o[2]);
+            o[3] = _mm512_fmadd_ps(_mm512_set1_ps(v0[3 * vs + j]), p, o[3]);
+            o[4] = _mm512_fmadd_ps(_mm512_set1_ps(v0[4 * vs + j]), p, o[4]);
+            o[5] = _mm512_fmadd_ps(_mm512_set1_ps(v0[5 * vs + j]), p, o[5]);
+            o[6] = _mm512_fmadd_ps(_mm512_set1_ps(v0[6 * vs + j]), p, o[6]);
+            o[7] = _mm512_fmadd_ps(_mm512_set1_ps(v0[7 * vs + j]), p, o[7]);
         }
         for (int i = 0; i < 8; i++) {
             _mm512_storeu_ps(OT + (c + i) * LANES, o[i]);
@@ -188,7 +190,7 @@ static void block_output(const float * Vf, const float * P, const float * alpha,
             o[r] = OT[c * LANES + r] * alpha[r];
         }
         for (int64_t j = 0; j < nk; j++) {
-            const float vj = Vf[c * KB + j];
+            const float vj = Vf[c * vs + j];
             for (int r = 0; r < LANES; r++) {
                 o[r] += vj * P[j * LANES + r];
             }
@@ -210,15 +212,26 @@ void qtts_attn_causal_op(struct ggml_tensor * dst, int ith, int nth, void * user
     const float scale = 1.0f / sqrtf((float)d);
     const int64_t n_items = (T + QB - 1) / QB * Hkv;
 
+    /* keys any query reads: the K and V rows of a KV head are converted to F32 once per thread
+     * (items are split head-major, in contiguous ranges) and kept for its query blocks */
+    int64_t n_keys = 0;
+    for (int64_t t = 0; t < T; t++) {
+        const int64_t p = (int64_t)((const int32_t *)pos->data)[t] + 1;
+        n_keys = p > n_keys ? p : n_keys;
+    }
+    n_keys = n_keys < n_kv ? n_keys : n_kv;
     float * QT = (float *)qtts_scratch_get(
-        QTTS_SCRATCH_ATTN, (size_t)(2 * d * LANES + KB * LANES + 2 * KB * d) * sizeof(float));
+        QTTS_SCRATCH_ATTN, (size_t)(2 * d * LANES + KB * LANES + 2 * n_keys * d) * sizeof(float));
     float * OT = QT + d * LANES;
     float * S = OT + d * LANES;
-    float * Kf = S + KB * LANES;
-    float * Vf = Kf + KB * d;
+    float * Kf = S + KB * LANES; /* [n_keys][d] */
+    float * Vf = Kf + n_keys * d; /* [d][n_keys] */
+    const int64_t n_qb = (T + QB - 1) / QB;
+    const int64_t i0 = n_items * ith / nth, i1 = n_items * (ith + 1) / nth;
+    int64_t have_hk = -1, have = 0; /* the head converted, and how many of its keys */
 
-    for (int64_t item = ith; item < n_items; item += nth) {
-        const int64_t hk = item % Hkv, t0 = item / Hkv * QB;
+    for (int64_t item = i0; item < i1; item++) {
+        const int64_t hk = item / n_qb, t0 = item % n_qb * QB;
         int32_t lpos[LANES];
         int64_t jmax = 0;
         for (int r = 0; r < LANES; r++) {
@@ -226,8 +239,21 @@ void qtts_attn_causal_op(struct ggml_tensor * dst, int ith, int nth, void * user
             lpos[r] = t < T ? ((const int32_t *)pos->data)[t] : 0; /* a spare lane: key 0 */
             jmax = lpos[r] + 1 > jmax ? lpos[r] + 1 : jmax;
         }
-        if (jmax > n_kv) {
-            jmax = n_kv; /* (the wrapper checks positions < n_kv; never taken) */
+        jmax = jmax < n_keys ? jmax : n_keys;
+        if (hk != have_hk) {
+            have_hk = hk;
+            have = 0;
+        }
+        if (jmax > have) {
+            for (int64_t j = have; j < jmax; j++) {
+                to_f32((const char *)k->data + j * k->nb[1] + hk * d * (fk ? 2 : 4), fk, d,
+                       Kf + j * d);
+            }
+            for (int64_t c = 0; c < d; c++) {
+                to_f32((const char *)v->data + (hk * d + c) * v->nb[1] + have * (fv ? 2 : 4), fv,
+                       jmax - have, Vf + c * n_keys + have);
+            }
+            have = jmax;
         }
         for (int r = 0; r < LANES; r++) {
             const int64_t t = t0 + r % QB, h = hk * G + r / QB;
@@ -245,17 +271,9 @@ void qtts_attn_causal_op(struct ggml_tensor * dst, int ith, int nth, void * user
         memset(OT, 0, (size_t)(d * LANES) * sizeof(float));
         for (int64_t j0 = 0; j0 < jmax; j0 += KB) {
             const int64_t nk = jmax - j0 < KB ? jmax - j0 : KB;
-            for (int64_t j = 0; j < nk; j++) {
-                to_f32((const char *)k->data + (j0 + j) * k->nb[1] + hk * d * (fk ? 2 : 4), fk,
-                       d, Kf + j * d);
-            }
-            block_scores(Kf, QT, d, nk, j0, lpos, S);
+            block_scores(Kf + j0 * d, QT, d, nk, j0, lpos, S);
             block_softmax(S, nk, m, l, alpha);
-            for (int64_t c = 0; c < d; c++) {
-                to_f32((const char *)v->data + (hk * d + c) * v->nb[1] + j0 * (fv ? 2 : 4), fv,
-                       nk, Vf + c * KB);
-            }
-            block_output(Vf, S, alpha, d, nk, OT);
+            block_output(Vf + j0, n_keys, S, alpha, d, nk, OT);
         }
         for (int r = 0; r < LANES; r++) {
             const int64_t t = t0 + r % QB, h = hk * G + r / QB;
