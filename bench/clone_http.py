@@ -6,10 +6,10 @@ on the deterministic random Base model of ``bench/clone.py`` at ``--dtype``, the
 1. **create**: ``POST /v1/audio/voices`` with a ~``--seconds`` espeak-ng reference and its
    transcript (in-context cloning), client-side wall time to the answer (target <= 1 s on 2
    cores at 0.6B Q4_0). The server's own split (``qtts_voice_clone_seconds{stage}``: decode,
-   encode, store) is printed from /metrics.
+   encode, prepare, store) is printed from /metrics. Every repeat clones another window of the
+   speech (shifted by 0.1 s), so no voice finds the caches an earlier one left.
 2. **first audio of its first request**: ``POST /tts`` (streamed pcm) in the new voice, client
-   time to the first audio byte (target <= 250 ms); and of a second request in the same voice
-   (its prompt prefix then comes from the talker's prefix cache).
+   time to the first audio byte (target <= 250 ms); and of a second request in the same voice.
 
 The first repeat after start also loads the encoders in the worker: it is reported apart
 (``cold_*``); the others give the medians.
@@ -22,6 +22,7 @@ The machine may be shared: the load average is printed; treat times as upper bou
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import soundfile as sf
 
 from bench.load import start_server, stop_server
 
@@ -79,8 +81,15 @@ def run(size: str, threads: int, dtype: str, seconds: float, repeats: int) -> di
     _, _, served = model_paths(size, dtype)
     result: dict[str, Any] = {"mode": "http", "size": size, "threads": threads, "dtype": dtype}
     with tempfile.TemporaryDirectory() as tmp:
-        ref_path, transcript = reference_audio(Path(tmp), seconds)
-        ref = ref_path.read_bytes()
+        ref_path, transcript = reference_audio(Path(tmp), seconds + 0.1 * (repeats + 1))
+        speech, rate = sf.read(ref_path, dtype="float32")
+
+        def window(i: int) -> bytes:
+            out = io.BytesIO()
+            start = int(0.1 * i * rate)
+            sf.write(out, speech[start : start + int(seconds * rate)], rate, format="WAV")
+            return out.getvalue()
+
         settings = {"QTTS_DATA_DIR": str(Path(tmp) / "data"), "QTTS_BACKEND": "cpu"}
         proc, url = start_server(served, 1, threads, settings=settings,
                                  log=Path(tmp) / "serve.log")
@@ -88,7 +97,7 @@ def run(size: str, threads: int, dtype: str, seconds: float, repeats: int) -> di
             creates, firsts, seconds_ = [], [], []
             with httpx.Client(timeout=300) as client:
                 for i in range(repeats + 1):
-                    vid, dt = _create(client, url, ref, transcript, f"bench-{i}")
+                    vid, dt = _create(client, url, window(i), transcript, f"bench-{i}")
                     first = _first_audio(client, url, vid)
                     second = _first_audio(client, url, vid)
                     client.delete(f"{url}/v1/audio/voices/{vid}").raise_for_status()

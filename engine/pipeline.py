@@ -451,7 +451,7 @@ class Pipeline:
         key = hashlib.blake2b(prime.tobytes(), digest_size=16).digest()
         kept = self._primed.get(key)
         if kept is None:
-            sd.push(prime)
+            sd.prime(prime)
             self._primed[key] = (dict(sd.state), sd.frames)
             if len(self._primed) > PRIMED_VOICES:
                 self._primed.popitem(last=False)
@@ -548,6 +548,18 @@ class Pipeline:
         self.talker.pin_prefixes([
             self._clone_prompt(SynthesisRequest(".", voice_prompt=voice, language=lang))
             for lang in self.prompts.languages])
+        self._primed_decoder(voice)
+
+    def prepare_voice(self, voice: VoicePrompt, language: str | None = None) -> None:
+        """Get a voice ready to speak soon without keeping it for good: its prompt prefix in
+        ``language`` (default "auto") and the default text mode goes among the recent prefixes,
+        its primed decoder state among the recent voices. A new voice's first request then
+        prefills only its own text (the service does this when a worker makes a voice)."""
+        if self.talker is None or self.prompts is None:
+            raise InputError("voice_prompt", "this model file has no talker")
+        self.talker.pin_prefixes(
+            [self._clone_prompt(SynthesisRequest(".", voice_prompt=voice, language=language))],
+            pin=False)
         self._primed_decoder(voice)
 
     def _clone_prompt(self, req: SynthesisRequest, live_ids: list[int] | None = None) -> Any:

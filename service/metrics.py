@@ -34,7 +34,7 @@ OUTCOMES = (
     "truncated_no_eos",
     "worker_died",
 )
-CLONE_STAGES = ("decode", "encode", "store", "total")
+CLONE_STAGES = ("decode", "encode", "prepare", "store", "total")
 REJECT_REASONS = ("queue_full", "draining", "invalid", "unauthorized", "not_ready")
 
 # 1 ms .. 10 s: per-chunk stage costs (a talker step is ~ms, a big decoder chunk ~s)
@@ -122,7 +122,8 @@ class Metrics:
         self.voice_clone_seconds = Histogram(
             "qtts_voice_clone_seconds",
             "Creating a cloned voice, per stage: decode (reference audio), encode (x-vector and "
-            "codes, in a worker), store (the database write), total (the whole request).",
+            "codes, in a worker), prepare (its prompt prefix and primed decoder, in that "
+            "worker), store (the database write), total (the whole request).",
             ["stage"], buckets=QUEUE_BUCKETS, registry=r,
         )
         self.voices_stored = Gauge(

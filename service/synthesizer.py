@@ -73,8 +73,12 @@ class Synthesizer:
         t1 = time.perf_counter()
         vp = self.pipeline.clone_voice(wav, job.ref_text, job.x_vector_only)
         t2 = time.perf_counter()
+        # a new voice is about to speak: its first request here prefills only its own text
+        self.pipeline.prepare_voice(vp)
+        t3 = time.perf_counter()
         return Cloned(job.id, voice_file.dumps(vp), "icl" if vp.icl else "x_vector_only",
-                      wav.shape[0] / 24000, {"decode": t1 - t0, "encode": t2 - t1})
+                      wav.shape[0] / 24000,
+                      {"decode": t1 - t0, "encode": t2 - t1, "prepare": t3 - t2})
 
     def voice_of(self, job: Job) -> Any:
         """The cloned voice a text job speaks in (``VoicePrompt``), or None."""

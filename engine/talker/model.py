@@ -406,11 +406,13 @@ class TalkerModel:
 
     # -- pinned prompt prefixes --------------------------------------------------------------
 
-    def pin_prefixes(self, prompts: Sequence[Prompt], batch_positions: int = PIN_BATCH_POSITIONS
-                     ) -> int:
+    def pin_prefixes(self, prompts: Sequence[Prompt], batch_positions: int = PIN_BATCH_POSITIONS,
+                     pin: bool = True) -> int:
         """Compute the K/V rows of the prefixes of ``prompts`` now and keep them for the life of
         the model (not in the LRU): a later request with one of those voice/language/instruction
         prefixes prefills only its own text. Returns how many prefixes are pinned in all.
+        ``pin=False``: keep them among the recent prefixes instead (the LRU a prefill fills),
+        for a voice that is likely to speak soon but need not stay.
 
         Many prefixes run as one batch (up to ``batch_positions`` rows): each attends only to
         its own rows (block-diagonal causal mask) at its own positions 0..P-1, so its rows are
@@ -420,21 +422,22 @@ class TalkerModel:
         for p in prompts:
             if 0 < p.n_prefix < p.length:
                 key = _prefix_key(p, p.n_prefix)
-                if key not in self._pinned:
+                if key not in self._pinned and (pin or key not in self._prefix):
                     todo.setdefault(key, p)
         batch: list[tuple[tuple[bytes, bytes, bytes], Prompt]] = []
         rows = 0
         for key, p in todo.items():
             if batch and rows + p.n_prefix > batch_positions:
-                self._pin_batch(batch)
+                self._pin_batch(batch, pin)
                 batch, rows = [], 0
             batch.append((key, p))
             rows += p.n_prefix
         if batch:
-            self._pin_batch(batch)
+            self._pin_batch(batch, pin)
         return len(self._pinned)
 
-    def _pin_batch(self, batch: list[tuple[tuple[bytes, bytes, bytes], Prompt]]) -> None:
+    def _pin_batch(self, batch: list[tuple[tuple[bytes, bytes, bytes], Prompt]], pin: bool
+                   ) -> None:
         lengths = [p.n_prefix for _, p in batch]
         n = sum(lengths)
         if self.cache is None or self.cache.n_ctx < n:
@@ -456,7 +459,7 @@ class TalkerModel:
             b = Builder(g, w.talker_shape, mul_mat=w.mul_mat)
             x, _ = self._prompt_embeddings(b, n, n, with_add)
             a = prefill_inputs(g, n, n_kv)
-            a.causal = False  # the mask below is block-diagonal
+            a.causal = len(batch) == 1  # else the mask below is block-diagonal
             a.snapshot = n  # the K/V rows are the outputs; nothing past them is computed
             stack(b, w.layers, x, a, cache)
 
@@ -478,9 +481,13 @@ class TalkerModel:
         pk, pv = self._snapshot_rows(out)
         start = 0
         for (key, _), m in zip(batch, lengths, strict=True):
-            self._pinned[key] = (np.ascontiguousarray(pk[:, start : start + m]),
-                                 np.ascontiguousarray(pv[:, start : start + m]))
-            self._prefix.pop(key, None)
+            rows = (np.ascontiguousarray(pk[:, start : start + m]),
+                    np.ascontiguousarray(pv[:, start : start + m]))
+            if pin:
+                self._pinned[key] = rows
+                self._prefix.pop(key, None)
+            else:
+                self._keep_prefix(key, rows)
             start += m
 
     @property

@@ -179,6 +179,38 @@ def test_a_cloned_voice_defaults_to_streaming_text(pipe: Pipeline, speech: Path,
         assert n_stream < n_full
 
 
+def test_a_prepared_voice_speaks_its_first_request_from_its_caches(pipe: Pipeline,
+                                                                   speech: Path) -> None:
+    """``prepare_voice`` (what a worker does when it makes a voice) leaves the voice's prefix
+    among the recent ones and its decoder primed: the first request prefills only its own
+    positions and decodes only its own frames, and sounds as an unprepared first request."""
+    voice = pipe.clone_voice(str(speech), REF_TEXT)
+    req = SynthesisRequest("Good morning.", voice_prompt=voice, greedy=True, max_frames=4)
+    assert pipe.talker is not None
+    pipe._primed.clear()
+    pipe.talker.forget_prefixes()
+    cold = np.concatenate([c.audio for c in pipe.stream(req)])
+    n_all = pipe.talker.last_prefill_positions
+    pipe._primed.clear()
+    pipe.talker.forget_prefixes()
+    pipe.prepare_voice(voice)
+    assert pipe.talker.pinned_prefixes == 0  # kept among the recent ones, not pinned
+    pushes: list[int] = []
+    real_push = StreamingDecoder.push
+
+    def counting_push(self: StreamingDecoder, codes: np.ndarray) -> object:
+        pushes.append(codes.shape[1])
+        return real_push(self, codes)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(StreamingDecoder, "push", counting_push)
+        warm = np.concatenate([c.audio for c in pipe.stream(req)])
+    prompt = pipe._clone_prompt(req)
+    assert pipe.talker.last_prefill_positions == n_all - prompt.n_prefix
+    assert sum(pushes) == 4
+    np.testing.assert_array_equal(warm, cold)
+
+
 def test_a_voice_primes_the_decoder_once(pipe: Pipeline, speech: Path) -> None:
     """The primed decoder state of an in-context voice is kept: a second request does not
     decode the reference frames again, and its audio is the first one's to the sample (the

@@ -151,3 +151,30 @@ def test_reset_starts_a_new_utterance(case: Case) -> None:
     sd.reset()
     again, _ = sd.push(case.codes[:, :4])
     np.testing.assert_array_equal(first, again)
+
+
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_priming_is_a_push_whose_audio_is_dropped(case: Case, precision: str) -> None:
+    """``prime`` (an in-context voice's reference frames, for context only) runs the
+    upsampler and the wave generator on the last ``history_frames`` frames only, yet leaves the
+    state of a full push bit for bit, so the frames after it sound the same to the sample; with
+    one frame fewer through those stages the state differs: the bound is tight."""
+    from engine.decoder import streaming
+
+    dec = case.decoder("f32", precision)
+    keep = streaming.history_frames(dec.cfg)
+    n = keep + 6
+    pushed, primed = StreamingDecoder(dec), StreamingDecoder(dec)
+    pushed.push(case.codes[:, :n])
+    primed.prime(case.codes[:, :n])
+    assert primed.frames == pushed.frames == n and primed.state.keys() == pushed.state.keys()
+    for key, arr in pushed.state.items():
+        np.testing.assert_array_equal(primed.state[key], arr, err_msg=key)
+    after, _ = pushed.push(case.codes[:, n : n + 3])
+    np.testing.assert_array_equal(primed.push(case.codes[:, n : n + 3])[0], after)
+
+    short = StreamingDecoder(dec)
+    x = short._features(streaming.StageTimings(), short._codes(case.codes[:, :n]))
+    short._wave(streaming.StageTimings(), np.ascontiguousarray(x[-(keep - 1):]))
+    assert any(not np.array_equal(short.state[k], a) for k, a in pushed.state.items()
+               if k in short.state)

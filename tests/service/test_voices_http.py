@@ -91,6 +91,7 @@ def test_create_list_get_use_delete(base: Server, ref: bytes) -> None:
     assert events == [("voice.create", vid), ("voice.delete", vid)]
     ms = base.metrics()
     assert metric(ms, "qtts_voice_clone_seconds_count", stage="encode") >= 1
+    assert metric(ms, "qtts_voice_clone_seconds_count", stage="prepare") >= 1
     assert metric(ms, "qtts_voice_clone_seconds_count", stage="store") >= 1
 
 
