@@ -9,8 +9,10 @@ released dims; ``tiny`` for a smoke run):
    (float32 PyTorch, same weights, same threads) in the same run; median of ``--repeats``
    after one warm-up each. Targets: >= 3x the reference and <= 300 ms on 2 threads.
 2. **First audio of a stored voice**: the voice saved as ``.qvoice``, loaded, its prefix pinned
-   (as a server does once per stored voice), then time to the first chunk of a request at
-   ``--dtype`` (default q4_0). Target: <= 200 ms at 0.6B.
+   (``Pipeline.pin_voice``; a server's worker prepares a voice it makes the same way, for the
+   "auto" language: ``prepare_voice``), then time to the first chunk of a request at
+   ``--dtype`` (default q4_0; the request names no text mode: streaming, as the reference
+   clones). Target: <= 200 ms at 0.6B.
 
     python bench/clone.py [--size 0.6b] [--threads 2] [--dtype q4_0] [--seconds 10]
                           [--repeats 5] [--no-reference]
