@@ -459,7 +459,9 @@ class TalkerModel:
             b = Builder(g, w.talker_shape, mul_mat=w.mul_mat)
             x, _ = self._prompt_embeddings(b, n, n, with_add)
             a = prefill_inputs(g, n, n_kv)
-            a.causal = len(batch) == 1  # else the mask below is block-diagonal
+            # (ggml's attention nodes even for one prompt, whose mask is causal: a prefix is
+            # pinned with the same bits whichever prefixes share its batch)
+            a.causal = False
             a.snapshot = n  # the K/V rows are the outputs; nothing past them is computed
             stack(b, w.layers, x, a, cache)
 

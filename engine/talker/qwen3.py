@@ -151,6 +151,9 @@ class KVCache:
         lib.ggml_backend_buffer_clear(self.buffer, 0)
         self.nbytes = int(lib.ggml_backend_buffer_get_size(self.buffer))
         self.host = bool(lib.ggml_backend_buffer_is_host(self.buffer))
+        # qtts's own ops on this cache (the V write, the fused prefill attention): in host
+        # memory, with the native ops built and not switched off (QTTS_CUSTOM_OPS=0)
+        self.native = self.host and bool(backends.custom_ops) and custom_ops.available()
 
     def copy_into(self, dst: KVCache) -> None:
         """Every position of every layer into the first positions of ``dst`` (a cache of the
@@ -301,10 +304,9 @@ def attention(b: Builder, lw: LayerWeights, il: int, x: Tensor, a: AttnInputs,
 
 def _fused_attention(b: Builder, a: AttnInputs, cache: KVCache) -> bool:
     # qtts's fused op where it fits: a prefill graph with the causal mask (the op applies it
-    # itself) over a cache in host memory
+    # itself) over a cache its native ops may touch
     s = b.shape
-    return (a.causal and a.k_idx is None and cache.host
-            and custom_ops.available() and s.n_head % s.n_kv_head == 0
+    return (a.causal and a.k_idx is None and cache.native and s.n_head % s.n_kv_head == 0
             and s.n_head // s.n_kv_head <= 16)
 
 
@@ -342,7 +344,7 @@ def _write_kv_block(b: Builder, a: AttnInputs, il: int, k_rows: Tensor, v: Tenso
 def _write_v_transposed(ctx: Any, cache: KVCache, v: Tensor, dst: Tensor) -> Tensor:
     # V rows [kv_dim, n] into the channel-major cache view dst [n, kv_dim]: qtts's op on a cache
     # in host memory (the CPU backend), ggml's CPY through a transposed view elsewhere
-    if cache.host and custom_ops.available() and int(v.nb[0]) == 4:
+    if cache.native and int(v.nb[0]) == 4:
         return custom_ops.kv_write_transposed(ctx, dst, v)
     return lib.ggml_cpy(ctx, lib.ggml_transpose(ctx, v), dst)
 

@@ -257,10 +257,14 @@ void qtts_attn_causal_op(struct ggml_tensor * dst, int ith, int nth, void * user
         }
         for (int r = 0; r < LANES; r++) {
             const int64_t t = t0 + r % QB, h = hk * G + r / QB;
+            if (t >= T) {
+                for (int64_t c = 0; c < d; c++) QT[c * LANES + r] = 0.0f;
+                continue;
+            }
             const float * qr = (const float *)((const char *)q->data + t * q->nb[2] +
                                                h * q->nb[1]);
             for (int64_t c = 0; c < d; c++) {
-                QT[c * LANES + r] = t < T ? qr[c] * scale : 0.0f;
+                QT[c * LANES + r] = qr[c] * scale;
             }
         }
         float m[LANES], l[LANES], alpha[LANES];
