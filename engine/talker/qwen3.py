@@ -37,7 +37,7 @@ from engine.errors import BackendError
 from engine.ggml import NULL, Graph, Tensor, custom_ops, ffi, lib
 from engine.ggml.gemm_i8 import gemm_i8
 from engine.ggml.graph import new_tensor, no_alloc_context, set_name
-from engine.talker.weights import LayerWeights, StackShape
+from engine.talker.weights import I8_GROUPS, LayerWeights, StackShape
 from engine.transformer import attend, rms_norm, rope, swiglu
 
 _NAMES: dict[tuple[str, int, str], bytes] = {}
@@ -80,16 +80,37 @@ class Builder:
             self.g.output(lib.ggml_cont(self.ctx, t), f"tap.{self.shape.prefix}.{il}.{name}")
         return t
 
-    def matmul(self, lw: LayerWeights, field: str, x: Tensor) -> Tensor:
-        """``W x`` for the layer matrix ``field`` (``"q"`` ... ``"down"``).
+    def int8_rows(self, lw: LayerWeights, x: Tensor) -> bool:
+        """Whether ``x``'s rows multiply the layer's int8 copies: several rows (a prefill), copies
+        present. (One row, a step: ggml's ``mul_mat`` on the stored matrix (``mul_mat``), which
+        is memory-bound and reads fewer bytes that way.)"""
+        return self.int8 and lw.i8 is not None and int(x.ne[1]) >= I8_MIN_ROWS
 
-        Several rows (a prefill) with int8 copies present: the W8A8 ``gemm_i8`` (compute-bound
-        work, where it beats ggml's Q4_0 GEMM); one row (a step): ggml's ``mul_mat`` on the stored
-        matrix (``mul_mat``), which is memory-bound and reads fewer bytes that way.
-        """
-        if self.int8 and lw.i8 is not None and int(x.ne[1]) >= I8_MIN_ROWS:
+    def matmul(self, lw: LayerWeights, field: str, x: Tensor) -> Tensor:
+        """``W x`` for the layer matrix ``field`` (``"q"`` ... ``"down"``): the W8A8 ``gemm_i8``
+        (compute-bound work, where it beats ggml's Q4_0 GEMM) for ``int8_rows`` where ``field``
+        is a group of its own (``o``, ``down``; the others go through ``matmuls``), else the
+        stored matrix."""
+        if self.int8_rows(lw, x) and lw.i8 is not None and field in lw.i8:
             return gemm_i8(self.ctx, x, lw.i8[field])
         return self.mul_mat(self.ctx, getattr(lw, field), x)
+
+    def matmuls(self, lw: LayerWeights, group: str, x: Tensor) -> list[Tensor]:
+        """``W x`` for each matrix of an ``I8_GROUPS`` group (they multiply the same ``x``):
+        for ``int8_rows`` one GEMM over the group, returned as views of its rows (each with the
+        bits of a GEMM of its own; the rows are the GEMM's, so they are strided); else one
+        product each."""
+        fields = I8_GROUPS[group]
+        if not self.int8_rows(lw, x):
+            return [self.mul_mat(self.ctx, getattr(lw, f), x) for f in fields]
+        assert lw.i8 is not None
+        y = gemm_i8(self.ctx, x, lw.i8[group])
+        out, off = [], 0
+        for f in fields:
+            n = int(getattr(lw, f).ne[1])
+            out.append(lib.ggml_view_2d(self.ctx, y, n, int(y.ne[1]), y.nb[1], off * y.nb[0]))
+            off += n
+        return out
 
     def linear(self, x: Tensor, w: Tensor, b: Tensor | None = None) -> Tensor:
         """``W x (+ b)``."""
@@ -263,9 +284,19 @@ def attention(b: Builder, lw: LayerWeights, il: int, x: Tensor, a: AttnInputs,
             mask_q = lib.ggml_view_2d(ctx, a.mask, int(a.mask.ne[0]), 1, a.mask.nb[1],
                                       (t - 1) * a.mask.nb[1])
     tq = int(xq.ne[1])
-    q = lib.ggml_reshape_3d(ctx, b.matmul(lw, "q", xq), d, n_head, tq)
-    k = lib.ggml_reshape_3d(ctx, b.matmul(lw, "k", x), d, n_kv_head, t)
-    v = b.cb(b.matmul(lw, "v", x), "v", il)  # [kv_dim, T]
+    if b.int8_rows(lw, x):  # one GEMM for the three (q for every row, the last one taken)
+        q_proj, k_proj, v = b.matmuls(lw, "qkv", x)
+        if tq < t:
+            q_proj = lib.ggml_view_2d(ctx, q_proj, int(q_proj.ne[0]), 1, q_proj.nb[1],
+                                      (t - 1) * q_proj.nb[1])
+    else:
+        q_proj = b.matmul(lw, "q", xq)
+        k_proj = b.matmul(lw, "k", x)
+        v = b.matmul(lw, "v", x)
+    # (views: the rows of a group's GEMM are strided)
+    q = lib.ggml_view_3d(ctx, q_proj, d, n_head, tq, d * q_proj.nb[0], q_proj.nb[1], 0)
+    k = lib.ggml_view_3d(ctx, k_proj, d, n_kv_head, t, d * k_proj.nb[0], k_proj.nb[1], 0)
+    v = b.cb(v, "v", il)  # [kv_dim, T]
     q = b.cb(rms_norm(b.ctx, q, lw.q_norm, s.eps), "q_norm", il)
     k = b.cb(rms_norm(b.ctx, k, lw.k_norm, s.eps), "k_norm", il)
     q = b.cb(rope(ctx, q, pos_q, d, s.rope_theta), "q_rope", il)
@@ -377,8 +408,9 @@ def _layer_rows(ctx: Any, rows: Tensor, il: int) -> Tensor:
 
 def ffn(b: Builder, lw: LayerWeights, il: int, x: Tensor) -> Tensor:
     """SwiGLU: ``down(silu(gate x) * up x)``."""
-    gate = b.cb(b.matmul(lw, "gate", x), "ffn_gate", il)
-    up = b.cb(b.matmul(lw, "up", x), "ffn_up", il)
+    gate, up = b.matmuls(lw, "gate_up", x)
+    gate = b.cb(gate, "ffn_gate", il)
+    up = b.cb(up, "ffn_up", il)
     par = b.cb(swiglu(b.ctx, gate, up), "ffn_swiglu", il)
     return b.cb(b.matmul(lw, "down", par), "ffn_out", il)
 

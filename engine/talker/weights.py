@@ -26,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from engine.backend import BackendSet, WeightStore
 from engine.errors import BackendError
 from engine.ggml import NULL, Tensor, ffi, gemm_i8, gemv_q4, lib
@@ -46,14 +48,17 @@ I8_MATRICES = {"q": "attn_q.weight", "k": "attn_k.weight", "v": "attn_v.weight",
                "o": "attn_out.weight", "gate": "ffn_gate.weight", "up": "ffn_up.weight",
                "down": "ffn_down.weight"}
 I8_TYPES = (GGML_Q4_0, GGML_Q8_0)  # weight types whose talker prefill takes the int8 copies
+# The int8 copies are packed per group of matrices that multiply the same input, side by side:
+# one GEMM and one rounding of the input per group (packed key -> LayerWeights fields, in order)
+I8_GROUPS = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
 
 
 @dataclass
 class LayerWeights:
     """One Qwen3 decoder layer (talker or code predictor).
 
-    ``i8``: int8 copies of the seven matrices (``I8_MATRICES`` -> ``gemm_i8.I8Matrix``) for
-    multi-row graphs, or None.
+    ``i8``: int8 copies of the seven matrices for multi-row graphs, one ``gemm_i8.I8Matrix``
+    per ``I8_GROUPS`` group (its matrices' output channels one after the other), or None.
     """
 
     attn_norm: Tensor
@@ -103,7 +108,7 @@ class TalkerWeights:
         self.cfg = t
         self.cp_cfg = cp
         specs = talker_tensor_specs(t, cp)
-        n_i8 = 3 * len(I8_MATRICES) * int(t.num_hidden_layers)
+        n_i8 = 3 * len(I8_GROUPS) * int(t.num_hidden_layers)
         self.store: WeightStore = backends.weight_store(
             max_tensors=2 * len(specs) + n_i8 + 16)
         self.types: dict[str, int] = {}
@@ -162,14 +167,17 @@ class TalkerWeights:
         )
 
     def _add_i8(self, model: Any, prefix: str) -> dict[str, gemm_i8.I8Matrix]:
+        # (each output channel is rounded and summed alone: a group's GEMM gives every matrix
+        # the bits of a GEMM of its own)
         out: dict[str, gemm_i8.I8Matrix] = {}
-        for field_name, suffix in I8_MATRICES.items():
-            name = prefix + suffix
-            p = gemm_i8.pack(model.tensor_f32(name))
+        for group, fields in I8_GROUPS.items():
+            p = gemm_i8.pack(np.concatenate(
+                [model.tensor_f32(prefix + I8_MATRICES[f]) for f in fields], axis=0))
+            name = prefix + group
             wq = self.store.add_array(f"{name}.i8q", p.wq)
             ws = self.store.add_array(f"{name}.i8s", p.ws)
             wc = self.store.add_array(f"{name}.i8c", p.wc)
-            out[field_name] = gemm_i8.I8Matrix(p.n, p.k, wq, ws, wc)
+            out[group] = gemm_i8.I8Matrix(p.n, p.k, wq, ws, wc)
         return out
 
     def mul_mat(self, ctx: Any, w: Tensor, x: Tensor) -> Tensor:
