@@ -77,6 +77,19 @@ def test_gemm_i8_rows_are_independent(cpu2: BackendSet) -> None:
 
 
 @needs_ops
+def test_gemm_i8_outputs_are_independent(cpu2: BackendSet) -> None:
+    """Matrices packed side by side (a layer's q|k|v, gate|up) give each one the bits of its
+    own GEMM: every output channel rounds and sums alone (what the talker's groups rely on)."""
+    rng = np.random.default_rng(11)
+    parts = [data(rng, n, 1024, 37)[0] for n in (2048, 1024, 1024)]
+    x = data(rng, 32, 1024, 37)[1]
+    fused = run_gemm(cpu2, np.concatenate(parts), x)
+    start = 0
+    for w in parts:
+        np.testing.assert_array_equal(fused[:, start : start + w.shape[0]], run_gemm(cpu2, w, x))
+        start += w.shape[0]
+
+
 def test_gemm_i8_zero_blocks(cpu2: BackendSet) -> None:
     w, x = data(np.random.default_rng(5), 40, 600, 6)
     w[3] = 0.0
