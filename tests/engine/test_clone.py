@@ -3,8 +3,10 @@ and the CLI on a tiny random Base model (parity lives in tests/parity/test_clone
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -179,6 +181,22 @@ def test_a_cloned_voice_defaults_to_streaming_text(pipe: Pipeline, speech: Path,
         assert n_stream < n_full
 
 
+@contextlib.contextmanager
+def decoded_frames() -> Iterator[list[int]]:
+    """The frames every decoder push or priming takes while the block runs (both go through
+    ``StreamingDecoder._features``), one entry a call."""
+    frames: list[int] = []
+    real = StreamingDecoder._features
+
+    def counting(self: StreamingDecoder, tm: object, c: np.ndarray) -> np.ndarray:
+        frames.append(c.shape[1])
+        return real(self, tm, c)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(StreamingDecoder, "_features", counting)
+        yield frames
+
+
 def test_a_prepared_voice_speaks_its_first_request_from_its_caches(pipe: Pipeline,
                                                                    speech: Path) -> None:
     """``prepare_voice`` (what a worker does when it makes a voice) leaves the voice's prefix
@@ -195,19 +213,11 @@ def test_a_prepared_voice_speaks_its_first_request_from_its_caches(pipe: Pipelin
     pipe.talker.forget_prefixes()
     pipe.prepare_voice(voice)
     assert pipe.talker.pinned_prefixes == 0  # kept among the recent ones, not pinned
-    pushes: list[int] = []
-    real_push = StreamingDecoder.push
-
-    def counting_push(self: StreamingDecoder, codes: np.ndarray) -> object:
-        pushes.append(codes.shape[1])
-        return real_push(self, codes)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(StreamingDecoder, "push", counting_push)
+    with decoded_frames() as frames:
         warm = np.concatenate([c.audio for c in pipe.stream(req)])
     prompt = pipe._clone_prompt(req)
     assert pipe.talker.last_prefill_positions == n_all - prompt.n_prefix
-    assert sum(pushes) == 4
+    assert sum(frames) == 4  # its own frames only: no priming
     np.testing.assert_array_equal(warm, cold)
 
 
@@ -218,19 +228,13 @@ def test_a_voice_primes_the_decoder_once(pipe: Pipeline, speech: Path) -> None:
     voice = pipe.clone_voice(str(speech), REF_TEXT)
     req = SynthesisRequest("Good morning.", voice_prompt=voice, greedy=True, max_frames=6)
     pipe._primed.clear()
-    first = np.concatenate([c.audio for c in pipe.stream(req)])
+    with decoded_frames() as frames:
+        first = np.concatenate([c.audio for c in pipe.stream(req)])
+    assert sum(frames) == 25 + 6  # the priming frames, then its own
     assert len(pipe._primed) == 1
-    pushes: list[int] = []
-    real_push = StreamingDecoder.push
-
-    def counting_push(self: StreamingDecoder, codes: np.ndarray) -> object:
-        pushes.append(codes.shape[1])
-        return real_push(self, codes)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(StreamingDecoder, "push", counting_push)
+    with decoded_frames() as frames:
         second = np.concatenate([c.audio for c in pipe.stream(req)])
-    assert sum(pushes) == 6  # the new frames only: no 25-frame priming push
+    assert sum(frames) == 6  # the new frames only: no 25-frame priming
     np.testing.assert_array_equal(first, second)
 
 
