@@ -459,9 +459,11 @@ class TalkerModel:
             b = Builder(g, w.talker_shape, mul_mat=w.mul_mat)
             x, _ = self._prompt_embeddings(b, n, n, with_add)
             a = prefill_inputs(g, n, n_kv)
-            # (ggml's attention nodes even for one prompt, whose mask is causal: a prefix is
-            # pinned with the same bits whichever prefixes share its batch)
-            a.causal = False
+            # Pinned: ggml's attention nodes even for one prompt (whose mask is causal), so a
+            # prefix is pinned with the same bits whichever prefixes share its batch. Kept among
+            # the recent ones (one prompt): the fused attention, the bits a prefill's snapshot of
+            # the same prefix has.
+            a.causal = not pin and len(batch) == 1
             a.snapshot = n  # the K/V rows are the outputs; nothing past them is computed
             stack(b, w.layers, x, a, cache)
 

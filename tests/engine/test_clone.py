@@ -200,8 +200,9 @@ def decoded_frames() -> Iterator[list[int]]:
 def test_a_prepared_voice_speaks_its_first_request_from_its_caches(pipe: Pipeline,
                                                                    speech: Path) -> None:
     """``prepare_voice`` (what a worker does when it makes a voice) leaves the voice's prefix
-    among the recent ones and its decoder primed: the first request prefills only its own
-    positions and decodes only its own frames, and sounds as an unprepared first request."""
+    among the recent ones (the rows a prefill would have kept, bit for bit) and its decoder
+    primed: the first request prefills only its own positions and decodes only its own frames,
+    and sounds as an unprepared first request."""
     voice = pipe.clone_voice(str(speech), REF_TEXT)
     req = SynthesisRequest("Good morning.", voice_prompt=voice, greedy=True, max_frames=4)
     assert pipe.talker is not None
@@ -209,10 +210,15 @@ def test_a_prepared_voice_speaks_its_first_request_from_its_caches(pipe: Pipelin
     pipe.talker.forget_prefixes()
     cold = np.concatenate([c.audio for c in pipe.stream(req)])
     n_all = pipe.talker.last_prefill_positions
+    snapshot = dict(pipe.talker._prefix)  # what the prefill kept of its prefix
     pipe._primed.clear()
     pipe.talker.forget_prefixes()
     pipe.prepare_voice(voice)
     assert pipe.talker.pinned_prefixes == 0  # kept among the recent ones, not pinned
+    assert pipe.talker._prefix.keys() == snapshot.keys()
+    for key, (k, v) in pipe.talker._prefix.items():  # the same rows, bit for bit
+        np.testing.assert_array_equal(k, snapshot[key][0])
+        np.testing.assert_array_equal(v, snapshot[key][1])
     with decoded_frames() as frames:
         warm = np.concatenate([c.audio for c in pipe.stream(req)])
     prompt = pipe._clone_prompt(req)
