@@ -31,7 +31,7 @@ import functools
 import hashlib
 import threading
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
@@ -543,23 +543,26 @@ class Pipeline:
         built-in voices'), so its requests prefill only their own text; and its primed decoder
         state. The prefix is the default text mode's (streaming, as the realtime route's too): a
         request asking for ``full`` computes its own once and keeps it among the recent ones."""
-        if self.talker is None or self.prompts is None:
+        if self.prompts is None:
             raise InputError("voice_prompt", "this model file has no talker")
-        self.talker.pin_prefixes([
-            self._clone_prompt(SynthesisRequest(".", voice_prompt=voice, language=lang))
-            for lang in self.prompts.languages])
-        self._primed_decoder(voice)
+        self._ready_voice(voice, self.prompts.languages, pin=True)
 
     def prepare_voice(self, voice: VoicePrompt, language: str | None = None) -> None:
         """Get a voice ready to speak soon without keeping it for good: its prompt prefix in
         ``language`` (default "auto") and the default text mode goes among the recent prefixes,
         its primed decoder state among the recent voices. A new voice's first request then
         prefills only its own text (the service does this when a worker makes a voice)."""
+        self._ready_voice(voice, [language], pin=False)
+
+    def _ready_voice(self, voice: VoicePrompt, languages: Sequence[str | None], pin: bool
+                     ) -> None:
+        # the voice's prompt prefixes in those languages (pinned, or among the recent ones) and
+        # its primed decoder state
         if self.talker is None or self.prompts is None:
             raise InputError("voice_prompt", "this model file has no talker")
-        self.talker.pin_prefixes(
-            [self._clone_prompt(SynthesisRequest(".", voice_prompt=voice, language=language))],
-            pin=False)
+        self.talker.pin_prefixes([
+            self._clone_prompt(SynthesisRequest(".", voice_prompt=voice, language=lang))
+            for lang in languages], pin=pin)
         self._primed_decoder(voice)
 
     def _clone_prompt(self, req: SynthesisRequest, live_ids: list[int] | None = None) -> Any:

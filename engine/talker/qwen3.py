@@ -171,10 +171,10 @@ class KVCache:
             raise BackendError(f"cannot allocate the {name} KV cache ({n_ctx} positions)")
         lib.ggml_backend_buffer_clear(self.buffer, 0)
         self.nbytes = int(lib.ggml_backend_buffer_get_size(self.buffer))
-        self.host = bool(lib.ggml_backend_buffer_is_host(self.buffer))
         # qtts's own ops on this cache (the V write, the fused prefill attention): in host
         # memory, with the native ops built and not switched off (QTTS_CUSTOM_OPS=0)
-        self.native = self.host and bool(backends.custom_ops) and custom_ops.available()
+        self.native = (bool(lib.ggml_backend_buffer_is_host(self.buffer))
+                       and bool(backends.custom_ops) and custom_ops.available())
 
     def copy_into(self, dst: KVCache) -> None:
         """Every position of every layer into the first positions of ``dst`` (a cache of the
