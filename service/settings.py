@@ -128,7 +128,9 @@ class Settings(BaseSettings):
     )
     log_level: str = Field(default="info", description="python logging level")
     precision: Literal["fast", "exact"] = Field(
-        default="fast", description="decoder precision `fast` (BF16 kernels) or `exact` (F32)"
+        default="fast",
+        description="decoder precision `fast` (BF16 kernels) or `exact` (F32); without "
+        "AVX512-BF16 (an AVX2 CPU), `fast` runs the F32 kernels: the samples of `exact`",
     )
     chunk_max_frames: int | None = Field(
         default=None,

@@ -68,6 +68,19 @@ def cpu2() -> BackendSet:
 
 
 @pytest.fixture(scope="session")
+def bf16_cpu2(cpu2: BackendSet) -> BackendSet:
+    """2 threads on which the decoder's fast mode really rounds to BF16: qtts's BF16 conv kernel
+    where this CPU has it, else ggml's BF16 mul_mats (qtts's ops off). On such a CPU with the
+    ops on, fast mode is exact mode (test_decoder_precision)."""
+    from engine.decoder.weights import rounds_to_bf16
+
+    if rounds_to_bf16(cpu2):
+        return cpu2
+    return BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "2",
+                                "QTTS_CUSTOM_OPS": "0"})
+
+
+@pytest.fixture(scope="session")
 def cpu1() -> BackendSet:
     """The CPU backend with 1 thread."""
     return BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "1"})

@@ -17,6 +17,8 @@ Precision: ``exact`` keeps every weight F32 (parity mode); ``fast`` stores the w
 wave generator (decoder.0-6) and the upsampler's pointwise layers as BF16 (~2x the F32
 throughput here), except the layers ``f32_layers`` keeps in F32 (by default the first ones,
 whose rounding the rest amplifies: engine/decoder/precision.py); everything else stays F32.
+Where qtts's convs run without their BF16 kernel (a CPU without AVX512-BF16), fast mode keeps
+them in F32: the same samples as exact (``rounds_to_bf16``).
 """
 
 from __future__ import annotations
@@ -36,6 +38,21 @@ from engine.gguf_schema import DecoderConfig
 Precision = Literal["exact", "fast"]
 PRECISIONS: tuple[str, ...] = ("exact", "fast")
 SNAKE_EPS = 1e-9
+
+
+def native_convs(backends: BackendSet) -> bool:
+    """Whether the decoder runs qtts's direct conv kernels on these backends: they beat ggml's
+    K mul_mats on the CPU (bench/kernels.py) and run on the CPU backend only, so accelerators
+    keep the mul_mat form."""
+    return backends.custom_ops and backends.name in ("cpu", "blas") and custom_ops.available()
+
+
+def rounds_to_bf16(backends: BackendSet) -> bool:
+    """Whether fast mode rounds the wave generator's weights and inputs to BF16 here: through
+    qtts's BF16 conv kernel where it is built for this CPU (AVX512-BF16), or ggml's BF16
+    mul_mats where qtts's convs do not run. Otherwise (qtts's convs without that kernel: its
+    portable path is slower than F32) fast mode runs the F32 convs, bit for bit exact mode."""
+    return not native_convs(backends) or custom_ops.bf16_available()
 
 
 @dataclass
@@ -160,10 +177,7 @@ class DecoderWeights:
         self.f32_layers = default_f32(model) if f32_layers is None else f32_layers
         self.backends = backends
         self.store: WeightStore = backends.weight_store()
-        # qtts's own direct conv kernels beat ggml's K mul_mats on the CPU (bench/kernels.py);
-        # they run on the CPU backend only, so accelerators keep the mul_mat form.
-        self.use_custom_ops = (backends.custom_ops and backends.name in ("cpu", "blas")
-                               and custom_ops.available())
+        self.use_custom_ops = native_convs(backends)
         self._bf16_kernel = self.use_custom_ops and custom_ops.bf16_available()
         # QTTS_AMX=0 keeps the BF16 convs off the AMX tiles (a process-wide switch of
         # libqtts_ops; the packed weights are the same either way).

@@ -17,6 +17,7 @@ from engine.decoder.precision import (
     default_f32,
     promotion_order,
 )
+from engine.decoder.weights import rounds_to_bf16
 from engine.gguf_model import open_model
 
 
@@ -38,12 +39,14 @@ def test_layer_sets(model) -> None:  # type: ignore[no-untyped-def]
     assert {f"dec.blk.{b}.tconv" for b in range(1, 5)} <= default
 
 
-def test_f32_layers_are_f32(model, cpu2: BackendSet) -> None:  # type: ignore[no-untyped-def]
+def test_f32_layers_are_f32(model, bf16_cpu2: BackendSet  # type: ignore[no-untyped-def]
+                            ) -> None:
     """A promoted layer really runs in F32: with every layer promoted, fast equals exact."""
     codes = calibration_codes(model, 6)
-    exact = DecoderModel.load(model, cpu2, "exact")
-    everything = DecoderModel.load(model, cpu2, "fast", f32_layers=frozenset(bf16_layers(model)))
-    bf16 = DecoderModel.load(model, cpu2, "fast", f32_layers=frozenset())
+    be = bf16_cpu2
+    exact = DecoderModel.load(model, be, "exact")
+    everything = DecoderModel.load(model, be, "fast", f32_layers=frozenset(bf16_layers(model)))
+    bf16 = DecoderModel.load(model, be, "fast", f32_layers=frozenset())
     try:
         a, _ = decode(exact, codes)
         b, _ = decode(everything, codes)
@@ -55,24 +58,40 @@ def test_f32_layers_are_f32(model, cpu2: BackendSet) -> None:  # type: ignore[no
     assert np.abs(a - c).max() > 1e-4
 
 
-def test_calibration(model, cpu2: BackendSet) -> None:  # type: ignore[no-untyped-def]
-    easy = calibrate(model, cpu2, target_db=10.0, frames=6)
+def test_fast_is_exact_where_the_bf16_kernel_is_missing(  # type: ignore[no-untyped-def]
+        model, cpu2: BackendSet) -> None:
+    """qtts's convs without their BF16 kernel: fast mode runs them in F32, the samples of exact
+    mode bit for bit; with the kernel it rounds."""
+    codes = calibration_codes(model, 6)
+    wavs = []
+    for precision in ("exact", "fast"):
+        dec = DecoderModel.load(model, cpu2, precision, f32_layers=frozenset())
+        try:
+            wavs.append(decode(dec, codes)[0])
+        finally:
+            dec.close()
+    assert np.array_equal(wavs[0], wavs[1]) == (not rounds_to_bf16(cpu2))
+
+
+def test_calibration(model, bf16_cpu2: BackendSet) -> None:  # type: ignore[no-untyped-def]
+    easy = calibrate(model, bf16_cpu2, target_db=10.0, frames=6)
     assert easy.met and easy.steps == 0 and easy.f32_layers == default_f32(model)
     assert 5 < easy.snr_db < 150  # the make-model decoder clips most samples: a low SNR
-    hard = calibrate(model, cpu2, target_db=500.0, frames=6, max_steps=2)
+    hard = calibrate(model, bf16_cpu2, target_db=500.0, frames=6, max_steps=2)
     assert not hard.met and hard.steps == 2 and hard.f32_layers > easy.f32_layers
     assert hard.snr_db > easy.snr_db
     assert "NOT" not in easy.summary() and f"{easy.snr_db:.1f} dB" in easy.summary()
 
 
-def test_load_with_calibration(model, cpu2: BackendSet) -> None:  # type: ignore[no-untyped-def]
-    dec = DecoderModel.load(model, cpu2, "fast", calibrate_db=10.0)
+def test_load_with_calibration(model, bf16_cpu2: BackendSet  # type: ignore[no-untyped-def]
+                               ) -> None:
+    dec = DecoderModel.load(model, bf16_cpu2, "fast", calibrate_db=10.0)
     try:
         assert dec.calibration is not None and dec.calibration.met
         assert dec.weights.f32_layers == dec.calibration.f32_layers
     finally:
         dec.close()
-    dec = DecoderModel.load(model, cpu2, "exact", calibrate_db=10.0)
+    dec = DecoderModel.load(model, bf16_cpu2, "exact", calibrate_db=10.0)
     assert dec.calibration is None  # nothing to calibrate: exact is all F32
     dec.close()
 
