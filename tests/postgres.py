@@ -63,8 +63,13 @@ class Postgres:
         return f"postgresql://qtts@127.0.0.1:{self.port}/{name}"
 
     def _run(self, tool: str, *args: str) -> None:
-        subprocess.run([*self._as, str(self.bin / tool), *args], check=True,
-                       capture_output=True, cwd="/")
+        r = subprocess.run([*self._as, str(self.bin / tool), *args], capture_output=True,
+                           text=True, cwd="/")
+        if r.returncode:  # what the tool and the server said, not just the exit status
+            log = self.data / "server.log"
+            tail = log.read_text(errors="replace")[-3000:] if log.exists() else "(no log)"
+            raise RuntimeError(f"{tool} {' '.join(args)}: exit {r.returncode}: "
+                               f"{r.stderr.strip()}\nserver log:\n{tail}")
 
     def start(self) -> None:
         self._run("pg_ctl", "-D", str(self.data), "-l", str(self.data / "server.log"), "-w",
