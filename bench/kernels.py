@@ -20,6 +20,10 @@
         the CPU_REPACK copy, over 4 matrices of 3072 x 1024 (7 MB: from the cache), 14 (25 MB,
         a code-predictor pass's worth) and 140 (248 MB, a 0.6B talker's worth: from memory), as
         weight GB/s; with 1 and 2 threads.
+  attn: a prefill's causal GQA attention over an F16 cache (16 query heads of 128 over 8 KV
+        heads: 0.6B and 1.7B) as qtts_attn_causal (native/ops/attn_causal.c, one node) against
+        ggml's four nodes (K.Q, masked softmax over the padded key range, the product with V,
+        the head merge), one layer.
 
 ggml timings are ``ggml_backend_sched_graph_compute`` alone (graph allocated and inputs set
 beforehand; inputs re-set before each repetition, untimed). Each repetition also records how
@@ -30,7 +34,7 @@ qtts_ms, > 1 means the qtts kernel is faster), then the same runs as min CPU tim
 which time-slicing by other processes does not inflate.
 
   .venv/bin/python bench/kernels.py [--threads 2] [--reps 7]
-                                    [--only conv|snake|bf16|hist|wino|gemm_i8|gemv_q4]
+                                    [--only conv|snake|bf16|hist|wino|gemm_i8|gemv_q4|attn]
                                     [--extra]
 """
 
@@ -578,6 +582,63 @@ def bench_gemv_q4(reps: int, max_busy: float, threads: int) -> None:
                   f"({mb / qm:.1f}) | {gm / qm:.2f}x | {busy:.0%} |", flush=True)
 
 
+# (queries, cache rows before them): a cloned voice's request after its pinned prefix, a
+# long first prefill, the last layer's one query
+ATTN_CASES = [(87, 49), (134, 9), (512, 0), (1, 250)]
+
+
+def bench_attn(cpu: BackendSet, reps: int, max_busy: float, threads: int) -> None:
+    from engine.talker.qwen3 import KV_READ_PAD
+    from engine.transformer import attend
+
+    d, h, hkv = 128, 16, 8
+    kv = d * hkv
+    print(f"\n## Prefill attention, one layer ({h} heads of {d}, {hkv} KV heads, F16 cache), "
+          f"{threads} threads: min ms")
+    print("| queries after cached rows | ggml's nodes | qtts attn_causal | speed-up | "
+          "max abs diff | others' load |")
+    print("|---|---:|---:|---:|---:|---:|")
+    rng = np.random.default_rng(0)
+    for t, pos0 in ATTN_CASES:
+        n_kv = -(-(pos0 + t) // KV_READ_PAD) * KV_READ_PAD
+        n_ctx = n_kv + 64
+        q = rng.standard_normal((t, h, d)).astype(np.float32)
+        k = rng.standard_normal((n_ctx, kv)).astype(np.float16)
+        vt = rng.standard_normal((kv, n_ctx)).astype(np.float16)
+        pos = np.arange(pos0, pos0 + t, dtype=np.int32)
+        keys = np.arange(n_kv, dtype=np.int32)[None, :]
+        mask = np.where(keys <= pos[:, None], 0.0, -np.inf).astype(np.float32)
+        stats: dict[str, dict[str, float]] = {}
+        outs: dict[str, np.ndarray[Any, Any]] = {}
+        for name in ("ggml", "qtts"):
+            g = Graph()
+            tq = g.input("q", q.shape)
+            tk, tv = g.input("k", k.shape, np.float16), g.input("v", vt.shape, np.float16)
+            inputs: dict[str, np.ndarray[Any, Any]] = {"q": q, "k": k, "v": vt}
+            if name == "qtts":
+                kk = lib.ggml_view_2d(g.ctx, tk, kv, n_kv, tk.nb[1], 0)
+                vv = lib.ggml_view_2d(g.ctx, tv, n_kv, kv, tv.nb[1], 0)
+                y = co.attn_causal(g.ctx, tq, kk, vv, g.input("pos", pos.shape, np.int32))
+                inputs["pos"] = pos
+            else:
+                es = 2
+                kk = lib.ggml_permute(g.ctx, lib.ggml_view_3d(g.ctx, tk, d, hkv, n_kv, d * es,
+                                                              kv * es, 0), 0, 2, 1, 3)
+                vv = lib.ggml_view_3d(g.ctx, tv, n_kv, d, hkv, n_ctx * es, d * n_ctx * es, 0)
+                y = attend(g.ctx, tq, kk, vv, g.input("mask", mask.shape))
+                inputs["mask"] = mask
+            g.output(y, "y")
+            r = GraphRunner(cpu, g, inputs)
+            stats[name] = timed(r.run, reps, max_busy, r.set_inputs, threads)
+            outs[name] = r.output("y")
+            g.close()
+        gm, qm = stats["ggml"]["min"], stats["qtts"]["min"]
+        diff = float(np.abs(outs["ggml"] - outs["qtts"]).max())
+        busy = max(v["busy"] for v in stats.values())
+        print(f"| {t} after {pos0} | {gm:.3f} | {qm:.3f} | {gm / qm:.2f}x | {diff:.1e} | "
+              f"{busy:.0%} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -585,7 +646,7 @@ def main() -> None:
     ap.add_argument("--max-busy", type=float, default=0.05,
                     help="drop repetitions where other processes used more of the machine")
     ap.add_argument("--only", choices=["conv", "snake", "bf16", "hist", "wino", "gemm_i8",
-                                       "gemv_q4"],
+                                       "gemv_q4", "attn"],
                     default=None)
     ap.add_argument("--extra", action="store_true",
                     help=f"also {EXTRA_CONV_CASES} (conv), {EXTRA_BF16_CASES} (bf16) and "
@@ -611,6 +672,8 @@ def main() -> None:
         bench_gemm_i8(cpu, args.reps, args.max_busy, args.threads)
     if args.only in (None, "gemv_q4"):
         bench_gemv_q4(args.reps, args.max_busy, args.threads)
+    if args.only in (None, "attn"):
+        bench_attn(cpu, args.reps, args.max_busy, args.threads)
 
 
 if __name__ == "__main__":

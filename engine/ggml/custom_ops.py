@@ -105,6 +105,7 @@ def kernel_paths(library: Any | None = None) -> dict[str, str]:
         "gemm_i8": ("amx_int8 (tiles)" if i8 and amx(library) and gemm_i8_amx(library)
                     else "avx512_vnni" if i8 else "portable C"),
         "gemv_q4": "avx512_vnni" if has_fast_path(library, "qtts_gemv_q4_fast") else "portable C",
+        "attn_causal": isa if attn_causal_fast(library) else "portable C",
     }
 
 
@@ -223,6 +224,12 @@ def channel_join(ctx: Any, parts: list[Tensor], *, library: Any | None = None) -
     args = ffi.new(f"struct ggml_tensor *[{len(parts)}]", parts)
     return lib.ggml_custom_4d(ctx, lib.GGML_TYPE_F32, sum(int(p.ne[0]) for p in parts), t, 1, 1,
                               args, len(parts), fn, GGML_N_TASKS_MAX, ffi.NULL)
+
+
+def attn_causal_fast(library: Any | None = None) -> bool:
+    """Whether ``attn_causal`` has its SIMD path here (AVX-512 or AVX2); the portable C path
+    is correct but slower than ggml's nodes."""
+    return has_fast_path(library, "qtts_attn_causal_fast")
 
 
 def attn_causal(ctx: Any, q: Tensor, k: Tensor, v: Tensor, pos: Tensor, *,

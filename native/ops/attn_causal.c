@@ -24,9 +24,23 @@
 #include "qtts_ops.h"
 #include "qtts_scratch.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+/* AVX2 builds (no AVX-512): the 16 lanes are two 8-float registers */
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define ATTN_AVX2 1
+#else
+#define ATTN_AVX2 0
+#endif
+
+#if defined(__AVX512F__) || ATTN_AVX2
+#define ATTN_SIMD 1
+#else
+#define ATTN_SIMD 0
+#endif
+
+int qtts_attn_causal_fast(void) { return ATTN_SIMD; }
 
 #define LANES 16
 #define KB 128 /* keys per block */
@@ -47,6 +61,10 @@ static void to_f32(const char * row, int f16, int64_t n, float * out) {
         const __mmask16 live = n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
         _mm512_mask_storeu_ps(out + i, live,
                               _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, row + 2 * i)));
+    }
+#elif ATTN_AVX2
+    for (; i + 8 <= n; i += 8) {
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * i))));
     }
 #endif
     for (; i < n; i++) {
@@ -70,6 +88,27 @@ static inline __m512 exp16(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
     p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     return _mm512_scalef_ps(p, n);
+}
+#elif ATTN_AVX2
+/* exp16's polynomial; 2^n through the exponent bits, so x below -87 (2^n no longer normal)
+ * flushes to exactly 0: those terms are < 1.2e-38 of the largest, which is 1 */
+static inline __m256 exp8(__m256 x) {
+    const __m256 live = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_GE_OQ);
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(
+        _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), live);
 }
 #endif
 
@@ -103,13 +142,42 @@ static void block_scores(const float * Kf, const float * QT, int64_t d, int64_t 
             _mm512_storeu_ps(S + (j + i) * LANES, _mm512_mask_mov_ps(acc[i], hidden, ninf));
         }
     }
+#elif ATTN_AVX2
+    const __m256i vpos0 = _mm256_loadu_si256((const __m256i *)lpos);
+    const __m256i vpos1 = _mm256_loadu_si256((const __m256i *)(lpos + 8));
+    const __m256 ninf = _mm256_set1_ps(-INFINITY);
+    for (; j + 4 <= nk; j += 4) { /* 4 keys x 2 halves: 8 sums, 2 Q loads, 1 broadcast */
+        __m256 a[8];
+        for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+        const float * k0 = Kf + j * d;
+        for (int64_t c = 0; c < d; c++) {
+            const __m256 q0 = _mm256_loadu_ps(QT + c * LANES);
+            const __m256 q1 = _mm256_loadu_ps(QT + c * LANES + 8);
+            for (int i = 0; i < 4; i++) {
+                const __m256 kc = _mm256_broadcast_ss(k0 + i * d + c);
+                a[2 * i] = _mm256_fmadd_ps(kc, q0, a[2 * i]);
+                a[2 * i + 1] = _mm256_fmadd_ps(kc, q1, a[2 * i + 1]);
+            }
+        }
+        for (int i = 0; i < 4; i++) {
+            const __m256i key = _mm256_set1_epi32((int32_t)(j0 + j + i));
+            /* lanes whose position < key: hidden */
+            const __m256 h0 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(key, vpos0));
+            const __m256 h1 = _mm256_castsi256_ps(_mm256_cmpgt_epi32(key, vpos1));
+            _mm256_storeu_ps(S + (j + i) * LANES, _mm256_blendv_ps(a[2 * i], ninf, h0));
+            _mm256_storeu_ps(S + (j + i) * LANES + 8, _mm256_blendv_ps(a[2 * i + 1], ninf, h1));
+        }
+    }
 #endif
+    /* the keys left over, and every key of a build without SIMD: fmaf rounds as the vector
+     * FMAs do, so a score's bits do not depend on which path computed it (a query's keys
+     * move between the two with the block's key count, that is with the other queries) */
     for (; j < nk; j++) {
         float acc[LANES] = {0};
         for (int64_t c = 0; c < d; c++) {
             const float kc = Kf[j * d + c];
             for (int r = 0; r < LANES; r++) {
-                acc[r] += kc * QT[c * LANES + r];
+                acc[r] = fmaf(kc, QT[c * LANES + r], acc[r]);
             }
         }
         for (int r = 0; r < LANES; r++) {
@@ -136,6 +204,23 @@ static void block_softmax(float * S, int64_t nk, float * m, float * l, float * a
     _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), a, sum));
     _mm512_storeu_ps(m, mb);
     _mm512_storeu_ps(alpha, a);
+#elif ATTN_AVX2
+    for (int h = 0; h < LANES; h += 8) {
+        __m256 mb = _mm256_loadu_ps(m + h);
+        for (int64_t j = 0; j < nk; j++) {
+            mb = _mm256_max_ps(mb, _mm256_loadu_ps(S + j * LANES + h));
+        }
+        const __m256 a = exp8(_mm256_sub_ps(_mm256_loadu_ps(m + h), mb));
+        __m256 sum = _mm256_setzero_ps();
+        for (int64_t j = 0; j < nk; j++) {
+            const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(S + j * LANES + h), mb));
+            _mm256_storeu_ps(S + j * LANES + h, p);
+            sum = _mm256_add_ps(sum, p);
+        }
+        _mm256_storeu_ps(l + h, _mm256_fmadd_ps(_mm256_loadu_ps(l + h), a, sum));
+        _mm256_storeu_ps(m + h, mb);
+        _mm256_storeu_ps(alpha + h, a);
+    }
 #else
     for (int r = 0; r < LANES; r++) {
         float mb = m[r];
@@ -183,6 +268,29 @@ static void block_output(const float * Vf, int64_t vs, const float * P, const fl
             _mm512_storeu_ps(OT + (c + i) * LANES, o[i]);
         }
     }
+#elif ATTN_AVX2
+    const __m256 a0 = _mm256_loadu_ps(alpha), a1 = _mm256_loadu_ps(alpha + 8);
+    for (; c + 4 <= d; c += 4) { /* 4 channels x 2 halves */
+        __m256 o[8];
+        for (int i = 0; i < 4; i++) {
+            o[2 * i] = _mm256_mul_ps(_mm256_loadu_ps(OT + (c + i) * LANES), a0);
+            o[2 * i + 1] = _mm256_mul_ps(_mm256_loadu_ps(OT + (c + i) * LANES + 8), a1);
+        }
+        const float * v0 = Vf + c * vs;
+        for (int64_t j = 0; j < nk; j++) {
+            const __m256 p0 = _mm256_loadu_ps(P + j * LANES);
+            const __m256 p1 = _mm256_loadu_ps(P + j * LANES + 8);
+            for (int i = 0; i < 4; i++) {
+                const __m256 vj = _mm256_broadcast_ss(v0 + i * vs + j);
+                o[2 * i] = _mm256_fmadd_ps(vj, p0, o[2 * i]);
+                o[2 * i + 1] = _mm256_fmadd_ps(vj, p1, o[2 * i + 1]);
+            }
+        }
+        for (int i = 0; i < 4; i++) {
+            _mm256_storeu_ps(OT + (c + i) * LANES, o[2 * i]);
+            _mm256_storeu_ps(OT + (c + i) * LANES + 8, o[2 * i + 1]);
+        }
+    }
 #endif
     for (; c < d; c++) {
         float o[LANES];
@@ -192,7 +300,7 @@ static void block_output(const float * Vf, int64_t vs, const float * P, const fl
         for (int64_t j = 0; j < nk; j++) {
             const float vj = Vf[c * vs + j];
             for (int r = 0; r < LANES; r++) {
-                o[r] += vj * P[j * LANES + r];
+                o[r] = fmaf(vj, P[j * LANES + r], o[r]);
             }
         }
         memcpy(OT + c * LANES, o, sizeof(o));

@@ -29,7 +29,8 @@ volatile int qtts_amx_on;
     X(v, int, qtts_conv1d_tm_bf16_amx_built, (void), ())                                         \
     X(v, int, qtts_gemm_i8_fast, (void), ())                                                     \
     X(v, int, qtts_gemm_i8_amx_built, (void), ())                                                \
-    X(v, int, qtts_gemv_q4_fast, (void), ())
+    X(v, int, qtts_gemv_q4_fast, (void), ())                                                     \
+    X(v, int, qtts_attn_causal_fast, (void), ())
 
 #define QTTS_OP_ARGS (struct ggml_tensor * dst, int ith, int nth, void * userdata)
 #define QTTS_VOID_FUNCS(X, v)                                                                    \

@@ -15,7 +15,7 @@
 
 #include "qtts_ops.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -40,6 +40,13 @@ void qtts_kv_write_transposed_op(struct ggml_tensor * dst, const struct ggml_ten
                                         _mm512_cvtps_ph(_mm512_loadu_ps(src),
                                                         _MM_FROUND_TO_NEAREST_INT |
                                                             _MM_FROUND_NO_EXC));
+                } else
+#elif defined(__F16C__) && defined(__AVX__)
+                if (m == 16) {
+                    const int rne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+                    _mm_storeu_si128((__m128i *)h, _mm256_cvtps_ph(_mm256_loadu_ps(src), rne));
+                    _mm_storeu_si128((__m128i *)(h + 8),
+                                     _mm256_cvtps_ph(_mm256_loadu_ps(src + 8), rne));
                 } else
 #endif
                 {

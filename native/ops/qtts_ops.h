@@ -71,6 +71,9 @@ void qtts_channel_join_op(struct ggml_tensor * dst, int ith, int nth, void * use
  * of H_kv with H / H_kv <= 16. F32 sums; (KV head, block of 16 / (H / H_kv) queries) items are
  * split across the nth threads. */
 void qtts_attn_causal_op(struct ggml_tensor * dst, int ith, int nth, void * userdata);
+/* 1 where the op has its SIMD path (AVX-512 or AVX2): the portable C one is slower than ggml's
+ * nodes */
+int qtts_attn_causal_fast(void);
 
 /* Causal dilated conv1d, time-major, as a ggml_custom_op_t for
  * ggml_custom_4d(ctx, F32, C_out, T, 1, 1, {xp, w, bias}, 3, qtts_conv1d_tm_op, n, (void*)d)

@@ -21,6 +21,7 @@
 #define qtts_elu_op QTTS_V(qtts_elu_op)
 #define qtts_kv_write_transposed_op QTTS_V(qtts_kv_write_transposed_op)
 #define qtts_attn_causal_op QTTS_V(qtts_attn_causal_op)
+#define qtts_attn_causal_fast QTTS_V(qtts_attn_causal_fast)
 #define qtts_channel_join_op QTTS_V(qtts_channel_join_op)
 #define qtts_conv1d_tm_op QTTS_V(qtts_conv1d_tm_op)
 #define qtts_conv1d_tm_block QTTS_V(qtts_conv1d_tm_block)

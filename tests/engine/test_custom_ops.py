@@ -1149,6 +1149,24 @@ def test_attn_causal_matches_float64(cpu1: BackendSet, cpu2: BackendSet, dtype: 
 
 
 @needs_ops
+@pytest.mark.parametrize("hkv", [8, 2])
+def test_attn_causal_a_query_does_not_depend_on_the_others(cpu2: BackendSet, hkv: int) -> None:
+    """A query's output is the same bits whichever later queries share the graph: with them,
+    its block of queries reads more keys, so keys move between the kernel's vector loop and
+    its remainder loop (a prepared voice's prefix equals the rows a longer prefill keeps)."""
+    rng = np.random.default_rng(hkv)
+    d, h, t, n_ctx = 64, 16, 61, 128
+    q = rng.standard_normal((t, h, d)).astype(np.float32)
+    k = rng.standard_normal((n_ctx, hkv * d)).astype(np.float16)
+    vt = rng.standard_normal((hkv * d, n_ctx)).astype(np.float16)
+    pos = np.arange(t, dtype=np.int32)
+    every = _attn_causal(cpu2, q, k, vt, pos, 64)
+    for n in (13, 22, 35, 38, 47, 57, 60):  # remainders of every size under 4 and 8 keys
+        part = _attn_causal(cpu2, q[:n], k, vt, pos[:n], 64)
+        assert np.array_equal(part, every[:n]), n
+
+
+@needs_ops
 def test_attn_causal_rejects_what_the_kernel_cannot_take() -> None:
     g = Graph()
     q = g.input("q", (3, 4, 8))  # ne [8, 4, 3]: d 8, 4 heads, 3 positions
