@@ -540,7 +540,7 @@ def bench_gemv_q4(reps: int, max_busy: float, threads: int) -> None:
     from engine.talker.weights import _Repacked
 
     n, k = 3072, 1024
-    print(f"\n## Q4_0 steps: qtts gemv_q4 ({'VNNI' if gq.fast_available() else 'portable C'}) vs "
+    print(f"\n## Q4_0 steps: qtts gemv_q4 ({co.kernel_paths()['gemv_q4']}) vs "
           "ggml mul_mat (CPU_REPACK): min ms (weight GB/s)")
     print("| matrices (MB), rows, threads | ggml Q4_0 | qtts gemv_q4 | speed-up | others' load |")
     print("|---|---:|---:|---:|---:|")

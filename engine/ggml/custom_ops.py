@@ -104,7 +104,8 @@ def kernel_paths(library: Any | None = None) -> dict[str, str]:
         "conv1d_wino_bf16": bf16_path,
         "gemm_i8": ("amx_int8 (tiles)" if i8 and amx(library) and gemm_i8_amx(library)
                     else "avx512_vnni" if i8 else "portable C"),
-        "gemv_q4": "avx512_vnni" if has_fast_path(library, "qtts_gemv_q4_fast") else "portable C",
+        "gemv_q4": (("avx512_vnni" if isa == "avx512" else isa)
+                    if has_fast_path(library, "qtts_gemv_q4_fast") else "portable C"),
         "attn_causal": isa if attn_causal_fast(library) else "portable C",
     }
 

@@ -3,11 +3,11 @@
 A talker or code-predictor step multiplies one row (one per session in a batched step) by every
 matrix, so it is bound by how fast the kernel consumes the weight stream. ggml's repacked Q4_0
 GEMV reaches about half of the machine's read bandwidth on matrices that do not fit the cache;
-this op (AVX512-VNNI, nibbles and scales in one sequential stream, prefetched) gets close to it,
-and several rows reuse each block from L1 (docs/performance.md, Kernels). Its products are
-ggml's Q4_0 x Q8_0 dot (the input rounded per 32 values as ggml rounds it); each output is one
-F32 chain over the blocks in order, so a row's result does not depend on how many rows share
-the call or on the thread count: a batched step equals the unbatched one bit for bit.
+this op (AVX512-VNNI or AVX2, nibbles and scales in one sequential stream, prefetched) gets
+close to it, and several rows reuse each block from L1 (docs/performance.md, Kernels). Its
+products are ggml's Q4_0 x Q8_0 dot (the input rounded per 32 values as ggml rounds it); each
+output is one F32 chain over the blocks in order, so a row's result does not depend on how many
+rows share the call or on the thread count: a batched step equals the unbatched one bit for bit.
 
 ``pack`` re-lays a GGUF Q4_0 matrix out for the op; ``gemv_q4`` adds the op to a graph;
 ``reference`` is its numpy model.
@@ -31,8 +31,8 @@ QK, Q4_0_BLOCK_BYTES = GGML_QUANT_SIZES[GGMLQuantizationType.Q4_0]  # 32 inputs 
 
 
 def fast_available(library: Any | None = None) -> bool:
-    """Whether ``gemv_q4`` runs on its AVX512-VNNI kernel (else a portable path: same bits,
-    slower than ggml's own GEMV)."""
+    """Whether ``gemv_q4`` runs on a SIMD kernel, AVX512-VNNI or AVX2 (else a portable path:
+    same bits, slower than ggml's own GEMV)."""
     return has_fast_path(library, "qtts_gemv_q4_fast")
 
 

@@ -14,7 +14,7 @@
  * VPDPBUSD (u8 weights x s8 inputs, 64 MACs each) with the scales beside the nibbles, so one
  * sequential stream per thread feeds it, and prefetches a few blocks ahead. Several rows (a
  * batched step) reuse each loaded block from L1: the weights are read from memory once for any
- * number of rows.
+ * number of rows. On AVX2 the same layout feeds VPMADDUBSW (half a group per register).
  *
  * Packed layout, per output block j of 16 rows and input block b (QTTS_GEMV_Q4_BYTES bytes):
  *   256 bytes of nibbles, 4 groups g of 64: byte 4 * r + e of group g holds
@@ -39,6 +39,15 @@
 #else
 #define Q4_SIMD 0
 #endif
+/* AVX2 (no VNNI): VPMADDUBSW (u8 nibbles x s8 inputs, pairs summed to s16) does the products;
+ * a block's 32 products per row fit s16 exactly (32 x 15 x 127 < 2^15), so one VPMADDWD per
+ * block widens them to the same int32 sums */
+#if !Q4_SIMD && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define Q4_AVX2 1
+#include <immintrin.h>
+#else
+#define Q4_AVX2 0
+#endif
 
 #define INLINE static inline __attribute__((always_inline))
 #define OR QTTS_GEMV_Q4_ROWS /* output rows per packed block (16) */
@@ -47,7 +56,7 @@
 #define NTG 4                /* input rows per pass over a block pair */
 #define PF_BYTES 2048        /* prefetch distance on the weight stream */
 
-int qtts_gemv_q4_fast(void) { return Q4_SIMD; }
+int qtts_gemv_q4_fast(void) { return Q4_SIMD || Q4_AVX2; }
 
 void qtts_gemv_q4_pack(const uint8_t * q4, int64_t N, int64_t K, uint8_t * out) {
     const int64_t nkb = K / QK, nob = N / OR;
@@ -223,6 +232,82 @@ static const q4_kernel_fn KERNELS[2][NTG] = {{k_1_1, k_1_2, k_1_3, k_1_4},
 static void blocks(int nb, const uint8_t * w, const q4_rows * r, int64_t t0, int nt, float * y,
                    int64_t ys) {
     KERNELS[nb - 1][nt - 1](w, r, t0, y, ys);
+}
+
+#elif Q4_AVX2
+
+/* One output block (16 rows: lanes of two halves, rows 0-7 and 8-15) x NT input rows. */
+INLINE void kernel2(const int NT, const uint8_t * w, const q4_rows * r, int64_t t0, float * y,
+                    int64_t ys) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const int64_t nkb = r->nkb;
+    __m256 f[2][NTG];
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; t++) f[0][t] = f[1][t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nkb; b++) {
+        const uint8_t * p = w + b * BB;
+        _mm_prefetch((const char *)p + PF_BYTES, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + PF_BYTES + 64, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + PF_BYTES + 128, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + PF_BYTES + 192, _MM_HINT_T0);
+        _mm_prefetch((const char *)p + PF_BYTES + 256, _MM_HINT_T0);
+        __m256i s16[2][NTG];
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; t++) s16[0][t] = s16[1][t] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int g = 0; g < 4; g++) {
+            __m256i ul[2], uh[2];
+#pragma GCC unroll 2
+            for (int h = 0; h < 2; h++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(const void *)(p + g * 64 + h * 32));
+                ul[h] = _mm256_and_si256(v, m4);
+                uh[h] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            }
+#pragma GCC unroll 4
+            for (int t = 0; t < NT; t++) {
+                const int32_t * xb = (const int32_t *)(const void *)(r->xq + (t0 + t) * r->K + b * QK);
+                const __m256i xl = _mm256_set1_epi32(xb[2 * g]);
+                const __m256i xh = _mm256_set1_epi32(xb[2 * g + 1]);
+#pragma GCC unroll 2
+                for (int h = 0; h < 2; h++) {
+                    s16[h][t] = _mm256_add_epi16(
+                        s16[h][t], _mm256_add_epi16(_mm256_maddubs_epi16(ul[h], xl),
+                                                    _mm256_maddubs_epi16(uh[h], xh)));
+                }
+            }
+        }
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            const __m256 dw =
+                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(p + 256 + 16 * h)));
+#pragma GCC unroll 4
+            for (int t = 0; t < NT; t++) {
+                const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(s16[h][t], ones),
+                                                   _mm256_set1_epi32(-r->xs[(t0 + t) * nkb + b]));
+                const __m256 d = _mm256_mul_ps(dw, _mm256_set1_ps(r->xd[(t0 + t) * nkb + b]));
+                f[h][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), d, f[h][t]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; t++) {
+        _mm256_storeu_ps(y + t * ys, f[0][t]);
+        _mm256_storeu_ps(y + t * ys + 8, f[1][t]);
+    }
+}
+
+typedef void (*q4_kernel_fn)(const uint8_t *, const q4_rows *, int64_t, float *, int64_t);
+#define DEF_K2(nt)                                                                              \
+    static void k2_##nt(const uint8_t * w, const q4_rows * r, int64_t t0, float * y, int64_t ys) \
+    {                                                                                            \
+        kernel2(nt, w, r, t0, y, ys);                                                            \
+    }
+DEF_K2(1) DEF_K2(2) DEF_K2(3) DEF_K2(4)
+static const q4_kernel_fn KERNELS2[NTG] = {k2_1, k2_2, k2_3, k2_4};
+
+static void blocks(int nb, const uint8_t * w, const q4_rows * r, int64_t t0, int nt, float * y,
+                   int64_t ys) {
+    for (int n = 0; n < nb; n++) KERNELS2[nt - 1](w + n * r->nkb * BB, r, t0, y + n * OR, ys);
 }
 
 #else
