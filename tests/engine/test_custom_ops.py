@@ -827,13 +827,23 @@ def test_other_isa_paths(cpu1: BackendSet, cpu2: BackendSet, tmp_path: Path,
         assert np.abs(y - gemm_i8.reference(w, x)).max() <= 1e-6 * np.abs(y).max()
         if gemm_i8.fast_available():  # VPDPBUSD + FMA give the same sums, rounded the same
             assert np.array_equal(y, run_gemm(cpu2, w, x))
-    assert not gemv_q4.fast_available(library)  # the portable Q4_0 step kernel: the same bits
+    # the Q4_0 step kernel: VPMADDUBSW on AVX2, portable C below; the same bits everywhere
+    assert gemv_q4.fast_available(library) == (isa == "avx2")
     for n, k, t in [(96, 256, 1), (48, 1024, 5)]:
         q4, x = quantised(rng, n, k), rows(rng, t, k)
         y, z = gemv_q4_products(cpu2, q4, n, k, x, library)
         assert np.abs(y - z).max() <= 2e-6 * np.abs(z).max()
-        if gemv_q4.fast_available():  # VPDPBUSD sums and the FMA chain, rounded the same
+        if gemv_q4.fast_available():  # VPDPBUSD / VPMADDUBSW sums and the FMA chain
             assert np.array_equal(y, gemv_q4_products(cpu2, q4, n, k, x)[0])
+    assert co.attn_causal_fast(library) == (isa == "avx2")
+    for d, h, hkv, t, pos0 in [(128, 16, 8, 37, 20), (24, 8, 2, 9, 3)]:
+        q = rng.standard_normal((t, h, d)).astype(np.float32)
+        k = rng.standard_normal((pos0 + t + 16, hkv * d)).astype(np.float16)
+        vt = rng.standard_normal((hkv * d, pos0 + t + 16)).astype(np.float16)
+        pos = np.arange(pos0, pos0 + t, dtype=np.int32)
+        want, mag = _attn_reference(q, k, vt, pos)
+        got = _attn_causal(cpu2, q, k, vt, pos, pos0 + t, library)
+        assert np.all(np.abs(got - want) <= 1e-6 * mag + 1e-30)
     for op in ("f32", "bf16"):  # the history apart (hist=): bit for bit the concat
         for c, t, k, d in [(96, 2, 7, 3), (95, 50, 7, 9), (40, 300, 3, 1)]:
             p = (k - 1) * d
@@ -1077,8 +1087,8 @@ def test_kv_write_transposed_rejects_what_the_kernel_cannot_take() -> None:
 
 
 def _attn_causal(be: BackendSet, q: np.ndarray[Any, Any], k: np.ndarray[Any, Any],
-                 vt: np.ndarray[Any, Any], pos: np.ndarray[Any, Any], n_kv: int
-                 ) -> np.ndarray[Any, Any]:
+                 vt: np.ndarray[Any, Any], pos: np.ndarray[Any, Any], n_kv: int,
+                 library: Any | None = None) -> np.ndarray[Any, Any]:
     """The op on q [T, H, d], a position-major K [n_ctx, kv] and a channel-major V [kv, n_ctx]
     (of k's dtype; both read through views of n_kv rows, V's rows n_ctx apart)."""
     t, h, d = q.shape
@@ -1090,7 +1100,7 @@ def _attn_causal(be: BackendSet, q: np.ndarray[Any, Any], k: np.ndarray[Any, Any
     tp = g.input("pos", pos.shape, np.int32)
     kk = lib.ggml_view_2d(g.ctx, tk, kv, n_kv, tk.nb[1], 0)
     vv = lib.ggml_view_2d(g.ctx, tv, n_kv, kv, tv.nb[1], 0)
-    g.output(co.attn_causal(g.ctx, tq, kk, vv, tp), "out")
+    g.output(co.attn_causal(g.ctx, tq, kk, vv, tp, library=library), "out")
     return be.execute(g, {"q": q, "k": k, "v": vt, "pos": pos})["out"].reshape(t, h * d)
 
 
