@@ -34,7 +34,8 @@ ALLOWED_SKIPS: tuple[AllowedSkip, ...] = (
     ) for name in ("test_amx_conv_matches_float64", "test_amx_threads_identical",
                    "test_amx_history_apart_equals_concat", "test_amx_on_a_strided_view",
                    "test_amx_is_another_path_than_avx512",
-                   "test_portable_dispatch_names_and_leaves_amx")),
+                   "test_portable_dispatch_names_and_leaves_amx",
+                   "test_amx_int8_gemm_is_the_vnni_gemm_bit_for_bit")),
     AllowedSkip(
         "tests/engine/test_gemm_i8.py::test_int8_prefill_is_close_to_the_plain_prefill",
         "no AVX512-VNNI",
