@@ -40,8 +40,8 @@
 #define Q4_SIMD 0
 #endif
 /* AVX2 (no VNNI): VPMADDUBSW (u8 nibbles x s8 inputs, pairs summed to s16) does the products;
- * a block's 32 products per row fit s16 exactly (32 x 15 x 127 < 2^15), so one VPMADDWD per
- * block widens them to the same int32 sums */
+ * over a block each int16 lane sums 16 of a row's products, which fit exactly (16 x 15 x 127 =
+ * 30480 < 2^15), so one VPMADDWD per block widens them to the same int32 sums */
 #if !Q4_SIMD && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define Q4_AVX2 1
 #include <immintrin.h>
@@ -55,6 +55,13 @@
 #define BB QTTS_GEMV_Q4_BYTES
 #define NTG 4                /* input rows per pass over a block pair */
 #define PF_BYTES 2048        /* prefetch distance on the weight stream */
+
+#if Q4_SIMD || Q4_AVX2
+/* the packed block PF_BYTES ahead of p (its nibbles and scales: 5 cache lines) */
+INLINE void prefetch_block(const uint8_t * p) {
+    for (int i = 0; i <= 256; i += 64) _mm_prefetch((const char *)p + PF_BYTES + i, _MM_HINT_T0);
+}
+#endif
 
 int qtts_gemv_q4_fast(void) { return Q4_SIMD || Q4_AVX2; }
 
@@ -163,11 +170,7 @@ INLINE void kernel(const int NB, const int NT, const uint8_t * w, const q4_rows 
 #pragma GCC unroll 2
         for (int n = 0; n < NB; n++) {
             const uint8_t * p = w + n * wstride + b * BB;
-            _mm_prefetch((const char *)p + PF_BYTES, _MM_HINT_T0);
-            _mm_prefetch((const char *)p + PF_BYTES + 64, _MM_HINT_T0);
-            _mm_prefetch((const char *)p + PF_BYTES + 128, _MM_HINT_T0);
-            _mm_prefetch((const char *)p + PF_BYTES + 192, _MM_HINT_T0);
-            _mm_prefetch((const char *)p + PF_BYTES + 256, _MM_HINT_T0);
+            prefetch_block(p);
 #pragma GCC unroll 4
             for (int t = 0; t < NT; t++) {
                 lo[n][t] = _mm512_set1_epi32(-r->xs[(t0 + t) * nkb + b]);
@@ -246,11 +249,7 @@ INLINE void kernel2(const int NT, const uint8_t * w, const q4_rows * r, int64_t 
     for (int t = 0; t < NT; t++) f[0][t] = f[1][t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nkb; b++) {
         const uint8_t * p = w + b * BB;
-        _mm_prefetch((const char *)p + PF_BYTES, _MM_HINT_T0);
-        _mm_prefetch((const char *)p + PF_BYTES + 64, _MM_HINT_T0);
-        _mm_prefetch((const char *)p + PF_BYTES + 128, _MM_HINT_T0);
-        _mm_prefetch((const char *)p + PF_BYTES + 192, _MM_HINT_T0);
-        _mm_prefetch((const char *)p + PF_BYTES + 256, _MM_HINT_T0);
+        prefetch_block(p);
         __m256i s16[2][NTG];
 #pragma GCC unroll 4
         for (int t = 0; t < NT; t++) s16[0][t] = s16[1][t] = _mm256_setzero_si256();
