@@ -13,6 +13,9 @@
   wino: the decoder's 7-tap and transposed (2-tap polyphase) convs as qtts_conv1d_wino_bf16
         (Winograd F(2,3) / F(2,2)) against the direct qtts_conv1d_tm_bf16, with the SNR of each
         against a float64 conv of the same data.
+  wino_f32: the residual units' 7-tap convs (and the first conv) as qtts_conv1d_wino_f32
+        (Winograd F(6,7) in F32: fast mode without the BF16 kernels) against the direct F32
+        qtts_conv1d_tm, at ~2.5 s of audio and at one frame, with the same SNRs.
   gemm_i8: the talker prefill's projections (57 and 512 rows) as qtts_gemm_i8 (W8A8, VNNI)
         against ggml's mul_mat with the Q4_0 weight in the CPU_REPACK buffer (what the talker
         used before), with the cosine of each against the F32 product.
@@ -34,7 +37,7 @@ qtts_ms, > 1 means the qtts kernel is faster), then the same runs as min CPU tim
 which time-slicing by other processes does not inflate.
 
   .venv/bin/python bench/kernels.py [--threads 2] [--reps 7]
-                                    [--only conv|snake|bf16|hist|wino|gemm_i8|gemv_q4|attn]
+                                    [--only conv|snake|bf16|hist|wino|wino_f32|gemm_i8|gemv_q4|attn]
                                     [--extra]
 """
 
@@ -439,14 +442,35 @@ def _snr_db(y: np.ndarray[Any, Any], ref: np.ndarray[Any, Any]) -> float:
     return float(10 * np.log10(np.sum(ref ** 2) / np.sum((y - ref) ** 2)))
 
 
-def bench_wino(cpu: BackendSet, reps: int, max_busy: float, threads: int) -> None:
-    print(f"\n## Winograd BF16 conv vs the direct BF16 conv, {threads} threads: min ms "
-          f"(GFLOP/s of the direct form's multiplies)")
+WINO_F32_CASES = [  # (C_in, C_out, T, K, d): the residual units' 7-tap convs at ~2.5 s of
+    # audio, then at one frame (the first chunk of a stream), and the first conv
+    (96, 96, 59520, 7, 1), (96, 96, 59520, 7, 9), (192, 192, 19840, 7, 3), (384, 384, 4960, 7, 1),
+    (768, 768, 992, 7, 9), (96, 96, 1920, 7, 9), (192, 192, 640, 7, 3), (384, 384, 160, 7, 1),
+    (768, 768, 32, 7, 9), (1024, 1536, 124, 7, 1),
+]
+
+Packer = Callable[[np.ndarray[Any, Any]], np.ndarray[Any, Any]]
+ConvOp = tuple[str, Packer, Callable[..., Any], bool]  # name, pack, op, BF16 weight
+
+
+def bench_wino(cpu: BackendSet, reps: int, max_busy: float, threads: int, bf16: bool) -> None:
+    """A Winograd conv against the direct conv it stands in for: the BF16 pair (AVX512-BF16)
+    or the F32 pair (fast mode without the BF16 kernels)."""
+    ops_: list[ConvOp]
+    if bf16:
+        title, cases = "Winograd BF16 conv vs the direct BF16 conv", WINO_CASES
+        ops_ = [("direct", co.pack_conv_weight_bf16, co.conv1d_tm_bf16, True),
+                ("wino", co.pack_conv_weight_wino_bf16, co.conv1d_wino_bf16, True)]
+    else:
+        title, cases = "Winograd F(6,7) F32 conv vs the direct F32 conv", WINO_F32_CASES
+        ops_ = [("direct", co.pack_conv_weight, co.conv1d_tm, False),
+                ("wino", co.pack_conv_weight_wino_f32, co.conv1d_wino_f32, False)]
+    print(f"\n## {title}, {threads} threads: min ms (GFLOP/s of the direct form's multiplies)")
     print("| case | direct ms | winograd ms | speed-up | SNR direct dB | SNR winograd dB | "
           "others' load |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     rng = np.random.default_rng(0)
-    for ci, c_out, t, k, d in WINO_CASES:
+    for ci, c_out, t, k, d in cases:
         xp = rng.standard_normal((t + (k - 1) * d, ci)).astype(np.float32)
         w = (rng.standard_normal((c_out, ci, k)) / np.sqrt(ci * k)).astype(np.float32)
         b = np.zeros(c_out, np.float32)
@@ -457,12 +481,15 @@ def bench_wino(cpu: BackendSet, reps: int, max_busy: float, threads: int) -> Non
         flop = 2.0 * ci * c_out * k * t
         stats: dict[str, dict[str, float]] = {}
         snr: dict[str, float] = {}
-        for name, pack, conv in [("direct", co.pack_conv_weight_bf16, co.conv1d_tm_bf16),
-                                 ("wino", co.pack_conv_weight_wino_bf16, co.conv1d_wino_bf16)]:
-            wp = co.bf16_bits(pack(w))
+        for name, pack, conv, half in ops_:
+            wp = pack(w)
             g = Graph()
             tx, tb = g.input("xp", xp.shape), g.input("b", b.shape)
-            tw = g.input("w", wp.shape, ggml_type=BF16)
+            if half:
+                wp = co.bf16_bits(wp)
+                tw = g.input("w", wp.shape, ggml_type=BF16)
+            else:
+                tw = g.input("w", wp.shape)
             g.output(conv(g.ctx, tx, tw, tb, d), "y")
             r = GraphRunner(cpu, g, {"xp": xp, "w": wp, "b": b})
             stats[name] = timed(r.run, reps, max_busy, r.set_inputs, threads)
@@ -645,8 +672,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--max-busy", type=float, default=0.05,
                     help="drop repetitions where other processes used more of the machine")
-    ap.add_argument("--only", choices=["conv", "snake", "bf16", "hist", "wino", "gemm_i8",
-                                       "gemv_q4", "attn"],
+    ap.add_argument("--only", choices=["conv", "snake", "bf16", "hist", "wino", "wino_f32",
+                                       "gemm_i8", "gemv_q4", "attn"],
                     default=None)
     ap.add_argument("--extra", action="store_true",
                     help=f"also {EXTRA_CONV_CASES} (conv), {EXTRA_BF16_CASES} (bf16) and "
@@ -667,7 +694,9 @@ def main() -> None:
         cases = HIST_CASES + (EXTRA_HIST_CASES if args.extra else [])
         bench_hist(cpu, cases, args.reps, args.max_busy, args.threads)
     if args.only in (None, "wino"):
-        bench_wino(cpu, args.reps, args.max_busy, args.threads)
+        bench_wino(cpu, args.reps, args.max_busy, args.threads, bf16=True)
+    if args.only in (None, "wino_f32"):
+        bench_wino(cpu, args.reps, args.max_busy, args.threads, bf16=False)
     if args.only in (None, "gemm_i8"):
         bench_gemm_i8(cpu, args.reps, args.max_busy, args.threads)
     if args.only in (None, "gemv_q4"):

@@ -23,7 +23,7 @@ Variables (all optional):
   QTTS_OP_LOG=1          log every graph node's output (see engine/diagnostics.py)
   QTTS_OP_FILTER         comma list of ggml op names the op log keeps
   QTTS_CHECK_DETERMINISM=1  run every graph twice and name the first node that differs
-  QTTS_WINOGRAD=0        fast decoder: the direct BF16 conv kernel instead of Winograd
+  QTTS_WINOGRAD=0        fast decoder: the direct conv kernels instead of Winograd
   QTTS_INT8_PREFILL=0    no int8 copy of a quantised talker's matrices for prefills
   QTTS_PROFILE=1         print the per-stage times of every decoder push to stderr
   QTTS_PIN_PREFIXES=0    at warm-up, do not precompute every voice x language prompt prefix

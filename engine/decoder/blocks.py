@@ -128,12 +128,12 @@ def causal_conv(g: StageGraph, key: str, x: Tensor, conv: Conv, dilation: int = 
     """``residual + conv(act(x))``: causal conv1d (left history (k-1)*d, no look-ahead) of the
     SnakeBeta ``act`` of x, plus ``residual``; both optional.
 
-    The BF16 direct kernel applies the snake while converting its input and adds the residual
-    to its output tiles, so neither is a pass over the activation of its own.
+    The BF16 and Winograd kernels apply the snake while staging their input and add the
+    residual as they store their output, so neither is a pass over the activation of its own.
     """
     ctx = g.ctx
     n_hist = (conv.kernel - 1) * dilation
-    if conv.packed is not None and conv.packed.type == lib.GGML_TYPE_BF16:
+    if conv.packed is not None and (conv.packed.type == lib.GGML_TYPE_BF16 or conv.winograd):
         return _direct_conv(g, key, x, conv, dilation, n_hist, act, residual)
     if act is not None:
         x = snake(g, x, act)
@@ -169,8 +169,8 @@ def _direct_conv(g: StageGraph, key: str, x: Tensor, conv: Conv, dilation: int, 
                  act: Snake | None = None, residual: Tensor | None = None) -> Tensor:
     """qtts's direct conv kernels, reading the carried history as a second source (no concat).
 
-    ``act`` and ``residual`` (fused) are for the BF16 kernel only; the history it carries is
-    then of the pre-snake input, which the kernel activates like the new rows.
+    ``act`` and ``residual`` (fused) are for the BF16 and Winograd kernels only; the history
+    they carry is then of the pre-snake input, which the kernel activates like the new rows.
     """
     ctx, packed = g.ctx, conv.packed
     assert packed is not None
@@ -182,11 +182,14 @@ def _direct_conv(g: StageGraph, key: str, x: Tensor, conv: Conv, dilation: int, 
             g.carry(key, rows(ctx, x, t - n_hist, n_hist))
         else:  # a chunk shorter than the history: the new history straddles both
             g.carry(key, rows(ctx, lib.ggml_concat(ctx, prev, x, 1), t, n_hist))
-    if packed.type != lib.GGML_TYPE_BF16:
+    if packed.type == lib.GGML_TYPE_BF16:
+        fused = custom_ops.conv1d_wino_bf16 if conv.winograd else custom_ops.conv1d_tm_bf16
+    elif conv.winograd:
+        fused = custom_ops.conv1d_wino_f32
+    else:
         assert act is None and residual is None
         return custom_ops.conv1d_tm(ctx, x, packed, conv.bias, dilation, hist=prev)
-    conv_bf16 = custom_ops.conv1d_wino_bf16 if conv.winograd else custom_ops.conv1d_tm_bf16
-    return conv_bf16(
+    return fused(
         ctx, x, packed, conv.bias, dilation, hist=prev,
         snake=(act.exp_alpha, act.inv_beta) if act is not None else None, residual=residual)
 

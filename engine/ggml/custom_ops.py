@@ -18,19 +18,21 @@ server side; not tried). Pin custom nodes to the CPU
 (``ggml_backend_sched_set_tensor_backend(sched, node, cpu)``) whenever RPC is in the set.
 Neither op is eligible for ggml-alloc's in-place reuse, so dst never aliases an input.
 
-Ops: ``snake_beta``; ``elu`` (vectorised ELU); ``kv_write_transposed`` (a prefill's V rows into
-the channel-major cache); ``attn_causal`` (a prefill's attention over the talker cache, fused);
-``conv1d_tm`` (exact F32 direct conv, weights
-from ``pack_conv_weight``); ``conv1d_tm_bf16`` (its fast-mode twin: BF16 weights from
-``pack_conv_weight_bf16`` and BF16-rounded input, F32 sums; AVX512_BF16 when
-``bf16_available()``, else a slow portable path). Both convs
-take their left history either in front of the input (``xp``) or as a tensor of its own
-(``hist=``), which spares the graph a concat of the whole activation; the results are the same
-bit for bit.
+Ops: ``snake_beta``; ``elu`` (vectorised ELU); ``kv_write_transposed`` (a prefill's V rows
+into the channel-major cache); ``attn_causal`` (a prefill's attention over the talker cache,
+fused); ``conv1d_tm`` (exact F32 direct conv, weights from ``pack_conv_weight``);
+``conv1d_tm_bf16`` (its fast-mode twin: BF16 weights from ``pack_conv_weight_bf16`` and
+BF16-rounded input, F32 sums; AVX512_BF16 when ``bf16_available()``, else a slow portable path);
+``conv1d_wino_bf16`` and ``conv1d_wino_f32`` (fast mode's Winograd convs, BF16 and F32);
+``gemm_i8`` and ``gemv_q4`` (the talker's quantised products). The convs take their left history
+either in front of the input (``xp``) or as a tensor of its own (``hist=``), which spares the
+graph a concat of the whole activation; the results are the same bit for bit.
 """
 
 from __future__ import annotations
 
+from fractions import Fraction
+from math import prod
 from typing import Any
 
 import numpy as np
@@ -107,6 +109,7 @@ def kernel_paths(library: Any | None = None) -> dict[str, str]:
         "gemv_q4": (("avx512_vnni" if isa == "avx512" else isa)
                     if has_fast_path(library, "qtts_gemv_q4_fast") else "portable C"),
         "attn_causal": isa if attn_causal_fast(library) else "portable C",
+        "conv1d_wino_f32": "avx2" if wino_f32_available(library) else "portable C",
     }
 
 
@@ -562,15 +565,24 @@ def _bf16_conv(what: str, op: str, ctx: Any, xp: Tensor, w: Tensor, bias: Tensor
             f"{what}: w has ne={[int(w.ne[i]) for i in range(4)]}; for {c_out} output "
             f"channels (the bias) it must be packed as {layout}, {-(-c_out // b)}] ({packer})"
         )
-    if dilation < 1:
-        raise ValueError(f"{what}: dilation must be >= 1, got {dilation}")
     if cp != -(-c_in // 2):
         raise ValueError(
             f"{what}: {'xp' if hist is None else 'x'} has {c_in} channels, w expects "
             f"{2 * cp - 1} or {2 * cp}"
         )
+    return _fused_conv(what, op, ctx, xp, w, bias, dilation, k, hist, snake, residual, library)
+
+
+def _fused_conv(what: str, op: str, ctx: Any, xp: Tensor, w: Tensor, bias: Tensor,
+                dilation: int, k: int, hist: Tensor | None, snake: tuple[Tensor, Tensor] | None,
+                residual: Tensor | None, library: Any | None) -> Tensor:
+    """The node of a conv with the fused sources of qtts_conv_srcs.h (its weight checked by the
+    caller): checks the rest, sets the flags."""
+    c_out, c_in = int(bias.ne[0]), int(xp.ne[0])
     t, extra = _conv_sources(what, xp, hist, c_in, k, dilation)
     _check_vector(bias, c_out, f"{what}: bias")
+    if dilation < 1:
+        raise ValueError(f"{what}: dilation must be >= 1, got {dilation}")
     if dilation > lib.QTTS_CONV_DILATION_MASK:
         raise ValueError(f"{what}: dilation {dilation} > {lib.QTTS_CONV_DILATION_MASK}")
     flags = dilation if k > 1 else 1
@@ -597,3 +609,78 @@ def _bf16_conv(what: str, op: str, ctx: Any, xp: Tensor, w: Tensor, bias: Tensor
     args = ffi.new(f"struct ggml_tensor *[{len(srcs)}]", srcs)
     return lib.ggml_custom_4d(ctx, lib.GGML_TYPE_F32, c_out, t, 1, 1, args, len(srcs), fn,
                               GGML_N_TASKS_MAX, ffi.cast("void *", flags))
+
+
+# ---------------------------------------------------------------------------------------------
+# F32 Winograd conv (fast mode without the BF16 kernels)
+
+CONV_WINO_F32_BLOCK = 16  # QTTS_CONV_WINO_F32_BLOCK
+# conv1d_wino_f32's finite points (native/ops/conv1d_wino_f32.c), infinity after them: F(6,7)
+WINO_F32_POINTS = (0, 1, -1, 2, -2, 0.5, -0.5, 0.25, -0.25, 1.5, -1.5)
+WINO_F32_SLOTS = len(WINO_F32_POINTS) + 1
+
+
+def wino_f32_available(library: Any | None = None) -> bool:
+    """Whether ``conv1d_wino_f32`` has its AVX2/FMA kernel (the portable path is correct but
+    slower than ``conv1d_tm``)."""
+    return has_fast_path(library, "qtts_conv1d_wino_f32_fast")
+
+
+def wino_f32_filter() -> np.ndarray[Any, Any]:
+    """F(6,7)'s filter transform G, ``[12, 7]`` float64: row i is ``[a^0 .. a^6] / prod_{j != i}
+    (a - a_j)`` for finite point a = a_i, the last row (infinity) ``[0 .. 0, 1]``; exact
+    fractions, rounded once."""
+    pts = [Fraction(p) for p in WINO_F32_POINTS]
+    g = np.zeros((WINO_F32_SLOTS, 7), np.float64)
+    for i, a in enumerate(pts):
+        f = prod((a - b for j, b in enumerate(pts) if j != i), start=Fraction(1))
+        g[i] = [float(a ** k / f) for k in range(7)]
+    g[-1, -1] = 1.0
+    return g
+
+
+def pack_conv_weight_wino_f32(w: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """PyTorch Conv1d weight ``[C_out, C_in, 7]`` -> the packed F32 weight ``conv1d_wino_f32``
+    takes: numpy ``[ceil(C_out / 16), 12, C_in, 16]`` (ggml ne = [16, C_in, 12, n]), element
+    ``[j, p, c, i]`` = ``sum_k G[p, k] W[j*16 + i, c, k]`` formed in float64 and rounded once,
+    zero past C_out (G: ``wino_f32_filter``). 12/7 of the direct weight's size."""
+    if w.ndim != 3 or w.shape[2] != 7:
+        raise ValueError(f"winograd conv weight must be [C_out, C_in, 7], got {w.shape}")
+    b = CONV_WINO_F32_BLOCK
+    c_out, c_in, _ = w.shape
+    n = -(-c_out // b)
+    g = wino_f32_filter()
+    out = np.zeros((n, WINO_F32_SLOTS, c_in, b), np.float32)
+    for j in range(n):  # a block at a time: no float64 copy of the whole weight
+        part = w[j * b:(j + 1) * b].astype(np.float64)  # [B', C_in, 7]
+        out[j, :, :, :part.shape[0]] = np.einsum("pk,ock->pco", g, part)
+    return out
+
+
+def conv1d_wino_f32(ctx: Any, xp: Tensor, w: Tensor, bias: Tensor, dilation: int = 1, *,
+                    hist: Tensor | None = None, snake: tuple[Tensor, Tensor] | None = None,
+                    residual: Tensor | None = None, library: Any | None = None) -> Tensor:
+    """The K = 7 causal dilated conv by Winograd F(6,7) in F32, over tiles of six output steps
+    (t, t + d, .., t + 5d): 12 channel-contractions per tile instead of 42
+    (native/ops/conv1d_wino_f32.c). Fast mode's conv where the BF16 kernels are missing.
+
+    Same arguments and result as ``conv1d_tm_bf16`` (``hist``, ``snake`` and ``residual``
+    fused, bit for bit as separate ops would feed it) except ``w``, from
+    ``pack_conv_weight_wino_f32`` as an F32 tensor; the value differs from the direct F32 conv
+    by rounding only (~103 dB SNR on random data against ~131 dB).
+    """
+    what = "conv1d_wino_f32"
+    _check_f32(xp, f"{what}: xp")
+    _check_f32(w, f"{what}: w")
+    _check_f32(bias, f"{what}: bias")
+    if not lib.ggml_is_contiguous(w):
+        raise ValueError(f"{what}: w must be contiguous")
+    b, c_out, c_in = CONV_WINO_F32_BLOCK, int(bias.ne[0]), int(xp.ne[0])
+    want = [b, c_in, WINO_F32_SLOTS, -(-c_out // b)]
+    if [int(w.ne[i]) for i in range(4)] != want:
+        raise ValueError(
+            f"{what}: w has ne={[int(w.ne[i]) for i in range(4)]}; for {c_in} input and "
+            f"{c_out} output channels it must be {want} (pack_conv_weight_wino_f32)"
+        )
+    return _fused_conv(what, "qtts_conv1d_wino_f32_op", ctx, xp, w, bias, dilation, 7, hist,
+                       snake, residual, library)

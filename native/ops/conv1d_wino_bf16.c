@@ -37,7 +37,6 @@
 #include "qtts_bf16.h"
 #include "qtts_ops.h"
 #include "qtts_scratch.h"
-#include "qtts_snake.h"
 
 #define INLINE static inline __attribute__((always_inline))
 #define OB QTTS_CONV_BF16_BLOCK /* 32 output channels per packed block */
@@ -62,35 +61,7 @@ static inline uint32_t bf16_pair(float lo, float hi) {
     return (uint32_t)f32_to_bf16(lo) | ((uint32_t)f32_to_bf16(hi) << 16);
 }
 
-/* ---- staging and records --------------------------------------------------------------------- */
-
-typedef struct {
-    const float * hist; /* rows 0 .. ph of xp (NULL: none) */
-    int64_t hs, ph;
-    const float * x;    /* rows ph .. of xp */
-    int64_t xs, n_xp;   /* row stride; rows of xp in all (T + 6d) */
-    const float * ea;   /* SnakeBeta (NULL: none) */
-    const float * ib;
-    int64_t ci;
-} xp_src;
-
-/* rows r0 .. r0+n of xp (zero past its end), snaked, into st (row stride ci floats) */
-static void stage_rows(float * st, const xp_src * s, int64_t r0, int64_t n) {
-    for (int64_t r = 0; r < n; r++) {
-        const int64_t R = r0 + r;
-        float * o = st + r * s->ci;
-        if (R >= s->n_xp) {
-            memset(o, 0, (size_t)s->ci * sizeof(float));
-            continue;
-        }
-        const float * src = R < s->ph ? s->hist + R * s->hs : s->x + (R - s->ph) * s->xs;
-        if (s->ea) {
-            qtts_snake_row(o, src, s->ea, s->ib, s->ci);
-        } else {
-            memcpy(o, src, (size_t)s->ci * sizeof(float));
-        }
-    }
-}
+/* ---- records ------------------------------------------------------------------------------- */
 
 /* From n staged rows: xb[s][p] = row s as BF16 pairs (all s), rec[s][p][0..3] = D1..D4 of row s
  * (s + 3d < n). Odd C_in: the last pair is (x, 0). */
@@ -505,25 +476,14 @@ void qtts_conv1d_wino_bf16_op(struct ggml_tensor * dst, int ith, int nth, void *
     const int k7 = wt->ne[1] == NSLOT; /* else K = 2: NSLOT2 slots */
     qtts_conv_srcs sr;
     qtts_conv_srcs_get(&sr, dst, (intptr_t)userdata, k7 ? 7 : 2);
-    const struct ggml_tensor * x = sr.x;
-    const struct ggml_tensor * ht = sr.hist;
-    const int64_t d = sr.d, Ci = sr.ci, O = sr.co, T = sr.t, hist = sr.n_hist, ph = sr.ph;
+    const int64_t d = sr.d, Ci = sr.ci, O = sr.co, T = sr.t;
     const int64_t cp = (Ci + 1) / 2;
     const int64_t n_ob = (O + OB - 1) / OB;
     const int64_t reach = (k7 ? 7 : 2) * d;
     GGML_ASSERT(wt->ne[0] == 2 * OB && (k7 || wt->ne[1] == NSLOT2) && wt->ne[2] == cp &&
                 wt->ne[3] == n_ob && ggml_is_contiguous(wt));
-    const xp_src src = {
-        .hist = ht ? (const float *)ht->data : NULL,
-        .hs = ht ? (int64_t)(ht->nb[1] / sizeof(float)) : 0,
-        .ph = ph,
-        .x = (const float *)x->data,
-        .xs = (int64_t)(x->nb[1] / sizeof(float)),
-        .n_xp = T + hist,
-        .ea = sr.ea ? (const float *)sr.ea->data : NULL,
-        .ib = sr.ib ? (const float *)sr.ib->data : NULL,
-        .ci = Ci,
-    };
+    qtts_conv_rows src;
+    qtts_conv_rows_of(&src, &sr);
     const uint16_t * w = (const uint16_t *)wt->data;
     const int64_t w_block = cp * (k7 ? NSLOT : NSLOT2) * 2 * OB; /* BF16 per output block */
     const float * bias = (const float *)sr.bias->data;
@@ -569,7 +529,7 @@ void qtts_conv1d_wino_bf16_op(struct ggml_tensor * dst, int ith, int nth, void *
             n_pairs = full * d + (rem < d ? rem : d);
             const int64_t last = 2 * d * ((n_pairs - 1) / d) + (n_pairs - 1) % d;
             const int64_t rows = last + reach + 1;
-            stage_rows(st, &src, t0, rows);
+            qtts_conv_stage_rows(st, &src, t0, rows);
             if (k7) {
                 build_records(rec, xb, st, rows, Ci, cp, d);
             } else {

@@ -30,7 +30,8 @@ volatile int qtts_amx_on;
     X(v, int, qtts_gemm_i8_fast, (void), ())                                                     \
     X(v, int, qtts_gemm_i8_amx_built, (void), ())                                                \
     X(v, int, qtts_gemv_q4_fast, (void), ())                                                     \
-    X(v, int, qtts_attn_causal_fast, (void), ())
+    X(v, int, qtts_attn_causal_fast, (void), ())                                                 \
+    X(v, int, qtts_conv1d_wino_f32_fast, (void), ())
 
 #define QTTS_OP_ARGS (struct ggml_tensor * dst, int ith, int nth, void * userdata)
 #define QTTS_VOID_FUNCS(X, v)                                                                    \
@@ -50,6 +51,7 @@ volatile int qtts_amx_on;
     X(v, void, qtts_conv1d_tm_op, QTTS_OP_ARGS, (dst, ith, nth, userdata))                       \
     X(v, void, qtts_conv1d_tm_bf16_op, QTTS_OP_ARGS, (dst, ith, nth, userdata))                  \
     X(v, void, qtts_conv1d_wino_bf16_op, QTTS_OP_ARGS, (dst, ith, nth, userdata))                \
+    X(v, void, qtts_conv1d_wino_f32_op, QTTS_OP_ARGS, (dst, ith, nth, userdata))                 \
     X(v, void, qtts_gemm_i8_op, QTTS_OP_ARGS, (dst, ith, nth, userdata))                         \
     X(v, void, qtts_gemm_i8_pack,                                                                \
       (const float * W, int64_t N, int64_t K, int8_t * wq, float * ws, int32_t * wc),            \

@@ -29,6 +29,8 @@
 #define qtts_conv1d_tm_bf16_fast QTTS_V(qtts_conv1d_tm_bf16_fast)
 #define qtts_conv1d_tm_bf16_amx_built QTTS_V(qtts_conv1d_tm_bf16_amx_built)
 #define qtts_conv1d_wino_bf16_op QTTS_V(qtts_conv1d_wino_bf16_op)
+#define qtts_conv1d_wino_f32_op QTTS_V(qtts_conv1d_wino_f32_op)
+#define qtts_conv1d_wino_f32_fast QTTS_V(qtts_conv1d_wino_f32_fast)
 #define qtts_gemm_i8_op QTTS_V(qtts_gemm_i8_op)
 #define qtts_gemm_i8_pack QTTS_V(qtts_gemm_i8_pack)
 #define qtts_gemm_i8_fast QTTS_V(qtts_gemm_i8_fast)
@@ -40,4 +42,6 @@
 /* hidden, shared between the sources of one variant */
 #define qtts_scratch_get QTTS_V(qtts_scratch_get)
 #define qtts_conv_srcs_get QTTS_V(qtts_conv_srcs_get)
+#define qtts_conv_rows_of QTTS_V(qtts_conv_rows_of)
+#define qtts_conv_stage_rows QTTS_V(qtts_conv_stage_rows)
 #define qtts_snake_row QTTS_V(qtts_snake_row)

@@ -16,8 +16,9 @@ from engine.decoder.precision import (
     calibration_codes,
     default_f32,
     promotion_order,
+    snr_db,
 )
-from engine.decoder.weights import rounds_to_bf16
+from engine.decoder.weights import rounds_to_bf16, winograd_f32
 from engine.gguf_model import open_model
 
 
@@ -58,19 +59,41 @@ def test_f32_layers_are_f32(model, bf16_cpu2: BackendSet  # type: ignore[no-unty
     assert np.abs(a - c).max() > 1e-4
 
 
-def test_fast_is_exact_where_the_bf16_kernel_is_missing(  # type: ignore[no-untyped-def]
-        model, cpu2: BackendSet) -> None:
-    """qtts's convs without their BF16 kernel: fast mode runs them in F32, the samples of exact
-    mode bit for bit; with the kernel it rounds."""
+def _fast_and_exact(model, be: BackendSet  # type: ignore[no-untyped-def]
+                    ) -> tuple[np.ndarray, np.ndarray]:  # type: ignore[type-arg]
     codes = calibration_codes(model, 6)
     wavs = []
     for precision in ("exact", "fast"):
-        dec = DecoderModel.load(model, cpu2, precision, f32_layers=frozenset())
+        dec = DecoderModel.load(model, be, precision, f32_layers=frozenset())
         try:
             wavs.append(decode(dec, codes)[0])
         finally:
             dec.close()
-    assert np.array_equal(wavs[0], wavs[1]) == (not rounds_to_bf16(cpu2))
+    return wavs[0], wavs[1]
+
+
+def test_fast_mode_where_the_bf16_kernel_is_missing(  # type: ignore[no-untyped-def]
+        model, cpu2: BackendSet) -> None:
+    """qtts's convs without their BF16 kernel: fast mode runs its 7-tap convs by Winograd in
+    F32 where that kernel has its SIMD path (close to exact, not bit for bit), otherwise the
+    samples of exact mode bit for bit; with the BF16 kernel it rounds (further from exact)."""
+    exact, fast = _fast_and_exact(model, cpu2)
+    if rounds_to_bf16(cpu2):
+        assert not np.array_equal(exact, fast)
+    elif winograd_f32(cpu2):
+        assert not np.array_equal(exact, fast)
+        assert snr_db(exact, fast) >= 70.0
+    else:
+        assert np.array_equal(exact, fast)
+
+
+def test_fast_is_exact_without_winograd_where_the_bf16_kernel_is_missing(
+        model) -> None:  # type: ignore[no-untyped-def]
+    """``QTTS_WINOGRAD=0`` on such a CPU: fast mode is exact mode bit for bit."""
+    be = BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "2",
+                              "QTTS_WINOGRAD": "0"})
+    exact, fast = _fast_and_exact(model, be)
+    assert np.array_equal(exact, fast) == (not rounds_to_bf16(be))
 
 
 def test_calibration(model, bf16_cpu2: BackendSet) -> None:  # type: ignore[no-untyped-def]

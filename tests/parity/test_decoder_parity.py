@@ -153,12 +153,22 @@ def test_reset_starts_a_new_utterance(case: Case) -> None:
     np.testing.assert_array_equal(first, again)
 
 
+def _state_gap(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:  # type: ignore[type-arg]
+    """The largest difference between two decoder states over their common keys, relative to
+    each array's scale."""
+    return max(float(np.abs(a[k] - v).max()) / max(float(np.abs(v).max()), 1e-30)
+               for k, v in b.items() if k in a)
+
+
 @pytest.mark.parametrize("precision", ["exact", "fast"])
 def test_priming_is_a_push_whose_audio_is_dropped(case: Case, precision: str) -> None:
     """``prime`` (an in-context voice's reference frames, for context only) runs the
     upsampler and the wave generator on the last ``history_frames`` frames only, yet leaves the
     state of a full push bit for bit, so the frames after it sound the same to the sample; with
-    one frame fewer through those stages the state differs: the bound is tight."""
+    one frame fewer through those stages the state differs: the bound is tight.
+
+    Where fast mode runs a Winograd conv, its tiles start where the chunk starts, so another
+    chunking rounds differently: there the state is the push's up to rounding."""
     from engine.decoder import streaming
 
     dec = case.decoder("f32", precision)
@@ -168,13 +178,18 @@ def test_priming_is_a_push_whose_audio_is_dropped(case: Case, precision: str) ->
     pushed.push(case.codes[:, :n])
     primed.prime(case.codes[:, :n])
     assert primed.frames == pushed.frames == n and primed.state.keys() == pushed.state.keys()
-    for key, arr in pushed.state.items():
-        np.testing.assert_array_equal(primed.state[key], arr, err_msg=key)
+    if not dec.weights.winograd:
+        for key, arr in pushed.state.items():
+            np.testing.assert_array_equal(primed.state[key], arr, err_msg=key)
+        short = StreamingDecoder(dec)
+        x = short._features(streaming.StageTimings(), short._codes(case.codes[:, :n]))
+        short._wave(streaming.StageTimings(), np.ascontiguousarray(x[-(keep - 1):]))
+        assert _state_gap(short.state, pushed.state) > 0
+    else:  # (the bound's tightness is the exact case's: here rounding hides the last frame)
+        assert _state_gap(primed.state, pushed.state) <= 1e-4
     after, _ = pushed.push(case.codes[:, n : n + 3])
-    np.testing.assert_array_equal(primed.push(case.codes[:, n : n + 3])[0], after)
-
-    short = StreamingDecoder(dec)
-    x = short._features(streaming.StageTimings(), short._codes(case.codes[:, :n]))
-    short._wave(streaming.StageTimings(), np.ascontiguousarray(x[-(keep - 1):]))
-    assert any(not np.array_equal(short.state[k], a) for k, a in pushed.state.items()
-               if k in short.state)
+    then, _ = primed.push(case.codes[:, n : n + 3])
+    if not dec.weights.winograd:
+        np.testing.assert_array_equal(then, after)
+    else:
+        assert snr_db(after, then) >= 80.0
