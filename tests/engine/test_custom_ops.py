@@ -825,6 +825,16 @@ def test_other_isa_paths(cpu1: BackendSet, cpu2: BackendSet, tmp_path: Path,
         assert np.array_equal(y, run_conv_wino(cpu1, xp, w, b, d, library))
         if co.bf16_available():  # the same sums as the VDPBF16PS kernel
             assert np.array_equal(y, run_conv_wino(cpu2, xp, w, b, d))
+    # the F32 Winograd conv: AVX2/FMA, portable C below; the same bits as the native build's
+    # where both run the AVX2 path
+    assert co.wino_f32_available(library) == (isa == "avx2")
+    for c_in, c_out, t, d in [(96, 96, 301, 3), (95, 40, 17, 2), (96, 1, 50, 1)]:
+        xp, w, b = conv_data(rng, c_in, c_out, t, 7, d)
+        y = run_conv_wino_f32(cpu2, xp, w, b, d, library)
+        assert snr_db(y, conv_ref(xp, w, b, d)) >= 90.0
+        assert np.array_equal(y, run_conv_wino_f32(cpu1, xp, w, b, d, library))
+        if co.wino_f32_available() and isa == "avx2":
+            assert np.array_equal(y, run_conv_wino_f32(cpu2, xp, w, b, d))
     assert not gemm_i8.fast_available(library)  # the portable int8 GEMM: exact integer sums
     for n, k, t in [(100, 300, 13), (64, 1024, 20)]:
         w, x = gemm_data(rng, n, k, t)
