@@ -13,9 +13,10 @@
   wino: the decoder's 7-tap and transposed (2-tap polyphase) convs as qtts_conv1d_wino_bf16
         (Winograd F(2,3) / F(2,2)) against the direct qtts_conv1d_tm_bf16, with the SNR of each
         against a float64 conv of the same data.
-  wino_f32: the residual units' 7-tap convs (and the first conv) as qtts_conv1d_wino_f32
-        (Winograd F(6,7) in F32: fast mode without the BF16 kernels) against the direct F32
-        qtts_conv1d_tm, at ~2.5 s of audio and at one frame, with the same SNRs.
+  wino_f32: the residual units' 7-tap convs, the first conv and the transposed convs as
+        qtts_conv1d_wino_f32 (Winograd F(6,7) / F(6,2) in F32: fast mode without the BF16
+        kernels) against the direct F32 qtts_conv1d_tm, at a long input and at one frame,
+        with the same SNRs.
   gemm_i8: the talker prefill's projections (57 and 512 rows) as qtts_gemm_i8 (W8A8, VNNI)
         against ggml's mul_mat with the Q4_0 weight in the CPU_REPACK buffer (what the talker
         used before), with the cosine of each against the F32 product.
@@ -443,10 +444,13 @@ def _snr_db(y: np.ndarray[Any, Any], ref: np.ndarray[Any, Any]) -> float:
 
 
 WINO_F32_CASES = [  # (C_in, C_out, T, K, d): the residual units' 7-tap convs at ~2.5 s of
-    # audio, then at one frame (the first chunk of a stream), and the first conv
+    # audio, then at one frame (the first chunk of a stream); the first conv and the transposed
+    # convs (polyphase: K = 2) at a 16-frame chunk and at one frame
     (96, 96, 59520, 7, 1), (96, 96, 59520, 7, 9), (192, 192, 19840, 7, 3), (384, 384, 4960, 7, 1),
     (768, 768, 992, 7, 9), (96, 96, 1920, 7, 9), (192, 192, 640, 7, 3), (384, 384, 160, 7, 1),
-    (768, 768, 32, 7, 9), (1024, 1536, 124, 7, 1),
+    (768, 768, 32, 7, 9), (1024, 1536, 64, 7, 1), (1024, 1536, 4, 7, 1),
+    (1536, 6144, 64, 2, 1), (768, 1920, 512, 2, 1), (384, 768, 2560, 2, 1),
+    (192, 288, 10240, 2, 1), (1536, 6144, 4, 2, 1), (768, 1920, 32, 2, 1), (384, 768, 160, 2, 1),
 ]
 
 Packer = Callable[[np.ndarray[Any, Any]], np.ndarray[Any, Any]]
@@ -462,7 +466,7 @@ def bench_wino(cpu: BackendSet, reps: int, max_busy: float, threads: int, bf16: 
         ops_ = [("direct", co.pack_conv_weight_bf16, co.conv1d_tm_bf16, True),
                 ("wino", co.pack_conv_weight_wino_bf16, co.conv1d_wino_bf16, True)]
     else:
-        title, cases = "Winograd F(6,7) F32 conv vs the direct F32 conv", WINO_F32_CASES
+        title, cases = "Winograd F(6,7) / F(6,2) F32 conv vs the direct F32 conv", WINO_F32_CASES
         ops_ = [("direct", co.pack_conv_weight, co.conv1d_tm, False),
                 ("wino", co.pack_conv_weight_wino_f32, co.conv1d_wino_f32, False)]
     print(f"\n## {title}, {threads} threads: min ms (GFLOP/s of the direct form's multiplies)")

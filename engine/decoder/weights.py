@@ -18,9 +18,9 @@ wave generator (decoder.0-6) and the upsampler's pointwise layers as BF16 (~2x t
 throughput here), except the layers ``f32_layers`` keeps in F32 (by default the first ones,
 whose rounding the rest amplifies: engine/decoder/precision.py); everything else stays F32.
 Where qtts's convs run without their BF16 kernel (a CPU without AVX512-BF16), fast mode keeps
-them in F32 (``rounds_to_bf16``) and runs the residual units' 7-tap convs by Winograd F(6,7) in
-F32 where that kernel has its AVX2 path (``winograd_f32``): ~90-100 dB per conv against float64,
-2.3-3.9x the direct F32 conv; without it, the samples of exact mode.
+them in F32 (``rounds_to_bf16``) and runs the wave generator's 7-tap and transposed convs by
+Winograd F(6,7) / F(6,2) in F32 where that kernel has its AVX2 path (``winograd_f32``): ~90-100
+dB per conv against float64, 1.4-3.9x the direct F32 conv; without it, the samples of exact mode.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ class Conv:
     c_in: int
     c_out: int
     # packed for a Winograd kernel (fast mode): conv1d_wino_bf16 (K = 7 or 2; a BF16 packed
-    # weight) or conv1d_wino_f32 (K = 7; an F32 one)
+    # weight) or conv1d_wino_f32 (K = 7 or 2; an F32 one)
     winograd: bool = False
 
 
@@ -172,6 +172,10 @@ class DecoderBlock:
 
 
 RES_DILATIONS = (1, 3, 9)
+# Fast mode's F32 Winograd convs carry (K + 5)/K times the direct weight: above this size a
+# chunk's products cost less than streaming the larger weight (the first conv and the first
+# transposed conv at 0.6B: 0.38-1.0x the direct conv; bench/kernels.py --only wino_f32).
+WINOGRAD_F32_MAX_BYTES = 48 << 20
 
 
 class DecoderWeights:
@@ -204,8 +208,9 @@ class DecoderWeights:
         # On AMX tiles the direct conv is ~4x faster than Winograd on AVX512-BF16 (and more
         # accurate), so Winograd is used only where the direct conv runs on AVX512.
         self._winograd = self._bf16_kernel and backends.options.winograd and not amx
-        # Without the BF16 kernels, fast mode's 7-tap convs by Winograd F(6,7) in F32: 12
-        # products per six outputs instead of 42, ~90-100 dB per conv (conv1d_wino_f32.c).
+        # Without the BF16 kernels, fast mode's 7-tap and transposed convs by Winograd F(6,7) /
+        # F(6,2) in F32: 12 (7) products per six outputs instead of 42 (12), ~90-100 dB per
+        # conv (conv1d_wino_f32.c).
         self._winograd_f32 = precision == "fast" and winograd_f32(backends)
         cfg = self.cfg
         eps = cfg.codebook_eps
@@ -229,11 +234,11 @@ class DecoderWeights:
             (self._tconv(f"dec.up.{i}.tconv", r), self._convnext(f"dec.up.{i}"))
             for i, r in enumerate(cfg.upsampling_ratios)
         ]
-        self.conv_in = self._conv("dec.conv_in", bulk=True)  # "bulk": BF16 in fast mode
+        self.conv_in = self._conv("dec.conv_in", wave=True)  # BF16 (or Winograd) in fast mode
         self.blocks = [self._block(b + 1, rate) for b, (_, _, rate) in
                        enumerate(cfg.block_channels())]
         self.snake_out = self._snake("dec.snake_out")
-        self.conv_out = self._conv("dec.conv_out", bulk=True)
+        self.conv_out = self._conv("dec.conv_out", wave=True)
         self.store.allocate()
 
     @property
@@ -263,16 +268,18 @@ class DecoderWeights:
         """Whether layer ``prefix`` runs in BF16 in fast mode (not when kept in F32)."""
         return bulk and prefix not in self.f32_layers
 
-    def _conv(self, prefix: str, bulk: bool = False) -> Conv:
-        bulk = self._bulk(prefix, bulk)
+    def _conv(self, prefix: str, wave: bool = False) -> Conv:
         w = self.model.tensor_f32(f"{prefix}.weight")
         bias = self._f32(f"{prefix}.bias", self.model.tensor_f32(f"{prefix}.bias"))
-        return self._conv_from(prefix, w, bias, bulk)
+        return self._conv_from(prefix, w, bias, wave)
 
-    def _conv_from(self, prefix: str, w: np.ndarray[Any, Any], bias: Tensor, bulk: bool
+    def _conv_from(self, prefix: str, w: np.ndarray[Any, Any], bias: Tensor, wave: bool
                    ) -> Conv:
-        """A conv from its PyTorch weight [O, I, K], in the fastest form this backend runs."""
+        """A conv from its PyTorch weight [O, I, K], in the fastest form this backend runs
+        (``wave``: a layer of the wave generator, which fast mode may round to BF16 or run by
+        F32 Winograd)."""
         o, i, k = w.shape
+        bulk = self._bulk(prefix, wave)
         if self.use_custom_ops:
             winograd = False
             if bulk and self._bulk_type == lib.GGML_TYPE_BF16 and self._bf16_kernel:
@@ -281,7 +288,9 @@ class DecoderWeights:
                         else custom_ops.pack_conv_weight_bf16)
                 packed = self.store.add_array(f"{prefix}.packed_bf16", pack(w),
                                               lib.GGML_TYPE_BF16)
-            elif bulk and self._winograd_f32 and k == 7:
+            elif (wave and self._winograd_f32 and k in (7, 2)
+                  and w.size * (k + 5) // k * 4 <= WINOGRAD_F32_MAX_BYTES):
+                # F32 Winograd also on the layers kept out of BF16 (its error is F32 rounding's)
                 winograd = True
                 packed = self._f32(f"{prefix}.packed_wino",
                                    custom_ops.pack_conv_weight_wino_f32(w))
@@ -291,8 +300,7 @@ class DecoderWeights:
         taps = self._taps(f"{prefix}.taps", w.transpose(2, 0, 1), bulk)
         return Conv(taps, None, bias, k, i, o)
 
-    def _tconv(self, prefix: str, stride: int, bulk: bool = False) -> TConv:
-        bulk = self._bulk(prefix, bulk)
+    def _tconv(self, prefix: str, stride: int, wave: bool = False) -> TConv:
         w: np.ndarray[Any, Any] = self.model.tensor_f32(f"{prefix}.weight")  # [I, O, K]
         i, o, k = w.shape
         if k not in (stride, 2 * stride):
@@ -310,8 +318,9 @@ class DecoderWeights:
             taps = [cur] if prev is None else [prev, cur]
             conv = self._conv_from(prefix, np.stack(taps, axis=2),
                                    self._f32(f"{prefix}.bias_phases", np.tile(bias_np, stride)),
-                                   bulk)
+                                   wave)
             return TConv(None, None, conv, None, stride, i, o)
+        bulk = self._bulk(prefix, wave)
         return TConv(self._w(f"{prefix}.cur", cur, bulk),
                      self._w(f"{prefix}.prev", prev, bulk) if prev is not None else None,
                      None, self._f32(f"{prefix}.bias", bias_np), stride, i, o)
@@ -322,15 +331,14 @@ class DecoderWeights:
         return Snake(self._f32(f"{prefix}.exp_alpha", np.exp(alpha)),
                      self._f32(f"{prefix}.inv_beta", 1.0 / (np.exp(beta) + SNAKE_EPS)))
 
-    def _linear(self, prefix: str, bias: bool = True, bulk: bool = False) -> Linear:
-        bulk = self._bulk(prefix, bulk)
+    def _linear(self, prefix: str, bias: bool = True, wave: bool = False) -> Linear:
         w_np = self.model.tensor_f32(f"{prefix}.weight")
         b = self._f32(f"{prefix}.bias", self.model.tensor_f32(f"{prefix}.bias")) if bias else None
         if self.use_custom_ops:  # the kernel always adds a bias: zeros when the layer has none
             b_conv = b if b is not None else self._f32(f"{prefix}.zero_bias",
                                                        np.zeros(w_np.shape[0], np.float32))
-            return Linear(None, b, self._conv_from(prefix, w_np[:, :, None], b_conv, bulk))
-        return Linear(self._w(f"{prefix}.weight", w_np, bulk), b)
+            return Linear(None, b, self._conv_from(prefix, w_np[:, :, None], b_conv, wave))
+        return Linear(self._w(f"{prefix}.weight", w_np, self._bulk(prefix, wave)), b)
 
     def _pretr_layer(self, i: int) -> PreTransformerLayer:
         p = f"dec.pretr.blk.{i}"
@@ -357,8 +365,8 @@ class DecoderWeights:
             dw_bias=self._f32(f"{p}.dwconv.bias", self.model.tensor_f32(f"{p}.dwconv.bias")),
             norm_w=self._f32(f"{p}.norm.weight", self.model.tensor_f32(f"{p}.norm.weight")),
             norm_b=self._f32(f"{p}.norm.bias", self.model.tensor_f32(f"{p}.norm.bias")),
-            pw1=self._linear(f"{p}.pwconv1", bulk=True),
-            pw2=self._linear(f"{p}.pwconv2", bulk=True),
+            pw1=self._linear(f"{p}.pwconv1", wave=True),
+            pw2=self._linear(f"{p}.pwconv2", wave=True),
             gamma=self._f32(f"{p}.gamma", self.model.tensor_f32(f"{p}.gamma")),
         )
 

@@ -615,9 +615,11 @@ def _fused_conv(what: str, op: str, ctx: Any, xp: Tensor, w: Tensor, bias: Tenso
 # F32 Winograd conv (fast mode without the BF16 kernels)
 
 CONV_WINO_F32_BLOCK = 16  # QTTS_CONV_WINO_F32_BLOCK
-# conv1d_wino_f32's finite points (native/ops/conv1d_wino_f32.c), infinity after them: F(6,7)
-WINO_F32_POINTS = (0, 1, -1, 2, -2, 0.5, -0.5, 0.25, -0.25, 1.5, -1.5)
-WINO_F32_SLOTS = len(WINO_F32_POINTS) + 1
+# conv1d_wino_f32's finite points per kernel size (native/ops/conv1d_wino_f32.c), infinity
+# after them: F(6,7) and F(6,2)
+WINO_F32_POINTS = {7: (0, 1, -1, 2, -2, 0.5, -0.5, 0.25, -0.25, 1.5, -1.5),
+                   2: (0, 1, -1, 2, -2, 0.5)}
+WINO_F32_TILE = 6  # outputs per tile
 
 
 def wino_f32_available(library: Any | None = None) -> bool:
@@ -626,33 +628,34 @@ def wino_f32_available(library: Any | None = None) -> bool:
     return has_fast_path(library, "qtts_conv1d_wino_f32_fast")
 
 
-def wino_f32_filter() -> np.ndarray[Any, Any]:
-    """F(6,7)'s filter transform G, ``[12, 7]`` float64: row i is ``[a^0 .. a^6] / prod_{j != i}
-    (a - a_j)`` for finite point a = a_i, the last row (infinity) ``[0 .. 0, 1]``; exact
-    fractions, rounded once."""
-    pts = [Fraction(p) for p in WINO_F32_POINTS]
-    g = np.zeros((WINO_F32_SLOTS, 7), np.float64)
+def wino_f32_filter(k: int) -> np.ndarray[Any, Any]:
+    """F(6,k)'s filter transform G, ``[k + 5, k]`` float64 (k = 7 or 2): row i is ``[a^0 ..
+    a^(k-1)] / prod_{j != i} (a - a_j)`` for finite point a = a_i, the last row (infinity)
+    ``[0 .. 0, 1]``; exact fractions, rounded once."""
+    pts = [Fraction(p) for p in WINO_F32_POINTS[k]]
+    g = np.zeros((len(pts) + 1, k), np.float64)
     for i, a in enumerate(pts):
         f = prod((a - b for j, b in enumerate(pts) if j != i), start=Fraction(1))
-        g[i] = [float(a ** k / f) for k in range(7)]
+        g[i] = [float(a ** e / f) for e in range(k)]
     g[-1, -1] = 1.0
     return g
 
 
 def pack_conv_weight_wino_f32(w: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-    """PyTorch Conv1d weight ``[C_out, C_in, 7]`` -> the packed F32 weight ``conv1d_wino_f32``
-    takes: numpy ``[ceil(C_out / 16), 12, C_in, 16]`` (ggml ne = [16, C_in, 12, n]), element
-    ``[j, p, c, i]`` = ``sum_k G[p, k] W[j*16 + i, c, k]`` formed in float64 and rounded once,
-    zero past C_out (G: ``wino_f32_filter``). 12/7 of the direct weight's size."""
-    if w.ndim != 3 or w.shape[2] != 7:
-        raise ValueError(f"winograd conv weight must be [C_out, C_in, 7], got {w.shape}")
+    """PyTorch Conv1d weight ``[C_out, C_in, K]``, K = 7 or 2 -> the packed F32 weight
+    ``conv1d_wino_f32`` takes: numpy ``[ceil(C_out / 16), K + 5, C_in, 16]`` (ggml ne = [16,
+    C_in, K + 5, n]), element ``[j, p, c, i]`` = ``sum_k G[p, k] W[j*16 + i, c, k]`` formed in
+    float64 and rounded once, zero past C_out (G: ``wino_f32_filter(K)``). (K + 5)/K of the
+    direct weight's size: 12/7, 7/2."""
+    if w.ndim != 3 or w.shape[2] not in WINO_F32_POINTS:
+        raise ValueError(f"winograd conv weight must be [C_out, C_in, 7 or 2], got {w.shape}")
     b = CONV_WINO_F32_BLOCK
-    c_out, c_in, _ = w.shape
+    c_out, c_in, k = w.shape
     n = -(-c_out // b)
-    g = wino_f32_filter()
-    out = np.zeros((n, WINO_F32_SLOTS, c_in, b), np.float32)
+    g = wino_f32_filter(k)
+    out = np.zeros((n, g.shape[0], c_in, b), np.float32)
     for j in range(n):  # a block at a time: no float64 copy of the whole weight
-        part = w[j * b:(j + 1) * b].astype(np.float64)  # [B', C_in, 7]
+        part = w[j * b:(j + 1) * b].astype(np.float64)  # [B', C_in, K]
         out[j, :, :, :part.shape[0]] = np.einsum("pk,ock->pco", g, part)
     return out
 
@@ -660,14 +663,16 @@ def pack_conv_weight_wino_f32(w: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
 def conv1d_wino_f32(ctx: Any, xp: Tensor, w: Tensor, bias: Tensor, dilation: int = 1, *,
                     hist: Tensor | None = None, snake: tuple[Tensor, Tensor] | None = None,
                     residual: Tensor | None = None, library: Any | None = None) -> Tensor:
-    """The K = 7 causal dilated conv by Winograd F(6,7) in F32, over tiles of six output steps
-    (t, t + d, .., t + 5d): 12 channel-contractions per tile instead of 42
-    (native/ops/conv1d_wino_f32.c). Fast mode's conv where the BF16 kernels are missing.
+    """The K = 7 or K = 2 causal dilated conv by Winograd F(6,7) / F(6,2) in F32, over tiles of
+    six output steps (t, t + d, .., t + 5d): 12 channel-contractions per tile instead of 42, 7
+    instead of 12 (native/ops/conv1d_wino_f32.c). Fast mode's convs where the BF16 kernels are
+    missing.
 
     Same arguments and result as ``conv1d_tm_bf16`` (``hist``, ``snake`` and ``residual``
     fused, bit for bit as separate ops would feed it) except ``w``, from
-    ``pack_conv_weight_wino_f32`` as an F32 tensor; the value differs from the direct F32 conv
-    by rounding only (~103 dB SNR on random data against ~131 dB).
+    ``pack_conv_weight_wino_f32`` as an F32 tensor (its K + 5 points give K); the value differs
+    from the direct F32 conv by rounding only (K = 7: 91-102 dB SNR on random data against
+    116-127 dB).
     """
     what = "conv1d_wino_f32"
     _check_f32(xp, f"{what}: xp")
@@ -676,11 +681,13 @@ def conv1d_wino_f32(ctx: Any, xp: Tensor, w: Tensor, bias: Tensor, dilation: int
     if not lib.ggml_is_contiguous(w):
         raise ValueError(f"{what}: w must be contiguous")
     b, c_out, c_in = CONV_WINO_F32_BLOCK, int(bias.ne[0]), int(xp.ne[0])
-    want = [b, c_in, WINO_F32_SLOTS, -(-c_out // b)]
-    if [int(w.ne[i]) for i in range(4)] != want:
+    k = int(w.ne[2]) - WINO_F32_TILE + 1
+    want = [b, c_in, int(w.ne[2]), -(-c_out // b)]
+    if k not in WINO_F32_POINTS or [int(w.ne[i]) for i in range(4)] != want:
         raise ValueError(
             f"{what}: w has ne={[int(w.ne[i]) for i in range(4)]}; for {c_in} input and "
-            f"{c_out} output channels it must be {want} (pack_conv_weight_wino_f32)"
+            f"{c_out} output channels it must be [{b}, {c_in}, 12 or 7, {-(-c_out // b)}] "
+            "(pack_conv_weight_wino_f32)"
         )
-    return _fused_conv(what, "qtts_conv1d_wino_f32_op", ctx, xp, w, bias, dilation, 7, hist,
+    return _fused_conv(what, "qtts_conv1d_wino_f32_op", ctx, xp, w, bias, dilation, k, hist,
                        snake, residual, library)

@@ -1,19 +1,22 @@
-/* Fast mode's K = 7 causal dilated convs in F32, for CPUs without the BF16 kernels: Winograd
- * F(6,7) over tiles of six output steps (t, t+d, ..., t+5d). Same sources, flags, userdata and
- * result contract as qtts_conv1d_tm_bf16_op (history apart, SnakeBeta on the input, residual on
- * the output), F32 throughout.
+/* Fast mode's K = 7 and K = 2 causal dilated convs in F32, for CPUs without the BF16 kernels:
+ * Winograd F(6,7) / F(6,2) over tiles of six output steps (t, t+d, ..., t+5d). Same sources,
+ * flags, userdata and result contract as qtts_conv1d_tm_bf16_op (history apart, SnakeBeta on the
+ * input, residual on the output), F32 throughout.
  *
- * A tile reads the 12 input rows x_i = xp(t + i*d); per input channel they are transformed to
- * U_p = sum_i BT[p][i] x_i, and per point p the output block takes M_p[o] = sum_c Gw_p[o, c]
- * U_p[c] with the transformed weights Gw_p = sum_k G[p][k] W[:, :, k] (pack_conv_weight_wino_f32);
- * y(t + i*d) = bias + sum_p AT[i][p] M_p. 12 channel contractions per six outputs instead of 42.
- * Points 0, +-1, +-2, +-1/2, +-1/4, +-3/2 and infinity: every constant of BT and AT is dyadic,
- * so exact in F32. On random data one conv keeps ~103 dB SNR against float64 (the direct F32
- * conv ~131 dB; F(4,7) ~106-110 dB for 25 % more products, F(8,7) ~94 dB); the BF16 kernels'
- * ~51 dB is what fast mode already accepts elsewhere.
+ * A tile reads the AL = K + 5 input rows x_i = xp(t + i*d); per input channel they are
+ * transformed to U_p = sum_i BT[p][i] x_i, and per point p the output block takes M_p[o] =
+ * sum_c Gw_p[o, c] U_p[c] with the transformed weights Gw_p = sum_k G[p][k] W[:, :, k]
+ * (pack_conv_weight_wino_f32); y(t + i*d) = bias + sum_p AT[i][p] M_p. 12 channel contractions
+ * per six outputs instead of 42 (K = 7), 7 instead of 12 (K = 2: the transposed convs'
+ * polyphase form).
+ * Points: 0, +-1, +-2, +-1/2, +-1/4, +-3/2 and infinity (K = 7); 0, +-1, +-2, 1/2 and infinity
+ * (K = 2). Every constant of BT and AT is dyadic, so exact in F32. On random data one K = 7
+ * conv keeps 91-102 dB SNR against float64 (C_in 1024 down to 96; the direct F32 conv 116-127
+ * dB; F(4,7) is ~5 dB better for 25 % more products, F(8,7) ~8 dB worse for 12 % fewer); the
+ * BF16 kernels' ~51 dB is what fast mode already accepts elsewhere.
  *
- * Layout: w F32 contiguous, ne = [16, C_in, 12, ceil(C_out / 16)] (numpy [n_blocks, 12, C_in,
- * 16]): w[j, p, c, i] = Gw_p[j*16 + i, c], zero past C_out.
+ * Layout: w F32 contiguous, ne = [16, C_in, AL, ceil(C_out / 16)] (numpy [n_blocks, AL, C_in,
+ * 16]): w[j, p, c, i] = Gw_p[j*16 + i, c], zero past C_out; AL (12 or 7) gives K.
  *
  * Work: tile q of the output starts at step s_q = 6d * (q / d) + q % d (d phases of six steps
  * in every 6d steps; the last tiles may reach past T, whose outputs are not written). Convs with
@@ -40,9 +43,9 @@
 
 #define INLINE static inline __attribute__((always_inline))
 #define OB QTTS_CONV_WINO_F32_BLOCK /* 16 output channels per packed block */
-#define KT 7                        /* taps */
 #define MT 6                        /* outputs per tile */
-#define AL 12                       /* points: MT + KT - 1 */
+#define AL_MAX 12                   /* points: MT + K - 1 (K = 7) */
+#define AL2 7                       /* K = 2 */
 #define NT 6                        /* tiles per register tile */
 #define SMALL_WEIGHT (4 << 20)      /* bytes: below, threads share out tiles */
 #define CHUNK_BYTES (768 << 10)     /* staged rows + U of one chunk, small weights (L2) */
@@ -50,7 +53,7 @@
 
 int qtts_conv1d_wino_f32_fast(void) { return WINO_SIMD; }
 
-static const float BT[AL][AL] = {
+static const float BT7[AL_MAX][AL_MAX] = {
     {-0.140625f, 0.0f, 3.05078125f, 0.0f, -13.87890625f, 0.0f, 17.53125f, 0.0f, -7.5625f, 0.0f, 1.0f, 0.0f},
     {0.0f, 0.140625f, 0.140625f, -2.91015625f, -2.91015625f, 10.96875f, 10.96875f, -6.5625f, -6.5625f, 1.0f, 1.0f, 0.0f},
     {0.0f, -0.140625f, 0.140625f, 2.91015625f, -2.91015625f, -10.96875f, 10.96875f, 6.5625f, -6.5625f, -1.0f, 1.0f, 0.0f},
@@ -65,7 +68,7 @@ static const float BT[AL][AL] = {
     {0.0f, -0.140625f, 0.0f, 3.05078125f, 0.0f, -13.87890625f, 0.0f, 17.53125f, 0.0f, -7.5625f, 0.0f, 1.0f},
 };
 
-static const float AT[MT][AL] = {
+static const float AT7[MT][AL_MAX] = {
     {1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 0.0f},
     {0.0f, 1.0f, -1.0f, 2.0f, -2.0f, 0.5f, -0.5f, 0.25f, -0.25f, 1.5f, -1.5f, 0.0f},
     {0.0f, 1.0f, 1.0f, 4.0f, 4.0f, 0.25f, 0.25f, 0.0625f, 0.0625f, 2.25f, 2.25f, 0.0f},
@@ -74,43 +77,73 @@ static const float AT[MT][AL] = {
     {0.0f, 1.0f, -1.0f, 32.0f, -32.0f, 0.03125f, -0.03125f, 0.0009765625f, -0.0009765625f, 7.59375f, -7.59375f, 1.0f},
 };
 
+static const float BT2[AL2][AL2] = {
+    {-2.0f, 4.0f, 2.5f, -5.0f, -0.5f, 1.0f, 0.0f},
+    {0.0f, 2.0f, -2.0f, -4.5f, 0.5f, 1.0f, 0.0f},
+    {0.0f, -2.0f, 6.0f, -3.5f, -1.5f, 1.0f, 0.0f},
+    {0.0f, 1.0f, -1.5f, -2.0f, 1.5f, 1.0f, 0.0f},
+    {0.0f, -1.0f, 2.5f, 0.0f, -2.5f, 1.0f, 0.0f},
+    {0.0f, 4.0f, 0.0f, -5.0f, 0.0f, 1.0f, 0.0f},
+    {0.0f, -2.0f, 4.0f, 2.5f, -5.0f, -0.5f, 1.0f},
+};
+
+static const float AT2[MT][AL2] = {
+    {1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 0.0f},
+    {0.0f, 1.0f, -1.0f, 2.0f, -2.0f, 0.5f, 0.0f},
+    {0.0f, 1.0f, 1.0f, 4.0f, 4.0f, 0.25f, 0.0f},
+    {0.0f, 1.0f, -1.0f, 8.0f, -8.0f, 0.125f, 0.0f},
+    {0.0f, 1.0f, 1.0f, 16.0f, 16.0f, 0.0625f, 0.0f},
+    {0.0f, 1.0f, -1.0f, 32.0f, -32.0f, 0.03125f, 1.0f},
+};
+
 /* ---- input transform --------------------------------------------------------------------------- */
 
-/* u[p*ci + c] = sum_i BT[p][i] * x_i[c], x_i = row i*d of st (row stride ci). The table is a
- * constant and the loops unrolled, so its zeros cost nothing. */
-static void transform_tile(float * u, const float * st, int64_t d, int64_t ci) {
+/* u[p*ci + c] = sum_i BT[p][i] * x_i[c], x_i = row i*d of st (row stride ci), for the A x A
+ * table BT (row stride A). Inlined with constant tables and unrolled, so their zeros cost
+ * nothing. */
+INLINE void transform(const int A, const float * BT, float * u, const float * st, int64_t d,
+                      int64_t ci) {
     int64_t c = 0;
 #if WINO_SIMD
     for (; c + 8 <= ci; c += 8) {
-        __m256 x[AL];
+        __m256 x[AL_MAX];
 #pragma GCC unroll 12
-        for (int i = 0; i < AL; i++) x[i] = _mm256_loadu_ps(st + i * d * ci + c);
+        for (int i = 0; i < A; i++) x[i] = _mm256_loadu_ps(st + i * d * ci + c);
 #pragma GCC unroll 12
-        for (int p = 0; p < AL; p++) {
+        for (int p = 0; p < A; p++) {
             __m256 acc = _mm256_setzero_ps();
 #pragma GCC unroll 12
-            for (int i = 0; i < AL; i++) {
-                if (BT[p][i] != 0.0f) acc = _mm256_fmadd_ps(_mm256_set1_ps(BT[p][i]), x[i], acc);
+            for (int i = 0; i < A; i++) {
+                const float b = BT[p * A + i];
+                if (b != 0.0f) acc = _mm256_fmadd_ps(_mm256_set1_ps(b), x[i], acc);
             }
             _mm256_storeu_ps(u + p * ci + c, acc);
         }
     }
 #endif
     for (; c < ci; c++) {
-        for (int p = 0; p < AL; p++) {
+        for (int p = 0; p < A; p++) {
             float acc = 0.0f;
-            for (int i = 0; i < AL; i++) acc += BT[p][i] * st[i * d * ci + c];
+            for (int i = 0; i < A; i++) acc += BT[p * A + i] * st[i * d * ci + c];
             u[p * ci + c] = acc;
         }
     }
 }
 
+static void transform7(float * u, const float * st, int64_t d, int64_t ci) {
+    transform(AL_MAX, &BT7[0][0], u, st, d, ci);
+}
+
+static void transform2(float * u, const float * st, int64_t d, int64_t ci) {
+    transform(AL2, &BT2[0][0], u, st, d, ci);
+}
+
 /* ---- products ---------------------------------------------------------------------------------- */
 
-/* m[j*AL*OB + o] = sum_c w[c*OB + o] * u[j][c] for the nt tiles j of a register tile (m: the
- * tiles' sums of one point, tile stride AL*OB). */
+/* m[j*ms + o] = sum_c w[c*OB + o] * u[j][c] for the nt tiles j of a register tile (m: the
+ * tiles' sums of one point, tile stride ms = AL*OB). */
 #if WINO_SIMD
-INLINE void products(const int N, float * m, const float * const * u, const float * w,
+INLINE void products(const int N, float * m, int64_t ms, const float * const * u, const float * w,
                      int64_t ci) {
     __m256 acc[2][NT];
 #pragma GCC unroll 6
@@ -126,17 +159,18 @@ INLINE void products(const int N, float * m, const float * const * u, const floa
     }
 #pragma GCC unroll 6
     for (int j = 0; j < N; j++) {
-        _mm256_storeu_ps(m + j * AL * OB, acc[0][j]);
-        _mm256_storeu_ps(m + j * AL * OB + 8, acc[1][j]);
+        _mm256_storeu_ps(m + j * ms, acc[0][j]);
+        _mm256_storeu_ps(m + j * ms + 8, acc[1][j]);
     }
 }
 #define PRODUCTS(n)                                                                              \
-    static void products_##n(float * m, const float * const * u, const float * w, int64_t ci) { \
-        products(n, m, u, w, ci);                                                                \
+    static void products_##n(float * m, int64_t ms, const float * const * u, const float * w,   \
+                             int64_t ci) {                                                       \
+        products(n, m, ms, u, w, ci);                                                            \
     }
 #else
-static void products_generic(int N, float * m, const float * const * u, const float * w,
-                             int64_t ci) {
+static void products_generic(int N, float * m, int64_t ms, const float * const * u,
+                             const float * w, int64_t ci) {
     float acc[NT][OB];
     memset(acc, 0, sizeof(acc));
     for (int64_t c = 0; c < ci; c++) {
@@ -145,11 +179,12 @@ static void products_generic(int N, float * m, const float * const * u, const fl
             for (int o = 0; o < OB; o++) acc[j][o] += w[c * OB + o] * b;
         }
     }
-    for (int j = 0; j < N; j++) memcpy(m + j * AL * OB, acc[j], sizeof(acc[j]));
+    for (int j = 0; j < N; j++) memcpy(m + j * ms, acc[j], sizeof(acc[j]));
 }
 #define PRODUCTS(n)                                                                              \
-    static void products_##n(float * m, const float * const * u, const float * w, int64_t ci) { \
-        products_generic(n, m, u, w, ci);                                                        \
+    static void products_##n(float * m, int64_t ms, const float * const * u, const float * w,   \
+                             int64_t ci) {                                                       \
+        products_generic(n, m, ms, u, w, ci);                                                    \
     }
 #endif
 
@@ -160,34 +195,37 @@ PRODUCTS(4)
 PRODUCTS(5)
 PRODUCTS(6)
 
-typedef void (*products_fn)(float * m, const float * const * u, const float * w, int64_t ci);
+typedef void (*products_fn)(float * m, int64_t ms, const float * const * u, const float * w,
+                            int64_t ci);
 static const products_fn PRODUCTS_N[NT + 1] = {0, products_1, products_2, products_3,
                                                products_4, products_5, products_6};
 
 /* ---- output transform -------------------------------------------------------------------------- */
 
 /* Row i of a tile (i < n: the rows before T): y[i*d*ys + o] = bias[o] + sum_p AT[i][p] m[p*OB + o]
- * (+ res[i*d*rs + o]) for the block's `width` valid channels. */
-static void output_tile(float * y, int64_t ys, const float * res, int64_t rs, const float * m,
-                        const float * bias, int width, int n, int64_t d) {
+ * (+ res[i*d*rs + o]) for the block's `width` valid channels; AT is MT x A (row stride A). */
+INLINE void output(const int A, const float * AT, float * y, int64_t ys, const float * res,
+                   int64_t rs, const float * m, const float * bias, int width, int n,
+                   int64_t d) {
     float tmp[OB];
     for (int i = 0; i < n; i++) {
         float * yo = y + i * d * ys;
         const float * ro = res ? res + i * d * rs : NULL;
 #if WINO_SIMD
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-        for (int p = 0; p < AL; p++) {
-            if (AT[i][p] == 0.0f) continue;
-            const __m256 k = _mm256_set1_ps(AT[i][p]);
-            a0 = _mm256_fmadd_ps(k, _mm256_loadu_ps(m + p * OB), a0);
-            a1 = _mm256_fmadd_ps(k, _mm256_loadu_ps(m + p * OB + 8), a1);
+#pragma GCC unroll 12
+        for (int p = 0; p < A; p++) {
+            const float k = AT[i * A + p];
+            if (k == 0.0f) continue;
+            a0 = _mm256_fmadd_ps(_mm256_set1_ps(k), _mm256_loadu_ps(m + p * OB), a0);
+            a1 = _mm256_fmadd_ps(_mm256_set1_ps(k), _mm256_loadu_ps(m + p * OB + 8), a1);
         }
         _mm256_storeu_ps(tmp, a0);
         _mm256_storeu_ps(tmp + 8, a1);
 #else
         for (int o = 0; o < OB; o++) {
             float a = 0.0f;
-            for (int p = 0; p < AL; p++) a += AT[i][p] * m[p * OB + o];
+            for (int p = 0; p < A; p++) a += AT[i * A + p] * m[p * OB + o];
             tmp[o] = a;
         }
 #endif
@@ -198,6 +236,12 @@ static void output_tile(float * y, int64_t ys, const float * res, int64_t rs, co
     }
 }
 
+#define OUTPUT_ARGS                                                                              \
+    float * y, int64_t ys, const float * res, int64_t rs, const float * m, const float * bias,  \
+        int width, int n, int64_t d
+static void output7(OUTPUT_ARGS) { output(AL_MAX, &AT7[0][0], y, ys, res, rs, m, bias, width, n, d); }
+static void output2(OUTPUT_ARGS) { output(AL2, &AT2[0][0], y, ys, res, rs, m, bias, width, n, d); }
+
 /* ---- the op ------------------------------------------------------------------------------------ */
 
 /* tile q's first output step */
@@ -205,13 +249,17 @@ static inline int64_t tile_start(int64_t q, int64_t d) { return MT * d * (q / d)
 
 void qtts_conv1d_wino_f32_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
     const struct ggml_tensor * wt = dst->src[1];
-    GGML_ASSERT(wt->type == GGML_TYPE_F32);
+    GGML_ASSERT(wt->type == GGML_TYPE_F32 && (wt->ne[2] == AL_MAX || wt->ne[2] == AL2));
+    const int k7 = wt->ne[2] == AL_MAX;
+    const int64_t AL = wt->ne[2];
+    void (*const transform_tile)(float *, const float *, int64_t, int64_t) =
+        k7 ? transform7 : transform2;
+    void (*const output_tile)(OUTPUT_ARGS) = k7 ? output7 : output2;
     qtts_conv_srcs sr;
-    qtts_conv_srcs_get(&sr, dst, (intptr_t)userdata, KT);
+    qtts_conv_srcs_get(&sr, dst, (intptr_t)userdata, AL - MT + 1);
     const int64_t d = sr.d, ci = sr.ci, co = sr.co, T = sr.t;
     const int64_t n_ob = (co + OB - 1) / OB;
-    GGML_ASSERT(wt->ne[0] == OB && wt->ne[1] == ci && wt->ne[2] == AL && wt->ne[3] == n_ob &&
-                ggml_is_contiguous(wt));
+    GGML_ASSERT(wt->ne[0] == OB && wt->ne[1] == ci && wt->ne[3] == n_ob && ggml_is_contiguous(wt));
     qtts_conv_rows src;
     qtts_conv_rows_of(&src, &sr);
     const float * w = (const float *)wt->data;
@@ -234,8 +282,8 @@ void qtts_conv1d_wino_f32_op(struct ggml_tensor * dst, int ith, int nth, void * 
     }
     if (q_lo >= q_hi || ob_lo >= ob_hi) return;
 
-    /* Tiles per chunk: the chunk's staged rows (about 6 a tile, plus the reach of 11d) and its
-     * U (12 rows a tile) within the budget; at least a whole register tile. */
+    /* Tiles per chunk: the chunk's staged rows (about 6 a tile, plus the reach of (AL - 1)d)
+     * and its U (AL rows a tile) within the budget; at least a whole register tile. */
     const int64_t reach = (AL - 1) * d + 1;
     const int64_t row_bytes = ci * (int64_t)sizeof(float);
     const int64_t budget = small ? CHUNK_BYTES : WIDE_CHUNK_BYTES;
@@ -270,7 +318,7 @@ void qtts_conv1d_wino_f32_op(struct ggml_tensor * dst, int ith, int nth, void * 
                     const int n = (int)(nq - j0 < NT ? nq - j0 : NT);
                     const float * u[NT];
                     for (int j = 0; j < n; j++) u[j] = U + ((j0 + j) * AL + p) * ci;
-                    PRODUCTS_N[n](Mb + (j0 * AL + p) * OB, u, wp, ci);
+                    PRODUCTS_N[n](Mb + (j0 * AL + p) * OB, AL * OB, u, wp, ci);
                 }
             }
             const int64_t o0 = ob * OB;

@@ -195,12 +195,13 @@ int qtts_gemv_q4_fast(void);
  * (g0, (g0+g1+g2)/2, (g0-g1+g2)/2, g2) of taps 0-2, the same of taps 3-5, g6, -g6. */
 void qtts_conv1d_wino_bf16_op(struct ggml_tensor * dst, int ith, int nth, void * userdata);
 
-/* Fast mode's K = 7 conv in F32 where the BF16 kernels are missing: the sources, flags, userdata
- * and result contract of qtts_conv1d_tm_bf16_op (F32 products and sums) by Winograd F(6,7)
- * over tiles of six output steps (t, t+d, .., t+5d): 12 channel-contractions per tile instead
- * of 42. w: F32 contiguous, ne = [B, C_in, 12, ceil(C_out / B)], B = QTTS_CONV_WINO_F32_BLOCK
- * (numpy [n_blocks, 12, C_in, B]): w[j, p, c, i] = sum_k G[p][k] W[k, c, j*B + i], G the
- * F(6,7) filter transform of conv1d_wino_f32.c's points, zero past C_out. */
+/* Fast mode's K = 7 and K = 2 convs in F32 where the BF16 kernels are missing: the sources,
+ * flags, userdata and result contract of qtts_conv1d_tm_bf16_op (F32 products and sums) by
+ * Winograd F(6,7) / F(6,2) over tiles of six output steps (t, t+d, .., t+5d): 12 (7)
+ * channel-contractions per tile instead of 42 (12). w: F32 contiguous,
+ * ne = [B, C_in, AL, ceil(C_out / B)], AL = K + 5, B = QTTS_CONV_WINO_F32_BLOCK (numpy
+ * [n_blocks, AL, C_in, B]): w[j, p, c, i] = sum_k G[p][k] W[k, c, j*B + i], G the filter
+ * transform of conv1d_wino_f32.c's points, zero past C_out. */
 #define QTTS_CONV_WINO_F32_BLOCK 16
 void qtts_conv1d_wino_f32_op(struct ggml_tensor * dst, int ith, int nth, void * userdata);
 
