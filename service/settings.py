@@ -130,8 +130,8 @@ class Settings(BaseSettings):
     precision: Literal["fast", "exact"] = Field(
         default="fast",
         description="decoder precision `fast` (BF16 kernels) or `exact` (F32); without "
-        "AVX512-BF16 (an AVX2 CPU), `fast` runs the 7-tap convs by Winograd in F32 (~90-100 dB "
-        "per conv against float64) and the rest as `exact`",
+        "AVX512-BF16 (an AVX2 CPU), `fast` runs the 7-tap and transposed convs by Winograd in "
+        "F32 (~90-100 dB per conv against float64) and the rest as `exact`",
     )
     chunk_max_frames: int | None = Field(
         default=None,
