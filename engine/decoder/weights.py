@@ -58,9 +58,10 @@ def rounds_to_bf16(backends: BackendSet) -> bool:
 
 
 def winograd_f32(backends: BackendSet) -> bool:
-    """Whether fast mode runs its 7-tap convs by qtts's F32 Winograd kernel here: qtts's convs
-    run, without their BF16 kernel, and the Winograd kernel has its SIMD path (the portable one
-    is slower than the direct conv). ``QTTS_WINOGRAD=0`` turns it off."""
+    """Whether fast mode runs its 7-tap and transposed convs by qtts's F32 Winograd kernel here
+    (those whose weight suits it: ``WINOGRAD_F32_MAX_BYTES``): qtts's convs run, without their
+    BF16 kernel, and the Winograd kernel has its SIMD path (the portable one is slower than the
+    direct conv). ``QTTS_WINOGRAD=0`` turns it off."""
     return (native_convs(backends) and not custom_ops.bf16_available()
             and custom_ops.wino_f32_available() and backends.options.winograd)
 

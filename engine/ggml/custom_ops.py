@@ -579,10 +579,10 @@ def _fused_conv(what: str, op: str, ctx: Any, xp: Tensor, w: Tensor, bias: Tenso
     """The node of a conv with the fused sources of qtts_conv_srcs.h (its weight checked by the
     caller): checks the rest, sets the flags."""
     c_out, c_in = int(bias.ne[0]), int(xp.ne[0])
-    t, extra = _conv_sources(what, xp, hist, c_in, k, dilation)
-    _check_vector(bias, c_out, f"{what}: bias")
     if dilation < 1:
         raise ValueError(f"{what}: dilation must be >= 1, got {dilation}")
+    t, extra = _conv_sources(what, xp, hist, c_in, k, dilation)
+    _check_vector(bias, c_out, f"{what}: bias")
     if dilation > lib.QTTS_CONV_DILATION_MASK:
         raise ValueError(f"{what}: dilation {dilation} > {lib.QTTS_CONV_DILATION_MASK}")
     flags = dilation if k > 1 else 1

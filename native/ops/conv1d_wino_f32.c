@@ -12,8 +12,8 @@
  * Points: 0, +-1, +-2, +-1/2, +-1/4, +-3/2 and infinity (K = 7); 0, +-1, +-2, 1/2 and infinity
  * (K = 2). Every constant of BT and AT is dyadic, so exact in F32. On random data one K = 7
  * conv keeps 91-102 dB SNR against float64 (C_in 1024 down to 96; the direct F32 conv 116-127
- * dB; F(4,7) is ~5 dB better for 25 % more products, F(8,7) ~8 dB worse for 12 % fewer); the
- * BF16 kernels' ~51 dB is what fast mode already accepts elsewhere.
+ * dB; in simulation F(4,7) ~7 dB better for 25 % more products, F(8,7) ~9 dB worse for 12 %
+ * fewer); the BF16 kernels' ~51 dB is what fast mode already accepts elsewhere.
  *
  * Layout: w F32 contiguous, ne = [16, C_in, AL, ceil(C_out / 16)] (numpy [n_blocks, AL, C_in,
  * 16]): w[j, p, c, i] = Gw_p[j*16 + i, c], zero past C_out; AL (12 or 7) gives K.
