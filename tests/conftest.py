@@ -71,7 +71,7 @@ def cpu2() -> BackendSet:
 def bf16_cpu2(cpu2: BackendSet) -> BackendSet:
     """2 threads on which the decoder's fast mode really rounds to BF16: qtts's BF16 conv kernel
     where this CPU has it, else ggml's BF16 mul_mats (qtts's ops off). On such a CPU with the
-    ops on, fast mode is exact mode (test_decoder_precision)."""
+    ops on, fast mode runs F32 Winograd convs, or exact mode's (test_decoder_precision)."""
     from engine.decoder.weights import rounds_to_bf16
 
     if rounds_to_bf16(cpu2):
