@@ -1296,6 +1296,24 @@ def test_conv_wino_f32_matches_float64(cpu1: BackendSet, cpu2: BackendSet, c_in:
 
 
 @needs_ops
+@pytest.mark.parametrize("c_in,c_out,t,k,d", [(96, 96, 777, 7, 9), (768, 768, 100, 7, 3),
+                                              (384, 768, 200, 2, 1), (40, 33, 5, 7, 1)])
+def test_conv_wino_f32_any_thread_count(cpu1: BackendSet, c_in: int, c_out: int, t: int, k: int,
+                                        d: int) -> None:
+    """Tiles (small weights) or output blocks (large ones) shared out over 3 and 5 threads,
+    some of them idle when there are fewer tiles or blocks: the same bits as one thread."""
+    rng = np.random.default_rng(c_in + t + k + d)
+    xp, w, b = conv_data(rng, c_in, c_out, t, k, d)
+    one = run_conv_wino_f32(cpu1, xp, w, b, d)
+    for n in (3, 5):
+        be = BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": str(n)})
+        try:
+            assert np.array_equal(run_conv_wino_f32(be, xp, w, b, d), one)
+        finally:
+            be.close()
+
+
+@needs_ops
 def test_conv_wino_f32_on_o1_weights_and_large_inputs(cpu2: BackendSet) -> None:
     """Stress statistics: weights O(1) per tap (not 1/sqrt(fan-in)) and inputs of +-100, where
     a transform with large constants would lose digits first."""
