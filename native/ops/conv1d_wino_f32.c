@@ -239,8 +239,12 @@ INLINE void output(const int A, const float * AT, float * y, int64_t ys, const f
 #define OUTPUT_ARGS                                                                              \
     float * y, int64_t ys, const float * res, int64_t rs, const float * m, const float * bias,  \
         int width, int n, int64_t d
-static void output7(OUTPUT_ARGS) { output(AL_MAX, &AT7[0][0], y, ys, res, rs, m, bias, width, n, d); }
-static void output2(OUTPUT_ARGS) { output(AL2, &AT2[0][0], y, ys, res, rs, m, bias, width, n, d); }
+static void output7(OUTPUT_ARGS) {
+    output(AL_MAX, &AT7[0][0], y, ys, res, rs, m, bias, width, n, d);
+}
+static void output2(OUTPUT_ARGS) {
+    output(AL2, &AT2[0][0], y, ys, res, rs, m, bias, width, n, d);
+}
 
 /* ---- the op ------------------------------------------------------------------------------------ */
 

@@ -74,9 +74,10 @@ def _fast_and_exact(model, be: BackendSet  # type: ignore[no-untyped-def]
 
 def test_fast_mode_where_the_bf16_kernel_is_missing(  # type: ignore[no-untyped-def]
         model, cpu2: BackendSet) -> None:
-    """qtts's convs without their BF16 kernel: fast mode runs its 7-tap convs by Winograd in
-    F32 where that kernel has its SIMD path (close to exact, not bit for bit), otherwise the
-    samples of exact mode bit for bit; with the BF16 kernel it rounds (further from exact)."""
+    """qtts's convs without their BF16 kernel: fast mode runs its 7-tap and transposed convs
+    by Winograd in F32 where that kernel has its SIMD path (close to exact, not bit for bit),
+    otherwise the samples of exact mode bit for bit; with the BF16 kernel it rounds (further
+    from exact)."""
     exact, fast = _fast_and_exact(model, cpu2)
     if rounds_to_bf16(cpu2):
         assert not np.array_equal(exact, fast)
@@ -92,8 +93,11 @@ def test_fast_is_exact_without_winograd_where_the_bf16_kernel_is_missing(
     """``QTTS_WINOGRAD=0`` on such a CPU: fast mode is exact mode bit for bit."""
     be = BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "2",
                               "QTTS_WINOGRAD": "0"})
-    exact, fast = _fast_and_exact(model, be)
-    assert np.array_equal(exact, fast) == (not rounds_to_bf16(be))
+    try:
+        exact, fast = _fast_and_exact(model, be)
+        assert np.array_equal(exact, fast) == (not rounds_to_bf16(be))
+    finally:
+        be.close()
 
 
 def test_calibration(model, bf16_cpu2: BackendSet) -> None:  # type: ignore[no-untyped-def]

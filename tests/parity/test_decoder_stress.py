@@ -67,12 +67,19 @@ def test_exact(stress: StressCase) -> None:
     assert np.abs(wav - stress.wav).max() <= 1e-4
 
 
+def fast_snr(stress: StressCase, backends: BackendSet) -> float:
+    """Fast mode's SNR against the reference on ``backends``, default F32 layers."""
+    dec = DecoderModel.load(stress.model, backends, "fast")
+    try:
+        assert dec.weights.f32_layers == default_f32(stress.model)
+        wav, _ = decode(dec, stress.codes)
+    finally:
+        dec.close()
+    return snr_db(stress.wav, wav)
+
+
 def test_fast_default(stress: StressCase, record_property: Any) -> None:
-    dec = DecoderModel.load(stress.model, stress.bf16, "fast")
-    assert dec.weights.f32_layers == default_f32(stress.model)
-    wav, _ = decode(dec, stress.codes)
-    dec.close()
-    snr = snr_db(stress.wav, wav)
+    snr = fast_snr(stress, stress.bf16)
     record_property("snr_fast_db", snr)
     print(f"\nstress: fast SNR {snr:.1f} dB")
     assert snr >= FAST_MIN_DB
@@ -80,11 +87,9 @@ def test_fast_default(stress: StressCase, record_property: Any) -> None:
 
 def test_fast_on_the_default_backends(stress: StressCase, record_property: Any) -> None:
     """Fast mode as the server runs it on this CPU (qtts's ops on): the BF16 kernels, or
-    without them the 7-tap convs by Winograd in F32, far closer to the reference."""
-    dec = DecoderModel.load(stress.model, stress.backends, "fast")
-    wav, _ = decode(dec, stress.codes)
-    dec.close()
-    snr = snr_db(stress.wav, wav)
+    without them the 7-tap and transposed convs by Winograd in F32, far closer to the
+    reference."""
+    snr = fast_snr(stress, stress.backends)
     record_property("snr_fast_here_db", snr)
     print(f"\nstress: fast SNR on the default backends {snr:.1f} dB")
     assert snr >= FAST_MIN_DB
