@@ -36,8 +36,14 @@ class DecodedAudio:
     sample_rate: int
 
 
-def decode(src: bytes | str | os.PathLike[str]) -> DecodedAudio:
-    """Decode the first audio stream of a file or bytes (wav, flac, mp3, ogg, m4a, ...)."""
+def decode(src: bytes | str | os.PathLike[str], max_seconds: float | None = None
+           ) -> DecodedAudio:
+    """Decode the first audio stream of a file or bytes (wav, flac, mp3, ogg, m4a, ...).
+
+    ``max_seconds``: stop and refuse the audio as soon as more than that has been decoded. A
+    compressed file's size says little about its length (a megabyte of FLAC silence decodes to
+    hours, gigabytes of samples), so the cap must hold while decoding, not after.
+    """
     import av
 
     name = "the audio" if isinstance(src, bytes) else str(src)
@@ -54,21 +60,21 @@ def decode(src: bytes | str | os.PathLike[str]) -> DecodedAudio:
             raise InputError(FIELD, f"{name} has no audio stream")
         stream = streams[0]
         pieces: list[F32] = []
-        rate = 0
+        rate, total = 0, 0
         for frame in container.decode(stream):
             assert isinstance(frame, av.AudioFrame)
             arr: npt.NDArray[Any] = frame.to_ndarray()
             rate = int(frame.sample_rate)
             n_ch = len(frame.layout.channels)
-            if arr.dtype.kind in "iu":
-                scale = float(np.iinfo(arr.dtype.type).max) + 1.0
-                arr = arr.astype(np.float32) / np.float32(scale)
-            arr = arr.astype(np.float32, copy=False)
+            arr = _as_float(arr)
             if frame.format.is_planar:
                 mono = arr.reshape(n_ch, -1).mean(axis=0, dtype=np.float32)
             else:
                 mono = arr.reshape(-1, n_ch).mean(axis=1, dtype=np.float32)
             pieces.append(np.ascontiguousarray(mono, dtype=np.float32))
+            total += mono.shape[0]
+            if max_seconds is not None and total > max_seconds * rate:
+                raise InputError(FIELD, _too_long(f"is over {max_seconds:g} s long", max_seconds))
     except InputError:
         raise
     except (av.FFmpegError, OSError, ValueError) as exc:
@@ -78,6 +84,23 @@ def decode(src: bytes | str | os.PathLike[str]) -> DecodedAudio:
     if not pieces or rate <= 0:
         raise InputError(FIELD, f"{name} holds no audio samples")
     return DecodedAudio(np.concatenate(pieces), rate)
+
+
+def _as_float(arr: npt.NDArray[Any]) -> F32:
+    # integer PCM to [-1, 1): signed by its full scale, unsigned (8-bit WAV, AIFF) about its
+    # midpoint, as libsndfile reads it
+    if arr.dtype.kind == "u":
+        mid = float(np.iinfo(arr.dtype.type).max // 2 + 1)
+        return ((arr.astype(np.float32) - np.float32(mid)) / np.float32(mid)).astype(np.float32)
+    if arr.dtype.kind == "i":
+        scale = float(np.iinfo(arr.dtype.type).max) + 1.0
+        return (arr.astype(np.float32) / np.float32(scale)).astype(np.float32)
+    return arr.astype(np.float32, copy=False)
+
+
+def _too_long(what: str, max_seconds: float) -> str:
+    """The message for a reference over the cap (``what``: how long it is)."""
+    return f"{what}; the limit is {max_seconds:g} s (trim it: 5-15 s of clean speech clone best)"
 
 
 def resample(samples: F32, sr: int, target: int = SAMPLE_RATE) -> F32:
@@ -101,8 +124,7 @@ def check(samples: F32, sr: int, max_seconds: float = DEFAULT_MAX_SECONDS) -> No
         raise InputError(FIELD, f"is {seconds:.2f} s long; a voice needs at least "
                          f"{MIN_SECONDS:g} s of speech")  # fmt: skip
     if seconds > max_seconds:
-        raise InputError(FIELD, f"is {seconds:.1f} s long; the limit is {max_seconds:g} s "
-                         "(trim it: 5-15 s of clean speech clone best)")  # fmt: skip
+        raise InputError(FIELD, _too_long(f"is {seconds:.1f} s long", max_seconds))
     if not np.isfinite(samples).all():
         raise InputError(FIELD, "contains NaN or infinite samples")
     if float(np.abs(samples).max()) < SILENCE_PEAK:
@@ -112,6 +134,6 @@ def check(samples: F32, sr: int, max_seconds: float = DEFAULT_MAX_SECONDS) -> No
 def load_reference(src: bytes | str | os.PathLike[str],
                    max_seconds: float = DEFAULT_MAX_SECONDS) -> F32:  # fmt: skip
     """Decode, check and resample reference audio to 24 kHz mono float32."""
-    audio = decode(src)
+    audio = decode(src, max_seconds)
     check(audio.samples, audio.sample_rate, max_seconds)
     return resample(audio.samples, audio.sample_rate)

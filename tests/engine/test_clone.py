@@ -117,6 +117,62 @@ def test_bad_reference_audio(tmp_path: Path, make: object, problem: str) -> None
     assert info.value.field == "ref_audio" and "\n" not in str(info.value)
 
 
+def _silent_flac(path: Path, seconds: int, rate: int = 8000) -> Path:
+    """A FLAC of digital silence: a few bytes per block, so hours fit in a small upload."""
+    import av
+
+    with av.open(str(path), mode="w") as out:
+        stream = out.add_stream("flac", rate=rate)
+        stream.layout = "mono"  # type: ignore[attr-defined]
+        block = np.zeros((1, rate), np.int16)
+        for i in range(seconds):
+            frame = av.AudioFrame.from_ndarray(block, format="s16", layout="mono")
+            frame.sample_rate, frame.pts = rate, i * rate
+            for packet in stream.encode(frame):  # type: ignore[attr-defined]
+                out.mux(packet)
+        for packet in stream.encode(None):  # type: ignore[attr-defined]
+            out.mux(packet)
+    return path
+
+
+def test_a_decompression_bomb_is_refused_while_decoding(tmp_path: Path) -> None:
+    """An hour of FLAC silence is under 1 MB but 28.8 M samples (115 MB as float32; a 10 MB
+    upload holds days of it): decoding stops once the cap is passed, so what it holds is
+    bounded by the cap, not by the file."""
+    import tracemalloc
+
+    bomb = _silent_flac(tmp_path / "bomb.flac", 3600)
+    assert bomb.stat().st_size < 1 << 20
+    tracemalloc.start()
+    try:
+        with pytest.raises(InputError, match=r"is over 30 s long; the limit is 30 s") as info:
+            load_reference(bomb)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert info.value.field == "ref_audio"
+    assert peak < 8 << 20, f"decoding held {peak >> 20} MB"  # 30 s at 8 kHz: ~1 MB
+    with pytest.raises(InputError, match="is over 5 s long"):
+        decode(bomb, max_seconds=5)
+    assert decode(_silent_flac(tmp_path / "short.flac", 2)).samples.size == 16000
+
+
+@pytest.mark.parametrize(("subtype", "fmt"), [("PCM_U8", "WAV"), ("PCM_S8", "AIFF"),
+                                              ("PCM_24", "WAV"), ("ULAW", "WAV")])
+def test_integer_pcm_reads_as_libsndfile_reads_it(tmp_path: Path, subtype: str,
+                                                  fmt: str) -> None:
+    """8-bit WAV is unsigned (silence is 128): it must come out centred on 0, as libsndfile
+    (the reference's reader) gives it, not with half of full scale added."""
+    t = np.arange(24000) / 24000
+    x = (0.5 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
+    path = tmp_path / f"ref.{fmt.lower()}"
+    sf.write(path, x, 24000, subtype=subtype, format=fmt)
+    want, _ = sf.read(path, dtype="float32")
+    got = decode(path).samples
+    assert abs(float(got.mean())) < 0.01  # (the 8-bit writer truncates: -0.5 / 128)
+    np.testing.assert_allclose(got, want, atol=1e-6)
+
+
 def test_missing_reference_file(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="file not found"):
         load_reference(tmp_path / "nope.wav")
