@@ -27,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from engine.errors import InputError
+from engine.gguf_schema import TalkerConfig
 from engine.talker.prompt import ROLE_TOKENS, Prompt, PromptBuilder, PromptRows, check_text
 from engine.talker.voices import AUTO
 
@@ -81,6 +82,20 @@ def live_start_tokens(voice: VoicePrompt) -> int:
     return max(1, 1 + len(voice.ref_codes) - len(voice.ref_ids))
 
 
+def _check_reference(voice: VoicePrompt, cfg: TalkerConfig) -> None:
+    # A voice file's transcript ids index the text embedding (out of range: ggml aborts the
+    # process), and its reference frames all enter the prompt: both are checked before any work
+    assert voice.ref_codes is not None and voice.ref_ids is not None
+    ids, vocab = np.asarray(voice.ref_ids), int(cfg.text_vocab_size)
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise InputError("voice", f"its transcript ids fall outside the model's 0..{vocab - 1}: "
+                         "the voice is damaged")  # fmt: skip
+    n = len(voice.ref_codes) + ids.size
+    if n > int(cfg.max_position_embeddings):
+        raise InputError("voice", f"its reference is {n} positions; the talker holds "
+                         f"{cfg.max_position_embeddings}")  # fmt: skip
+
+
 def build_clone_prompt(
     builder: PromptBuilder,
     voice: VoicePrompt,
@@ -111,6 +126,8 @@ def build_clone_prompt(
     xv = np.asarray(voice.x_vector, dtype=np.float32).reshape(-1)
     if xv.shape[0] != hidden:
         raise InputError("voice", f"x-vector has {xv.shape[0]} values, the model needs {hidden}")
+    if voice.icl:
+        _check_reference(voice, cfg)
     head = builder.codec_head(None if lang == AUTO else builder.catalog.all_languages[lang])
 
     rows = PromptRows()

@@ -91,12 +91,19 @@ def load(src: str | os.PathLike[str] | bytes, fingerprint: str | None = None) ->
     if len(raw) > MAX_BYTES:
         raise InputError(FIELD, f"{name} is {len(raw)} bytes; not a qtts voice file")
     try:
+        # the members' unpacked sizes, before numpy unpacks them: a compressed member can hold
+        # gigabytes of zeros in a few megabytes (zipfile never reads past a member's stated size)
+        with zipfile.ZipFile(io.BytesIO(raw)) as zf:
+            unpacked = sum(info.file_size for info in zf.infolist())
+        if unpacked > MAX_BYTES:
+            raise InputError(FIELD, f"{name} unpacks to {unpacked} bytes; not a qtts voice file")
         with np.load(io.BytesIO(raw), allow_pickle=False) as z:
             meta = json.loads(str(z["meta"]))
             xv = np.asarray(z["x_vector"], dtype=np.float32)
             codes = np.asarray(z["ref_codes"], dtype=np.int32) if "ref_codes" in z else None
             ids = np.asarray(z["ref_ids"], dtype=np.int32) if "ref_ids" in z else None
-    except (OSError, EOFError, ValueError, KeyError, zipfile.BadZipFile, json.JSONDecodeError):
+    except (OSError, EOFError, ValueError, KeyError, MemoryError, zipfile.BadZipFile,
+            json.JSONDecodeError):
         raise InputError(FIELD, f"{name} is not a qtts voice file") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise InputError(FIELD, f"{name} is not a qtts voice file")

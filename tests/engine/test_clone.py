@@ -4,6 +4,12 @@ and the CLI on a tiny random Base model (parity lives in tests/parity/test_clone
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import io
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -373,6 +379,60 @@ def test_voice_file_round_trip_and_fingerprint(pipe: Pipeline, speech: Path, tmp
     for junk in (b"", b"PK\x03\x04nonsense", np.random.default_rng(2).bytes(300)):
         with pytest.raises(InputError, match="not a qtts voice file"):
             voice_file.load(junk)
+
+
+def _crafted_voice_files(pipe: Pipeline, speech: Path, folder: Path) -> dict[str, Path]:
+    """Voice files with this model's fingerprint whose insides are wrong: what a damaged or
+    hostile file holds."""
+    good = pipe.clone_voice(str(speech), REF_TEXT)
+    codes, ids = good.ref_codes, good.ref_ids
+    assert codes is not None and ids is not None
+    vocab = int(pipe.model.talker_config.text_vocab_size)
+    out = {}
+    for name, voice in (
+        ("x_vector", dataclasses.replace(good, x_vector=good.x_vector[:7])),
+        ("ids", dataclasses.replace(good, ref_ids=np.append(ids, vocab).astype(np.int32))),
+        ("negative_ids", dataclasses.replace(good, ref_ids=np.append(ids, -1).astype(np.int32))),
+        ("long", dataclasses.replace(good, ref_codes=np.tile(codes, (40_000 // len(codes), 1)))),
+    ):  # fmt: skip
+        out[name] = folder / f"{name}.qvoice"
+        out[name].write_bytes(voice_file.dumps(voice))
+    # a zip bomb: 800 MB of zero codes deflate to under 1 MB
+    meta = {"format": voice_file.FORMAT, "version": voice_file.VERSION, "mode": "icl",
+            "fingerprint": pipe.voice_fingerprint, "ref_text": REF_TEXT}
+    buf = io.BytesIO()
+    np.savez_compressed(buf, meta=np.array(json.dumps(meta)), x_vector=good.x_vector,
+                        ref_codes=np.zeros((12_500_000, 16), np.int32), ref_ids=ids)
+    out["bomb"] = folder / "bomb.qvoice"
+    out["bomb"].write_bytes(buf.getvalue())
+    assert out["bomb"].stat().st_size < voice_file.MAX_BYTES
+    return out
+
+
+RUN_CLI = "import sys; from cli.main import main; sys.exit(main(sys.argv[1:]))"
+
+
+@pytest.mark.parametrize(("case", "problem"), [
+    ("x_vector", "x-vector has 7 values"),
+    ("ids", "transcript ids fall outside"),
+    ("negative_ids", "transcript ids fall outside"),
+    ("long", "the talker holds"),
+    ("bomb", "not a qtts voice file"),
+])  # fmt: skip
+def test_damaged_voice_files_are_one_line_errors(pipe: Pipeline, speech: Path, base_dir: Path,
+                                                 tmp_path: Path, case: str,
+                                                 problem: str) -> None:  # fmt: skip
+    """Out-of-range transcript ids used to abort the process in ggml's get_rows, and the bomb
+    unpacked its 800 MB: each is now refused before any work, naming the file. (A subprocess:
+    an abort would take the test run with it.)"""
+    path = _crafted_voice_files(pipe, speech, tmp_path)[case]
+    run = subprocess.run(
+        [sys.executable, "-c", RUN_CLI, "synth", "Hi.", "--model", str(base_dir / "model.gguf"),
+         "--voice-file", str(path), "-o", str(tmp_path / "o.wav"), "--max-frames", "2"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "QTTS_THREADS": "2"})
+    lines = [ln for ln in run.stderr.splitlines() if "synthetic random-weight" not in ln]
+    assert run.returncode == 2, run.stderr
+    assert len(lines) == 1 and problem in lines[0] and str(path) in lines[0], run.stderr
 
 
 def test_voice_fingerprint_ignores_dtype_and_parts(base_dir: Path, tmp_path: Path,
