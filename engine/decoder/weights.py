@@ -219,8 +219,12 @@ class DecoderWeights:
         for q in range(cfg.num_quantizers):
             emb = model.tensor_f32(f"dec.rvq.cb.{q}.embed_sum")
             usage = model.tensor_f32(f"dec.rvq.cb.{q}.usage")
-            self.codebooks.append(self._f32(f"dec.rvq.cb.{q}.table",
-                                            emb / np.maximum(usage, eps)[:, None]))
+            with np.errstate(all="ignore"):  # a damaged file: refused below, not warned about
+                table = emb / np.maximum(usage, eps)[:, None]
+            if not np.isfinite(table).all():
+                raise ModelFileError(str(model.path), f"codebook dec.rvq.cb.{q} holds NaN or "
+                                     "infinite values: the file is damaged")  # fmt: skip
+            self.codebooks.append(self._f32(f"dec.rvq.cb.{q}.table", table))
         self.first_proj = self._f32("dec.rvq.first_proj.weight",
                                     model.tensor_f32("dec.rvq.first_proj.weight"))
         self.rest_proj = self._f32("dec.rvq.rest_proj.weight",

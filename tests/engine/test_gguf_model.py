@@ -373,3 +373,27 @@ def test_fuzz_truncations_and_byte_flips(tiny_gguf: Path, tmp_path: Path) -> Non
     assert total >= 500
     assert outcomes["error"] >= 250  # truncations always fail; most header flips too
     # (no total-time bound: each open has its own 5 s hang alarm; speed is not checked here)
+
+
+def test_a_damaged_codebook_is_refused_when_the_decoder_loads(tiny_gguf: Path,
+                                                              tmp_path: Path) -> None:
+    """Tensor data has no checksum: a NaN in a codebook's usage counts (bit rot, a bad copy)
+    passed every check and turned the audio to NaN, with numpy warnings on stderr."""
+    from engine.backend import BackendSet
+    from engine.decoder import DecoderModel
+
+    with open_model(tiny_gguf) as m:
+        info = m.tensor_info("dec.rvq.cb.3.usage")
+    assert info.ggml_type == GGML_F32
+    data = bytearray(tiny_gguf.read_bytes())
+    data[info.offset + 8 : info.offset + 12] = np.float32(np.nan).tobytes()
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    backends = BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "1"})
+    try:
+        with open_model(bad) as m, pytest.raises(ModelFileError) as exc:
+            DecoderModel.load(m, backends, "exact")
+    finally:
+        backends.close()
+    assert str(exc.value) == (f"{bad}: codebook dec.rvq.cb.3 holds NaN or infinite values: "
+                              "the file is damaged")
