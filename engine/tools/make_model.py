@@ -510,7 +510,9 @@ def _stress(name: str, shape: Sequence[int], rng: np.random.Generator,
     log-alpha/beta N(0, 0.3), unit-gain linears and convs (the residual units' second conv 0.3,
     the final conv 0.1, so the waveform is O(0.3) and barely clipped); talker and code predictor
     linears N(0, 1/fan_in) and embeddings N(0, 1), so logits are peaked and every layer moves
-    the residual stream.
+    the residual stream; the cloning encoders (Base models: the speech tokenizer's Mimi encoder
+    and the ECAPA-TDNN speaker encoder) unit-gain convs and linears, biases N(0, 0.1), norms
+    N(1, 0.1) and layer scales U(0.2, 0.6), codebooks as ``default``.
     """
     leaf = name.rsplit(".", 1)[-1]
     shp = tuple(shape)
@@ -518,6 +520,17 @@ def _stress(name: str, shape: Sequence[int], rng: np.random.Generator,
     def normal(std: float, mean: float = 0.0) -> npt.NDArray[np.float32]:
         return (rng.standard_normal(shp, dtype=np.float32) * np.float32(std)
                 + np.float32(mean))
+
+    if name.startswith(("encoder.", "speaker_encoder.")):
+        if ".codebook." in name:
+            return None
+        if leaf == "scale":
+            return rng.uniform(0.2, 0.6, shp).astype(np.float32)
+        if leaf == "bias":
+            return normal(0.1)
+        if len(shp) == 1:
+            return normal(0.1, 1.0)
+        return normal(math.prod(shp[1:]) ** -0.5)
 
     if name.startswith("decoder."):
         if "cluster_usage" in name or "embedding_sum" in name or name.endswith(".initialized"):

@@ -21,7 +21,12 @@ from engine.gguf_model import open_model
 from engine.gguf_schema import DECODER_SKIPPED_HF, decoder_tensor_specs, talker_tensor_specs
 from engine.speaker.schema import parse_speaker_config, speaker_tensor_specs
 from engine.tools.convert import SafetensorsFile, parse_decoder_config, parse_talker_config
-from engine.tools.make_model import build_configs, make_model, write_tokenizer_files
+from engine.tools.make_model import (
+    build_configs,
+    generate_tensor,
+    make_model,
+    write_tokenizer_files,
+)
 
 LAYOUT = [
     "config.json",
@@ -254,3 +259,28 @@ def test_stress_recipe_is_loud_and_unclipped(stress_gguf: Path, tiny_gguf: Path,
     with pytest.raises(ConversionError) as err:
         make_model(tmp_path, size="tiny", recipe="loud", progress=False)
     assert "--recipe" in str(err.value)
+
+
+def test_stress_recipe_covers_the_cloning_encoders() -> None:
+    """Under ``stress`` the encoders' convs and linears are unit-gain (std 1/sqrt(fan_in)),
+    biases N(0, 0.1), norms N(1, 0.1), layer scales U(0.2, 0.6) (the default's Mimi transformer
+    is near the identity: linears 0.02, layer scales 0.01); codebooks are the default's."""
+
+    def tensor(name: str, shape: tuple[int, ...], recipe: str = "stress") -> np.ndarray[Any, Any]:
+        return np.concatenate(list(generate_tensor(5, name, shape, recipe)))
+
+    for name, shape in (("speaker_encoder.blocks.1.tdnn1.conv.weight", (48, 32, 3)),
+                        ("encoder.encoder.layers.3.conv.weight", (48, 32, 3)),
+                        ("encoder.encoder_transformer.layers.0.mlp.fc1.weight", (48, 32))):
+        w = tensor(name, shape)
+        assert abs(float(w.std()) * math.sqrt(math.prod(shape[1:])) - 1.0) < 0.05, name
+    fc1 = "encoder.encoder_transformer.layers.0.mlp.fc1.weight"
+    assert float(tensor(fc1, (48, 32), "default").std()) < 0.03
+    for bias in ("speaker_encoder.blocks.1.tdnn1.conv.bias", "encoder.encoder.layers.3.conv.bias"):
+        assert 0.08 < float(tensor(bias, (512,)).std()) < 0.12, bias
+    norm = tensor("encoder.encoder_transformer.layers.0.input_layernorm.weight", (512,))
+    assert abs(float(norm.mean()) - 1.0) < 0.03 and 0.08 < float(norm.std()) < 0.12
+    scale = tensor("encoder.encoder_transformer.layers.0.mlp_layer_scale.scale", (512,))
+    assert 0.2 <= float(scale.min()) and float(scale.max()) <= 0.6
+    cb = "encoder.quantizer.semantic_residual_vector_quantizer.layers.0.codebook.embed_sum"
+    np.testing.assert_array_equal(tensor(cb, (64, 8)), tensor(cb, (64, 8), "default"))

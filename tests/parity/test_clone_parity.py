@@ -121,6 +121,31 @@ def test_generate_voice_clone_greedy(base: Rig, tmp_path: Path, case: Case) -> N
     np.testing.assert_array_equal(ours, want)
 
 
+def test_cloning_on_stress_weights(tmp_path_factory: pytest.TempPathFactory,
+                                   tmp_path: Path) -> None:
+    """The ``stress`` recipe, encoders included (every stage O(1), as trained weights are):
+    the x-vector within 1e-5, the reference codes identical and the greedy codes of an
+    in-context request identical to the reference's."""
+    folder = tmp_path_factory.mktemp("clone_stress")
+    make_model(folder, "tiny", seed=13, variant="base", progress=False, keep_checkpoint=True,
+               recipe="stress")
+    rig = Rig(folder, BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "2"}))
+    audio = decode(espeak_wav(tmp_path / "ref.wav", SENTENCES[1]))
+    wav = resample(audio.samples, audio.sample_rate)
+    cloner = VoiceCloner(rig.model, rig.backends, rig.builder)
+    voice = cloner.make(wav, SENTENCES[1])
+    cloner.close()
+    want_xv = rc.x_vector(folder, wav)
+    np.testing.assert_allclose(voice.x_vector, want_xv, rtol=0,
+                               atol=1e-5 * float(np.abs(want_xv).max()))
+    np.testing.assert_array_equal(voice.ref_codes, rc.encode(folder, wav))  # type: ignore[arg-type]
+    prompt = build_clone_prompt(rig.builder, voice, TEXT, "english", "stream",
+                                rig.talker.frame_embeddings)  # fmt: skip
+    want = rc.clone_codes(folder, audio.samples, audio.sample_rate, TEXT, "english",
+                          SENTENCES[1], False, False, FRAMES)
+    np.testing.assert_array_equal(rig.greedy(prompt), want)
+
+
 def test_icl_prompt_prefix_is_reused(base: Rig, tmp_path: Path) -> None:
     """A second request with the same stored voice prefills only what follows its prefix."""
     audio = decode(espeak_wav(tmp_path / "ref.wav", SENTENCES[2]))
