@@ -70,13 +70,10 @@ DEFAULT_MAX_INSTRUCT_TOKENS = 256
 DEFAULT_SEGMENT_TOKENS = 200
 # 16: the ramp then costs little more than an offline decode (docs/performance.md, Decoder)
 DEFAULT_CHUNK_MAX_FRAMES = 16
-# A cloned voice's reference codes go through the decoder before the new frames (their audio is
-# dropped, as the reference cuts it): the last 25, the left context the reference's own chunked
-# decode gives each chunk, so the first new audio is as early as for any voice.
-DECODER_PRIME_FRAMES = 25
-# Decoder states after those frames, kept for the most recent in-context voices: priming is a
-# 25-frame decode, a large share of a cloned voice's time to first audio, and the same for
-# every request in that voice.
+# Decoder states after an in-context voice's reference codes, kept for the most recent voices:
+# the reference decodes its codes and the new ones in one pass and cuts the reference's share,
+# so the new audio has every reference frame as context (the decoder's attention layers reach
+# back up to 8 x 71 frames); priming is the same for every request in that voice.
 PRIMED_VOICES = 16
 Cancel = threading.Event | Callable[[], bool] | None
 
@@ -441,13 +438,13 @@ class Pipeline:
                         Ramp(chunk_max))
 
     def _primed_decoder(self, voice: VoicePrompt | None) -> StreamingDecoder:
-        """A streaming decoder; for an in-context voice, primed with the end of its reference
-        codes (decoded for context only, as the reference cuts that audio), from the kept
-        state when this voice was primed before."""
+        """A streaming decoder; for an in-context voice, primed with its reference codes
+        (decoded for context only, as the reference cuts that audio), from the kept state when
+        this voice was primed before."""
         sd = StreamingDecoder(self.decoder)
         if voice is None or voice.ref_codes is None:
             return sd
-        prime = np.ascontiguousarray(voice.ref_codes[-DECODER_PRIME_FRAMES:].T)
+        prime = np.ascontiguousarray(voice.ref_codes.T)
         key = hashlib.blake2b(prime.tobytes(), digest_size=16).digest()
         kept = self._primed.get(key)
         if kept is None:

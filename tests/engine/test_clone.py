@@ -216,6 +216,36 @@ def test_cloned_stream_starts_with_new_speech(pipe: Pipeline, speech: Path) -> N
 
 
 
+def test_a_cloned_stream_has_the_whole_reference_as_context(
+        tmp_path_factory: pytest.TempPathFactory, speech: Path) -> None:
+    """The reference decodes reference + new codes in one pass and cuts the reference's share,
+    so the new audio has every reference frame as context. On a decoder whose attention
+    reaches back 4 x 71 frames (the released one: 8 x 71) the stream equals that one pass;
+    priming with the last 25 reference frames, as before, did not."""
+    folder = tmp_path_factory.mktemp("clone_long_context")
+    make_model(folder, "tiny", seed=23, variant="base", progress=False, recipe="stress",
+               overrides={"decoder": {"sliding_window": 72, "num_hidden_layers": 4}})
+    backends = BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "2"})
+    p = Pipeline(open_model(folder / "model.gguf"), backends, precision="exact")
+    try:
+        voice = p.clone_voice(str(speech), REF_TEXT)
+        assert voice.ref_codes is not None and len(voice.ref_codes) > 30
+        audio, info, _ = synthesize(p, SynthesisRequest("Hello there.", voice_prompt=voice,
+                                                        greedy=True, max_frames=6))
+        new = np.concatenate(info.codes, axis=1)
+        one_pass, _ = StreamingDecoder(p.decoder).push(
+            np.concatenate([voice.ref_codes.T, new], axis=1))
+        want = one_pass[len(voice.ref_codes) * 1920 :]
+        assert audio.shape == want.shape and float(np.abs(want).std()) > 0.05
+        np.testing.assert_allclose(audio, want, rtol=0, atol=1e-4)
+        short = StreamingDecoder(p.decoder)
+        short.prime(voice.ref_codes[-25:].T)
+        assert float(np.abs(short.push(new)[0] - want).max()) > 1e-2
+    finally:
+        p.close()
+        backends.close()
+
+
 @pytest.mark.parametrize("x_only", [True, False], ids=["x_vector", "icl"])
 def test_a_cloned_voice_defaults_to_streaming_text(pipe: Pipeline, speech: Path,
                                                    x_only: bool) -> None:
@@ -298,11 +328,12 @@ def test_a_voice_primes_the_decoder_once(pipe: Pipeline, speech: Path) -> None:
     pipe._primed.clear()
     with decoded_frames() as frames:
         first = np.concatenate([c.audio for c in pipe.stream(req)])
-    assert sum(frames) == 25 + 6  # the priming frames, then its own
+    assert voice.ref_codes is not None
+    assert sum(frames) == len(voice.ref_codes) + 6  # the reference's frames, then its own
     assert len(pipe._primed) == 1
     with decoded_frames() as frames:
         second = np.concatenate([c.audio for c in pipe.stream(req)])
-    assert sum(frames) == 6  # the new frames only: no 25-frame priming
+    assert sum(frames) == 6  # the new frames only: no priming again
     np.testing.assert_array_equal(first, second)
 
 

@@ -80,6 +80,15 @@ def clone_codes(folder: Path, wav: npt.NDArray[np.float32], sr: int, text: str, 
                 ref_text: str | None, x_vector_only: bool, non_streaming: bool,
                 frames: int) -> npt.NDArray[np.int32]:  # fmt: skip
     """Greedy codes ``[16, T]`` of the official ``generate_voice_clone`` (reference part cut)."""
+    return clone_speech(folder, wav, sr, text, language, ref_text, x_vector_only, non_streaming,
+                        frames)[0]
+
+
+def clone_speech(folder: Path, wav: npt.NDArray[np.float32], sr: int, text: str, language: str,
+                 ref_text: str | None, x_vector_only: bool, non_streaming: bool, frames: int
+                 ) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.float32]]:  # fmt: skip
+    """Greedy codes ``[16, T]`` and the 24 kHz audio of the official ``generate_voice_clone``
+    (it decodes reference + new codes in one pass and cuts the reference's share)."""
     m = load_model(str(folder))
     captured: dict[str, Any] = {}
     inner = m.model.generate
@@ -91,7 +100,7 @@ def clone_codes(folder: Path, wav: npt.NDArray[np.float32], sr: int, text: str, 
 
     m.model.generate = gen
     try:
-        m.generate_voice_clone(
+        wavs, _ = m.generate_voice_clone(
             text=text, language=language, ref_audio=(np.asarray(wav, np.float32), sr),
             ref_text=ref_text, x_vector_only_mode=x_vector_only,
             non_streaming_mode=non_streaming, do_sample=False, subtalker_dosample=False,
@@ -99,4 +108,5 @@ def clone_codes(folder: Path, wav: npt.NDArray[np.float32], sr: int, text: str, 
         )
     finally:
         del m.model.generate
-    return np.ascontiguousarray(captured["codes"].T, dtype=np.int32)
+    return (np.ascontiguousarray(captured["codes"].T, dtype=np.int32),
+            np.asarray(wavs[0], dtype=np.float32))

@@ -21,6 +21,7 @@ from engine.clone.audio import decode, resample
 from engine.clone.cloner import VoiceCloner
 from engine.clone.prompt import build_clone_prompt
 from engine.gguf_model import open_model
+from engine.pipeline import Pipeline, SynthesisRequest, synthesize
 from engine.talker import PromptBuilder, SamplingParams, TalkerModel, generate_frames, make_rng
 from engine.talker.prompt import Prompt
 from engine.tools.make_model import make_model
@@ -144,6 +145,39 @@ def test_cloning_on_stress_weights(tmp_path_factory: pytest.TempPathFactory,
     want = rc.clone_codes(folder, audio.samples, audio.sample_rate, TEXT, "english",
                           SENTENCES[1], False, False, FRAMES)
     np.testing.assert_array_equal(rig.greedy(prompt), want)
+
+
+def test_cloned_speech_equals_the_references(tmp_path_factory: pytest.TempPathFactory,
+                                             tmp_path: Path) -> None:
+    """The audio of an in-context request, not only its codes: the reference decodes its
+    reference codes and the new ones in one pass and cuts the reference's share; the stream
+    (primed with every reference frame) gives the same samples, on a decoder whose attention
+    reaches back 4 x 71 frames (stress weights: every stage O(1))."""
+    folder = tmp_path_factory.mktemp("clone_speech")
+    make_model(folder, "tiny", seed=14, variant="base", progress=False, keep_checkpoint=True,
+               recipe="stress",
+               overrides={"decoder": {"sliding_window": 72, "num_hidden_layers": 4}})
+    audio = decode(espeak_wav(tmp_path / "ref.wav", SENTENCES[2]))
+    backends = BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "2"})
+    pipe = Pipeline(open_model(folder / "model.gguf"), backends, precision="exact",
+                    kv_type="f32")
+    try:
+        voice = pipe.clone_voice(resample(audio.samples, audio.sample_rate), SENTENCES[2])
+        assert voice.ref_codes is not None and len(voice.ref_codes) > 30
+        ours, info, _ = synthesize(pipe, SynthesisRequest(TEXT, voice_prompt=voice,
+                                                          language="english", greedy=True,
+                                                          max_frames=FRAMES))
+    finally:
+        pipe.close()
+        backends.close()
+    codes, want = rc.clone_speech(folder, audio.samples, audio.sample_rate, TEXT, "english",
+                                  SENTENCES[2], False, False, FRAMES)
+    np.testing.assert_array_equal(np.concatenate(info.codes, axis=1), codes)
+    # the reference's cut, int(ref_len / total_len * samples), can fall one sample early
+    assert want.size - ours.size in (0, 1)
+    want = want[want.size - ours.size :]
+    assert float(want.std()) > 0.05
+    np.testing.assert_allclose(ours, want, rtol=0, atol=1e-4)
 
 
 def test_icl_prompt_prefix_is_reused(base: Rig, tmp_path: Path) -> None:
