@@ -203,6 +203,25 @@ def _tiny_17b(tmp_path_factory: pytest.TempPathFactory, variant: str) -> Rig:
     return Rig(folder, BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "2"}))
 
 
+@pytest.mark.parametrize("x_vector_only", [True, False], ids=["x_vector", "icl"])
+def test_voice_clone_17b_structure_greedy(tmp_path_factory: pytest.TempPathFactory,
+                                          tmp_path: Path, x_vector_only: bool) -> None:
+    """A Base model with the 1.7B structure (talker width != code-predictor width: the
+    projection between them, and an x-vector at the talker's width)."""
+    rig = _tiny_17b(tmp_path_factory, "base")
+    assert rig.talker.weights.cp_mtp_w is not None
+    audio = decode(espeak_wav(tmp_path / "ref.wav", SENTENCES[0]))
+    cloner = VoiceCloner(rig.model, rig.backends, rig.builder)
+    voice = cloner.make(resample(audio.samples, audio.sample_rate), SENTENCES[0], x_vector_only)
+    cloner.close()
+    assert voice.x_vector.shape == (TINY_17B["talker"]["hidden_size"],)
+    prompt = build_clone_prompt(rig.builder, voice, TEXT, "english", "stream",
+                                rig.talker.frame_embeddings)  # fmt: skip
+    want = rc.clone_codes(rig.folder, audio.samples, audio.sample_rate, TEXT, "english",
+                          SENTENCES[0], x_vector_only, False, FRAMES)
+    np.testing.assert_array_equal(rig.greedy(prompt), want)
+
+
 @pytest.mark.parametrize("non_streaming", [True, False], ids=["full", "stream"])
 def test_voice_design_greedy(tmp_path_factory: pytest.TempPathFactory,
                              non_streaming: bool) -> None:  # fmt: skip
