@@ -12,7 +12,10 @@ pcm), read to the end, repeat. Printed per run:
   rejected       503 answers (queue full), counted, not retried at once
 
 Requests are text requests (``--frames`` caps their audio via ``max_seconds``) when the model
-has a talker, else ``codes`` requests of ``--frames`` random codec frames (``--mode``).
+has a talker, else ``codes`` requests of ``--frames`` random codec frames (``--mode``). They
+speak the model's first built-in voice; a Base model has none, so a voice is cloned for the
+run (``POST /v1/audio/voices``, ~10 s of espeak-ng speech) and the load is of that stored
+in-context voice.
 
   python bench/load.py --model ~/.cache/qtts/models/synthetic-full-q4_0-seed0-v2/model.gguf \
       --workers 1,2 --clients 4 --seconds 30 --frames 50
@@ -31,14 +34,17 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 BYTES_PER_SECOND = 24000 * 2
 
 
@@ -101,12 +107,32 @@ TEXT = ("The quick brown fox jumps over the lazy dog, and then it runs far away 
         "forest, where nobody can find it again.")
 
 
+def bench_voice(url: str, headers: dict[str, str], model: dict[str, Any]) -> str | None:
+    """The voice the requests speak in: the model's first built-in voice; on a Base model
+    (none built in) a voice cloned for the run from ~10 s of espeak-ng speech, so the load is
+    of a stored in-context voice."""
+    voices = httpx.get(url + "/v1/audio/voices", headers=headers, timeout=10).json()
+    if voices["voices"]:
+        return str(voices["voices"][0])
+    if model.get("model_type") != "base":
+        return None
+    from bench.clone import reference_audio
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ref, transcript = reference_audio(Path(tmp), 10.0)
+        r = httpx.post(url + "/v1/audio/voices", headers=headers, timeout=120,
+                       data={"name": f"bench-load-{os.getpid()}", "transcript": transcript},
+                       files={"audio_sample": ("ref.wav", ref.read_bytes(), "audio/wav")})
+    r.raise_for_status()
+    print(f"# cloned voice {r.json()['id']} for the run", file=sys.stderr, flush=True)
+    return str(r.json()["id"])
+
+
 def request_body(url: str, mode: str, frames: int, headers: dict[str, str]) -> tuple[dict, str]:
     """A text request when the server can speak text (mode auto|text), else codes."""
     model = httpx.get(url + "/v1/models", headers=headers, timeout=10).json()["data"][0]
     if mode == "text" or (mode == "auto" and model.get("text")):
-        voices = httpx.get(url + "/v1/audio/voices", headers=headers, timeout=10).json()
-        voice = voices["voices"][0] if voices["voices"] else None
+        voice = bench_voice(url, headers, model)
         return ({"text": TEXT, "voice": voice, "format": "pcm", "seed": 1,
                  "max_seconds": frames / 12.5}, "text")
     rng = np.random.default_rng(0)
