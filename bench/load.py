@@ -121,7 +121,7 @@ def bench_voice(url: str, headers: dict[str, str], model: dict[str, Any]) -> str
     with tempfile.TemporaryDirectory() as tmp:
         ref, transcript = reference_audio(Path(tmp), 10.0)
         r = httpx.post(url + "/v1/audio/voices", headers=headers, timeout=120,
-                       data={"name": f"bench-load-{os.getpid()}", "transcript": transcript},
+                       data={"name": f"bench-load-{time.time_ns()}", "transcript": transcript},
                        files={"audio_sample": ("ref.wav", ref.read_bytes(), "audio/wav")})
     r.raise_for_status()
     print(f"# cloned voice {r.json()['id']} for the run", file=sys.stderr, flush=True)
@@ -262,14 +262,17 @@ def main() -> int:
             for b in args.max_batch.split(",")]
     for w, b in runs:
         threads = args.threads or max(1, ((os.cpu_count() or 1) - 1) // w)
-        proc, url = start_server(args.model, w, threads, args.queue, b)
-        try:
-            res, d = asyncio.run(run_load(url, args.clients, args.seconds, args.frames, headers,
-                                          args.mode))
-            label = f"{w} worker(s) x {threads} thread(s)" + (f", batch {b}" if b > 1 else "")
-            print(row(label, res, d), flush=True)
-        finally:
-            stop_server(proc)
+        with tempfile.TemporaryDirectory() as data:  # its voice store: this run's own
+            proc, url = start_server(args.model, w, threads, args.queue, b,
+                                     settings={"QTTS_DATA_DIR": data})
+            try:
+                res, d = asyncio.run(run_load(url, args.clients, args.seconds, args.frames,
+                                              headers, args.mode))
+                label = (f"{w} worker(s) x {threads} thread(s)"
+                         + (f", batch {b}" if b > 1 else ""))
+                print(row(label, res, d), flush=True)
+            finally:
+                stop_server(proc)
     return 0
 
 
