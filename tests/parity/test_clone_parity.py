@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from engine.backend import BackendSet
-from engine.clone.audio import decode, resample
+from engine.clone.audio import DecodedAudio, decode, resample
 from engine.clone.cloner import VoiceCloner
-from engine.clone.prompt import build_clone_prompt
+from engine.clone.prompt import VoicePrompt, build_clone_prompt
 from engine.gguf_model import open_model
 from engine.pipeline import Pipeline, SynthesisRequest, synthesize
 from engine.talker import PromptBuilder, SamplingParams, TalkerModel, generate_frames, make_rng
@@ -87,6 +87,22 @@ class Rig:
         self.talker = TalkerModel(self.model, backends, "f32")
         self.backends = backends
 
+    def clone(self, audio: DecodedAudio, ref_text: str, x_vector_only: bool = False
+              ) -> VoicePrompt:  # fmt: skip
+        """The voice of decoded reference audio (resampled to 24 kHz), made by our cloner."""
+        cloner = VoiceCloner(self.model, self.backends, self.builder)
+        try:
+            return cloner.make(resample(audio.samples, audio.sample_rate), ref_text,
+                               x_vector_only)  # fmt: skip
+        finally:
+            cloner.close()
+
+    def prompt(self, voice: VoicePrompt, text: str = TEXT, language: str = "english",
+               mode: str = "stream") -> Prompt:
+        """The talker prompt of ``text`` in ``voice``."""
+        return build_clone_prompt(self.builder, voice, text, language, mode,
+                                  self.talker.frame_embeddings)  # fmt: skip
+
     def greedy(self, prompt: Prompt, frames: int = FRAMES) -> np.ndarray:
         params = SamplingParams.from_defaults(self.model.generation_defaults).greedy()
         gen = generate_frames(self.talker, prompt, params, frames, make_rng(0)[0])
@@ -108,14 +124,9 @@ def test_generate_voice_clone_greedy(base: Rig, tmp_path: Path, case: Case) -> N
     audio = decode(src)  # both sides get the same decoded samples at the file's own rate
     if case.audio == "mp3_16k":
         assert audio.sample_rate == 16000
-    cloner = VoiceCloner(base.model, base.backends, base.builder)
-    voice = cloner.make(resample(audio.samples, audio.sample_rate), SENTENCES[0],
-                        case.x_vector_only)  # fmt: skip
-    prompt = build_clone_prompt(base.builder, voice, TEXT, case.language,
-                                "full" if case.non_streaming else "stream",
-                                base.talker.frame_embeddings)  # fmt: skip
-    ours = base.greedy(prompt)
-    cloner.close()
+    voice = base.clone(audio, SENTENCES[0], case.x_vector_only)
+    ours = base.greedy(base.prompt(voice, language=case.language,
+                                   mode="full" if case.non_streaming else "stream"))
     want = rc.clone_codes(base.folder, audio.samples, audio.sample_rate, TEXT, case.language,
                           SENTENCES[0], case.x_vector_only, case.non_streaming, FRAMES)
     assert ours.shape == want.shape == (16, FRAMES)
@@ -133,18 +144,14 @@ def test_cloning_on_stress_weights(tmp_path_factory: pytest.TempPathFactory,
     rig = Rig(folder, BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "2"}))
     audio = decode(espeak_wav(tmp_path / "ref.wav", SENTENCES[1]))
     wav = resample(audio.samples, audio.sample_rate)
-    cloner = VoiceCloner(rig.model, rig.backends, rig.builder)
-    voice = cloner.make(wav, SENTENCES[1])
-    cloner.close()
+    voice = rig.clone(audio, SENTENCES[1])
     want_xv = rc.x_vector(folder, wav)
     np.testing.assert_allclose(voice.x_vector, want_xv, rtol=0,
                                atol=1e-5 * float(np.abs(want_xv).max()))
     np.testing.assert_array_equal(voice.ref_codes, rc.encode(folder, wav))  # type: ignore[arg-type]
-    prompt = build_clone_prompt(rig.builder, voice, TEXT, "english", "stream",
-                                rig.talker.frame_embeddings)  # fmt: skip
     want = rc.clone_codes(folder, audio.samples, audio.sample_rate, TEXT, "english",
                           SENTENCES[1], False, False, FRAMES)
-    np.testing.assert_array_equal(rig.greedy(prompt), want)
+    np.testing.assert_array_equal(rig.greedy(rig.prompt(voice)), want)
 
 
 def test_cloned_speech_equals_the_references(tmp_path_factory: pytest.TempPathFactory,
@@ -183,13 +190,9 @@ def test_cloned_speech_equals_the_references(tmp_path_factory: pytest.TempPathFa
 def test_icl_prompt_prefix_is_reused(base: Rig, tmp_path: Path) -> None:
     """A second request with the same stored voice prefills only what follows its prefix."""
     audio = decode(espeak_wav(tmp_path / "ref.wav", SENTENCES[2]))
-    cloner = VoiceCloner(base.model, base.backends, base.builder)
-    voice = cloner.make(resample(audio.samples, audio.sample_rate), SENTENCES[2])
-    cloner.close()
-    p1 = build_clone_prompt(base.builder, voice, TEXT, "english", "full",
-                            base.talker.frame_embeddings)  # fmt: skip
-    p2 = build_clone_prompt(base.builder, voice, "Another sentence entirely.", "english", "full",
-                            base.talker.frame_embeddings)  # fmt: skip
+    voice = base.clone(audio, SENTENCES[2])
+    p1 = base.prompt(voice, mode="full")
+    p2 = base.prompt(voice, "Another sentence entirely.", mode="full")
     first = base.greedy(p1, 3)
     base.talker.prefill(p2)
     assert base.talker.last_prefill_positions == p2.length - p2.n_prefix
@@ -211,15 +214,11 @@ def test_voice_clone_17b_structure_greedy(tmp_path_factory: pytest.TempPathFacto
     rig = _tiny_17b(tmp_path_factory, "base")
     assert rig.talker.weights.cp_mtp_w is not None
     audio = decode(espeak_wav(tmp_path / "ref.wav", SENTENCES[0]))
-    cloner = VoiceCloner(rig.model, rig.backends, rig.builder)
-    voice = cloner.make(resample(audio.samples, audio.sample_rate), SENTENCES[0], x_vector_only)
-    cloner.close()
+    voice = rig.clone(audio, SENTENCES[0], x_vector_only)
     assert voice.x_vector.shape == (TINY_17B["talker"]["hidden_size"],)
-    prompt = build_clone_prompt(rig.builder, voice, TEXT, "english", "stream",
-                                rig.talker.frame_embeddings)  # fmt: skip
     want = rc.clone_codes(rig.folder, audio.samples, audio.sample_rate, TEXT, "english",
                           SENTENCES[0], x_vector_only, False, FRAMES)
-    np.testing.assert_array_equal(rig.greedy(prompt), want)
+    np.testing.assert_array_equal(rig.greedy(rig.prompt(voice)), want)
 
 
 @pytest.mark.parametrize("non_streaming", [True, False], ids=["full", "stream"])
