@@ -91,10 +91,10 @@ def _as_float(arr: npt.NDArray[Any]) -> F32:
     # midpoint, as libsndfile reads it
     if arr.dtype.kind == "u":
         mid = float(np.iinfo(arr.dtype.type).max // 2 + 1)
-        return ((arr.astype(np.float32) - np.float32(mid)) / np.float32(mid)).astype(np.float32)
+        return (arr.astype(np.float32) - np.float32(mid)) / np.float32(mid)
     if arr.dtype.kind == "i":
         scale = float(np.iinfo(arr.dtype.type).max) + 1.0
-        return (arr.astype(np.float32) / np.float32(scale)).astype(np.float32)
+        return arr.astype(np.float32) / np.float32(scale)
     return arr.astype(np.float32, copy=False)
 
 
