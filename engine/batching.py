@@ -12,8 +12,10 @@ slot is free); a cancelled stream leaves at the next step, before any more work 
 Live text (``submit_live``: text still being written, ``Pipeline.stream_live``'s requests)
 shares the batch too: a live stream waits outside the scheduler until its start policy is met,
 then its utterance sits out of the steps whenever its text runs dry (engine/talker/scheduler.py);
-its frames, pauses and chunks are those ``stream_live`` makes. Codes requests run on the
-unbatched ``Pipeline.stream``.
+its frames, pauses and chunks are those ``stream_live`` makes. Like ``stream_live`` it may start
+on a guess of its first ids (engine/talker/live.py): its chunks and end are held until the text
+confirms the guess, and it starts over, nothing sent, when the text refutes it. Codes requests
+run on the unbatched ``Pipeline.stream``.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import numpy.typing as npt
@@ -61,11 +63,14 @@ class Rejected:
 
 @dataclass
 class _Live:
-    """A live stream's text side: its plan until it starts, then its rows."""
+    """A live stream's text side: its plan until it starts, then its rows; while the ids its
+    opening was laid out with are a guess the text has not confirmed, its events wait."""
 
     plan: LivePlan
     feed: TextFeed
     rows: LiveRows | None = None
+    guess: list[int] | None = None
+    held: list[AudioChunk | Finished] = field(default_factory=list)
 
 
 @dataclass
@@ -186,12 +191,13 @@ class BatchRunner:
                 self._finish(st, "cancelled", out)
                 continue
             lv.plan.poll(lv.feed, 0)
-            if not lv.plan.ready():
+            start = lv.plan.start()
+            if start is None:
                 continue
             self._starting.remove(st)
             live = lv.plan.live
             try:
-                if not live.ids:
+                if lv.plan.ready() and not live.ids:
                     raise InputError("text", "is empty")
                 if live.ended:  # the whole text came first: a streaming-text request
                     st.live = None
@@ -203,11 +209,54 @@ class BatchRunner:
                 out.append((st.sid, Rejected(e)))
                 continue
             st.plan, budget = self.pipeline.live_text_plan(lv.plan)
-            st.plan.prompts = [lv.plan.opening(list(live.ids))]
+            st.plan.prompts = [lv.plan.opening(start)]
             st.info.seed, st.info.budget = st.plan.seed, st.plan.total
             assert self.pipeline.prompts is not None
-            lv.rows = LiveRows(self.talker, self.pipeline.prompts, live, lv.feed, budget)
+            lv.rows = LiveRows(self.talker, self.pipeline.prompts, live, lv.feed, budget,
+                               placed=len(start))
+            if live.ids[: len(start)] != start:
+                lv.guess = start
+                st.info.guessed += 1
             self._admit(st)
+
+    def _settle(self, out: list[Event]) -> None:
+        # streams opened on a guess: the text confirms it (their events go out) or refutes it
+        # (they start over from the stable ids, nothing of theirs sent)
+        for st in list(self._streams.values()):
+            lv = st.live
+            if lv is None or lv.guess is None:
+                continue
+            if is_cancelled(st.cancel):
+                self._finish(st, "cancelled", out)
+                continue
+            lv.plan.poll(lv.feed, 0)
+            settled = lv.plan.live.confirms(lv.guess)
+            if settled is None:
+                continue
+            if not settled:
+                self._restart(st)
+                continue
+            held, lv.guess, lv.held = lv.held, None, []
+            for ev in held:
+                if isinstance(ev, Finished):
+                    self._finish(st, ev.outcome, out)
+                else:
+                    out.append((st.sid, ev))
+
+    def _restart(self, st: _Stream) -> None:
+        # as Pipeline.stream_live on a refuted guess: the same seed, a fresh start
+        lv = st.live
+        assert lv is not None and st.plan is not None
+        if self._by_uid.pop(st.uid, None) is not None:
+            self.frames.cancel(st.uid)
+        lv.plan.request = replace(lv.plan.request, seed=st.plan.seed)
+        st.info.codes.clear()
+        st.info.frames = 0
+        st.info.refuted += 1
+        st.plan, st.segment, st.done, st.outcome = None, 0, 0, "ok"
+        st.pending, st.acc, st.first_t, st.audio_s = [], StageTimings(), None, 0.0
+        lv.rows, lv.guess, lv.held = None, None, []
+        self._starting.append(st)
 
     def _admit(self, st: _Stream) -> None:
         talker = self.talker
@@ -242,6 +291,7 @@ class BatchRunner:
         listener. Each stream's chunks are the same whatever the order."""
         out = _Out(deliver)
         self.decoder_s = 0.0
+        self._settle(out)
         if self._starting:
             self._start_live(out)
         events = self.frames.iterate(lambda evs: self._handle(evs, out))
@@ -278,7 +328,7 @@ class BatchRunner:
         if is_cancelled(st.cancel):
             self._finish(st, "cancelled", out)
             return False
-        out.append((st.sid, self._push(st, StageTimings())))
+        self._emit(st, self._push(st, StageTimings()), out)
         return True
 
     def _urgency(self, uid: int, now: float) -> float:
@@ -311,7 +361,7 @@ class BatchRunner:
             if is_cancelled(st.cancel):
                 self._finish(st, "cancelled", out)
                 return
-            out.append((st.sid, self._push(st, r.leftover)))
+            self._emit(st, self._push(st, r.leftover), out)
         st.segment += 1
         if st.segment >= len(st.plan.prompts):
             self._finish(st, st.outcome, out)
@@ -320,14 +370,26 @@ class BatchRunner:
         else:
             self._admit(st)
 
+    def _emit(self, st: _Stream, chunk: AudioChunk, out: list[Event]) -> None:
+        if st.live is not None and st.live.guess is not None:
+            st.live.held.append(chunk)
+        else:
+            out.append((st.sid, chunk))
+
     def _finish(self, st: _Stream, outcome: str, out: list[Event]) -> None:
-        self._streams.pop(st.sid, None)
-        if st.live is not None and st.live.rows is not None:
-            st.info.text_tokens = len(st.live.plan.live.ids)
         if st.uid in self._by_uid:
             self._by_uid.pop(st.uid)
             self.frames.cancel(st.uid)
         st.info.outcome = outcome
+        lv = st.live
+        if lv is not None and lv.guess is not None:
+            if outcome != "cancelled":
+                lv.held.append(Finished(outcome))  # it keeps its slot until the text settles
+                return
+            lv.guess, lv.held = None, []  # cancelled: what it held is never sent
+        self._streams.pop(st.sid, None)
+        if lv is not None and lv.rows is not None:
+            st.info.text_tokens = len(lv.plan.live.ids)
         out.append((st.sid, Finished(outcome)))
 
     def close(self) -> None:

@@ -130,6 +130,8 @@ class StreamInfo:
     codes: list[npt.NDArray[np.int32]] = field(default_factory=list)  # [16, n] per chunk
     outcome: str = ""
     text_tokens: int = 0  # the text's tokens (a live text: those spoken when it ended)
+    guessed: int = 0  # live text: openings laid out on a guess of its first ids
+    refuted: int = 0  # ... of which the text proved wrong (started over; their audio unsent)
 
 
 _SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "repetition_penalty",
@@ -194,6 +196,22 @@ class LivePlan:
         reference covered), or the text ended."""
         live = self.live
         return live.ended or (live.text_ready(self.min_tokens) and len(live.ids) >= self.need)
+
+    def start(self, guess: bool = True) -> list[int] | None:
+        """The ids to open the prompt with if generation may start now, else None: the stable
+        ids once ``ready``; before that, when the start policy is met counting the word being
+        written as complete (``LiveText.tentative``), the stable ids if the opening needs no
+        more, else (``guess``) the guessed ids the opening places, for the caller to confirm
+        (``LiveText.confirms``) before it lets audio out."""
+        live = self.live
+        if self.ready():
+            return list(live.ids)
+        ids, _ = live.tentative()
+        if len(ids) < self.need or not live.text_ready(self.min_tokens, tentative=True):
+            return None
+        if len(live.ids) >= self.need:
+            return list(live.ids)
+        return ids[: self.need] if guess else None
 
     def poll(self, feed: TextFeed, timeout: float) -> None:
         """Take what ``feed`` delivers within ``timeout`` seconds (0: what it holds now)."""
@@ -641,25 +659,67 @@ class Pipeline:
         info = info if info is not None else StreamInfo()
         plan = self.plan_live(request, min_tokens)
         live = plan.live
-        while not plan.ready():
-            if is_cancelled(check):
-                info.outcome = "cancelled"
-                return "cancelled"
-            plan.poll(feed, 0.02)
-        if not live.ids:
-            raise InputError("text", "is empty")
-        if live.ended:
-            outcome = yield from self._stream_text(plan.whole(), check, info)
-            info.outcome = outcome
-            return outcome
-        assert self.talker is not None and self.prompts is not None
-        tp, budget = self.live_text_plan(plan)
-        info.seed, info.budget = tp.seed, tp.total
-        frames = generate_live_frames(self.talker, self.prompts, live, feed, plan.opening,
-                                      tp.params, budget, tp.rng, check)
-        result = yield from self._chunks(frames, tp.decoder, tp.ramp, check, info)
+        start = plan.start()
+        while True:
+            while start is None:
+                if is_cancelled(check):
+                    info.outcome = "cancelled"
+                    return "cancelled"
+                plan.poll(feed, 0.02)
+                start = plan.start()
+            if plan.ready() and not live.ids:
+                raise InputError("text", "is empty")
+            if live.ended:
+                outcome = yield from self._stream_text(plan.whole(), check, info)
+                info.outcome = outcome
+                return outcome
+            assert self.talker is not None and self.prompts is not None
+            tp, budget = self.live_text_plan(plan)
+            info.seed, info.budget = tp.seed, tp.total
+            frames = generate_live_frames(self.talker, self.prompts, live, feed, plan.opening,
+                                          tp.params, budget, tp.rng, check, start=start)
+            chunks = self._chunks(frames, tp.decoder, tp.ramp, check, info)
+            made = len(info.codes), info.frames
+            info.guessed += live.ids[: len(start)] != start
+            result = yield from self._confirmed(chunks, plan, feed, start, check)
+            if result is not None:
+                break
+            info.refuted += 1
+            # the text proved the guess wrong before any audio went out: start over from the
+            # stable ids, with the same seed (a seeded request speaks as if never guessed)
+            del info.codes[made[0]:]
+            info.frames = made[1]
+            plan.request = replace(plan.request, seed=tp.seed)
+            start = plan.start()
         info.outcome, info.text_tokens = result.outcome, len(live.ids)
         return result.outcome
+
+    def _confirmed(self, chunks: Generator[AudioChunk, None, Result], plan: LivePlan,
+                   feed: TextFeed, start: list[int], cancel: Callable[[], bool] | None
+                   ) -> Generator[AudioChunk, None, Result | None]:
+        """``chunks`` passed on once the live text confirms the ids it opened with (at once
+        unless they were a guess); None, with ``chunks`` closed, when the text refutes them."""
+        settled = plan.live.confirms(start)
+        try:
+            while True:
+                chunk: AudioChunk | None = None
+                result: Result | None = None
+                try:
+                    chunk = next(chunks)
+                except StopIteration as stop:
+                    result = stop.value
+                while settled is None:  # audio (or the end) is ready: hear from the text
+                    if is_cancelled(cancel):
+                        return Result(outcome="cancelled")
+                    plan.poll(feed, 0.02)
+                    settled = plan.live.confirms(start)
+                if not settled:
+                    return None
+                if chunk is None:
+                    return result
+                yield chunk
+        finally:
+            chunks.close()
 
     def _chunks(self, frames: Generator[Frame | None, None, Result], sd: StreamingDecoder,
                 ramp: Ramp, cancel: Callable[[], bool] | None, info: StreamInfo

@@ -11,6 +11,13 @@ When the frame loop needs the next text token and none is stable yet, it *pauses
 ``None`` (so the caller decodes the frames it holds) and blocks on the feed. It never feeds
 ``tts_pad`` before the end of the text, because PAD tells the model the text is over. After the
 end, the trailing text gets ``tts_eos`` and then PAD, exactly as a whole-text streaming prompt.
+
+Generation need not wait for the held-back word, though: the prompt's opening places only the
+first id(s), and the word being written is most often complete as it stands (an LLM's deltas
+are whole word pieces). So generation may start on a *guess* (``LiveText.tentative``), and the
+caller checks the guess against the stable ids (``LiveText.confirms``) before any audio goes
+out, starting over with the stable ids when the text proved it wrong. The rows the model is
+fed after the opening are stable ids only.
 """
 
 from __future__ import annotations
@@ -70,21 +77,21 @@ class LiveText:
     def _encode(self, text: str) -> list[int]:
         return self.prompts.encode(assistant_text(text))[ROLE_TOKENS:-TAIL_TOKENS]
 
-    def text_ready(self, min_tokens: int) -> bool:
+    def text_ready(self, min_tokens: int, tentative: bool = False) -> bool:
         """Whether generation may start: ``min_tokens`` stable ids, a punctuation mark in the
-        stable text, a flush, or the end."""
+        stable text, a flush, or the end. ``tentative``: with the word being written counted
+        as if it were complete (``tentative``)."""
         flushed = self._flushed_upto == len(self.text) and bool(self.ids)
-        if self.ended or flushed or len(self.ids) >= max(1, min_tokens):
+        if self.ended or flushed:
+            return bool(self.ids) or self.ended
+        ids, stable = self.tentative() if tentative else (self.ids, self.stable)
+        if len(ids) >= max(1, min_tokens):
             return True
-        return bool(self.ids) and any(ch in PUNCTUATION for ch in self.stable)
+        return bool(ids) and any(ch in PUNCTUATION for ch in stable)
 
-    def add(self, update: TextUpdate) -> int:
-        """Take an update; return how many new stable ids it made."""
-        self.text += update.text
-        self.ended = self.ended or update.end
-        if update.flush:
-            self._flushed_upto = len(self.text)
-        if self.ended or self._flushed_upto == len(self.text):
+    def _stable_text(self, whole: bool) -> str:
+        # the text no later delta can change (``whole``: all of it, as a flush would make it)
+        if whole or self.ended or self._flushed_upto == len(self.text):
             stable = self.text
         else:
             m = _LAST_SPACE.search(self.text)
@@ -92,13 +99,42 @@ class LiveText:
             stable = self.text[: max(cut, self._flushed_upto)]
         if not self.ended:
             stable = stable.rstrip()  # a space belongs to the word after it
-        if not stable.strip() or len(stable) <= len(self.stable):
-            return 0
+        return stable
+
+    def _ids_of(self, stable: str) -> list[int]:
         ids = self._encode(stable)
         if ids[: len(self.ids)] != self.ids:
             # a flush mid-word split a word the longer text merges: what was fed stays, and
             # the new text is tokenised on its own
             ids = self.ids + self._encode(stable[len(self.stable):])
+        return ids
+
+    def tentative(self) -> tuple[list[int], str]:
+        """The ids and text there would be if the word being written were complete (a guess:
+        the next delta may continue the word); the stable ones when there is no such word."""
+        stable = self._stable_text(whole=True)
+        if not stable.strip() or len(stable) <= len(self.stable):
+            return list(self.ids), self.stable
+        return self._ids_of(stable), stable
+
+    def confirms(self, placed: list[int]) -> bool | None:
+        """Whether the stable ids begin with ``placed`` (ids a prompt was laid out with before
+        they were stable): True or False once enough ids are stable or the text ended, None
+        while that is not known yet."""
+        if len(self.ids) >= len(placed):
+            return self.ids[: len(placed)] == placed
+        return False if self.ended else None
+
+    def add(self, update: TextUpdate) -> int:
+        """Take an update; return how many new stable ids it made."""
+        self.text += update.text
+        self.ended = self.ended or update.end
+        if update.flush:
+            self._flushed_upto = len(self.text)
+        stable = self._stable_text(whole=False)
+        if not stable.strip() or len(stable) <= len(self.stable):
+            return 0
+        ids = self._ids_of(stable)
         self.stable = stable
         new = len(ids) - len(self.ids)
         self.ids = list(ids)
@@ -128,24 +164,31 @@ class LiveRows:
     (engine/talker/scheduler.py), so both feed the same rows in the same order."""
 
     def __init__(self, talker: TalkerModel, prompts: PromptBuilder, live: LiveText,
-                 feed: TextFeed, budget_fn: Callable[[int], int]) -> None:
+                 feed: TextFeed, budget_fn: Callable[[int], int], placed: int | None = None
+                 ) -> None:
         self.talker = talker
         self.live = live
         self.feed = feed
         self.budget_fn = budget_fn
         self._tts_eos = prompts.special.tts_eos_token_id
-        self._later: list[npt.NDArray[np.float32]] = []  # rows of the ids after those
+        # ids the opening prompt laid out (placed or trailing): the stable ids when it started,
+        # or a guess of them (``LivePlan.start``); the rows here are those of the ids after
+        self._fed = len(live.ids) if placed is None else placed
+        self._later: list[npt.NDArray[np.float32]] = []
         self._eos: npt.NDArray[np.float32] | None = None
 
     def absorb(self, update: TextUpdate | None) -> None:
         """Take a feed update: its new stable ids become rows."""
-        if update is None:
-            return
-        before = len(self.live.ids)
-        self.live.add(update)
-        new = self.live.ids[before:]
-        if new:
-            self._later.extend(self.talker.project_text(new))
+        if update is not None:
+            self.live.add(update)
+        self._sync()
+
+    def _sync(self) -> None:
+        # rows for the stable ids not turned into rows yet, whoever gave them to ``live``
+        n = len(self.live.ids)
+        if n > self._fed:
+            self._later.extend(self.talker.project_text(self.live.ids[self._fed:]))
+            self._fed = n
         if self.live.ended and self._eos is None:
             self._eos = self.talker.project_text([self._tts_eos])[0]
 
@@ -155,7 +198,7 @@ class LiveRows:
 
     def at_budget(self, k: int) -> bool:
         """Frame ``k`` is over the budget of the text known so far."""
-        return k >= self.budget_fn(len(self.live.ids))
+        return k >= self.budget_fn(max(len(self.live.ids), self._fed))
 
     def frame_waits(self, k: int) -> bool:
         """Frame ``k`` must wait for more text: the budget of the known text is spent and more
@@ -165,6 +208,7 @@ class LiveRows:
     def row(self, i: int, pre: PrefillOut) -> npt.NDArray[np.float32] | None:
         """The text row added after frame ``i`` (``pre``: the opening's prefill), or None while
         it is not known: more text will come, never PAD before the end of the text."""
+        self._sync()
         n0 = int(pre.trailing.shape[0])
         if i < n0:
             first: npt.NDArray[np.float32] = pre.trailing[i]
@@ -190,6 +234,7 @@ def generate_live_frames(
     rng: np.random.Generator,
     cancel: Callable[[], bool] | None = None,
     poll_seconds: float = 0.02,
+    start: list[int] | None = None,
 ) -> Generator[Frame | None, None, Result]:
     """Like ``generate_frames`` with the trailing text growing as ``feed`` delivers it.
 
@@ -198,16 +243,19 @@ def generate_live_frames(
     so far: before the end of the text, reaching it pauses for more text instead of ending.
     ``opening(ids)`` lays out the prompt for the stable ids known at the start: its trailing
     ids are those it did not place, without EOS (the end of the text is not known yet).
+    ``start``: the ids to open with (``LivePlan.start``: a guess of ids not yet stable, which
+    the caller confirms before it lets audio out); by default the stable ids.
     """
     result = Result()
-    if not live.ids:
+    ids = list(live.ids) if start is None else list(start)
+    if not ids:
         raise InputError("text", "is empty")
     if is_cancelled(cancel):
         result.outcome = "cancelled"
         return result
     sampler = FrameSampler(int(talker.cfg.vocab_size), talker.eos_id, params, rng)
-    prompt = opening(list(live.ids))
-    text = LiveRows(talker, prompts, live, feed, budget_fn)
+    prompt = opening(ids)
+    text = LiveRows(talker, prompts, live, feed, budget_fn, placed=len(ids))
     cap = budget_fn(1 << 30)
     talker.reserve(prompt.length + cap + 1)
     t0 = time.perf_counter()

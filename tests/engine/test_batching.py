@@ -286,3 +286,52 @@ def test_each_chunk_is_delivered_as_made_most_urgent_first(pipeline: Pipeline) -
         runner.close()
     assert both_steps == 1
     assert rows_stepped and not any(rows_stepped)  # no chunk waited for a talker step
+
+
+def test_a_stream_opened_on_a_guess_holds_its_audio_until_the_text_settles(
+        pipeline: Pipeline) -> None:
+    """Two live streams whose first word comes alone, the next delta 12 steps later: one word
+    complete as it stands ("Hello": the guess holds), one cut ("Th", then "e": the guess is
+    refuted, as "The" begins with another token, and the stream starts over). Neither sends
+    audio before that delta; both speak the codes and samples they get alone with the same
+    seed."""
+    texts = {0: LIVE_TEXT, 1: "The weather is fine, I hope you are well today."}
+    right = StepFeed(texts[0], [0] + [12 + i for i in range(len(texts[0].split(" ")) - 1)])
+    n = len(texts[1].split(" "))
+    wrong = StepFeed(texts[1], [0] * n)
+    wrong.pieces = ["Th", "e", *wrong.pieces[1:]]
+    wrong.at = [0, 12] + [13 + i for i in range(n - 1)]
+    feeds = {0: right, 1: wrong}
+    runner = BatchRunner(pipeline, 2)
+    infos = {k: StreamInfo() for k in feeds}
+    chunks: dict[int, list[AudioChunk]] = {k: [] for k in feeds}
+    first_at: dict[int, int] = {}
+    ends: dict[int, object] = {}
+    try:
+        key_of = {runner.submit_live(SynthesisRequest("", voice="ryan", seed=5 + k), feed,
+                                     None, infos[k]): k for k, feed in feeds.items()}
+        for it in range(2000):
+            for feed in feeds.values():
+                feed.step = it
+            for sid, item in runner.step():
+                k = key_of[sid]
+                if isinstance(item, AudioChunk):
+                    first_at.setdefault(k, it)
+                    chunks[k].append(item)
+                else:
+                    ends[k] = item
+            if len(ends) == len(feeds):
+                break
+    finally:
+        runner.close()
+    assert [(infos[k].guessed, infos[k].refuted) for k in feeds] == [(1, 0), (1, 1)]
+    assert min(first_at.values()) >= 12
+    for k in feeds:
+        ref = StreamInfo()
+        ref_chunks = _live_alone(pipeline, texts[k], 5 + k, ref)
+        end = ends[k]
+        assert isinstance(end, Finished) and end.outcome == ref.outcome
+        np.testing.assert_array_equal(np.concatenate(infos[k].codes, 1),
+                                      np.concatenate(ref.codes, 1))
+        assert sum(c.audio.shape[0] for c in chunks[k]) == sum(
+            c.audio.shape[0] for c in ref_chunks)

@@ -125,3 +125,96 @@ def test_bad_voice_is_refused_before_any_text(pipe: Pipeline) -> None:
     with pytest.raises(InputError) as e:
         list(pipe.stream_live(SynthesisRequest(text="", voice="nobody"), QueueFeed()))
     assert e.value.field == "voice"
+
+
+def test_a_guess_counts_the_word_being_written(pipe: Pipeline) -> None:
+    assert pipe.prompts is not None
+    live = LiveText(pipe.prompts)
+    live.add(TextUpdate("Hello"))
+    hello = whole_ids(pipe, "Hello")
+    assert live.ids == [] and live.tentative() == (hello, "Hello")
+    assert not live.text_ready(1) and live.text_ready(1, tentative=True)
+    assert live.confirms(hello[:1]) is None  # "Hello" may still become "Hellos"
+    live.add(TextUpdate(" wor"))
+    assert live.confirms(hello[:1]) is True
+    assert live.tentative()[0] == whole_ids(pipe, "Hello wor")
+    assert live.ids == hello  # a guess changes nothing stable
+
+    refuted = LiveText(pipe.prompts)
+    refuted.add(TextUpdate("Th"))
+    guess = refuted.tentative()[0][:1]
+    assert guess != whole_ids(pipe, "The")[:1]  # (in the tiny models' vocabulary)
+    refuted.add(TextUpdate("e weather"))
+    assert refuted.confirms(guess) is False
+
+    short = LiveText(pipe.prompts)
+    short.add(TextUpdate("Hi"))
+    assert short.confirms([*short.tentative()[0], 11]) is None
+    short.add(TextUpdate("", end=True))  # the text ended shorter than the guess
+    assert short.confirms([*whole_ids(pipe, "Hi"), 11]) is False
+
+
+def speak_late(pipe: Pipeline, first: str, rest: str, seed: int
+               ) -> tuple[StreamInfo, list[int], bool]:
+    """``first``, then ``rest`` (and the end) 0.5 s later: the info, the chunks' sample counts,
+    and whether ``rest`` had been sent when the first chunk came out."""
+    feed = QueueFeed()
+    sent = threading.Event()
+
+    def writer() -> None:
+        feed.q.put(TextUpdate(first))
+        time.sleep(0.5)
+        sent.set()
+        feed.q.put(TextUpdate(rest, end=True))
+
+    t = threading.Thread(target=writer)
+    t.start()
+    info = StreamInfo()
+    gen = pipe.stream_live(SynthesisRequest(text="", voice="ryan", seed=seed), feed, None, info)
+    sizes = [next(gen).audio.shape[0]]
+    rest_was_sent = sent.is_set()
+    sizes += [c.audio.shape[0] for c in gen]
+    t.join()
+    return info, sizes, rest_was_sent
+
+
+def whole_text_stream(pipe: Pipeline, text: str, seed: int) -> tuple[StreamInfo, int]:
+    ref = StreamInfo()
+    req = SynthesisRequest(text=text, voice="ryan", seed=seed, text_mode="stream")
+    return ref, sum(c.audio.shape[0] for c in pipe.stream(req, None, ref))
+
+
+def test_speech_starts_on_a_guess_and_waits_for_the_text_to_confirm_it(pipe: Pipeline) -> None:
+    """The first word alone, the next delta late: generation starts on the word as it stands,
+    but its audio goes out only once the text confirms it, and the codes are those of the
+    whole text."""
+    info, sizes, rest_was_sent = speak_late(pipe, "Hello", " there, how are you?", seed=3)
+    assert (info.guessed, info.refuted) == (1, 0)
+    assert rest_was_sent
+    ref, ref_samples = whole_text_stream(pipe, "Hello there, how are you?", seed=3)
+    np.testing.assert_array_equal(np.concatenate(info.codes, axis=1),
+                                  np.concatenate(ref.codes, axis=1))
+    assert sum(sizes) == ref_samples
+
+
+def test_a_refuted_guess_starts_over_and_sends_none_of_its_audio(pipe: Pipeline) -> None:
+    """"Th" does not begin as "The" does: the opening laid out on it is dropped when the text
+    goes on, and the utterance speaks exactly the whole text with the same seed."""
+    info, sizes, rest_was_sent = speak_late(pipe, "Th", "e weather is fine today.", seed=4)
+    assert (info.guessed, info.refuted) == (1, 1)
+    assert rest_was_sent
+    ref, ref_samples = whole_text_stream(pipe, "The weather is fine today.", seed=4)
+    np.testing.assert_array_equal(np.concatenate(info.codes, axis=1),
+                                  np.concatenate(ref.codes, axis=1))
+    assert sum(sizes) == ref_samples
+
+
+def test_cancel_while_a_guess_waits_for_the_text(pipe: Pipeline) -> None:
+    feed = QueueFeed()
+    feed.q.put(TextUpdate("Hello"))
+    stop = threading.Event()
+    info = StreamInfo()
+    gen = pipe.stream_live(SynthesisRequest(text="", voice="ryan", seed=1), feed, stop, info)
+    threading.Timer(0.5, stop.set).start()
+    assert list(gen) == []  # the guess was never confirmed: no audio
+    assert info.outcome == "cancelled" and info.guessed == 1
