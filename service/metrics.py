@@ -114,6 +114,13 @@ class Metrics:
             "Realtime: from an utterance's first text delta to its first audio frame sent.",
             buckets=TTFA_BUCKETS, registry=r,
         )
+        self.realtime_guesses = Counter(
+            "qtts_realtime_guesses_total",
+            "Realtime: utterances opened on a guess of their first token, the word being "
+            "written as it stood (result=made), and those the next delta proved wrong "
+            "(result=refuted: started over, nothing of the guess sent).",
+            ["result"], registry=r,
+        )
         self.realtime_behind = Histogram(
             "qtts_realtime_audio_behind_text_seconds",
             "Realtime: from the end of an utterance's text to its last audio frame sent.",

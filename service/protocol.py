@@ -172,6 +172,8 @@ class Done:
     frames: int
     seconds: float  # synthesis wall time
     text_tokens: int = 0  # the text's tokens (0 for a codes job)
+    guessed: int = 0  # live text: openings laid out on a guess of its first token(s)
+    refuted: int = 0  # ... of which the text proved wrong (their work dropped unsent)
 
 
 @dataclass(frozen=True)

@@ -151,7 +151,8 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
                 conn.send(_failure(r.job.id, item.error))
                 return
             conn.send(Done(r.job.id, Finish(item.outcome), r.frames,
-                           time.perf_counter() - r.t0, r.info.text_tokens))
+                           time.perf_counter() - r.t0, r.info.text_tokens, r.info.guessed,
+                           r.info.refuted))
             return
         if fault is not None:  # QTTS_TEST_FAULT (tests only)
             fault.hit("chunk", r.sent)
@@ -300,7 +301,8 @@ def _run_job(conn: Any, cancel: Any, synth: Synthesizer, job: Job,
             sent += 1
             frames += n
             conn.send(Chunk(job.id, audio, timings, n))
-        conn.send(Done(job.id, finish, frames, time.perf_counter() - t0, info.text_tokens))
+        conn.send(Done(job.id, finish, frames, time.perf_counter() - t0, info.text_tokens,
+                       info.guessed, info.refuted))
 
 
 def _run_clone(conn: Any, synth: Synthesizer, job: Job, fault: Any = None) -> None:

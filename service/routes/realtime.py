@@ -340,7 +340,11 @@ class Session:
                     self.emit(announce)
                 self.st.metrics.audio_seconds.inc(audio.shape[0] / self.sample_rate)
                 return
-            case Done(finish=finish):
+            case Done(finish=finish, guessed=guessed, refuted=refuted):
+                if guessed:
+                    self.st.metrics.realtime_guesses.labels("made").inc(guessed)
+                if refuted:
+                    self.st.metrics.realtime_guesses.labels("refuted").inc(refuted)
                 outcome = "cancelled" if utt.cancelled else str(finish)
                 self._end(outcome)
             case Failed(field=fld, message=message, code=code):

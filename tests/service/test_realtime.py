@@ -404,3 +404,48 @@ def test_a_client_that_stops_reading_is_cut_off(make_server: Any) -> None:
     assert events[-1]["type"] == "done" and events[-1]["usage"]["outcome"] == "ok"
     assert max(e["frames"] for e in events if e["type"] == "audio") == 16
     assert len(pcm) == 2 * 1920 * events[-1]["usage"]["frames"]
+
+
+def test_an_opening_guess_waits_for_the_text_and_a_refuted_one_sends_nothing(
+        rt_server: Server) -> None:
+    """``immediate``: the first word alone, then 0.8 s of nothing. Speech starts on the word as
+    it stands, but no audio comes before the next delta settles it: "Hello" holds, "Th" does
+    not ("The" begins with another token in the test vocabulary) and starts over. The guess
+    counter has both."""
+    def guesses(result: str) -> float:
+        try:
+            return metric(rt_server.metrics(), "qtts_realtime_guesses_total", result=result)
+        except KeyError:
+            return 0.0
+
+    made, refuted = guesses("made"), guesses("refuted")
+
+    async def utterance(ws: Any, first: str, rest: str
+                        ) -> tuple[list[Any], list[dict[str, Any]], bytes]:
+        await send(ws, type="text", text=first)
+        early: list[Any] = []
+        try:
+            while True:
+                early.append(await asyncio.wait_for(ws.recv(), 0.8))
+        except TimeoutError:
+            pass
+        await send(ws, type="text", text=rest)
+        await send(ws, type="end")
+        events, audio = await collect(ws)
+        return early, events, audio
+
+    async def go() -> list[tuple[list[Any], list[dict[str, Any]], bytes]]:
+        async with connect(ws_url(rt_server)) as ws:
+            await ws.recv()
+            await send(ws, type="session", voice="ryan", start="immediate", seed=2)
+            await ws.recv()
+            return [await utterance(ws, "Hello", " there, how are you?"),
+                    await utterance(ws, "Th", "e quick brown fox.")]
+
+    for early, events, audio in run(go()):
+        assert not any(isinstance(m, bytes) for m in early), "audio before the text settled"
+        assert not any(json.loads(m)["type"] == "audio.first" for m in early)
+        assert events[-1]["type"] == "done"
+        assert events[-1]["usage"]["outcome"] in ("ok", "truncated_no_eos")
+        assert len(audio) == 2 * 1920 * events[-1]["usage"]["frames"] > 0
+    assert (guesses("made") - made, guesses("refuted") - refuted) == (2, 1)
