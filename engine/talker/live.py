@@ -79,8 +79,8 @@ class LiveText:
 
     def text_ready(self, min_tokens: int, tentative: bool = False) -> bool:
         """Whether generation may start: ``min_tokens`` stable ids, a punctuation mark in the
-        stable text, a flush, or the end. ``tentative``: with the word being written counted
-        as if it were complete (``tentative``)."""
+        stable text, a flush, or the end. ``tentative``: counting the word being written as
+        if it were complete (the ids of ``tentative()``)."""
         flushed = self._flushed_upto == len(self.text) and bool(self.ids)
         if self.ended or flushed:
             return bool(self.ids) or self.ended
