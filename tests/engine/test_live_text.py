@@ -184,26 +184,20 @@ def whole_text_stream(pipe: Pipeline, text: str, seed: int) -> tuple[StreamInfo,
     return ref, sum(c.audio.shape[0] for c in pipe.stream(req, None, ref))
 
 
-def test_speech_starts_on_a_guess_and_waits_for_the_text_to_confirm_it(pipe: Pipeline) -> None:
+@pytest.mark.parametrize(("first", "rest", "refuted"), [
+    ("Hello", " there, how are you?", 0),
+    # "Th" does not begin as "The" does: the opening laid out on it is dropped
+    ("Th", "e weather is fine today.", 1),
+])
+def test_speech_starts_on_a_guess_that_the_text_confirms_or_refutes(
+        pipe: Pipeline, first: str, rest: str, refuted: int) -> None:
     """The first word alone, the next delta late: generation starts on the word as it stands,
-    but its audio goes out only once the text confirms it, and the codes are those of the
-    whole text."""
-    info, sizes, rest_was_sent = speak_late(pipe, "Hello", " there, how are you?", seed=3)
-    assert (info.guessed, info.refuted) == (1, 0)
+    its audio goes out only once the text has settled the guess, and the utterance speaks the
+    codes and samples of the whole text with the same seed (a refuted guess starting over)."""
+    info, sizes, rest_was_sent = speak_late(pipe, first, rest, seed=3 + refuted)
+    assert (info.guessed, info.refuted) == (1, refuted)
     assert rest_was_sent
-    ref, ref_samples = whole_text_stream(pipe, "Hello there, how are you?", seed=3)
-    np.testing.assert_array_equal(np.concatenate(info.codes, axis=1),
-                                  np.concatenate(ref.codes, axis=1))
-    assert sum(sizes) == ref_samples
-
-
-def test_a_refuted_guess_starts_over_and_sends_none_of_its_audio(pipe: Pipeline) -> None:
-    """"Th" does not begin as "The" does: the opening laid out on it is dropped when the text
-    goes on, and the utterance speaks exactly the whole text with the same seed."""
-    info, sizes, rest_was_sent = speak_late(pipe, "Th", "e weather is fine today.", seed=4)
-    assert (info.guessed, info.refuted) == (1, 1)
-    assert rest_was_sent
-    ref, ref_samples = whole_text_stream(pipe, "The weather is fine today.", seed=4)
+    ref, ref_samples = whole_text_stream(pipe, first + rest, seed=3 + refuted)
     np.testing.assert_array_equal(np.concatenate(info.codes, axis=1),
                                   np.concatenate(ref.codes, axis=1))
     assert sum(sizes) == ref_samples
