@@ -121,6 +121,8 @@ class Metrics:
             "(result=refuted: started over, nothing of the guess sent).",
             ["result"], registry=r,
         )
+        for result in ("made", "refuted"):  # both series from the start: a rate reads 0, not none
+            self.realtime_guesses.labels(result)
         self.realtime_behind = Histogram(
             "qtts_realtime_audio_behind_text_seconds",
             "Realtime: from the end of an utterance's text to its last audio frame sent.",
