@@ -54,7 +54,7 @@ def create_app(settings: Settings | None = None, model: ModelInfo | None = None)
         finally:
             if counter is not None:
                 counter.cancel()
-            pool.draining = True
+            pool.begin_drain()
             await pool.stop()
             store.close()
 

@@ -144,6 +144,9 @@ class Session:
         sender = asyncio.create_task(self._sender())
         recv: asyncio.Task[Any] | None = None
         event: asyncio.Task[Any] | None = None
+        # between utterances a drain closes the session at once (it would otherwise wait for
+        # the client's next text, which a draining pool refuses)
+        drain = asyncio.ensure_future(self.st.pool.wait_drain())
         close: tuple[int, str] = (1000, "")
         try:
             while True:
@@ -154,9 +157,14 @@ class Session:
                     recv = asyncio.ensure_future(self.ws.receive())
                 if event is None and self.ticket is not None:
                     event = asyncio.ensure_future(self.ticket.events.get())
+                if self.ticket is None and self.st.pool.draining:
+                    close = (CLOSE_RESTART, "server draining")
+                    break
                 waits: set[asyncio.Future[Any]] = {recv, sender}
                 if event is not None:
                     waits.add(event)
+                if self.ticket is None:
+                    waits.add(drain)
                 idle = s.realtime_idle_seconds if self.ticket is None else None
                 left = s.realtime_max_seconds - (time.monotonic() - self.opened)
                 timeout = min(x for x in (idle, left) if x is not None)
@@ -205,7 +213,7 @@ class Session:
             self._cancel()
             close = (0, "")
         finally:
-            for task in (recv, event):
+            for task in (recv, event, drain):
                 if task is not None:
                     task.cancel()
         await self._finish(sender, close)

@@ -287,19 +287,22 @@ def test_a_session_outlives_the_header_timeout(make_server: Any) -> None:
 
 def test_sigterm_lets_a_speaking_session_finish(make_server: Any) -> None:
     """Drain: an utterance in flight when SIGTERM arrives still takes text and ends with done;
-    then the session closes 1012 (service restart) and the server exits."""
+    then the session closes 1012 (service restart) and the server exits. (A seed: sampled
+    without one, a random model may end its speech before the second text, and then the
+    drain closes the idle session instead.)"""
     s: Server = make_server()
+    texts = ("Hello there my friend, ", "this is the end.")
 
     async def go() -> tuple[list[dict[str, Any]], int | None]:
         async with connect(ws_url(s)) as ws:
             await ws.recv()
-            await send(ws, type="session", voice="ryan", start="immediate")
+            await send(ws, type="session", voice="ryan", start="immediate", seed=3)
             await ws.recv()
-            await send(ws, type="text", text="Hello there my friend, ")
+            await send(ws, type="text", text=texts[0])
             await asyncio.sleep(0.3)
             s.proc.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.3)
-            await send(ws, type="text", text="this is the end.")
+            await send(ws, type="text", text=texts[1])
             await send(ws, type="end")
             events, _ = await collect(ws)
             with pytest.raises(ConnectionClosed):
@@ -309,8 +312,38 @@ def test_sigterm_lets_a_speaking_session_finish(make_server: Any) -> None:
     events, code = run(go())
     assert events[-1]["type"] == "done"
     assert events[-1]["usage"]["outcome"] in ("ok", "truncated_no_eos")
+    assert events[-1]["usage"]["characters"] == sum(map(len, texts))
     assert code == 1012
     assert s.proc.wait(30) in (0, -signal.SIGTERM)
+
+
+def test_sigterm_closes_a_session_between_utterances_at_once(make_server: Any) -> None:
+    """Drain: a session with nothing speaking closes 1012 when the drain begins, while the
+    server still drains (readiness 503), not when the client next writes or the server
+    exits."""
+    s: Server = make_server(shutdown_delay_seconds=60, drain_seconds=60)
+
+    async def go() -> tuple[str, int | None]:
+        async with connect(ws_url(s)) as ws:
+            await ws.recv()
+            await send(ws, type="session", voice="ryan", seed=1)
+            await ws.recv()
+            await send(ws, type="text", text="One sentence.")
+            await send(ws, type="end")
+            assert (await collect(ws))[0][-1]["type"] == "done"
+            s.proc.send_signal(signal.SIGTERM)
+            with pytest.raises(ConnectionClosed):
+                await asyncio.wait_for(ws.recv(), 30)
+            # the close came from the drain: the server is still draining
+            status = httpx.get(s.url + "/readyz", timeout=5).json()["status"]
+            return status, ws.close_code
+
+    status, code = run(go())
+    assert code == 1012
+    assert status == "draining"
+    assert s.proc.poll() is None
+    s.proc.send_signal(signal.SIGTERM)  # a second signal stops at once
+    assert s.proc.wait(30) is not None
 
 
 def test_opus_utterance_is_one_ogg_stream(rt_server: Server) -> None:
