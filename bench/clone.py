@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -169,6 +170,9 @@ def main() -> int:
             torch = ref.import_reference().torch
             m = rc.load_model(str(ckpt))
             torch.set_num_threads(args.threads)
+            # the reference as it runs on its own: numpy's BLAS (librosa's mel) at --threads,
+            # not at the one thread our BackendSet left it (engine.backend.quiet_numpy_blas)
+            threadpool_limits(args.threads, user_api="blas")
             import soundfile as sf
 
             raw, sr = sf.read(ref_path, dtype="float32")

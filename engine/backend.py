@@ -21,6 +21,7 @@ from functools import lru_cache
 from typing import Any
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from engine.diagnostics import (
     DeterminismError,
@@ -57,6 +58,15 @@ DEFAULT_GRAPH_SIZE = 65536  # nodes per graph the scheduler accepts (row-split d
 # Largest src1 row count a backend's MUL_MAT accepts. ggml exposes no such limit, so these come
 # from the backends' own supports_op code: the Hexagon (HTP) backend refuses more than 1024.
 MAX_MATMUL_ROWS: dict[str, int] = {"hexagon": 1024}
+
+
+@lru_cache(maxsize=1)
+def quiet_numpy_blas() -> None:
+    """numpy's BLAS down to one thread, once per process. OpenBLAS's worker threads
+    busy-wait after each call, so one numpy matmul between two graphs (the speaker encoder's
+    mel filterbank) left threads spinning on the cores ggml's threads were about to use, and
+    the next graphs ran slower and erratically. The compute threads of a process are ggml's."""
+    threadpool_limits(1, user_api="blas")
 
 
 @dataclass(frozen=True)
@@ -387,6 +397,7 @@ class BackendSet:
 
     def __init__(self, choice: BackendChoice, options: EngineOptions | None = None,
                  graph_size: int = DEFAULT_GRAPH_SIZE) -> None:
+        quiet_numpy_blas()
         self.choice = choice
         self.options = options if options is not None else EngineOptions()
         self.debug = self.options.debug_backend
