@@ -527,6 +527,23 @@ class Pipeline:
             self._fingerprint = model_fingerprint(self.model)
         return self._fingerprint
 
+    def load_cloner(self) -> bool:
+        """Load the voice cloner's encoders now, if this model file can clone (a Base model
+        with its speaker encoder); True if so. A server calls it at warm-up, so its first
+        ``clone_voice`` does not also load them."""
+        from engine.clone.cloner import VoiceCloner, check_base
+
+        if self.prompts is None:
+            return False
+        try:
+            check_base(self.model)
+        except InputError:
+            return False
+        if self._cloner is None:
+            self._cloner = VoiceCloner(self.model, self.backends, self.prompts)
+        self._cloner.load()
+        return True
+
     def clone_voice(self, audio: bytes | str | npt.NDArray[np.float32], ref_text: str | None,
                     x_vector_only: bool = False, max_seconds: float | None = None
                     ) -> VoicePrompt:  # fmt: skip

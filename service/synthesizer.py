@@ -113,8 +113,9 @@ class Synthesizer:
         return str(getattr(self.backends, "name", "unknown"))
 
     def warm_up(self, frames: int) -> float:
-        """Decode a few frames and build the talker's cached graphs, so the first request does
-        not pay graph building and page faults."""
+        """Decode a few frames, build the talker's cached graphs and load a Base model's
+        cloning encoders, so the first request does not pay graph building, page faults or
+        loading."""
         from engine.decoder import StreamingDecoder
 
         t0 = time.perf_counter()
@@ -127,6 +128,7 @@ class Synthesizer:
             if frames > 1:
                 sd.push(codes[:, 1:])
         self.pipeline.warm_up(pin_prefixes=self.options.pin_prefixes)
+        self.pipeline.load_cloner()  # a Base model's first voice create then only encodes
         return time.perf_counter() - t0
 
     def stream(self, job: Job, cancelled: Callable[[], bool], info: StreamInfo | None = None

@@ -52,6 +52,13 @@ class VoiceCloner:
             self._fingerprint = model_fingerprint(self.model)
         return self._fingerprint
 
+    def load(self) -> None:
+        """Load the encoders now (a server's warm-up) instead of at the first voice."""
+        if self._speaker is None:
+            self._speaker = SpeakerEncoder(self.model, self.backends)
+        if self._codec is None and PART_CODEC_ENCODER in self.model.parts:
+            self._codec = CodecEncoder(self.model, self.backends)
+
     def x_vector(self, wav24k: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
         """The speaker embedding of 24 kHz audio."""
         if self._speaker is None:

@@ -491,6 +491,27 @@ def test_non_base_models_refuse_cloning(tiny_gguf: Path, speech: Path) -> None:
         p.close()
 
 
+def test_the_cloner_loads_ahead_only_where_the_model_clones(base_dir: Path, tiny_gguf: Path,
+                                                            speech: Path) -> None:
+    """A server's warm-up loads a Base model's encoders (``load_cloner``), and the first voice
+    uses those, not a second copy; a model that cannot clone loads nothing and says so."""
+    backends = BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "1"})
+    other = Pipeline(open_model(tiny_gguf), backends)
+    base = Pipeline(open_model(base_dir / "model.gguf"), backends, precision="exact")
+    try:
+        assert other.load_cloner() is False
+        assert other._cloner is None
+        assert base.load_cloner() is True
+        encoders = (base._cloner._speaker, base._cloner._codec)
+        assert None not in encoders
+        voice = base.clone_voice(str(speech), REF_TEXT)
+        assert voice.ref_codes is not None and voice.x_vector.size
+        assert (base._cloner._speaker, base._cloner._codec) == encoders
+    finally:
+        base.close()
+        other.close()
+
+
 def test_base_model_without_voice_says_how_to_clone(pipe: Pipeline) -> None:
     with pytest.raises(InputError, match="give reference audio"):
         synthesize(pipe, SynthesisRequest("Hello.", voice="ryan"))
