@@ -54,7 +54,8 @@ def create_app(settings: Settings | None = None, model: ModelInfo | None = None)
         finally:
             if counter is not None:
                 counter.cancel()
-            pool.begin_drain()
+            pool.draining = True
+            st.drain_begun.set()
             await pool.stop()
             store.close()
 

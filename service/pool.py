@@ -82,13 +82,11 @@ class WorkerPool:
         self.stopping = False
         self.backend: str | None = None
         self._idle_event: asyncio.Event | None = None
-        self._drain_event: asyncio.Event | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._idle_event = asyncio.Event()
-        self._drain_event = asyncio.Event()
         self.metrics.capacity.set(capacity(self.settings))
         for i in range(self.settings.workers):
             self._spawn(i)
@@ -389,19 +387,6 @@ class WorkerPool:
                                    "running": 0}
             for i, w in enumerate(self._workers)
         ]
-
-    def begin_drain(self) -> None:
-        """Refuse new work from now on and wake whoever waits in ``wait_drain`` (call it on
-        the loop: a signal handler only sets ``draining``)."""
-        self.draining = True
-        if self._drain_event is not None:
-            self._drain_event.set()
-
-    async def wait_drain(self) -> None:
-        """Return once the drain has begun (a realtime session between utterances closes
-        then, instead of when its client next writes)."""
-        assert self._drain_event is not None
-        await self._drain_event.wait()
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no request runs or waits (drain)."""

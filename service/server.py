@@ -135,7 +135,7 @@ class QttsServer(uvicorn.Server):
                                   if s not in (signal.SIGTERM, signal.SIGINT)]
 
     def _start_drain(self, st: Any) -> None:
-        st.pool.begin_drain()
+        st.drain_begun.set()
         self.drain_task = asyncio.get_running_loop().create_task(self._drain(st))
 
     async def _drain(self, st: Any) -> None:

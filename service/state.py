@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -27,6 +28,9 @@ class State:
     model: ModelInfo
     store: VoiceStore | None = None  # cloned voices (None: the app was made without one)
     owners: dict[str, str] = field(default_factory=dict)  # API key -> owner
+    # set when a drain begins (on the loop: a signal handler only sets ``pool.draining``); a
+    # realtime session between utterances closes then
+    drain_begun: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 def get_state(request: Request) -> State:

@@ -146,7 +146,7 @@ class Session:
         event: asyncio.Task[Any] | None = None
         # between utterances a drain closes the session at once (it would otherwise wait for
         # the client's next text, which a draining pool refuses)
-        drain = asyncio.ensure_future(self.st.pool.wait_drain())
+        drain = asyncio.ensure_future(self.st.drain_begun.wait())
         close: tuple[int, str] = (1000, "")
         try:
             while True:
