@@ -527,21 +527,27 @@ class Pipeline:
             self._fingerprint = model_fingerprint(self.model)
         return self._fingerprint
 
+    def _voice_cloner(self) -> Any:
+        """The model's ``VoiceCloner`` (made once; its encoders load on first use);
+        ``InputError`` when this model file cannot clone."""
+        from engine.clone.cloner import VoiceCloner, check_base
+
+        if self.prompts is None:
+            raise InputError("ref_audio", "this model file has no talker")
+        check_base(self.model)
+        if self._cloner is None:
+            self._cloner = VoiceCloner(self.model, self.backends, self.prompts)
+        return self._cloner
+
     def load_cloner(self) -> bool:
         """Load the voice cloner's encoders now, if this model file can clone (a Base model
         with its speaker encoder); True if so. A server calls it at warm-up, so its first
         ``clone_voice`` does not also load them."""
-        from engine.clone.cloner import VoiceCloner, check_base
-
-        if self.prompts is None:
-            return False
         try:
-            check_base(self.model)
+            cloner = self._voice_cloner()
         except InputError:
             return False
-        if self._cloner is None:
-            self._cloner = VoiceCloner(self.model, self.backends, self.prompts)
-        self._cloner.load()
+        cloner.load()
         return True
 
     def clone_voice(self, audio: bytes | str | npt.NDArray[np.float32], ref_text: str | None,
@@ -552,22 +558,17 @@ class Pipeline:
         ``InputError`` for a non-Base model, an empty transcript, or audio that cannot be
         decoded, is too short/long or silent."""
         from engine.clone.audio import DEFAULT_MAX_SECONDS, load_reference
-        from engine.clone.cloner import VoiceCloner, check_base
         from engine.clone.prompt import transcript_ids
 
-        if self.prompts is None:
-            raise InputError("ref_audio", "this model file has no talker")
-        check_base(self.model)
+        cloner = self._voice_cloner()
         if not x_vector_only:
-            transcript_ids(self.prompts, ref_text or "")
+            transcript_ids(cloner.builder, ref_text or "")
         if isinstance(audio, np.ndarray):
             wav = np.ascontiguousarray(audio, dtype=np.float32)
         else:
             wav = load_reference(audio, DEFAULT_MAX_SECONDS if max_seconds is None
                                  else max_seconds)  # fmt: skip
-        if self._cloner is None:
-            self._cloner = VoiceCloner(self.model, self.backends, self.prompts)
-        voice: VoicePrompt = self._cloner.make(wav, ref_text, x_vector_only)
+        voice: VoicePrompt = cloner.make(wav, ref_text, x_vector_only)
         return voice
 
     def pin_voice(self, voice: VoicePrompt) -> None:
