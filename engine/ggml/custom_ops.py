@@ -19,10 +19,11 @@ server side; not tried). Pin custom nodes to the CPU
 Neither op is eligible for ggml-alloc's in-place reuse, so dst never aliases an input.
 
 Ops: ``snake_beta``; ``elu`` (vectorised ELU); ``kv_write_transposed`` (a prefill's V rows
-into the channel-major cache); ``attn_causal`` (a prefill's attention over the talker cache,
-fused); ``conv1d_tm`` (exact F32 direct conv, weights from ``pack_conv_weight``);
-``conv1d_tm_bf16`` (its fast-mode twin: BF16 weights from ``pack_conv_weight_bf16`` and
-BF16-rounded input, F32 sums; AVX512_BF16 when ``bf16_available()``, else a slow portable path);
+into the channel-major cache); ``pool_stats`` (per-channel mean and variance over time);
+``attn_causal`` (a prefill's attention over the talker cache, fused); ``conv1d_tm`` (exact F32
+direct conv, weights from ``pack_conv_weight``); ``conv1d_tm_bf16`` (its fast-mode twin: BF16
+weights from ``pack_conv_weight_bf16`` and BF16-rounded input, F32 sums; AVX512_BF16 when
+``bf16_available()``, else a slow portable path);
 ``conv1d_wino_bf16`` and ``conv1d_wino_f32`` (fast mode's Winograd convs, BF16 and F32);
 ``gemm_i8`` and ``gemv_q4`` (the talker's quantised products). The convs take their left history
 either in front of the input (``xp``) or as a tensor of its own (``hist=``), which spares the
@@ -228,6 +229,26 @@ def channel_join(ctx: Any, parts: list[Tensor], *, library: Any | None = None) -
     args = ffi.new(f"struct ggml_tensor *[{len(parts)}]", parts)
     return lib.ggml_custom_4d(ctx, lib.GGML_TYPE_F32, sum(int(p.ne[0]) for p in parts), t, 1, 1,
                               args, len(parts), fn, GGML_N_TASKS_MAX, ffi.NULL)
+
+
+def pool_stats(ctx: Any, x: Tensor, weights: Tensor | None = None, *,
+               library: Any | None = None) -> Tensor:
+    """Per-channel mean and variance over time of channel-major ``x`` (F32 ne ``[T, C]``,
+    contiguous rows), weighted by ``weights`` (same shape; e.g. a softmax over time) or
+    uniformly: ne ``[2 * C]``, the C means then the C variances. Sums in double, in one node
+    (ggml's broadcast SUB along ne0 runs one element per call)."""
+    srcs = [x] if weights is None else [x, weights]
+    for name, t in zip(("x", "weights"), srcs, strict=False):
+        _check_f32(t, f"pool_stats: {name}")
+        if int(t.nb[0]) != 4 or int(t.ne[2]) != 1 or int(t.ne[3]) != 1:
+            raise ValueError(f"pool_stats: {name} must be 2-D with contiguous rows")
+    if weights is not None and (int(weights.ne[0]), int(weights.ne[1])) != (
+            int(x.ne[0]), int(x.ne[1])):
+        raise ValueError("pool_stats: weights must be shaped like x")
+    fn = _fn(library, "qtts_pool_stats_op", "ggml_custom_op_t")
+    args = ffi.new(f"struct ggml_tensor *[{len(srcs)}]", srcs)
+    return lib.ggml_custom_4d(ctx, lib.GGML_TYPE_F32, 2 * int(x.ne[1]), 1, 1, 1, args, len(srcs),
+                              fn, GGML_N_TASKS_MAX, ffi.NULL)
 
 
 def attn_causal_fast(library: Any | None = None) -> bool:

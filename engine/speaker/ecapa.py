@@ -15,6 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from engine.ggml import Tensor, lib
+from engine.ggml import custom_ops as co
 from engine.ggml.ops1d import ConvForm, channels, gather_rows, reflect_index
 from engine.speaker.schema import SpeakerEncoderConfig
 
@@ -53,7 +54,7 @@ def packed_weights(c: SpeakerEncoderConfig, tensor: Callable[[str], npt.NDArray[
     reference concatenates ``[h, mean, std]`` over channels; the mean and std are constant in
     time, so their share is a per-channel bias)."""
     out: dict[str, npt.NDArray[np.float32]] = {}
-    names = ["spk.tdnn0", "spk.mfa"]
+    names = ["spk.tdnn0", "spk.mfa", "spk.asp.conv"]
     for i in range(1, len(c.enc_channels) - 1):
         g = f"spk.blk.{i}"
         names += [f"{g}.tdnn1", f"{g}.tdnn2"]
@@ -114,19 +115,28 @@ def _se_res2net(ctx: Any, W: Callable[[str], Tensor], pads: Pads, form: ConvForm
     return lib.ggml_add(ctx, lib.ggml_mul(ctx, h, gate), x)
 
 
-def _stats(ctx: Any, x: Tensor, weights: Tensor | None) -> tuple[Tensor, Tensor]:
-    """Per-channel (weighted) mean and std over time of channel-major ``x``; ``weights`` None =
-    uniform."""
-    if weights is None:
-        mean = lib.ggml_mean(ctx, x)
-        d = lib.ggml_sub(ctx, x, mean)
-        var = lib.ggml_mean(ctx, lib.ggml_sqr(ctx, d))
+def _stats(ctx: Any, form: ConvForm, x: Tensor, weights: Tensor | None) -> Tensor:
+    """``[mean | std]`` (ne ``[2 C, 1]``) per channel over time of channel-major ``x``,
+    ``weights`` None = uniform."""
+    if form.direct:
+        mv = co.pool_stats(ctx, x, weights)
+        c = int(x.ne[1])
+        mean = lib.ggml_view_1d(ctx, mv, c, 0)
+        var = lib.ggml_view_1d(ctx, mv, c, c * 4)
     else:
-        mean = lib.ggml_sum_rows(ctx, lib.ggml_mul(ctx, x, weights))
-        d = lib.ggml_sub(ctx, x, mean)
-        var = lib.ggml_sum_rows(ctx, lib.ggml_mul(ctx, lib.ggml_sqr(ctx, d), weights))
+        if weights is None:
+            m = lib.ggml_mean(ctx, x)
+            d = lib.ggml_sub(ctx, x, m)
+            v = lib.ggml_mean(ctx, lib.ggml_sqr(ctx, d))
+        else:
+            m = lib.ggml_sum_rows(ctx, lib.ggml_mul(ctx, x, weights))
+            d = lib.ggml_sub(ctx, x, m)
+            v = lib.ggml_sum_rows(ctx, lib.ggml_mul(ctx, lib.ggml_sqr(ctx, d), weights))
+        mean, var = lib.ggml_cont(ctx, m), lib.ggml_cont(ctx, v)
     std = lib.ggml_sqrt(ctx, lib.ggml_clamp(ctx, var, STATS_EPS, 3.0e38))
-    return mean, std
+    col = lib.ggml_concat(ctx, lib.ggml_reshape_1d(ctx, mean, int(x.ne[1])),
+                          lib.ggml_reshape_1d(ctx, std, int(x.ne[1])), 0)  # fmt: skip
+    return lib.ggml_reshape_2d(ctx, col, 2 * int(x.ne[1]), 1)
 
 
 def x_vector(ctx: Any, W: Callable[[str], Tensor], c: SpeakerEncoderConfig, mel: Tensor,
@@ -141,19 +151,14 @@ def x_vector(ctx: Any, W: Callable[[str], Tensor], c: SpeakerEncoderConfig, mel:
     ht = _tdnn(ctx, W, pads, form, "spk.mfa", form.join(ctx, outs), c.enc_dilations[-1])
     h = form.channel_major(ctx, ht)  # ht: time-major
     # attentive statistics pooling; the TDNN's share of [mean, std] is a bias (packed_weights)
-    mean, std = _stats(ctx, h, None)
-    stats = lib.ggml_concat(ctx, _as_column(ctx, mean), _as_column(ctx, std), 0)
+    stats = _stats(ctx, form, h, None)
     bias = lib.ggml_add(ctx, lib.ggml_mul_mat(ctx, W("spk.asp.tdnn.weight_stats"), stats),
                         lib.ggml_reshape_2d(ctx, W("spk.asp.tdnn.bias"),
                                             int(W("spk.asp.tdnn.bias").ne[0]), 1))  # fmt: skip
     bias = lib.ggml_reshape_1d(ctx, bias, int(bias.ne[0]))
     a = lib.ggml_relu(ctx, form.conv(ctx, W("spk.asp.tdnn.weight"), bias, ht))
     a = lib.ggml_tanh(ctx, a)  # time-major [T, attention]
-    wc = W("spk.asp.conv.weight")
-    logits = lib.ggml_mul_mat(ctx, a, lib.ggml_reshape_2d(ctx, wc, int(wc.ne[1]), int(wc.ne[2])))
-    b = W("spk.asp.conv.bias")
-    logits = lib.ggml_add(ctx, logits, lib.ggml_reshape_2d(ctx, b, 1, int(b.ne[0])))
-    weights = lib.ggml_soft_max(ctx, logits)  # channel-major: over time, per channel
-    mean, std = _stats(ctx, h, weights)
-    pooled = lib.ggml_concat(ctx, _as_column(ctx, mean), _as_column(ctx, std), 0)
+    logits = form.conv(ctx, W("spk.asp.conv.weight"), W("spk.asp.conv.bias"), a)
+    weights = lib.ggml_soft_max(ctx, form.channel_major(ctx, logits))  # over time, per channel
+    pooled = _stats(ctx, form, h, weights)
     return _pointwise_vec(ctx, W, "spk.fc", pooled)

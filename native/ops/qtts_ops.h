@@ -59,6 +59,14 @@ void qtts_kv_write_transposed_op(struct ggml_tensor * dst, const struct ggml_ten
  * ranges too); dst: contiguous. Rows are split across the nth threads. */
 void qtts_channel_join_op(struct ggml_tensor * dst, int ith, int nth, void * userdata);
 
+/* Per-channel mean and variance over time (the speaker encoder's pooling) as a ggml_custom_op_t
+ * for ggml_custom_4d(ctx, F32, 2 * C, 1, 1, 1, {x}, 1, qtts_pool_stats_op, n, NULL), or with
+ * weights, {x, w} and 2 sources:
+ *   dst[c] = m_c = sum_t w[c, t] x[c, t],  dst[C + c] = sum_t w[c, t] (x[c, t] - m_c)^2
+ * (w = 1 / T without weights). x, w: F32 channel-major ne = [T, C], contiguous rows (nb[0] = 4,
+ * any row stride). Sums in double; channels are split across the nth threads. */
+void qtts_pool_stats_op(struct ggml_tensor * dst, int ith, int nth, void * userdata);
+
 /* Causal GQA attention of a prefill, fused (scores, softmax, product with V), as a
  * ggml_custom_op_t for
  * ggml_custom_4d(ctx, F32, d * H, T, 1, 1, {q, k, v, pos}, 4, qtts_attn_causal_op, n, NULL):

@@ -1247,6 +1247,49 @@ def test_channel_join_rejects_what_the_kernel_cannot_take() -> None:
         co.channel_join(g.ctx, [a, lib.ggml_transpose(g.ctx, g.input("c", (8, 5)))])
 
 
+@needs_ops
+@pytest.mark.parametrize("weighted", [False, True], ids=["uniform", "weighted"])
+@pytest.mark.parametrize(("t", "c", "offset"), [(937, 48, 0.0), (3, 5, 0.0), (1, 1, 0.0),
+                                                (250, 17, 1000.0)])
+def test_pool_stats_is_the_float64_mean_and_variance(cpu1: BackendSet, cpu2: BackendSet,
+                                                     weighted: bool, t: int, c: int,
+                                                     offset: float) -> None:
+    """Per-channel mean and variance over time, uniform and softmax-weighted, from rows of a
+    wider tensor (strided); a large common offset (mean >> std) keeps the variance exact."""
+    rng = np.random.default_rng(t * c)
+    wide = (rng.standard_normal((c, t + 3)) * 2.0 + offset).astype(np.float32)
+    logits = rng.standard_normal((c, t)) * 3.0
+    w = np.exp(logits - logits.max(axis=1, keepdims=True))
+    w = (w / w.sum(axis=1, keepdims=True)).astype(np.float32)
+    x64 = wide[:, 1:1 + t].astype(np.float64)
+    w64 = w.astype(np.float64) if weighted else np.full((c, t), 1.0 / t)
+    mean = (w64 * x64).sum(axis=1)
+    var = (w64 * (x64 - mean[:, None]) ** 2).sum(axis=1)
+    for be in (cpu1, cpu2):
+        g = Graph()
+        tw = g.input("wide", wide.shape)
+        x = lib.ggml_view_2d(g.ctx, tw, t, c, tw.nb[1], 4)
+        g.output(co.pool_stats(g.ctx, x, g.input("w", w.shape) if weighted else None), "out")
+        got = be.execute(g, {"wide": wide, "w": w} if weighted else {"wide": wide})["out"]
+        g.close()
+        got = got.reshape(2, c)
+        np.testing.assert_allclose(got[0], mean, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(got[1], var, rtol=1e-5, atol=1e-12)
+
+
+@needs_ops
+def test_pool_stats_rejects_what_the_kernel_cannot_take() -> None:
+    g = Graph()
+    x = g.input("x", (4, 9))
+    with pytest.raises(ValueError, match="weights must be shaped like x"):
+        co.pool_stats(g.ctx, x, g.input("w", (4, 8)))
+    with pytest.raises(ValueError, match="x must be 2-D with contiguous rows"):
+        co.pool_stats(g.ctx, lib.ggml_transpose(g.ctx, x))
+    with pytest.raises(TypeError):
+        co.pool_stats(g.ctx, g.input("i", (4, 9), dtype=np.int32))
+    g.close()
+
+
 # ---------------------------------------------------------------------------------------------
 # F32 Winograd F(6,7) conv (fast mode without the BF16 kernels)
 

@@ -48,6 +48,22 @@ def test_x_vector_tiny(base_tiny: Path, cpu2: BackendSet, tmp_path: Path, senten
     assert rel < 1e-4, rel
 
 
+def test_x_vector_on_stock_ops(base_tiny: Path, tmp_path: Path) -> None:
+    """The form an accelerator runs (stock ggml ops: every conv matmuls, the pooling statistics
+    as ggml nodes) gives the reference's x-vector too."""
+    stock = BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "2",
+                                 "QTTS_CUSTOM_OPS": "0"})  # fmt: skip
+    wav = speech_24k(tmp_path, SENTENCES[0])
+    want = rc.x_vector(base_tiny, wav)
+    with open_model(base_tiny / "model.gguf") as m:
+        enc = SpeakerEncoder(m, stock)
+        assert not enc._form.direct
+        got = enc.embed(wav)
+        enc.close()
+    rel = float(np.abs(got - want).max() / np.abs(want).max())
+    assert rel < 1e-4, rel
+
+
 RELEASED_SPEAKER = {
     "enc_channels": [512, 512, 512, 512, 1536], "enc_kernel_sizes": [5, 3, 3, 3, 1],
     "enc_dilations": [1, 2, 3, 4, 1], "enc_attention_channels": 128, "enc_res2net_scale": 8,
