@@ -16,7 +16,7 @@ from engine.backend import BackendSet
 from engine.codec_encoder.quantizer import codebook, encode, neg_half_norms
 from engine.codec_encoder.schema import CodecEncoderConfig, codec_encoder_tensor_specs
 from engine.codec_encoder.seanet import ZERO_BUFFER, downsample, seanet, zero_buffer_size
-from engine.codec_encoder.transformer import LINEARS, causal_mask, transformer
+from engine.codec_encoder.transformer import LINEARS, causal_mask, padded_length, transformer
 from engine.errors import InputError
 from engine.ggml import lib
 from engine.ggml.graph import Graph
@@ -80,7 +80,7 @@ class CodecEncoder:
 
             inp = g.input("wav", (x.size, 1))  # time-major: one channel
             h = seanet(ctx, W, self._form, self.config, inp)  # [T25, hidden]
-            t = int(h.ne[1])
+            t = padded_length(int(h.ne[1]))
             pos = g.input("pos", (t,), dtype=np.int32)
             mask = g.input("mask", (t, t))
             h = transformer(ctx, W, self._form, zero_bias, self.config, h, pos, mask)

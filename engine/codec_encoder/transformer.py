@@ -16,7 +16,7 @@ import numpy.typing as npt
 
 from engine.codec_encoder.schema import CodecEncoderConfig
 from engine.ggml import NULL, Tensor, lib
-from engine.ggml.ops1d import ConvForm
+from engine.ggml.ops1d import ConvForm, pad_zero
 
 LINEARS = ("attn_q", "attn_k", "attn_v", "attn_out", "ffn_up", "ffn_down")
 
@@ -28,6 +28,17 @@ def linear(ctx: Any, W: Callable[[str], Tensor], form: ConvForm,
     -> ``[T, n_out]``: the direct conv kernel runs these products faster than
     ``ggml_mul_mat``."""
     return form.conv(ctx, W(name), zero_bias(n_out), x)
+
+
+# ggml's fast F32 GEMM needs the inner length a multiple of 16, and the product of the
+# attention weights and the values sums over the keys: the transformer runs on that many frames
+GEMM_ROWS = 16
+
+
+def padded_length(t: int) -> int:
+    """Frames the transformer runs on for ``t``: ``t`` rounded up to ``GEMM_ROWS``. The extra
+    frames come last, so under the causal mask no real frame attends to them."""
+    return -(-t // GEMM_ROWS) * GEMM_ROWS
 
 
 def causal_mask(t: int) -> npt.NDArray[np.float32]:
@@ -63,12 +74,7 @@ def _attention(ctx: Any, W: Callable[[str], Tensor], form: ConvForm, zb: Callabl
     scores = lib.ggml_mul_mat(ctx, kp, qp)  # [Tk, T, H]
     probs = lib.ggml_soft_max_ext(ctx, scores, mask, 1.0 / math.sqrt(d), 0.0)
     vt = lib.ggml_cont(ctx, lib.ggml_permute(ctx, v, 1, 2, 0, 3))  # [Tk, d, Hkv]
-    # ggml's fast F32 GEMM needs the inner length (Tk here) a multiple of 16: pad with zeros
-    pad = -t % 16
-    if pad:
-        probs = lib.ggml_pad_ext(ctx, probs, 0, pad, 0, 0, 0, 0, 0, 0)
-        vt = lib.ggml_pad_ext(ctx, vt, 0, pad, 0, 0, 0, 0, 0, 0)
-    out = lib.ggml_mul_mat(ctx, vt, probs)  # [d, T, H]
+    out = lib.ggml_mul_mat(ctx, vt, probs)  # [d, T, H]: Tk a multiple of GEMM_ROWS
     out = lib.ggml_cont(ctx, lib.ggml_permute(ctx, out, 0, 2, 1, 3))  # [d, H, T]
     out = lib.ggml_reshape_2d(ctx, out, d * nh, t)
     return lin(g + "attn_out.weight", out, c.hidden_size)
@@ -78,9 +84,13 @@ def transformer(ctx: Any, W: Callable[[str], Tensor], form: ConvForm,
                 zero_bias: Callable[[int], Tensor],
                 c: CodecEncoderConfig, x: Tensor, pos: Tensor, mask: Tensor
                 ) -> Tensor:  # fmt: skip
-    """Graph: time-major ``[hidden, T]`` -> same; ``pos`` int32 [T], ``mask`` [T, T];
+    """Graph: time-major ``x`` [T, hidden] -> same; ``pos`` int32 [T'], ``mask`` [T', T'] for
+    ``T' = padded_length(T)`` (zero frames are appended and cut off again);
     ``zero_bias(n)``: an F32 vector of ``n`` zeros (the linears have no bias)."""
-    h = x
+    t, tp = int(x.ne[1]), int(pos.ne[0])
+    if tp != padded_length(t) or int(mask.ne[0]) != tp or int(mask.ne[1]) != tp:
+        raise ValueError(f"transformer: {t} frames need pos and mask for {padded_length(t)}")
+    h = pad_zero(ctx, x, 0, tp - t)
     for il in range(c.num_hidden_layers):
         g = f"cenc.tr.{il}."
         a = _layer_norm(ctx, h, W(g + "attn_norm.weight"), W(g + "attn_norm.bias"), c.norm_eps)
@@ -91,4 +101,4 @@ def transformer(ctx: Any, W: Callable[[str], Tensor], form: ConvForm,
                                                 c.intermediate_size))  # fmt: skip
         m = linear(ctx, W, form, zero_bias, g + "ffn_down.weight", m, c.hidden_size)
         h = lib.ggml_add(ctx, h, lib.ggml_mul(ctx, m, W(g + "ffn_scale")))
-    return h
+    return lib.ggml_view_2d(ctx, h, int(h.ne[0]), t, h.nb[1], 0) if tp > t else h

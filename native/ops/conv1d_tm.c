@@ -399,7 +399,11 @@ void qtts_conv1d_tm_op(struct ggml_tensor * dst, int ith, int nth, void * userda
     const int64_t n_kc = (Ci + KC_MAX - 1) / KC_MAX;
     const int64_t kc = (Ci + n_kc - 1) / n_kc;
 
+    /* Time chunks of equal length (a multiple of the tile) rather than TCHUNK and a remainder:
+     * units are shared out in contiguous ranges, so with few chunks (T = 250: 192 + 58 steps)
+     * one thread would get most of the work. */
     const int64_t n_tc = (T + TCHUNK - 1) / TCHUNK;
+    const int64_t tlen = ((T + n_tc - 1) / n_tc + NT_MAIN - 1) / NT_MAIN * NT_MAIN;
     const int64_t units = n_ob * n_tc;
     const int64_t u0 = units * ith / nth, u1 = units * (ith + 1) / nth;
     for (int64_t u = u0; u < u1; u++) {
@@ -407,8 +411,8 @@ void qtts_conv1d_tm_op(struct ggml_tensor * dst, int ith, int nth, void * userda
         const int64_t o0 = ob * OB;
         const int width = (int)(O - o0 < OB ? O - o0 : OB);
         const tile_fn * fns = width == OB ? TILE_FULL : TILE_MASK;
-        const int64_t t_end = (tc + 1) * TCHUNK < T ? (tc + 1) * TCHUNK : T;
-        if (tc * TCHUNK < ph && stage == NULL) {
+        const int64_t t_end = (tc + 1) * tlen < T ? (tc + 1) * tlen : T;
+        if (tc * tlen < ph && stage == NULL) {
             float * s = (float *)qtts_scratch_get(QTTS_SCRATCH_F32_STAGE,
                                                   (size_t)(stage_rows * Ci) * sizeof(float));
             const float * hp = (const float *)ht->data;
@@ -422,7 +426,7 @@ void qtts_conv1d_tm_op(struct ggml_tensor * dst, int ith, int nth, void * userda
         for (int64_t c0 = 0; c0 < Ci; c0 += kc) {
             const int64_t nc = Ci - c0 < kc ? Ci - c0 : kc;
             const float * wc = w + (ob * K * Ci + c0) * OB;
-            for (int64_t t = tc * TCHUNK; t < t_end; t += NT_MAIN) {
+            for (int64_t t = tc * tlen; t < t_end; t += NT_MAIN) {
                 const int nt = (int)(t_end - t < NT_MAIN ? t_end - t : NT_MAIN);
                 float * out = y + t * O + o0;
                 const int staged = t < ph;

@@ -256,7 +256,8 @@ def test_conv_matches_float64(cpu2: BackendSet, c_in: int, c_out: int, t: int, k
 
 
 @needs_ops
-@pytest.mark.parametrize("c,t,d", [(96, 3001, 3), (768, 5, 1), (384, 1, 9)])
+@pytest.mark.parametrize("c,t,d", [(96, 3001, 3), (768, 5, 1), (384, 1, 9), (64, 250, 1),
+                                   (32, 7297, 2)])  # fmt: skip
 def test_conv_threads_identical(cpu1: BackendSet, cpu2: BackendSet, c: int, t: int,
                                 d: int) -> None:
     rng = np.random.default_rng(11)
