@@ -9,6 +9,7 @@ import pytest
 
 from engine.backend import BackendSet
 from engine.codec_encoder.encoder import CodecEncoder
+from engine.codec_encoder.transformer import GEMM_ROWS
 from engine.gguf_model import open_model
 from engine.tools.make_model import make_model
 from tests.parity import reference_clone as rc
@@ -55,6 +56,22 @@ def test_codes_long_clip(base_tiny: Path, cpu2: BackendSet, tmp_path: Path) -> N
     wav = np.concatenate([speech_24k(tmp_path, s) for s in SENTENCES * 2])
     assert wav.size / 24000 > 10.5
     np.testing.assert_array_equal(_codes(base_tiny, cpu2, wav), rc.encode(base_tiny, wav))
+
+
+def test_codes_on_stock_ops(base_tiny: Path, tmp_path: Path) -> None:
+    """The form an accelerator runs (stock ggml ops: every conv matmuls, ggml's ELU) gives the
+    reference's codes too; the clip's 25 Hz frames are not a multiple of the transformer's
+    padding (``padded_length``)."""
+    stock = BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "2",
+                                 "QTTS_CUSTOM_OPS": "0"})  # fmt: skip
+    wav = speech_24k(tmp_path, SENTENCES[1])
+    assert (-(-wav.size // 960)) % GEMM_ROWS
+    with open_model(base_tiny / "model.gguf") as m:
+        enc = CodecEncoder(m, stock)
+        assert not enc._form.direct
+        got = enc.encode(wav)
+        enc.close()
+    np.testing.assert_array_equal(got, rc.encode(base_tiny, wav))
 
 
 def test_codes_released_size(
