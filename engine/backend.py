@@ -485,6 +485,9 @@ class BackendSet:
         if missing:
             raise KeyError(f"no data for graph input(s) {', '.join(missing)}")
         with self._lock:
+            if graph.runs:
+                graph.unplace()
+            graph.runs += 1
             self._allocate(graph)
             self._upload(graph, uploads)
             if self.diagnostics.any_hook:

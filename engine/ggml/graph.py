@@ -92,6 +92,7 @@ class Graph:
         self.gf = lib.ggml_new_graph_custom(self.ctx, max_nodes, False)
         self.inputs: dict[str, Tensor] = {}
         self.outputs: dict[str, Tensor] = {}
+        self.runs = 0  # executions so far (engine.backend.BackendSet.execute)
 
     def input(self, name: str, shape: Sequence[int], dtype: type | np.dtype[Any] = np.float32,
               ggml_type: int | None = None) -> Tensor:
@@ -125,6 +126,25 @@ class Graph:
     def nodes(self) -> list[Tensor]:
         """The graph's compute nodes in execution order."""
         return [lib.ggml_graph_node(self.gf, i) for i in range(self.n_nodes)]
+
+    def unplace(self) -> None:
+        """Forget where an allocator put this graph's own tensors (inputs, nodes and views of
+        them; views of weights keep their data), so that the next allocation places them anew.
+        ggml's allocator leaves a tensor that has data where it is: after a run, that is the
+        compute buffer of that run, which a bigger graph run since may have freed."""
+        own: list[Tensor] = []
+        t = lib.ggml_get_first_tensor(self.ctx)
+        while t != ffi.NULL:
+            own.append(t)
+            t = lib.ggml_get_next_tensor(self.ctx, t)
+        addresses = {int(ffi.cast("uintptr_t", t)) for t in own}
+        for t in own:
+            root = t
+            while root.view_src != ffi.NULL:
+                root = root.view_src
+            if int(ffi.cast("uintptr_t", root)) in addresses:
+                t.data = ffi.NULL
+                t.buffer = ffi.NULL
 
     def close(self) -> None:
         """Free the metadata context (tensor descriptions only; no data lives here)."""

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -13,6 +16,8 @@ from engine.backend import BackendSet, built_backends, choose_backend, list_devi
 from engine.errors import BackendError
 from engine.ggml import Graph, lib
 from tests.engine.rpc import rpc_server
+
+REPO = Path(__file__).resolve().parents[2]
 
 AVAILABLE = "cpu, blas" if "blas" in built_backends() else "cpu"
 
@@ -229,3 +234,46 @@ def test_graph_split_across_rpc_and_cpu_equals_cpu() -> None:
 def test_rpc_server_errors() -> None:
     with pytest.raises(BackendError, match=r"QTTS_RPC_SERVERS: 'nohost' is not host:port"):
         BackendSet.from_env(_env(backend="cpu", rpc_servers="nohost"))
+
+
+RERUN_SCRIPT = """
+import numpy as np
+from engine.backend import BackendSet
+from engine.ggml import Graph, ffi, lib
+from engine.ggml.graph import no_alloc_context
+
+be = BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "2"})
+# a weight: data in a buffer of its own, read through a view (it keeps its data)
+wctx = no_alloc_context(1)
+w = lib.ggml_new_tensor_1d(wctx, lib.GGML_TYPE_F32, 2 * 64)
+buf = lib.ggml_backend_alloc_ctx_tensors(wctx, be.cpu)
+wv = np.arange(2 * 64, dtype=np.float32)
+lib.ggml_backend_tensor_set(w, ffi.from_buffer(wv), 0, wv.nbytes)
+g = Graph()
+a, r = g.input("a", (200000, 64)), g.input("r", (200000, 64))
+half = lib.ggml_view_2d(g.ctx, a, 64, 100000, a.nb[1], 100000 * a.nb[1])
+s = lib.ggml_add(g.ctx, lib.ggml_add(g.ctx, half, half), lib.ggml_view_1d(g.ctx, w, 64, 256))
+g.output(lib.ggml_add(g.ctx, a, r), "y")
+g.output(s, "s")
+d = {"a": np.ones((200000, 64), np.float32), "r": np.full((200000, 64), 2, np.float32)}
+big = Graph()
+x = big.input("x", (800000, 64))
+big.output(lib.ggml_add(big.ctx, x, x), "z")
+for _ in range(3):
+    out = be.execute(g, d)
+    print(float(out["y"].sum()), float(out["s"][0].sum()))
+    be.execute(big, {"x": np.ones((800000, 64), np.float32)})  # the compute buffer grows
+"""
+
+
+def test_a_graph_run_again_after_a_bigger_one_is_placed_anew() -> None:
+    """A graph run a second time, after a bigger graph made the scheduler replace its compute
+    buffer, still pointed into the freed one (ggml's allocator leaves a tensor that has data
+    where it is): a segfault in the upload. Its own tensors are placed anew
+    (``Graph.unplace``); a view of a weight keeps its data. In a subprocess: without the fix
+    the process dies."""
+    r = subprocess.run([sys.executable, "-c", RERUN_SCRIPT], capture_output=True, text=True,
+                       timeout=300, cwd=REPO)
+    assert r.returncode == 0, r.stderr[-3000:]
+    expect = f"{3.0 * 200000 * 64} {2.0 * 64 + float(np.arange(64, 128).sum())}"
+    assert r.stdout.split("\n")[:3] == [expect] * 3
