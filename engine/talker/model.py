@@ -241,17 +241,15 @@ class TalkerModel:
                              f"{prompt.length} positions")
         assert cache is not None
         n_all = prompt.length
-        n_pre = prompt.n_prefix if 0 < prompt.n_prefix < n_all else 0
+        if reuse_prefix and not capture:
+            n_pre, reuse = self.kept_prefix(prompt)
+        else:
+            n_pre, reuse = (prompt.n_prefix if 0 < prompt.n_prefix < n_all else 0), None
         key = _prefix_key(prompt, n_pre)
-        reuse = None
-        if n_pre and reuse_prefix and not capture:
-            reuse = self._pinned.get(key) or self._prefix.get(key)
         start = n_pre if reuse is not None else 0
         chunk = max(1, n_all - start if capture else self.prefill_chunk)
         # a prefix longer than one chunk is not kept (only a long instruction makes one)
         snapshot = n_pre if (reuse is None and n_pre and not capture and n_pre <= chunk) else 0
-        if reuse is not None and key in self._prefix:
-            self._prefix.move_to_end(key)
         c0 = start
         while True:
             c1 = min(n_all, c0 + chunk)
@@ -276,6 +274,20 @@ class TalkerModel:
             pad=tail[n_trail],
             taps=taps,
         )
+
+    def kept_prefix(self, prompt: Prompt
+                    ) -> tuple[int, tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]] | None]:
+        """(positions of ``prompt``'s prefix, its kept K/V rows or None): the rows a prefill
+        writes back instead of computing them (pinned, or among the recent prefixes, which
+        this marks as used)."""
+        n_pre = prompt.n_prefix if 0 < prompt.n_prefix < prompt.length else 0
+        if not n_pre:
+            return 0, None
+        key = _prefix_key(prompt, n_pre)
+        reuse = self._pinned.get(key) or self._prefix.get(key)
+        if reuse is not None and key in self._prefix:
+            self._prefix.move_to_end(key)
+        return n_pre, reuse
 
     def _prefill_graph(self, prompt: Prompt, cache: KVCache, c0: int, c1: int, *, first: bool,
                        capture: bool,
@@ -304,7 +316,7 @@ class TalkerModel:
         def build(g: Graph) -> None:
             ctx = g.ctx
             b = Builder(g, w.talker_shape, capture, mul_mat=w.mul_mat)
-            x, txt = self._prompt_embeddings(b, n, n_text, prompt.embed_add is not None)
+            x, txt = self.prompt_embeddings(b, n, n_text, prompt.embed_add is not None)
             if last:
                 hs = int(txt.ne[0])
                 tail = lib.ggml_view_2d(ctx, txt, hs, n_text - n, txt.nb[1], n * txt.nb[1])
@@ -366,23 +378,23 @@ class TalkerModel:
                             stats=self.stats)
         return out["text"].reshape(n, -1)
 
-    def _prompt_embeddings(self, b: Builder, n: int, n_text: int, with_add: bool = False
-                           ) -> tuple[Tensor, Tensor]:
+    def prompt_embeddings(self, b: Builder, n: int, n_text: int, with_add: bool = False,
+                          suffix: str = "") -> tuple[Tensor, Tensor]:
         """Declare inputs ``text_ids`` [n_text], ``codec_ids`` [n], ``codec_mask`` [n, 1]
-        (and ``embed_add`` [n, H] when ``with_add``: voice-cloning rows); return the
-        embeddings of the first n positions ``T(text) + mask * C(codec) (+ add)`` [H, n] and
-        the projected text of all n_text ids [H, n_text]."""
+        (and ``embed_add`` [n, H] when ``with_add``: voice-cloning rows), each name followed by
+        ``suffix``; return the embeddings of the first n positions ``T(text) + mask *
+        C(codec) (+ add)`` [H, n] and the projected text of all n_text ids [H, n_text]."""
         g, ctx, w = b.g, b.ctx, self.weights
-        ids = g.input("text_ids", (n_text,), np.int32)
+        ids = g.input("text_ids" + suffix, (n_text,), np.int32)
         e = lib.ggml_get_rows(ctx, w.text_embd, ids)
         h = lib.ggml_silu(ctx, b.linear(e, w.text_fc1_w, w.text_fc1_b))
         txt = b.cb(b.linear(h, w.text_fc2_w, w.text_fc2_b), "text_proj")  # [H, n_text]
         t_prompt = lib.ggml_view_2d(ctx, txt, int(txt.ne[0]), n, txt.nb[1], 0)
-        cid = g.input("codec_ids", (n,), np.int32)
-        cmask = g.input("codec_mask", (n, 1))
+        cid = g.input("codec_ids" + suffix, (n,), np.int32)
+        cmask = g.input("codec_mask" + suffix, (n, 1))
         c = lib.ggml_mul(ctx, lib.ggml_get_rows(ctx, w.codec_embd, cid), cmask)
         if with_add:
-            c = lib.ggml_add(ctx, c, g.input("embed_add", (n, int(txt.ne[0]))))
+            c = lib.ggml_add(ctx, c, g.input("embed_add" + suffix, (n, int(txt.ne[0]))))
         return b.cb(lib.ggml_add(ctx, t_prompt, c), "inp_embd"), txt
 
     def frame_embeddings(self, codes: I32) -> F32:
@@ -457,7 +469,7 @@ class TalkerModel:
 
         def build(g: Graph) -> None:
             b = Builder(g, w.talker_shape, mul_mat=w.mul_mat)
-            x, _ = self._prompt_embeddings(b, n, n, with_add)
+            x, _ = self.prompt_embeddings(b, n, n, with_add)
             a = prefill_inputs(g, n, n_kv)
             # Pinned: ggml's attention nodes even for one prompt (whose mask is causal), so a
             # prefix is pinned with the same bits whichever prefixes share its batch. Kept among

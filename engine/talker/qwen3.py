@@ -312,14 +312,14 @@ def attention(b: Builder, lw: LayerWeights, il: int, x: Tensor, a: AttnInputs,
     if a.k_idx is not None and a.v_idx is not None:
         k_w, v_w = _scatter_kv(b, a, il, k_rows, v, cache)
     else:
-        k_w, v_w = _write_kv_block(b, a, il, k_rows, v, cache)
+        k_w, v_w = write_kv_block(b, a, il, k_rows, v, cache)
     if not a.row0:  # (a later chunk's k_w/v_w are the cache tensors themselves: no renaming)
         b.cb(k_w, "k_write", il)
         b.cb(v_w, "v_write", il)
     # Views of the write results (from cache position 0, which both writes start at or cover),
     # so every read is ordered after the writes; n_kv may reach past the rows written here.
     n_kv, es = a.n_kv, int(cache.k[il].nb[0])
-    if _fused_attention(b, a, cache):
+    if fused_attention(b, a, cache):
         kk = lib.ggml_view_2d(ctx, k_w, s.kv_dim, n_kv, cache.k[il].nb[1], 0)
         vv = lib.ggml_view_2d(ctx, v_w, n_kv, s.kv_dim, cache.v[il].nb[1], 0)
         merged = b.cb(custom_ops.attn_causal(ctx, q, kk, vv, pos_q), "kqv_merged", il)
@@ -333,7 +333,7 @@ def attention(b: Builder, lw: LayerWeights, il: int, x: Tensor, a: AttnInputs,
     return b.cb(b.matmul(lw, "o", merged), "attn_out", il)
 
 
-def _fused_attention(b: Builder, a: AttnInputs, cache: KVCache) -> bool:
+def fused_attention(b: Builder, a: AttnInputs, cache: KVCache) -> bool:
     # qtts's fused op where it fits: a prefill graph with the causal mask (the op applies it
     # itself) over a cache its native ops may touch, on a SIMD build (its portable C path is
     # slower than ggml's nodes). The last layer's lone query fills 1/16 of its lanes and is
@@ -356,7 +356,7 @@ def _scatter_kv(b: Builder, a: AttnInputs, il: int, k_rows: Tensor, v: Tensor,
     return k_w, v_w
 
 
-def _write_kv_block(b: Builder, a: AttnInputs, il: int, k_rows: Tensor, v: Tensor,
+def write_kv_block(b: Builder, a: AttnInputs, il: int, k_rows: Tensor, v: Tensor,
                     cache: KVCache) -> tuple[Tensor, Tensor]:
     # Prefill: cache rows 0..n-1 = [reused prefix rows;] this graph's rows, one cpy per tensor
     # (V through a transposed view into the channel-major cache). The results are views of the

@@ -4,7 +4,10 @@
 (``TalkerModel.new_cache``), sampler and position. One ``iterate()``:
 
 1. at most one prefill chunk of one joining utterance (a long prompt is several chunks, so the
-   running utterances wait one chunk at most, never a whole prompt);
+   running utterances wait one chunk at most, never a whole prompt); or, where several joined
+   since the last round and none has begun, their whole prompts in one graph
+   (``joint_prefill``: one read of the weights for all of them, each one's results those of
+   its prefill alone);
 2. codebook 0 of every utterance with logits (``generate.decide``: EOS, budget, cancel), then one
    batched code-predictor pass over those that go on: their frames are complete;
 3. one batched talker step for every utterance whose frame was not its last.
@@ -33,6 +36,7 @@ import numpy.typing as npt
 from engine.errors import InputError
 from engine.talker.batch import BatchedTalker, StepRow
 from engine.talker.generate import Frame, FrameSampler, Result, decide, is_cancelled
+from engine.talker.joint_prefill import Joiner, int8_rows, joiner, prefill_joint
 from engine.talker.live import LiveRows
 from engine.talker.model import PrefillOut, TalkerModel
 from engine.talker.prompt import Prompt
@@ -63,6 +67,7 @@ class Utterance:
     text: LiveRows | None = None  # live text (None: the prompt's trailing rows, then PAD)
     held: npt.NDArray[np.int32] | None = None  # a frame's codes whose step waits for text
     waiting: bool = False  # a live utterance waiting for text (``Paused`` was said)
+    prefilling: bool = False  # its prefill alone has begun (no joint prefill takes it then)
 
     def at_budget(self) -> bool:
         return self.text.at_budget(self.k) if self.text is not None else self.k >= self.budget
@@ -304,7 +309,10 @@ class FrameScheduler:
             stepping.append(u)
 
     def _prefill_one(self, events: list[Event], stats: StepStats) -> None:
-        # one chunk of the first utterance still prefilling
+        # one chunk of the first utterance still prefilling, or, where several joined since
+        # the last round and each fits one graph, all of their prefills in one graph
+        if self._prefill_joint(stats):
+            return
         for u in self._live.values():
             if u.chunks is None:
                 continue
@@ -313,17 +321,47 @@ class FrameScheduler:
                 events.append(self._end(u))
                 return
             t0 = time.perf_counter()
+            u.prefilling = True
             try:
                 next(u.chunks)
             except StopIteration as stop:
-                u.pre = stop.value
-                u.chunks = None
-                assert u.pre is not None
-                u.logits, u.hidden = u.pre.logits, u.pre.hidden
+                self._prefilled(u, stop.value)
             dt = time.perf_counter() - t0
             u.pending.prefill += dt
             stats.prefill_s = dt
             return
+
+    def _prefilled(self, u: Utterance, pre: PrefillOut) -> None:
+        u.pre = pre
+        u.chunks = None
+        u.logits, u.hidden = pre.logits, pre.hidden
+
+    def _prefill_joint(self, stats: StepStats) -> bool:
+        # engine/talker/joint_prefill.py: joiners not cancelled, none begun alone, in groups
+        # alike in their rows' products; False: none ran (then one chunk runs alone)
+        groups: dict[bool, list[tuple[Utterance, Joiner]]] = {}
+        for u in self._live.values():
+            if u.chunks is None or u.prefilling or is_cancelled(u.cancel):
+                continue
+            assert u.cache is not None
+            j = joiner(self.talker, u.prompt, u.cache)
+            if j is not None:
+                groups.setdefault(int8_rows(j), []).append((u, j))
+        ran = False
+        for group in groups.values():
+            if len(group) < 2:
+                continue
+            t0 = time.perf_counter()
+            outs = prefill_joint(self.talker, [j for _, j in group])
+            dt = time.perf_counter() - t0
+            for (u, _), pre in zip(group, outs, strict=True):
+                assert u.chunks is not None
+                u.chunks.close()
+                self._prefilled(u, pre)
+                u.pending.prefill += dt
+            stats.prefill_s += dt
+            ran = True
+        return ran
 
     def close(self) -> None:
         """End every utterance (cancelled) and free the batched graphs."""

@@ -166,6 +166,50 @@ def test_batched_equals_alone(weights: str, kv_type: str, tiny_gguf: Path, q4_gg
         talker.close()
 
 
+# four join in the same round, with different voices, text modes and lengths: the two whole
+# texts prefill in one graph (several new rows each: the int8 GEMM where the layers have int8
+# copies), the two streaming-text openings (one new row each) in another
+# (engine/talker/joint_prefill.py); a fifth joins later, alone
+JOBS_TOGETHER = [
+    Job("Hello world.", 0, True, 0, 12, "full", 0),
+    Job("A much longer sentence, and it goes on for a while.", 1, False, 5, 20, "stream", 0),
+    Job("Third one!", -1, False, 9, 7, "full", 0),
+    Job("Streaming as well.", 0, True, 7, 10, "stream", 0),
+    Job("Late and greedy.", 1, True, 3, 9, "stream", 4),
+]
+
+
+@pytest.mark.parametrize(("weights", "kv_type"), [("f32", "f32"), ("q4_0", "f16"),
+                                                  ("q4_0", "f32")])
+def test_joiners_prefilled_together_equal_alone(weights: str, kv_type: str, tiny_gguf: Path,
+                                                q4_gguf: Path, backends: BackendSet,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Utterances that join in the same round prefill in one graph, and each one's codes and
+    logits are its codes and logits alone (bit for bit with Q4_0 weights)."""
+    from engine.talker import scheduler
+
+    joint: list[int] = []
+    real = scheduler.prefill_joint
+
+    def counted(talker: TalkerModel, joiners: list[Any]) -> Any:
+        joint.append(len(joiners))
+        return real(talker, joiners)
+
+    monkeypatch.setattr(scheduler, "prefill_joint", counted)
+    model = open_model(tiny_gguf if weights == "f32" else q4_gguf)
+    talker = _talker(model, backends, kv_type)
+    try:
+        if weights == "q4_0":
+            assert all(lw.i8 is not None for lw in talker.weights.layers)
+        alone = [_alone(talker, model, j) for j in JOBS_TOGETHER]
+        batched = _batched(talker, model, JOBS_TOGETHER, max_batch=5)
+        assert sorted(joint) == [2, 2]
+        for a, b in zip(alone, batched, strict=True):
+            _same(a, b, exact=weights == "q4_0")
+    finally:
+        talker.close()
+
+
 def test_cancel_leaves_at_once_others_unchanged(tiny_gguf: Path, backends: BackendSet
                                                 ) -> None:
     model = open_model(tiny_gguf)
