@@ -128,6 +128,7 @@ class BatchRunner:
         self._by_uid: dict[int, _Stream] = {}
         self._starting: list[_Stream] = []  # live streams waiting for their start
         self.decoder_s = 0.0  # decoder seconds of the last step
+        self._pump: Callable[[], None] | None = None  # the step's (``step``)
         self.idle = False  # the last step did nothing: every stream waits for text
 
     @property
@@ -281,7 +282,8 @@ class BatchRunner:
         st.info.outcome = "cancelled"
         return True
 
-    def step(self, deliver: Deliver | None = None) -> list[Event]:
+    def step(self, deliver: Deliver | None = None,
+             pump: Callable[[], None] | None = None) -> list[Event]:
         """One round for every stream; returns (stream id, chunk or ``Finished``), each
         stream's in order, and hands each to ``deliver`` as soon as it is made (a chunk need
         not wait for the other streams' decoder pushes).
@@ -289,9 +291,14 @@ class BatchRunner:
         The round's decoder work runs before its talker step (``FrameScheduler.iterate``'s
         ``before_step``), most urgent stream first: streams without audio yet (their first
         chunk is their time to first audio), then by how little audio they are ahead of a
-        listener. Each stream's chunks are the same whatever the order."""
+        listener. Each stream's chunks are the same whatever the order.
+
+        ``pump``: brings the live streams' text that has come meanwhile into their feeds; it
+        runs after a push whose chunk waits for the text to confirm a guess, so the chunk goes
+        out as soon as the text is there, not after the round's other pushes and its step."""
         out = _Out(deliver)
         self.decoder_s = 0.0
+        self._pump = pump
         self._settle(out)
         if self._starting:
             self._start_live(out)
@@ -317,6 +324,9 @@ class BatchRunner:
                 st.acc = st.acc + ev.frame.timings
                 if len(st.pending) >= st.plan.ramp.target and self._push_due(st, out):
                     st.plan.ramp.advance()
+                    if self._pump is not None and st.live is not None and st.live.held:
+                        self._pump()
+                        self._settle(out)
             elif isinstance(ev, Paused):
                 # as Pipeline._chunks on a pause: the frames held go out, the ramp restarts
                 if not st.pending or self._push_due(st, out):

@@ -161,60 +161,83 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
         conn.send(Chunk(r.job.id, np.asarray(item.audio, dtype=np.float32),
                         stage_seconds(item.timings), int(item.frames)))
 
+    def handle(msg: Any) -> None:
+        match msg:
+            case StopWorker():
+                # as the one-job loop: exit after the running jobs (the pool cancels them
+                # first when it stops)
+                _STATE["term"] = True
+            case CancelJob(job_id=jid):
+                stop.add(jid)
+            case TextIn(job_id=jid):
+                feed = feeds.get(jid)
+                if feed is not None:
+                    feed.put(msg)
+            case RunJob(job=job) if not batchable(job):
+                _STATE["busy"] = True
+                try:
+                    _run_job(conn, cancel, synth, job, fault)
+                finally:
+                    _STATE["busy"] = bool(running)
+            case RunJob(job=job) if _STATE["term"]:
+                conn.send(Failed(job.id, 503, None, "worker stopping"))
+            case RunJob(job=job):
+                try:
+                    voice = synth.voice_of(job)  # a stored voice: loaded once, cached
+                    req: Any = job if voice is None else replace(as_request(job),
+                                                                 voice_prompt=voice)
+                    info = StreamInfo()
+                    if job.live:
+                        feed = BufferFeed()
+                        sid = runner.submit_live(req, feed, cancel=flag(job.id), info=info,
+                                                 min_tokens=job.min_tokens)
+                        feeds[job.id] = feed
+                    else:
+                        sid = runner.submit(req, cancel=flag(job.id), info=info)
+                except QttsError as e:
+                    conn.send(_failure(job.id, e))
+                    return
+                running[sid] = _Running(job, info)
+                _STATE["busy"] = True
+
+    later: list[Any] = []  # what ``pump`` read in a step and left for the loop, in order
+
+    def pump() -> None:
+        # in a step (BatchRunner.step): live text and cancels at once; a message after one it
+        # left waits too, so that a job's text never comes before the job
+        try:
+            while conn.poll(0):
+                msg = conn.recv()
+                if not later and isinstance(msg, TextIn | CancelJob):
+                    handle(msg)
+                else:
+                    later.append(msg)
+        except (EOFError, OSError):
+            return  # the loop finds the pipe closed
+
     while True:
-        if _STATE["term"] and not running:
+        if _STATE["term"] and not running and not later:
             return
+        for msg in later:
+            handle(msg)
+        wait: float | None = 0 if later else None
+        later.clear()
         # idle: wake now and then for SIGTERM; every live job waiting for text: for its text
-        wait: float | None = (0.02 if runner.idle else 0) if running else 0.25
+        if wait is None:
+            wait = (0.02 if runner.idle else 0) if running else 0.25
         while conn.poll(wait):
             wait = 0
             try:
                 msg = conn.recv()
             except (EOFError, OSError):
                 return  # front end gone
-            match msg:
-                case StopWorker():
-                    # as the one-job loop: exit after the running jobs (the pool cancels them
-                    # first when it stops)
-                    _STATE["term"] = True
-                case CancelJob(job_id=jid):
-                    stop.add(jid)
-                case TextIn(job_id=jid):
-                    feed = feeds.get(jid)
-                    if feed is not None:
-                        feed.put(msg)
-                case RunJob(job=job) if not batchable(job):
-                    _STATE["busy"] = True
-                    try:
-                        _run_job(conn, cancel, synth, job, fault)
-                    finally:
-                        _STATE["busy"] = bool(running)
-                case RunJob(job=job) if _STATE["term"]:
-                    conn.send(Failed(job.id, 503, None, "worker stopping"))
-                case RunJob(job=job):
-                    try:
-                        voice = synth.voice_of(job)  # a stored voice: loaded once, cached
-                        req: Any = job if voice is None else replace(as_request(job),
-                                                                     voice_prompt=voice)
-                        info = StreamInfo()
-                        if job.live:
-                            feed = BufferFeed()
-                            sid = runner.submit_live(req, feed, cancel=flag(job.id), info=info,
-                                                     min_tokens=job.min_tokens)
-                            feeds[job.id] = feed
-                        else:
-                            sid = runner.submit(req, cancel=flag(job.id), info=info)
-                    except QttsError as e:
-                        conn.send(_failure(job.id, e))
-                        continue
-                    running[sid] = _Running(job, info)
-                    _STATE["busy"] = True
+            handle(msg)
         if not running:
             stop.clear()
             continue
         try:
             # each chunk goes out as soon as it is decoded, not after the batch's other pushes
-            runner.step(deliver)
+            runner.step(deliver, pump)
         except (BrokenPipeError, EOFError, ConnectionResetError):
             return
         except Exception as e:

@@ -335,3 +335,38 @@ def test_a_stream_opened_on_a_guess_holds_its_audio_until_the_text_settles(
                                       np.concatenate(ref.codes, 1))
         assert sum(c.audio.shape[0] for c in chunks[k]) == sum(
             c.audio.shape[0] for c in ref_chunks)
+
+
+def test_a_held_chunk_goes_out_in_its_step_once_the_pumped_text_confirms_it(
+        pipeline: Pipeline) -> None:
+    """A live stream opened on a guess ("Hello", the rest not there yet): when the text that
+    confirms the guess comes during the step that made its first chunk (``pump``, as the
+    worker reads its pipe between pushes), that chunk goes out in that step, not after the
+    round's talker step and the next step's start."""
+    n = len(LIVE_TEXT.split(" "))
+    feed = StepFeed(LIVE_TEXT, [0] + [10**9] * (n - 1))
+    pumped: list[int] = []
+    it = 0
+
+    def pump() -> None:
+        pumped.append(it)
+        feed.at = [0] * n  # the rest of the text has come meanwhile
+
+    runner = BatchRunner(pipeline, 2)
+    info = StreamInfo()
+    first_at = None
+    try:
+        runner.submit_live(SynthesisRequest("", voice="ryan", seed=5), feed, None, info)
+        for it in range(500):
+            events = runner.step(pump=pump)
+            if first_at is None and any(isinstance(x, AudioChunk) for _, x in events):
+                first_at = it
+            if any(isinstance(x, Finished) for _, x in events):
+                break
+    finally:
+        runner.close()
+    assert (info.guessed, info.refuted) == (1, 0)
+    assert pumped and first_at == pumped[0]
+    ref = StreamInfo()
+    _live_alone(pipeline, LIVE_TEXT, 5, ref)
+    np.testing.assert_array_equal(np.concatenate(info.codes, 1), np.concatenate(ref.codes, 1))
