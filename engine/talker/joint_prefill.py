@@ -127,9 +127,9 @@ def prefill_joint(talker: TalkerModel, joiners: Sequence[Joiner]) -> list[Prefil
                            n_kv=prefill_n_kv(j.prompt.length, j.cache.n_ctx), causal=True)
             if j.reuse is not None:
                 a.prefix_k = _as_f32(ctx, g.input(f"prefix_k.{i}", (n_layers, j.start, kv),
-                                                  talker._kv_np))
+                                                  talker.kv_np))
                 a.prefix_v = _as_f32(ctx, g.input(f"prefix_v.{i}", (n_layers, j.start, kv),
-                                                  talker._kv_np))
+                                                  talker.kv_np))
             rows.append(a)
         for il, lw in enumerate(w.layers):
             last = il == n_layers - 1

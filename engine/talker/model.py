@@ -308,7 +308,7 @@ class TalkerModel:
             text_ids = np.concatenate([text_ids, prompt.trailing_ids,
                                        np.asarray([prompt.pad_id], dtype=np.int32)])
         n_text = int(text_ids.shape[0])
-        kv_np = self._kv_np
+        kv_np = self.kv_np
         n_layers = len(w.layers)
         n_kv = prefill_n_kv(c1, cache.n_ctx)
         row0 = 0 if first else c0
@@ -507,16 +507,16 @@ class TalkerModel:
             start += m
 
     @property
-    def _kv_np(self) -> type[np.floating[Any]]:
-        # the numpy type of the cache's K/V rows (kept prefixes are stored as the cache holds them)
+    def kv_np(self) -> type[np.floating[Any]]:
+        """The numpy type of the cache's K/V rows (kept prefixes are stored as it holds them)."""
         return np.float16 if self.kv_type == lib.GGML_TYPE_F16 else np.float32
 
     def _snapshot_rows(self, out: dict[str, np.ndarray[Any, Any]]
                        ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
         """The ``snap_k.*`` / ``snap_v.*`` outputs of every layer as [n_layers, P, kv_dim]."""
         n_layers = len(self.weights.layers)
-        pk = np.stack([out[f"snap_k.{il}"] for il in range(n_layers)]).astype(self._kv_np)
-        pv = np.stack([out[f"snap_v.{il}"] for il in range(n_layers)]).astype(self._kv_np)
+        pk = np.stack([out[f"snap_k.{il}"] for il in range(n_layers)]).astype(self.kv_np)
+        pv = np.stack([out[f"snap_v.{il}"] for il in range(n_layers)]).astype(self.kv_np)
         return pk, pv
 
     # -- one talker step ---------------------------------------------------------------------
