@@ -4,8 +4,8 @@
 (``TalkerModel.new_cache``), sampler and position. One ``iterate()``:
 
 1. at most one prefill chunk of one joining utterance (a long prompt is several chunks, so the
-   running utterances wait one chunk at most, never a whole prompt); or, where several joined
-   since the last round and none has begun, their whole prompts in one graph
+   running utterances wait one chunk at most, never a whole prompt); or, where several live
+   ones joined since the last round and none has begun, their whole prompts in one graph
    (``joint_prefill``: one read of the weights for all of them, each one's results those of
    its prefill alone);
 2. codebook 0 of every utterance with logits (``generate.decide``: EOS, budget, cancel), then one
@@ -115,11 +115,18 @@ class FrameScheduler:
     """Up to ``max_batch`` utterances generating frames together (module docstring)."""
 
     def __init__(self, talker: TalkerModel, max_batch: int,
-                 batched: BatchedTalker | None = None) -> None:
+                 batched: BatchedTalker | None = None, joint_prefill: str = "live") -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if joint_prefill not in ("live", "all"):
+            raise ValueError(f"joint_prefill must be 'live' or 'all', got {joint_prefill!r}")
         self.talker = talker
         self.max_batch = max_batch
+        # Which joiners prefill together: live text only by default. A live utterance's first
+        # audio waits for the text that confirms its opening anyway (engine/batching.py), so
+        # waiting for the others' rows costs it little; a whole text's first audio would pay
+        # for the others' prefills in full (docs/performance.md, "Session 18").
+        self.joint_prefill = joint_prefill
         self.batched = batched if batched is not None else BatchedTalker(talker)
         self._uids = itertools.count(1)
         self._live: dict[int, Utterance] = {}  # in arrival order
@@ -342,6 +349,8 @@ class FrameScheduler:
         groups: dict[bool, list[tuple[Utterance, Joiner]]] = {}
         for u in self._live.values():
             if u.chunks is None or u.prefilling or is_cancelled(u.cancel):
+                continue
+            if u.text is None and self.joint_prefill == "live":
                 continue
             assert u.cache is not None
             j = joiner(self.talker, u.prompt, u.cache)

@@ -94,10 +94,10 @@ def _alone(talker: TalkerModel, model: Any, job: Job) -> Run:
 
 
 def _batched(talker: TalkerModel, model: Any, jobs: list[Job], max_batch: int,
-             cancel_at: dict[int, int] | None = None) -> list[Run]:
+             cancel_at: dict[int, int] | None = None, joint_prefill: str = "live") -> list[Run]:
     """Run ``jobs`` through one scheduler; ``cancel_at``: job index -> iteration to cancel."""
     pb = PromptBuilder(model)
-    sched = FrameScheduler(talker, max_batch)
+    sched = FrameScheduler(talker, max_batch, joint_prefill=joint_prefill)
     runs = [Run() for _ in jobs]
     flags = [threading.Event() for _ in jobs]
     uid_job: dict[int, int] = {}
@@ -184,8 +184,9 @@ JOBS_TOGETHER = [
 def test_joiners_prefilled_together_equal_alone(weights: str, kv_type: str, tiny_gguf: Path,
                                                 q4_gguf: Path, backends: BackendSet,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    """Utterances that join in the same round prefill in one graph, and each one's codes and
-    logits are its codes and logits alone (bit for bit with Q4_0 weights)."""
+    """Utterances that join in the same round prefill in one graph (whole texts too with
+    ``joint_prefill="all"``; by default live text only), and each one's codes and logits are
+    its codes and logits alone (bit for bit with Q4_0 weights)."""
     from engine.talker import scheduler
 
     joint: list[int] = []
@@ -202,7 +203,8 @@ def test_joiners_prefilled_together_equal_alone(weights: str, kv_type: str, tiny
         if weights == "q4_0":
             assert all(lw.i8 is not None for lw in talker.weights.layers)
         alone = [_alone(talker, model, j) for j in JOBS_TOGETHER]
-        batched = _batched(talker, model, JOBS_TOGETHER, max_batch=5)
+        assert _batched(talker, model, JOBS_TOGETHER[:3], max_batch=5) and joint == []
+        batched = _batched(talker, model, JOBS_TOGETHER, max_batch=5, joint_prefill="all")
         assert sorted(joint) == [2, 2]
         for a, b in zip(alone, batched, strict=True):
             _same(a, b, exact=weights == "q4_0")

@@ -289,12 +289,18 @@ def test_each_chunk_is_delivered_as_made_most_urgent_first(pipeline: Pipeline) -
 
 
 def test_a_stream_opened_on_a_guess_holds_its_audio_until_the_text_settles(
-        pipeline: Pipeline) -> None:
+        pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch) -> None:
     """Two live streams whose first word comes alone, the next delta 12 steps later: one word
     complete as it stands ("Hello": the guess holds), one cut ("Th", then "e": the guess is
     refuted, as "The" begins with another token, and the stream starts over). Neither sends
     audio before that delta; both speak the codes and samples they get alone with the same
-    seed."""
+    seed. Both open in the first step, so their openings prefill in one graph."""
+    from engine.talker import scheduler
+
+    joint: list[int] = []
+    real = scheduler.prefill_joint
+    monkeypatch.setattr(scheduler, "prefill_joint",
+                        lambda talker, js: joint.append(len(js)) or real(talker, js))
     texts = {0: LIVE_TEXT, 1: "The weather is fine, I hope you are well today."}
     right = StepFeed(texts[0], [0] + [12 + i for i in range(len(texts[0].split(" ")) - 1)])
     n = len(texts[1].split(" "))
@@ -325,6 +331,7 @@ def test_a_stream_opened_on_a_guess_holds_its_audio_until_the_text_settles(
     finally:
         runner.close()
     assert [(infos[k].guessed, infos[k].refuted) for k in feeds] == [(1, 0), (1, 1)]
+    assert joint and joint[0] == 2
     assert min(first_at.values()) >= 12
     for k in feeds:
         ref = StreamInfo()
