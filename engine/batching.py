@@ -3,8 +3,8 @@
 ``BatchRunner.submit`` plans a request (``Pipeline.plan_text``: segments, sampling, budget; a bad
 request raises ``InputError`` here) and admits its first segment to the ``FrameScheduler``.
 Each ``BatchRunner.step()`` is one scheduler iteration (a prefill chunk of a joining stream, or
-the prefills of streams that joined together; one batched code-predictor pass, one batched
-talker step) followed by the decoder pushes that are
+the prefills of live streams that joined together; one batched code-predictor pass, one
+batched talker step) followed by the decoder pushes that are
 due: every stream keeps its own ``StreamingDecoder`` and chunk ramp, exactly as
 ``Pipeline.stream``, so a stream's chunks (sizes, codes, audio) are those it gets alone. A
 segment that ends flushes its last frames and the stream's next segment joins at once (its

@@ -1,4 +1,5 @@
-"""Several joining utterances' prompts in one prefill graph (``FrameScheduler``'s joiners).
+"""Several joining utterances' prompts in one prefill graph (``FrameScheduler``'s joiners: live
+text ones by default, its ``joint_prefill``).
 
 Utterances that join the batch together (three realtime sessions opening at once) would prefill
 one a round, each graph reading the talker's weights for a few dozen rows, and the last one's
