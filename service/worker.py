@@ -218,13 +218,11 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
     while True:
         if _STATE["term"] and not running and not later:
             return
-        for msg in later:
+        left, later[:] = later[:], []
+        for msg in left:
             handle(msg)
-        wait: float | None = 0 if later else None
-        later.clear()
         # idle: wake now and then for SIGTERM; every live job waiting for text: for its text
-        if wait is None:
-            wait = (0.02 if runner.idle else 0) if running else 0.25
+        wait = 0 if left else (0.02 if runner.idle else 0) if running else 0.25
         while conn.poll(wait):
             wait = 0
             try:

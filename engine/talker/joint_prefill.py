@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from engine.ggml import Graph, Tensor, custom_ops, lib
+from engine.ggml import Graph, Tensor, lib
 from engine.talker.prompt import Prompt
 from engine.talker.qwen3 import (
     I8_MIN_ROWS,
@@ -36,13 +36,13 @@ from engine.talker.qwen3 import (
     Builder,
     KVCache,
     attn_uploads,
+    cache_attention,
     ffn,
-    fused_attention,
     prefill_n_kv,
     write_kv_block,
 )
 from engine.talker.runner import execute_timed
-from engine.transformer import attend, rms_norm, rope
+from engine.transformer import rms_norm, rope
 
 if TYPE_CHECKING:
     from engine.talker.model import PrefillOut, TalkerModel
@@ -100,7 +100,8 @@ def prefill_joint(talker: TalkerModel, joiners: Sequence[Joiner]) -> list[Prefil
     kv = shape.kv_dim
     offs = np.cumsum([0] + [j.n for j in joiners])
     n_all, n_b = int(offs[-1]), len(joiners)
-    n_text = [int(j.text_ids().shape[0]) for j in joiners]
+    text_ids = [j.text_ids() for j in joiners]
+    n_text = [int(ids.shape[0]) for ids in text_ids]
 
     def build(g: Graph) -> None:
         ctx = g.ctx
@@ -154,7 +155,7 @@ def prefill_joint(talker: TalkerModel, joiners: Sequence[Joiner]) -> list[Prefil
     }
     for i, j in enumerate(joiners):
         p = j.prompt
-        up[f"text_ids.{i}"] = j.text_ids()
+        up[f"text_ids.{i}"] = text_ids[i]
         up[f"codec_ids.{i}"] = p.codec_ids[j.start:]
         up[f"codec_mask.{i}"] = p.codec_mask[j.start:].reshape(j.n, 1)
         if p.embed_add is not None:
@@ -212,22 +213,13 @@ def _attention(b: Builder, proj: Builder, lw: Any, il: int, x: Tensor,
         k_w, v_w = write_kv_block(b, a, il, k_i, v_i, c)
         qi0, nq = (o0, n) if last is None else (i, 1)
         q_i = lib.ggml_view_3d(ctx, q, d, n_head, nq, q.nb[1], q.nb[2], qi0 * q.nb[2])
-        pos_q = (a.pos if last is None else
-                 lib.ggml_view_1d(ctx, last[1], 1, i * last[1].nb[0]))
-        n_kv, es = a.n_kv, int(c.k[il].nb[0])
-        if fused_attention(b, a, c):
-            kk = lib.ggml_view_2d(ctx, k_w, s.kv_dim, n_kv, c.k[il].nb[1], 0)
-            vv = lib.ggml_view_2d(ctx, v_w, n_kv, s.kv_dim, c.v[il].nb[1], 0)
-            o = custom_ops.attn_causal(ctx, q_i, kk, vv, pos_q)
-        else:
-            assert a.mask is not None
-            mask = a.mask if last is None else lib.ggml_view_2d(
-                ctx, a.mask, int(a.mask.ne[0]), 1, a.mask.nb[1], (n - 1) * a.mask.nb[1])
-            kk = lib.ggml_view_3d(ctx, k_w, d, n_kv_head, n_kv, d * es, s.kv_dim * es, 0)
-            kk = lib.ggml_permute(ctx, kk, 0, 2, 1, 3)  # [d, n_kv, H_kv]
-            vv = lib.ggml_view_3d(ctx, v_w, n_kv, d, n_kv_head, c.n_ctx * es,
-                                  d * c.n_ctx * es, 0)  # [n_kv, d, H_kv]
-            o = attend(ctx, q_i, kk, vv, mask)
+        pos_q, mask = a.pos, a.mask
+        if last is not None:  # as alone: the last position's query, its mask row
+            assert mask is not None
+            pos_q = lib.ggml_view_1d(ctx, last[1], 1, i * last[1].nb[0])
+            mask = lib.ggml_view_2d(ctx, mask, int(mask.ne[0]), 1, mask.nb[1],
+                                    (n - 1) * mask.nb[1])
+        o = cache_attention(b, a, il, q_i, k_w, v_w, c, pos_q, mask)
         merged = o if merged is None else lib.ggml_concat(ctx, merged, o, 1)
     assert merged is not None
     return proj.matmul(lw, "o", merged)

@@ -244,7 +244,7 @@ class TalkerModel:
         if reuse_prefix and not capture:
             n_pre, reuse = self.kept_prefix(prompt)
         else:
-            n_pre, reuse = (prompt.n_prefix if 0 < prompt.n_prefix < n_all else 0), None
+            n_pre, reuse = _prefix_positions(prompt), None
         key = _prefix_key(prompt, n_pre)
         start = n_pre if reuse is not None else 0
         chunk = max(1, n_all - start if capture else self.prefill_chunk)
@@ -280,7 +280,7 @@ class TalkerModel:
         """(positions of ``prompt``'s prefix, its kept K/V rows or None): the rows a prefill
         writes back instead of computing them (pinned, or among the recent prefixes, which
         this marks as used)."""
-        n_pre = prompt.n_prefix if 0 < prompt.n_prefix < prompt.length else 0
+        n_pre = _prefix_positions(prompt)
         if not n_pre:
             return 0, None
         key = _prefix_key(prompt, n_pre)
@@ -662,6 +662,11 @@ def codes_embedding(ctx: Any, w: TalkerWeights, codes: Tensor, n: int, stride: i
         idx = lib.ggml_view_1d(ctx, codes, n, (j + 1) * stride)
         x = lib.ggml_add(ctx, x, lib.ggml_get_rows(ctx, table, idx))
     return x
+
+
+def _prefix_positions(prompt: Prompt) -> int:
+    # the prompt prefix a prefill may keep or reuse: none unless some text follows it
+    return prompt.n_prefix if 0 < prompt.n_prefix < prompt.length else 0
 
 
 def _prefix_key(prompt: Prompt, n_pre: int) -> tuple[bytes, bytes, bytes]:

@@ -316,21 +316,31 @@ def attention(b: Builder, lw: LayerWeights, il: int, x: Tensor, a: AttnInputs,
     if not a.row0:  # (a later chunk's k_w/v_w are the cache tensors themselves: no renaming)
         b.cb(k_w, "k_write", il)
         b.cb(v_w, "v_write", il)
+    merged = b.cb(cache_attention(b, a, il, q, k_w, v_w, cache, pos_q, mask_q), "kqv_merged",
+                  il)
+    return b.cb(b.matmul(lw, "o", merged), "attn_out", il)
+
+
+def cache_attention(b: Builder, a: AttnInputs, il: int, q: Tensor, k_w: Tensor, v_w: Tensor,
+                    cache: KVCache, pos_q: Tensor, mask_q: Tensor | None) -> Tensor:
+    """Queries ``q`` [d, H, T] at ``pos_q`` over the first ``a.n_kv`` rows of layer ``il`` of
+    ``cache``, read through ``k_w``/``v_w`` (the results of its K/V writes, from position 0);
+    the heads merged, ``[d * H, T]``: the fused op where ``fused_attention`` allows it, else
+    ggml's nodes with ``mask_q``."""
     # Views of the write results (from cache position 0, which both writes start at or cover),
     # so every read is ordered after the writes; n_kv may reach past the rows written here.
+    ctx, s = b.ctx, b.shape
+    d, n_kv_head = s.head_dim, s.n_kv_head
     n_kv, es = a.n_kv, int(cache.k[il].nb[0])
     if fused_attention(b, a, cache):
         kk = lib.ggml_view_2d(ctx, k_w, s.kv_dim, n_kv, cache.k[il].nb[1], 0)
         vv = lib.ggml_view_2d(ctx, v_w, n_kv, s.kv_dim, cache.v[il].nb[1], 0)
-        merged = b.cb(custom_ops.attn_causal(ctx, q, kk, vv, pos_q), "kqv_merged", il)
-        return b.cb(b.matmul(lw, "o", merged), "attn_out", il)
+        return custom_ops.attn_causal(ctx, q, kk, vv, pos_q)
     kk = lib.ggml_view_3d(ctx, k_w, d, n_kv_head, n_kv, d * es, s.kv_dim * es, 0)
     kk = lib.ggml_permute(ctx, kk, 0, 2, 1, 3)  # [d, n_kv, H_kv]
     vv = lib.ggml_view_3d(ctx, v_w, n_kv, d, n_kv_head, cache.n_ctx * es,
                           d * cache.n_ctx * es, 0)  # [n_kv, d, H_kv]
-    merged = b.cb(attend(ctx, q, kk, vv, mask_q, lambda t, name: b.cb(t, name, il)),
-                  "kqv_merged", il)
-    return b.cb(b.matmul(lw, "o", merged), "attn_out", il)
+    return attend(ctx, q, kk, vv, mask_q, lambda t, name: b.cb(t, name, il))
 
 
 def fused_attention(b: Builder, a: AttnInputs, cache: KVCache) -> bool:

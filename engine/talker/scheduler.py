@@ -316,8 +316,8 @@ class FrameScheduler:
             stepping.append(u)
 
     def _prefill_one(self, events: list[Event], stats: StepStats) -> None:
-        # one chunk of the first utterance still prefilling, or, where several joined since
-        # the last round and each fits one graph, all of their prefills in one graph
+        # one chunk of the first utterance still prefilling, or, where several (live ones, by
+        # default) joined since the last round, their prefills in one graph
         if self._prefill_joint(stats):
             return
         for u in self._live.values():
@@ -346,12 +346,13 @@ class FrameScheduler:
     def _prefill_joint(self, stats: StepStats) -> bool:
         # engine/talker/joint_prefill.py: joiners not cancelled, none begun alone, in groups
         # alike in their rows' products; False: none ran (then one chunk runs alone)
+        fresh = [u for u in self._live.values()
+                 if u.chunks is not None and not u.prefilling and not is_cancelled(u.cancel)
+                 and (u.text is not None or self.joint_prefill == "all")]
+        if len(fresh) < 2:
+            return False
         groups: dict[bool, list[tuple[Utterance, Joiner]]] = {}
-        for u in self._live.values():
-            if u.chunks is None or u.prefilling or is_cancelled(u.cancel):
-                continue
-            if u.text is None and self.joint_prefill == "live":
-                continue
+        for u in fresh:
             assert u.cache is not None
             j = joiner(self.talker, u.prompt, u.cache)
             if j is not None:
