@@ -16,10 +16,11 @@ immediate,auto``), and reads the audio. Printed per run (one row per policy):
   stalled ms        all the stalls together (what a listener waited in all)
   behind ms         from the end message to the last audio byte (how far speech trails text)
 
-With ``--first-audio N`` each policy first runs N utterances one after another on one
-connection that stop at their first audio (``cancel``), and prints the first audio's p50 / max
-and the server's stage times of that first chunk (from its ``audio`` event): one long run is
-one sample of first audio, these are N.
+With ``--first-audio N`` each policy first runs N utterances one after another on each
+session's connection that stop at their first audio (``cancel``), the sessions' utterances
+started together, and prints the first audio's p50 / max and the server's stage times of that
+first chunk (from its ``audio`` event): one long run is one sample of first audio per session,
+these are N per session.
 
   python bench/realtime.py --model ~/.cache/qtts/models/synthetic-full-q4_0-seed0/model.gguf \
       --sessions 1,3 --threads 2
@@ -129,15 +130,17 @@ async def session(url: str, headers: dict[str, str], voice: str, policy: str, wo
 
 
 async def first_audio(url: str, headers: dict[str, str], voice: str, policy: str, n: int,
-                      tps: float) -> tuple[list[float], dict[str, list[float]]]:
-    """N utterances, each cancelled at its first audio: (seconds from the first delta to the
-    first audio byte, and the server's stage ms of each first chunk)."""
+                      tps: float, times: list[float], stages: dict[str, list[float]],
+                      together: asyncio.Barrier | None = None) -> None:
+    """N utterances, each cancelled at its first audio: appends the seconds from the first
+    delta to the first audio byte to ``times``, and the server's stage ms of each first chunk
+    to ``stages``. Sessions that share ``together`` start each utterance at the same moment."""
     delay = TOKENS_PER_WORD / tps
-    times: list[float] = []
-    stages: dict[str, list[float]] = {}
     async with connect(url, additional_headers=headers, max_size=None) as ws:
         await open_session(ws, voice, policy)
         for u in range(n):
+            if together is not None:
+                await together.wait()
             t0 = time.perf_counter()
             wtask = asyncio.create_task(send_text(ws, word_pieces(12, u), delay))
             got = False
@@ -157,6 +160,17 @@ async def first_audio(url: str, headers: dict[str, str], voice: str, policy: str
                     break
             if not wtask.done():
                 wtask.cancel()
+
+
+async def first_audios(url: str, headers: dict[str, str], voice: str, policy: str,
+                       sessions: int, n: int,
+                       tps: float) -> tuple[list[float], dict[str, list[float]]]:  # fmt: skip
+    """``first_audio`` on ``sessions`` connections at once, their utterances started together."""
+    times: list[float] = []
+    stages: dict[str, list[float]] = {}
+    together = asyncio.Barrier(sessions) if sessions > 1 else None
+    await asyncio.gather(*(first_audio(url, headers, voice, policy, n, tps, times, stages,
+                                       together) for _ in range(sessions)))
     return times, stages
 
 
@@ -209,12 +223,12 @@ def main() -> int:
             proc, url = start_server(args.model, workers, args.threads, 2, args.max_batch)
         ws_url = url.replace("http://", "ws://") + "/v1/tts/realtime"
         try:
-            for policy in args.policies.split(",") if args.first_audio and n == 1 else []:
-                times, stages = asyncio.run(first_audio(ws_url, headers, args.voice, policy,
-                                                        args.first_audio,
-                                                        args.tokens_per_second))
+            for policy in args.policies.split(",") if args.first_audio else []:
+                times, stages = asyncio.run(first_audios(ws_url, headers, args.voice, policy, n,
+                                                         args.first_audio,
+                                                         args.tokens_per_second))
                 split = ", ".join(f"{k} {np.median(v):.1f}" for k, v in stages.items() if v)
-                print(f"|   | {policy}: {len(times)} utterances stopped at first audio | "
+                print(f"| {n} | {policy}: {len(times)} utterances stopped at first audio | "
                       f"{fmt(times)} | server ms, first chunk (median): {split} | | | | | |",
                       flush=True)
             for policy in args.policies.split(","):
