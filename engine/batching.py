@@ -135,6 +135,15 @@ class BatchRunner:
     def max_batch(self) -> int:
         return self.frames.max_batch
 
+    def warm_up(self) -> float:
+        """Build the batched code-predictor graphs of every batch size and reserve a talker
+        cache for every slot but the one the model's own cache serves (seconds), so that the
+        streams that join do not pay for either (``FrameScheduler.reserve``)."""
+        t0 = time.perf_counter()
+        self.batched.warm_up(self.max_batch)
+        self.frames.reserve(self.max_batch - 1)
+        return time.perf_counter() - t0
+
     @property
     def free(self) -> int:
         """Streams that may still be submitted."""

@@ -43,6 +43,7 @@ from service.protocol import (
 from service.synthesizer import BufferFeed, Synthesizer, stage_seconds
 
 if TYPE_CHECKING:
+    from engine.batching import BatchRunner
     from engine.pipeline import StreamInfo
 
 
@@ -74,6 +75,12 @@ def worker_main(conn: Any, cancel: Any, opts: WorkerOptions) -> None:
         synth.on_stop = _stop_after_job
         load = time.perf_counter() - t0
         warm = synth.warm_up(opts.warmup_frames)
+        runner = None
+        if opts.max_batch > 1 and synth.pipeline.has_talker:
+            from engine.batching import BatchRunner
+
+            runner = BatchRunner(synth.pipeline, opts.max_batch)
+            warm += runner.warm_up()
         conn.send(Ready(pid=os.getpid(), index=opts.index, backend=synth.backend_name,
                         load_seconds=load, warmup_seconds=warm))
     except Exception as e:
@@ -82,8 +89,8 @@ def worker_main(conn: Any, cancel: Any, opts: WorkerOptions) -> None:
         finally:
             sys.exit(1)
 
-    if opts.max_batch > 1 and synth.pipeline.has_talker:
-        _serve_batched(conn, cancel, synth, fault, opts.max_batch)
+    if runner is not None:
+        _serve_batched(conn, cancel, synth, fault, runner)
         return
     while not _STATE["term"]:
         try:
@@ -120,20 +127,21 @@ class _Running:
 
 
 def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
-                   max_batch: int) -> None:
-    """The batch loop (QTTS_MAX_BATCH > 1): up to ``max_batch`` text jobs, live text among
-    them, share each step (engine/batching.py). Between steps it reads its pipe: new jobs join,
-    ``TextIn`` goes to its live job's feed, ``CancelJob`` marks a job to stop (the runner drops
-    it before its next frame). A job that must run alone (codes, a one-shot reference; the pool
-    sends one only to an empty worker) runs to its end as without batching. While every live
-    job waits for text, the loop waits on its pipe instead of spinning.
+                   runner: BatchRunner) -> None:
+    """The batch loop (QTTS_MAX_BATCH > 1): up to ``runner.max_batch`` text jobs, live text
+    among them, share each step (engine/batching.py; the runner was warmed up before Ready).
+    Between steps it reads its pipe: new jobs join, ``TextIn`` goes to its live job's feed,
+    ``CancelJob`` marks a job to stop (the runner drops it before its next frame). A job that
+    must run alone (codes, a one-shot reference; the pool sends one only to an empty worker)
+    runs to its end as without batching. While every live job waits for text, the loop waits
+    on its pipe instead of spinning.
     An engine error in a step fails every job of the batch (a 500 each) and the loop goes on
     with a fresh batch."""
     from engine.batching import BatchRunner, Finished, Rejected
     from engine.errors import QttsError
     from engine.pipeline import StreamInfo, as_request
 
-    runner = BatchRunner(synth.pipeline, max_batch)
+    max_batch = runner.max_batch
     running: dict[int, _Running] = {}  # stream id -> job
     stop: set[int] = set()  # ids of the jobs to cancel
     feeds: dict[int, BufferFeed] = {}  # job id -> its live text
@@ -249,6 +257,7 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
             feeds.clear()
             runner.close()
             runner = BatchRunner(synth.pipeline, max_batch)
+            runner.warm_up()
             _STATE["busy"] = False
             continue
         last = runner.last

@@ -188,6 +188,15 @@ class BatchedTalker:
             codes[:, j] = prev
         return codes
 
+    def warm_up(self, max_batch: int) -> None:
+        """Build (and run once, on zeros) the code-predictor graphs of every batch size up to
+        ``max_batch``: built on first use, they cost the first frame of a batch of that size
+        ~4x its pass (15 graphs to build and allocate), which lands on someone's first audio."""
+        hs = self.talker.weights.talker_shape.hidden
+        for n in range(1, max_batch + 1):
+            self.predict(np.zeros((n, hs), np.float32), [0] * n,
+                         [lambda logits, j: 0] * n)
+
     def _cp_graphs(self, n: int) -> tuple[KVCache, list[CachedGraph]]:
         got = self._cp.get(n)
         if got is not None:

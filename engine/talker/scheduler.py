@@ -45,6 +45,7 @@ from engine.timings import StageTimings
 
 F32 = npt.NDArray[np.float32]
 LIVE_CACHE_FRAMES = 256  # frames a live utterance's cache holds at first (20 s; then it doubles)
+RESERVED_PROMPT = 64  # prompt positions a reserved cache leaves room for, beside LIVE_CACHE_FRAMES
 
 
 @dataclass
@@ -131,6 +132,8 @@ class FrameScheduler:
         self._uids = itertools.count(1)
         self._live: dict[int, Utterance] = {}  # in arrival order
         self._lent: KVCache | None = None  # the model's own cache, while a session uses it
+        self._reserved: list[KVCache] = []  # ``reserve``'s caches: every one of them
+        self._spare: list[KVCache] = []  # the reserved caches no session holds now
         self.last = StepStats()
 
     def __len__(self) -> int:
@@ -159,16 +162,44 @@ class FrameScheduler:
         self._live[u.uid] = u
         return u.uid
 
+    def reserve(self, n_caches: int) -> int:
+        """Allocate ``n_caches`` talker caches now, each long enough for a live utterance's
+        first cache (``LIVE_CACHE_FRAMES`` after a prompt of up to ``RESERVED_PROMPT``
+        positions) or a shorter text, and keep them for the sessions to come; returns their
+        bytes. A fresh cache is zeroed, and where the kernel must find fresh pages for it
+        that costs more than a decoder push (docs/performance.md, "Session 19"): with these,
+        the sessions that join beside the one on the model's own cache allocate nothing."""
+        n = RESERVED_PROMPT + LIVE_CACHE_FRAMES + 1
+        while len(self._reserved) < n_caches:
+            cache = self.talker.new_cache(n)
+            self._reserved.append(cache)
+            self._spare.append(cache)
+        return sum(c.nbytes for c in self._reserved)
+
     def _take_cache(self, n_positions: int) -> KVCache:
         # The model's own talker cache (reserved at warm-up, idle while the worker batches)
         # serves one session, so a worker alone allocates nothing per request, as without
-        # batching; every other session gets a cache of its own, freed when it ends. (Stale
-        # rows of an earlier session are finite and masked, as for the model's own loop.)
+        # batching; then the reserved caches (``reserve``); any other session gets a cache of
+        # its own, freed when it ends. (Stale rows of an earlier session are finite and
+        # masked, as for the model's own loop.)
         own = self.talker.cache
         if self._lent is None and own is not None and own.n_ctx >= n_positions:
             self._lent = own
             return own
+        for cache in self._spare:
+            if cache.n_ctx >= n_positions:
+                self._spare.remove(cache)
+                return cache
         return self.talker.new_cache(n_positions)
+
+    def _give_back(self, cache: KVCache) -> None:
+        # a session is done with ``cache``: the model's own and the reserved ones are kept
+        if cache is self._lent:
+            self._lent = None  # the model's own cache (the worker's steady state)
+        elif any(cache is c for c in self._reserved):
+            self._spare.append(cache)
+        else:
+            cache.close()  # a session's own cache: its memory goes back now
 
     def cancel(self, uid: int) -> Ended | None:
         """Remove an utterance now (its result says "cancelled"); None if it is not here."""
@@ -185,10 +216,7 @@ class FrameScheduler:
             u.chunks = None
         self.batched.drop_step_graph()  # it refers to the cache about to be freed
         if u.cache is not None:
-            if u.cache is self._lent:
-                self._lent = None  # the model's own cache: kept (it is the worker's steady state)
-            else:
-                u.cache.close()  # a session's own cache: its memory goes back now
+            self._give_back(u.cache)
             u.cache = None
         u.result.leftover = u.pending
         return Ended(u.uid, u.result)
@@ -276,16 +304,14 @@ class FrameScheduler:
 
     def _grow(self, u: Utterance, n_positions: int) -> None:
         # a longer cache for a live utterance: twice the length (within its budget), its rows
-        # copied over; the old one is freed, or given back if it was the model's own
+        # copied over; the old one is freed, or given back if it was the model's own or a
+        # reserved one
         assert u.cache is not None
         cap = u.prompt.length + u.budget + 1
         new = self.talker.new_cache(max(n_positions, min(2 * u.cache.n_ctx, cap)))
         u.cache.copy_into(new)
         self.batched.drop_step_graph()  # it refers to the old cache
-        if u.cache is self._lent:
-            self._lent = None
-        else:
-            u.cache.close()
+        self._give_back(u.cache)
         u.cache = new
 
     def _predict(self, go: list[tuple[Utterance, int]], events: list[Event], stats: StepStats,
@@ -374,8 +400,12 @@ class FrameScheduler:
         return ran
 
     def close(self) -> None:
-        """End every utterance (cancelled) and free the batched graphs."""
+        """End every utterance (cancelled) and free the batched graphs and reserved caches."""
         for u in list(self._live.values()):
             u.result.outcome = "cancelled"
             self._end(u)
         self.batched.close()
+        for cache in self._reserved:
+            cache.close()
+        self._reserved.clear()
+        self._spare.clear()

@@ -47,9 +47,10 @@ def _alone(p: Pipeline, req: SynthesisRequest) -> tuple[list[AudioChunk], Stream
 
 
 def _run(p: Pipeline, reqs: list[SynthesisRequest], joins: list[int], max_batch: int,
-         cancel_at: dict[int, int] | None = None
+         cancel_at: dict[int, int] | None = None, runner: BatchRunner | None = None
          ) -> tuple[list[list[AudioChunk]], list[StreamInfo], list[str]]:
-    runner = BatchRunner(p, max_batch)
+    own = runner is None
+    runner = BatchRunner(p, max_batch) if runner is None else runner
     chunks: list[list[AudioChunk]] = [[] for _ in reqs]
     infos = [StreamInfo() for _ in reqs]
     ends = ["" for _ in reqs]
@@ -71,7 +72,8 @@ def _run(p: Pipeline, reqs: list[SynthesisRequest], joins: list[int], max_batch:
             if it > max(joins) and not len(runner):
                 break
     finally:
-        runner.close()
+        if own:
+            runner.close()
     return chunks, infos, ends
 
 
@@ -90,6 +92,40 @@ def test_streams_batched_equal_alone(pipeline: Pipeline) -> None:
         assert b_info.budget == a_info.budget
         if req.seed is not None:
             assert b_info.seed == a_info.seed == req.seed
+
+
+def test_warm_up_builds_and_reserves_for_every_slot_and_changes_nothing(
+        pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker warms its runner before it is ready: the code-predictor graphs of every
+    batch size are built then, and a talker cache is reserved for each slot the model's own
+    cache does not serve. Streams that join then build no code-predictor graph and allocate no
+    cache, the reserved caches are free again when they end, and the streams are as alone."""
+    assert pipeline.talker is not None
+    alone = [_alone(pipeline, r) for r in REQUESTS]
+    runner = BatchRunner(pipeline, 3)
+    assert runner.warm_up() > 0
+    built = {n: [id(g) for g in graphs] for n, (_, graphs) in runner.batched._cp.items()}
+    assert sorted(built) == [1, 2, 3]
+    reserved = list(runner.frames._reserved)
+    assert len(reserved) == 2 and all(c.buffer is not None for c in reserved)
+    allocated: list[int] = []
+    new_cache = type(pipeline.talker).new_cache
+    monkeypatch.setattr(type(pipeline.talker), "new_cache",
+                        lambda self, n: (allocated.append(n), new_cache(self, n))[1])
+    try:
+        _, infos, ends = _run(pipeline, REQUESTS, [0, 0, 0], 3, runner=runner)
+        after = {n: [id(g) for g in graphs] for n, (_, graphs) in runner.batched._cp.items()}
+        spare = list(runner.frames._spare)
+    finally:
+        runner.close()
+    assert after == built
+    assert allocated == []
+    assert sorted(map(id, spare)) == sorted(map(id, reserved))
+    assert all(c.buffer is None for c in reserved)  # close() frees them
+    for (_, a_info), b_info, end in zip(alone, infos, ends, strict=True):
+        assert end == a_info.outcome
+        np.testing.assert_array_equal(np.concatenate(b_info.codes, 1),
+                                      np.concatenate(a_info.codes, 1))
 
 
 def test_cancelled_stream_ends_others_unchanged(pipeline: Pipeline) -> None:
@@ -146,11 +182,14 @@ class StepFeed:
 
 
 def _run_live(p: Pipeline, feeds: dict[int, StepFeed], reqs: dict[int, SynthesisRequest],
-              max_batch: int, cancel_at: dict[int, int] | None = None,
+              max_batch: int, cancel_at: dict[int, int] | None = None, warm: bool = False,
               ) -> tuple[dict[int, list[AudioChunk]], dict[int, StreamInfo], dict[int, object]]:
     """Live streams (``feeds``, submitted at step 0) and whole-text ones (``reqs``: submitted
-    at the step given) in one batch; their chunks, infos and last events by key."""
+    at the step given) in one batch; their chunks, infos and last events by key. ``warm``:
+    the runner warmed up first, as the worker's (its caches reserved)."""
     runner = BatchRunner(p, max_batch)
+    if warm:
+        runner.warm_up()
     chunks: dict[int, list[AudioChunk]] = {k: [] for k in [*feeds, *reqs]}
     infos = {k: StreamInfo() for k in chunks}
     ends: dict[int, object] = {}
@@ -194,13 +233,14 @@ def _live_alone(p: Pipeline, text: str, seed: int, info: StreamInfo) -> list[Aud
     return chunks
 
 
-def test_live_streams_share_the_batch(pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch
-                                      ) -> None:
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
+def test_live_streams_share_the_batch(pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch,
+                                      warm: bool) -> None:
     """Two live texts that run dry mid-speech and a whole text joining later, in one batch:
     each live stream's codes are those it gets alone (``stream_live``) with the same seed, it
     paused (a one-frame chunk after its first), and the whole text gets its
     chunks alone, sample for sample. The live caches start at 16 frames, so they grow (their
-    rows copied) several times on the way."""
+    rows copied) several times on the way; ``warm``: from the runner's reserved caches."""
     import engine.talker.scheduler as sched
 
     monkeypatch.setattr(sched, "LIVE_CACHE_FRAMES", 16)
@@ -211,7 +251,7 @@ def test_live_streams_share_the_batch(pipeline: Pipeline, monkeypatch: pytest.Mo
     n = len(LIVE_TEXT.split(" "))
     feeds = {10: StepFeed(LIVE_TEXT, [0, 0, 1, 2] + [40] * (n - 4)),
              11: StepFeed(LIVE_TEXT, [0, 5] + [25 + i for i in range(n - 2)])}
-    chunks, infos, ends = _run_live(pipeline, feeds, {0: 3}, max_batch=3)
+    chunks, infos, ends = _run_live(pipeline, feeds, {0: 3}, max_batch=3, warm=warm)
     for k in feeds:
         ref = StreamInfo()
         ref_chunks = _live_alone(pipeline, LIVE_TEXT, 5 + k, ref)
@@ -224,7 +264,9 @@ def test_live_streams_share_the_batch(pipeline: Pipeline, monkeypatch: pytest.Mo
         assert got == sum(c.audio.shape[0] for c in ref_chunks) == 1920 * sum(
             c.frames for c in chunks[k])
         assert 1 in [c.frames for c in chunks[k][1:]], "it never paused for text"
-    assert len(grown) >= 2  # (the first stream may hold the model's own, long cache)
+    # (the first stream may hold the model's own, long cache; warm, the other starts on a
+    # reserved cache of 128 positions and grows once, giving it back)
+    assert len(grown) >= (1 if warm else 2)
     alone, _ = _alone(pipeline, REQUESTS[0])
     assert [c.frames for c in chunks[0]] == [c.frames for c in alone]
     for x, y in zip(alone, chunks[0], strict=True):

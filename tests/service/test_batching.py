@@ -71,6 +71,24 @@ def test_batched_requests_equal_alone(batch_server: Any) -> None:
     assert metric(ms, "qtts_capacity") == 3
 
 
+def test_an_error_in_a_step_fails_that_batch_and_the_worker_goes_on(batch_server: Any) -> None:
+    """An engine error in a batched step (here a fault before each request's first chunk is
+    sent) fails every request of that batch with a 500 that shows no traceback; the worker is
+    not restarted and takes the next requests on a fresh, warmed-up runner (they fail at the
+    same point: the fault hits every request)."""
+    server = batch_server(workers=1, max_batch=2, test_fault="raise@chunk=0")
+    for _ in range(2):
+        rs = _post_all(server, [_body(0), _body(1)])
+        for r in rs:
+            assert r.status_code == 500, r.text
+            assert "InjectedFault" in r.json()["error"]["message"]
+            assert "Traceback" not in r.text
+    ms = wait_metric(server, "qtts_requests_total", 4, route="/tts", outcome="error")
+    assert metric(ms, "qtts_requests_total", route="/tts", outcome="error") == 4
+    assert metric(ms, "qtts_worker_restarts_total") == 0
+    assert httpx.get(server.url + "/readyz", timeout=5).status_code == 200
+
+
 def test_kill_ends_every_job_of_that_worker_only(batch_server: Any) -> None:
     server = batch_server(workers=2, max_batch=2, queue_size=4)
     results: list[tuple[int, bool]] = []  # (bytes received, ended as an error)
