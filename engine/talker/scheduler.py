@@ -169,7 +169,8 @@ class FrameScheduler:
         bytes. A fresh cache is zeroed, and where the kernel must find fresh pages for it
         that costs more than a decoder push (docs/performance.md, "Session 19"): with these,
         the sessions that join beside the one on the model's own cache allocate nothing."""
-        n = RESERVED_PROMPT + LIVE_CACHE_FRAMES + 1
+        n = min(RESERVED_PROMPT + LIVE_CACHE_FRAMES + 1,
+                int(self.talker.cfg.max_position_embeddings))
         while len(self._reserved) < n_caches:
             cache = self.talker.new_cache(n)
             self._reserved.append(cache)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -126,6 +127,21 @@ def test_warm_up_builds_and_reserves_for_every_slot_and_changes_nothing(
         assert end == a_info.outcome
         np.testing.assert_array_equal(np.concatenate(b_info.codes, 1),
                                       np.concatenate(a_info.codes, 1))
+
+
+def test_reserved_caches_fit_a_talker_with_few_positions(pipeline: Pipeline,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A talker whose positions end before a reserved cache's length gets caches of all its
+    positions: the worker's warm-up must not refuse the model."""
+    assert pipeline.talker is not None
+    monkeypatch.setattr(pipeline.talker, "cfg",
+                        replace(pipeline.talker.cfg, max_position_embeddings=200))
+    runner = BatchRunner(pipeline, 2)
+    try:
+        runner.warm_up()
+        assert [c.n_ctx for c in runner.frames._reserved] == [256]  # 200, to the 64 bucket
+    finally:
+        runner.close()
 
 
 def test_cancelled_stream_ends_others_unchanged(pipeline: Pipeline) -> None:
