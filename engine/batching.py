@@ -96,6 +96,11 @@ class _Stream:
         return -np.inf if self.first_t is None else self.audio_s - (now - self.first_t)
 
 
+# Talker caches a warmed-up runner keeps beside the model's own (~44 MB each at F16): a batch
+# of up to 8 allocates nothing when streams join; past that, the memory an idle worker holds
+# stays bounded and the other slots allocate as they fill.
+RESERVED_SLOTS = 7
+
 Event = tuple[int, AudioChunk | Finished | Rejected]
 Deliver = Callable[[int, AudioChunk | Finished | Rejected], None]
 
@@ -137,11 +142,12 @@ class BatchRunner:
 
     def warm_up(self) -> float:
         """Build the batched code-predictor graphs of every batch size and reserve a talker
-        cache for every slot but the one the model's own cache serves (seconds), so that the
-        streams that join do not pay for either (``FrameScheduler.reserve``)."""
+        cache for every slot but the one the model's own cache serves, up to
+        ``RESERVED_SLOTS`` (seconds), so that the streams that join do not pay for either
+        (``FrameScheduler.reserve``)."""
         t0 = time.perf_counter()
         self.batched.warm_up(self.max_batch)
-        self.frames.reserve(self.max_batch - 1)
+        self.frames.reserve(min(self.max_batch - 1, RESERVED_SLOTS))
         return time.perf_counter() - t0
 
     @property

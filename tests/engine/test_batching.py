@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -142,6 +143,28 @@ def test_reserved_caches_fit_a_talker_with_few_positions(pipeline: Pipeline,
         assert [c.n_ctx for c in runner.frames._reserved] == [256]  # 200, to the 64 bucket
     finally:
         runner.close()
+
+
+def test_reserved_caches_stop_at_the_cap(pipeline: Pipeline,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past ``RESERVED_SLOTS`` a joining stream allocates its own cache again, and frees it."""
+    import engine.batching as batching
+
+    assert pipeline.talker is not None
+    monkeypatch.setattr(batching, "RESERVED_SLOTS", 1)
+    runner = BatchRunner(pipeline, 3)
+    runner.warm_up()
+    assert len(runner.frames._reserved) == 1
+    made: list[Any] = []
+    new_cache = type(pipeline.talker).new_cache
+    monkeypatch.setattr(type(pipeline.talker), "new_cache",
+                        lambda self, n: (made.append(new_cache(self, n)), made[-1])[1])
+    try:
+        _, _, ends = _run(pipeline, REQUESTS, [0, 0, 0], 3, runner=runner)
+    finally:
+        runner.close()
+    assert all(ends)  # every stream ended
+    assert len(made) == 1 and made[0].buffer is None  # the third stream's, freed at its end
 
 
 def test_cancelled_stream_ends_others_unchanged(pipeline: Pipeline) -> None:
