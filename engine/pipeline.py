@@ -228,24 +228,44 @@ class LivePlan:
 class Ramp:
     """Where a stream is on the chunk ramp: ``target`` frames make the next decoder push."""
 
-    def __init__(self, chunk_max_frames: int) -> None:
+    def __init__(self, chunk_max_frames: int, ramp: str = "double") -> None:
         self.chunk_max = chunk_max_frames
-        self._sizes = chunk_sizes(chunk_max_frames)
+        self.ramp = ramp
+        self._sizes = chunk_sizes(chunk_max_frames, ramp)
         self.target = next(self._sizes)
 
     def advance(self, restart: bool = False) -> None:
         """The next size after a push (1 again after ``restart``: a pause for text)."""
         if restart:
-            self._sizes = chunk_sizes(self.chunk_max)
+            self._sizes = chunk_sizes(self.chunk_max, self.ramp)
         self.target = next(self._sizes)
 
 
-def chunk_sizes(chunk_max_frames: int) -> Generator[int, None, None]:
-    """The chunk ramp 1, 2, 4, ... capped at ``chunk_max_frames`` (forever)."""
-    size = 1
+RAMPS = ("double", "gentle")
+
+
+def chunk_sizes(chunk_max_frames: int, ramp: str = "double") -> Generator[int, None, None]:
+    """The chunk ramp capped at ``chunk_max_frames`` (forever): ``double`` 1, 2, 4, 8, ...;
+    ``gentle`` 1, 1, 1, 2, 2, 3, 4, 6, 8, 12, 16, 24, ... (x1.5 a step).
+
+    A chunk of n frames must be made while the audio before it plays. Doubling asks for 2n
+    frames in the time n play, which a stream whose frames take more than ~half their audio's
+    time (plus each push's fixed cost) cannot do: it stalls at every step. The gentle ramp
+    asks for 1.5x and gives the buffer three one-frame chunks to start from, for a few more
+    pushes (docs/performance.md, Session 19)."""
+    if ramp not in RAMPS:
+        raise ValueError(f"ramp must be one of {RAMPS}, got {ramp!r}")
+    cap = max(1, chunk_max_frames)
+    if ramp == "gentle":
+        for size in (1, 1, 1, 2):
+            yield min(size, cap)
+    size = 2 if ramp == "gentle" else 1
     while True:
-        yield size
-        size = min(size * 2, max(1, chunk_max_frames))
+        yield min(size, cap)
+        if ramp == "double":
+            size = min(size * 2, cap)
+        else:  # 2, 3, 4, 6, 8, 12, ...: x1.5 from a power of two, x4/3 to the next one
+            size = min(size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3, cap)
 
 
 class Pipeline:
@@ -258,7 +278,8 @@ class Pipeline:
     ``max_instruct_tokens``: the longest text / instruction, in tokens (``InputError`` over
     it). ``segment_tokens``: a longer text is spoken segment by segment, each at most this
     many tokens of whole sentences (``engine.talker.segment``), with its own frame budget.
-    ``prefill_chunk``: prompt positions per prefill graph (``TalkerModel``).
+    ``prefill_chunk``: prompt positions per prefill graph (``TalkerModel``). ``chunk_ramp``:
+    how the decoder's chunks grow to ``chunk_max_frames`` (``chunk_sizes``).
     """
 
     def __init__(self, model: Any, backends: BackendSet, decoder: DecoderModel | None = None,
@@ -269,7 +290,10 @@ class Pipeline:
                  max_text_tokens: int = DEFAULT_MAX_TEXT_TOKENS,
                  max_instruct_tokens: int = DEFAULT_MAX_INSTRUCT_TOKENS,
                  segment_tokens: int = DEFAULT_SEGMENT_TOKENS,
-                 prefill_chunk: int = PREFILL_CHUNK) -> None:
+                 prefill_chunk: int = PREFILL_CHUNK, chunk_ramp: str = "double") -> None:
+        if chunk_ramp not in RAMPS:
+            raise ValueError(f"chunk_ramp must be one of {RAMPS}, got {chunk_ramp!r}")
+        self.chunk_ramp = chunk_ramp
         self.model = model
         self.backends = backends
         self._own_decoder = decoder is None
@@ -400,7 +424,7 @@ class Pipeline:
         codes = validate_codes(req.codes, cfg.num_quantizers, cfg.codebook_size)
         if req.max_frames:
             codes = codes[:, : int(req.max_frames)]
-        sizes = chunk_sizes(self._chunk_max(req))
+        sizes = chunk_sizes(self._chunk_max(req), self.chunk_ramp)
         sd = StreamingDecoder(self.decoder)
         pos, total = 0, codes.shape[1]
         info.budget = total
@@ -453,7 +477,7 @@ class Pipeline:
         chunk_max = self._chunk_max(req)
         rng, seed = make_rng(req.seed)
         return TextPlan(prompts, params, total, rng, seed, self._primed_decoder(req.voice_prompt),
-                        Ramp(chunk_max))
+                        Ramp(chunk_max, self.chunk_ramp))
 
     def _primed_decoder(self, voice: VoicePrompt | None) -> StreamingDecoder:
         """A streaming decoder; for an in-context voice, primed with its reference codes
@@ -661,7 +685,7 @@ class Pipeline:
         rng, seed = make_rng(req.seed)
         return TextPlan([], params, budget(1 << 20), rng, seed,
                         self._primed_decoder(req.voice_prompt),
-                        Ramp(self._chunk_max(req))), budget
+                        Ramp(self._chunk_max(req), self.chunk_ramp)), budget
 
     def stream_live(self, request: Any, feed: TextFeed, cancel: Cancel = None,
                     info: StreamInfo | None = None, min_tokens: int = 1

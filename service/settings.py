@@ -138,8 +138,18 @@ class Settings(BaseSettings):
         ge=1,
         le=256,
         description=(
-            "largest chunk of the decoder ramp 1, 2, 4, 8, 16, 16, ... frames (unset: the "
+            "largest chunk of the decoder's ramp (`QTTS_CHUNK_RAMP`), in frames (unset: the "
             "engine's default, 16)"
+        ),
+    )
+    chunk_ramp: Literal["auto", "double", "gentle"] = Field(
+        default="auto",
+        description=(
+            "how the decoder's chunks grow to `QTTS_CHUNK_MAX_FRAMES`: `double` 1, 2, 4, 8, "
+            "16; `gentle` 1, 1, 1, 2, 2, 3, 4, 6, 8, 12, 16, which keeps a stream whose frames "
+            "take more than half their audio's time playing without stalls; `auto`: gentle "
+            "where a worker speaks one request at a time (`QTTS_MAX_BATCH` = 1), double in a "
+            "batching worker, whose streams share its steps"
         ),
     )
     drain_seconds: float = Field(
@@ -258,7 +268,15 @@ class Settings(BaseSettings):
             pin_prefixes=self.pin_prefixes, max_text_tokens=self.max_text_tokens,
             max_instruct_tokens=self.max_instruct_tokens, segment_tokens=self.segment_tokens,
             prefill_chunk=self.prefill_chunk, max_batch=self.max_batch,
+            chunk_ramp=self.resolved_chunk_ramp(),
         )
+
+    def resolved_chunk_ramp(self) -> Literal["double", "gentle"]:
+        """The ramp the workers use (``auto`` decided by ``max_batch``; measured in
+        docs/performance.md, Session 19: more small pushes stall a batch's other streams)."""
+        if self.chunk_ramp != "auto":
+            return self.chunk_ramp
+        return "gentle" if self.max_batch == 1 else "double"
 
     def worker_env(self) -> dict[str, str]:
         """Extra environment for a worker process (the engine's own variables)."""

@@ -49,7 +49,8 @@ class Synthesizer:
                 if (v := getattr(opts, name)) is not None}  # else the engine's defaults
         self.pipeline = Pipeline(
             self.model, self.backends, self.decoder, max_frames_cap=opts.max_frames_cap,
-            chunk_max_frames=opts.chunk_max_frames or DEFAULT_CHUNK_MAX_FRAMES, **caps)
+            chunk_max_frames=opts.chunk_max_frames or DEFAULT_CHUNK_MAX_FRAMES,
+            chunk_ramp=opts.chunk_ramp, **caps)
         self._voices: OrderedDict[str, Any] = OrderedDict()
 
     def _cached(self, key: str, make: Callable[[], Any]) -> Any:

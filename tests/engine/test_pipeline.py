@@ -64,6 +64,35 @@ def test_chunk_ramp() -> None:
     assert [next(g) for _ in range(7)] == [1, 2, 4, 8, 8, 8, 8]
     g = chunk_sizes(3)
     assert [next(g) for _ in range(4)] == [1, 2, 3, 3]
+    g = chunk_sizes(16, "gentle")
+    assert [next(g) for _ in range(13)] == [1, 1, 1, 2, 2, 3, 4, 6, 8, 12, 16, 16, 16]
+    g = chunk_sizes(10, "gentle")
+    assert [next(g) for _ in range(11)] == [1, 1, 1, 2, 2, 3, 4, 6, 8, 10, 10]
+    with pytest.raises(ValueError, match="ramp"):
+        next(chunk_sizes(8, "steep"))
+
+
+def test_gentle_ramp_streams_the_same_audio_in_other_chunks(pipe: Pipeline) -> None:
+    """A pipeline with the gentle ramp streams its chunks at those sizes: the same audio as
+    the doubling ramp's, in other chunks (fast mode on this CPU's kernels: to rounding where a
+    Winograd kernel starts its tiles where a chunk starts)."""
+    gentle = Pipeline(pipe.model, pipe.backends, pipe.decoder, kv_type="f32", chunk_max_frames=4,
+                      chunk_ramp="gentle")
+    try:
+        req = SynthesisRequest("Hello world.", "ryan", "english", seed=5, max_frames=12)
+        chunks, _, info = collect(gentle, req)
+        assert [c.frames for c in chunks] == [1, 1, 1, 2, 2, 3, 2]
+        ref, _, ref_info = collect(pipe, req)
+        np.testing.assert_array_equal(np.concatenate(info.codes, 1),
+                                      np.concatenate(ref_info.codes, 1))
+        a = np.concatenate([c.audio for c in chunks])
+        b = np.concatenate([c.audio for c in ref])
+        assert a.shape == b.shape
+        np.testing.assert_allclose(a, b, atol=1e-4)
+    finally:
+        gentle.close()
+    with pytest.raises(ValueError, match="chunk_ramp"):
+        Pipeline(pipe.model, pipe.backends, pipe.decoder, chunk_ramp="steep")
 
 
 def test_text_stream_chunks_timings_and_outcome(pipe: Pipeline) -> None:

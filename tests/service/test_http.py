@@ -310,7 +310,7 @@ def test_disconnect_mid_stream_frees_the_worker(server: Server, kind: str) -> No
     with httpx.stream("POST", server.url + "/tts", json=body, timeout=60) as r:
         it = r.iter_raw()
         received = 0
-        while received < 30 * FRAME_SAMPLES * 2:  # past the ramp 1, 2, 4, 8: full chunks now
+        while received < 30 * FRAME_SAMPLES * 2:  # 30 frames in: well into the stream
             piece = next(it, None)
             if piece is None:
                 pytest.skip("the request ended by itself before the disconnect")

@@ -18,6 +18,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from engine.pipeline import chunk_sizes
 from tests.service.helpers import Server, decoded_seconds, metric
 from tests.service.realtime_helpers import collect, run, send, words, ws_url
 
@@ -117,7 +118,11 @@ def test_a_late_chunk_after_the_text_is_a_stream_gap(make_server: Any) -> None:
 
 
 def test_identity_with_post_tts_stream(rt_server: Server) -> None:
-    """All text at once: the same samples as POST /tts with text_mode stream and the seed."""
+    """All text at once: the same samples as POST /tts with text_mode stream and the seed, in
+    the chunks of the gentle ramp (a worker that speaks one request at a time: QTTS_CHUNK_RAMP
+    auto)."""
+    sizes: list[int] = []
+
     async def go() -> bytes:
         async with connect(ws_url(rt_server)) as ws:
             await ws.recv()
@@ -127,9 +132,13 @@ def test_identity_with_post_tts_stream(rt_server: Server) -> None:
             await send(ws, type="end")
             events, audio = await collect(ws)
             assert events[-1]["usage"]["outcome"] != "error"
+            sizes.extend(e["frames"] for e in events if e["type"] == "audio")
             return audio
 
     got = run(go())
+    ramp = chunk_sizes(16, "gentle")
+    want = [next(ramp) for _ in sizes]
+    assert len(sizes) > 6 and sizes[:-1] == want[:-1] and sizes[-1] <= want[-1]
     r = httpx.post(rt_server.url + "/tts", json={"text": SENTENCE, "seed": 11, "format": "pcm",
                                                  "voice": "ryan", "text_mode": "stream"},
                    timeout=120)

@@ -22,3 +22,12 @@ def test_explicit_threads_win(monkeypatch: pytest.MonkeyPatch) -> None:
     assert Settings(workers=1).threads_for_workers() == 3
     assert Settings(workers=1, threads_per_worker=5).threads_for_workers() == 5
     assert Settings(workers=1, threads_per_worker=5).worker_env()["QTTS_THREADS"] == "5"
+
+
+def test_chunk_ramp_follows_the_batching() -> None:
+    """``auto``: gentle where a worker speaks one request at a time, double in a batch; an
+    explicit choice wins."""
+    assert Settings(max_batch=1).resolved_chunk_ramp() == "gentle"
+    assert Settings(max_batch=4).resolved_chunk_ramp() == "double"
+    assert Settings(max_batch=1, chunk_ramp="double").resolved_chunk_ramp() == "double"
+    assert Settings(max_batch=4, chunk_ramp="gentle").worker_options(0, 100).chunk_ramp == "gentle"
