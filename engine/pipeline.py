@@ -252,7 +252,7 @@ def chunk_sizes(chunk_max_frames: int, ramp: str = "double") -> Generator[int, N
     frames in the time n play, which a stream whose frames take more than ~half their audio's
     time (plus each push's fixed cost) cannot do: it stalls at every step. The gentle ramp
     asks for 1.5x and gives the buffer three one-frame chunks to start from, for a few more
-    pushes (docs/performance.md, Session 19)."""
+    pushes (docs/performance.md, Session 19: one client's stalls 44 -> 11 in 11 requests)."""
     if ramp not in RAMPS:
         raise ValueError(f"ramp must be one of {RAMPS}, got {ramp!r}")
     cap = max(1, chunk_max_frames)

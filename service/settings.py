@@ -146,8 +146,8 @@ class Settings(BaseSettings):
         default="auto",
         description=(
             "how the decoder's chunks grow to `QTTS_CHUNK_MAX_FRAMES`: `double` 1, 2, 4, 8, "
-            "16; `gentle` 1, 1, 1, 2, 2, 3, 4, 6, 8, 12, 16, which keeps a stream whose frames "
-            "take more than half their audio's time playing without stalls; `auto`: gentle "
+            "16; `gentle` 1, 1, 1, 2, 2, 3, 4, 6, 8, 12, 16, fewer stalls for a stream whose "
+            "frames take more than half their audio's time to make; `auto`: gentle "
             "where a worker speaks one request at a time (`QTTS_MAX_BATCH` = 1), double in a "
             "batching worker, whose streams share its steps"
         ),
