@@ -162,20 +162,19 @@ class FrameScheduler:
         self._live[u.uid] = u
         return u.uid
 
-    def reserve(self, n_caches: int) -> int:
+    def reserve(self, n_caches: int) -> None:
         """Allocate ``n_caches`` talker caches now, each long enough for a live utterance's
         first cache (``LIVE_CACHE_FRAMES`` after a prompt of up to ``RESERVED_PROMPT``
-        positions) or a shorter text, and keep them for the sessions to come; returns their
-        bytes. A fresh cache is zeroed, and where the kernel must find fresh pages for it
-        that costs more than a decoder push (docs/performance.md, "Session 19"): with these,
-        the sessions that join beside the one on the model's own cache allocate nothing."""
+        positions) or a shorter text, and keep them for the sessions to come. A fresh cache
+        is zeroed, and where the kernel must find fresh pages for it that costs more than a
+        decoder push (docs/performance.md, "Session 19"): with these, the sessions that join
+        beside the one on the model's own cache allocate nothing."""
         n = min(RESERVED_PROMPT + LIVE_CACHE_FRAMES + 1,
                 int(self.talker.cfg.max_position_embeddings))
         while len(self._reserved) < n_caches:
             cache = self.talker.new_cache(n)
             self._reserved.append(cache)
             self._spare.append(cache)
-        return sum(c.nbytes for c in self._reserved)
 
     def _take_cache(self, n_positions: int) -> KVCache:
         # The model's own talker cache (reserved at warm-up, idle while the worker batches)
