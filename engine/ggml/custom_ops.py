@@ -20,7 +20,9 @@ Neither op is eligible for ggml-alloc's in-place reuse, so dst never aliases an 
 
 Ops: ``snake_beta``; ``elu`` (vectorised ELU); ``kv_write_transposed`` (a prefill's V rows
 into the channel-major cache); ``pool_stats`` (per-channel mean and variance over time);
-``attn_causal`` (a prefill's attention over the talker cache, fused); ``conv1d_tm`` (exact F32
+``attn_causal`` (a prefill's attention over the talker cache, fused); ``attn_step`` (the
+attention of decoding steps, several sessions' caches and their K/V writes in one node);
+``conv1d_tm`` (exact F32
 direct conv, weights from ``pack_conv_weight``); ``conv1d_tm_bf16`` (its fast-mode twin: BF16
 weights from ``pack_conv_weight_bf16`` and BF16-rounded input, F32 sums; AVX512_BF16 when
 ``bf16_available()``, else a slow portable path);
@@ -32,6 +34,7 @@ graph a concat of the whole activation; the results are the same bit for bit.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from fractions import Fraction
 from math import prod
 from typing import Any
@@ -110,6 +113,7 @@ def kernel_paths(library: Any | None = None) -> dict[str, str]:
         "gemv_q4": (("avx512_vnni" if isa == "avx512" else isa)
                     if has_fast_path(library, "qtts_gemv_q4_fast") else "portable C"),
         "attn_causal": isa if attn_causal_fast(library) else "portable C",
+        "attn_step": isa if attn_causal_fast(library) else "portable C",
         "conv1d_wino_f32": "avx2" if wino_f32_available(library) else "portable C",
     }
 
@@ -287,6 +291,67 @@ def attn_causal(ctx: Any, q: Tensor, k: Tensor, v: Tensor, pos: Tensor, *,
     args = ffi.new("struct ggml_tensor *[4]", [q, k, v, pos])
     return lib.ggml_custom_4d(ctx, lib.GGML_TYPE_F32, d * n_head, t, 1, 1, args, 4, fn,
                               GGML_N_TASKS_MAX, ffi.NULL)
+
+
+@dataclass(frozen=True)
+class StepCache:
+    """One session's K/V cache of one layer, as ``attn_step`` reads and writes it: the cache's
+    position-major K and channel-major V tensors (host memory), the position its rows start
+    at (a slot of a shared cache) and how many positions it has from there."""
+
+    k: Tensor
+    v: Tensor
+    first: int
+    n_ctx: int
+
+
+def attn_step(ctx: Any, q: Tensor, k: Tensor, v: Tensor, pos: Tensor, caches: list[StepCache],
+              keep: list[Any], *, library: Any | None = None) -> Tensor:
+    """The attention of a decoding step for several sessions in one node, their K/V writes
+    included: column ``t`` belongs to session ``t // per`` (``per = T / len(caches)``
+    consecutive columns each, taken in order); its K row ``k[t]`` and V row ``v[t]`` go into
+    that session's cache at position ``pos[t]``, then its query heads attend over the cache
+    rows ``0 .. pos[t]``. ``q``: F32 ``[d, H, T]`` (rows of ``d`` contiguous); ``k``, ``v``: F32
+    ``[d * H_kv, T]`` (contiguous rows); ``pos``: I32 ``[T]``, each below its session's
+    ``n_ctx`` (checked by the caller: the op writes nothing for one outside and gives zeros).
+    Returns ``[d * H, T]`` F32, the heads merged. The op writes the caches through pointers
+    held in an argument block appended to ``keep`` (the graph's ``keep``): the caches must
+    outlive the graph. F32 sums in a fixed order: a session's result does not depend on the
+    other sessions or the thread count."""
+    _check_f32(q, "attn_step: q")
+    d, n_head, t = int(q.ne[0]), int(q.ne[1]), int(q.ne[2])
+    kv_dim = int(k.ne[0])
+    if int(q.nb[0]) != 4 or int(q.ne[3]) != 1:
+        raise ValueError("attn_step: q must be [d, H, T] with contiguous rows")
+    for x, name in ((k, "k"), (v, "v")):
+        _check_f32(x, f"attn_step: {name}")
+        if int(x.nb[0]) != 4 or (int(x.ne[0]), int(x.ne[1])) != (kv_dim, t) or int(x.ne[2]) != 1:
+            raise ValueError(f"attn_step: {name} must be [{kv_dim}, {t}] with contiguous rows")
+    if kv_dim % d or n_head % (kv_dim // d):
+        raise ValueError(f"attn_step: {n_head} query heads of {d} over K of {kv_dim} channels")
+    if int(pos.type) != lib.GGML_TYPE_I32 or int(pos.ne[0]) != t or not lib.ggml_is_contiguous(pos):
+        raise ValueError("attn_step: pos must be a contiguous I32 [T]")
+    if not caches or t % len(caches):
+        raise ValueError(f"attn_step: {t} columns do not split over {len(caches)} sessions")
+    f16 = int(caches[0].k.type) == lib.GGML_TYPE_F16
+    args = [len(caches), t // len(caches), int(f16)]
+    for c in caches:
+        es = int(lib.ggml_type_size(c.k.type))
+        if {int(c.k.type), int(c.v.type)} != {lib.GGML_TYPE_F16 if f16 else lib.GGML_TYPE_F32}:
+            raise TypeError("attn_step: every cache must be F16, or every cache F32")
+        if (int(c.k.ne[0]), int(c.v.ne[1])) != (kv_dim, kv_dim) or c.first < 0 or \
+                c.first + c.n_ctx > min(int(c.k.ne[1]), int(c.v.ne[0])):
+            raise ValueError("attn_step: a cache does not hold these rows")
+        if c.k.data == ffi.NULL or c.v.data == ffi.NULL:
+            raise ValueError("attn_step: a cache has no memory (not allocated)")
+        args += [int(ffi.cast("intptr_t", c.k.data)) + c.first * int(c.k.nb[1]), int(c.k.nb[1]),
+                 int(ffi.cast("intptr_t", c.v.data)) + c.first * es, int(c.v.nb[1]), c.n_ctx]
+    block = ffi.new("int64_t[]", args)
+    keep.append(block)
+    fn = _fn(library, "qtts_attn_step_op", "ggml_custom_op_t")
+    srcs = ffi.new("struct ggml_tensor *[4]", [q, k, v, pos])
+    return lib.ggml_custom_4d(ctx, lib.GGML_TYPE_F32, d * n_head, t, 1, 1, srcs, 4, fn,
+                              GGML_N_TASKS_MAX, block)
 
 
 def _check_rows(t: Tensor, c_in: int, what: str, name: str) -> None:

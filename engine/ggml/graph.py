@@ -93,6 +93,9 @@ class Graph:
         self.inputs: dict[str, Tensor] = {}
         self.outputs: dict[str, Tensor] = {}
         self.runs = 0  # executions so far (engine.backend.BackendSet.execute)
+        # memory the nodes point to outside ggml (a custom op's arguments): lives as long as
+        # the graph
+        self.keep: list[Any] = []
 
     def input(self, name: str, shape: Sequence[int], dtype: type | np.dtype[Any] = np.float32,
               ggml_type: int | None = None) -> Tensor:

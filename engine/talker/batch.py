@@ -39,7 +39,7 @@ import numpy as np
 import numpy.typing as npt
 
 from engine.errors import InputError
-from engine.ggml import NULL, Graph, Tensor, lib
+from engine.ggml import NULL, Graph, Tensor, custom_ops, lib
 from engine.talker.model import STEP_BUCKET, TalkerModel, _graph_nodes, codes_embedding
 from engine.talker.qwen3 import Builder, KVCache, stack
 from engine.talker.runner import CachedGraph
@@ -95,12 +95,15 @@ class BatchedTalker:
         for r in rows:
             if r.pos >= r.cache.n_ctx:
                 raise InputError("max_frames", f"talker cache too small for position {r.pos}")
-        key = tuple((id(r.cache), step_n_kv(r.pos, r.cache.n_ctx)) for r in rows)
+        fused = all(r.cache.native for r in rows)
+        # the fused attention reads rows 0 .. pos itself: no read width in the graph
+        key = tuple((id(r.cache), 0 if fused else step_n_kv(r.pos, r.cache.n_ctx))
+                    for r in rows)
         if self._step is None or self._step[0] != key:
             self.drop_step_graph()
             caches = [r.cache for r in rows]
             graph = CachedGraph(self.talker.backends,
-                                self._step_builder(caches, [k for _, k in key]),
+                                self._step_builder(caches, [k for _, k in key], fused),
                                 _graph_nodes(len(self.talker.weights.layers), 1)
                                 + 64 * len(rows) * len(self.talker.weights.layers),
                                 self.talker.stats)
@@ -114,6 +117,8 @@ class BatchedTalker:
             "pos": np.asarray([r.pos for r in rows], dtype=np.int32),
         }
         for i, (r, (_, width)) in enumerate(zip(rows, key, strict=True)):
+            if fused:
+                break
             p = np.asarray([r.pos], dtype=np.int32)
             up[f"k_idx.{i}"] = p
             up[f"v_idx.{i}"] = r.cache.v_index(p)
@@ -128,7 +133,8 @@ class BatchedTalker:
             self._step[1].close()
             self._step = None
 
-    def _step_builder(self, caches: list[KVCache], n_kvs: list[int]) -> Callable[[Graph], None]:
+    def _step_builder(self, caches: list[KVCache], n_kvs: list[int],
+                      fused: bool) -> Callable[[Graph], None]:
         w = self.talker.weights
         n_groups = self.talker.n_groups
         shape = w.talker_shape
@@ -141,12 +147,16 @@ class BatchedTalker:
             x = codes_embedding(ctx, w, codes, n, int(codes.nb[1]))
             x = b.cb(lib.ggml_add(ctx, x, g.input("text_add", (n, shape.hidden))), "inp_embd")
             pos = g.input("pos", (n,), np.int32)
-            rows = [_RowInputs(c, g.input(f"k_idx.{i}", (1,), np.int32),
-                               g.input(f"v_idx.{i}", (c.kv_dim,), np.int32),
-                               g.input(f"mask.{i}", (1, k)), k)
-                    for i, (c, k) in enumerate(zip(caches, n_kvs, strict=True))]
+            rows = [] if fused else [
+                _RowInputs(c, g.input(f"k_idx.{i}", (1,), np.int32),
+                           g.input(f"v_idx.{i}", (c.kv_dim,), np.int32),
+                           g.input(f"mask.{i}", (1, k)), k)
+                for i, (c, k) in enumerate(zip(caches, n_kvs, strict=True))]
 
             def attn(b: Builder, lw: LayerWeights, il: int, h: Tensor) -> Tensor:
+                if fused:
+                    return _fused_attention(b, lw, il, h, pos, [
+                        custom_ops.StepCache(c.k[il], c.v[il], 0, c.n_ctx) for c in caches])
                 return _rows_attention(b, lw, il, h, pos, rows)
 
             x = stack(b, w.layers, x, attn, None)
@@ -177,12 +187,13 @@ class BatchedTalker:
             up: dict[str, np.ndarray[Any, Any]] = {
                 "code": prev,
                 "pos": np.ascontiguousarray(pos.reshape(-1)),
-                "k_idx": rows,
-                "v_idx": cache.v_index(rows),
             }
+            if not cache.native:
+                up.update(k_idx=rows, v_idx=cache.v_index(rows))
             if j == 0:
                 up["hidden"] = np.ascontiguousarray(hidden, dtype=np.float32)
-                up["mask"] = np.asarray([[0.0, -np.inf], [0.0, 0.0]], dtype=np.float32)
+                if not cache.native:
+                    up["mask"] = np.asarray([[0.0, -np.inf], [0.0, 0.0]], dtype=np.float32)
             logits = graph.run(up)["logits"].reshape(n, -1)
             prev = np.asarray([choose[b](logits[b], j) for b in range(n)], dtype=np.int32)
             codes[:, j] = prev
@@ -223,6 +234,13 @@ class BatchedTalker:
         def attn_fn(g: Graph, per: int, n_kv: int, masked: bool
                     ) -> Callable[[Builder, LayerWeights, int, Tensor], Tensor]:
             pos = g.input("pos", (per * n,), np.int32)
+            if cache.native:  # slot i: positions i * n_slot .. of the one cache
+                def fused(b: Builder, lw: LayerWeights, il: int, h: Tensor) -> Tensor:
+                    return _fused_attention(b, lw, il, h, pos, [
+                        custom_ops.StepCache(cache.k[il], cache.v[il], i * n_slot, n_slot)
+                        for i in range(n)])
+
+                return fused
             k_idx = g.input("k_idx", (per * n,), np.int32)
             v_idx = g.input("v_idx", (shape.kv_dim * per * n,), np.int32)
             mask = g.input("mask", (per, n_kv)) if masked else None
@@ -288,6 +306,14 @@ def _qkv(b: Builder, lw: LayerWeights, il: int, x: Tensor, pos: Tensor
     q = b.cb(rope(ctx, q, pos, d, s.rope_theta), "q_rope", il)
     k = b.cb(rope(ctx, k, pos, d, s.rope_theta), "k_rope", il)
     return q, lib.ggml_reshape_2d(ctx, k, s.kv_dim, t), v
+
+
+def _fused_attention(b: Builder, lw: LayerWeights, il: int, x: Tensor, pos: Tensor,
+                     caches: list[custom_ops.StepCache]) -> Tensor:
+    # every session's K/V writes and attention in one node (``custom_ops.attn_step``)
+    q, k_rows, v = _qkv(b, lw, il, x, pos)
+    merged = custom_ops.attn_step(b.ctx, q, k_rows, v, pos, caches, b.g.keep)
+    return b.cb(b.matmul(lw, "o", b.cb(merged, "kqv_merged", il)), "attn_out", il)
 
 
 def _rows_attention(b: Builder, lw: LayerWeights, il: int, x: Tensor, pos: Tensor,

@@ -143,6 +143,9 @@ class AttnInputs:
     # The mask is "cache rows <= the query's position" (attn_uploads), which a fused attention
     # can apply itself; False for any other mask (a batch of pinned prefixes).
     causal: bool = False
+    # A step graph on a cache qtts's ops may touch: ``custom_ops.attn_step`` writes the new rows
+    # and attends in one node (no indices, no mask: it reads rows 0 .. pos)
+    fused_step: bool = False
 
 
 class KVCache:
@@ -219,7 +222,11 @@ class KVCache:
 
 
 def attn_inputs(g: Graph, cache: KVCache, n_new: int, n_kv: int, masked: bool) -> AttnInputs:
-    """Inputs of a reusable graph that scatters ``n_new`` rows (``set_rows``), reads ``n_kv``."""
+    """Inputs of a reusable graph that scatters ``n_new`` rows (``set_rows``), reads ``n_kv``;
+    on a cache qtts's ops may touch, the positions alone (``custom_ops.attn_step``)."""
+    if cache.native:
+        return AttnInputs(pos=g.input("pos", (n_new,), np.int32), mask=None, n_kv=n_kv,
+                          fused_step=True)
     return AttnInputs(
         pos=g.input("pos", (n_new,), np.int32),
         mask=g.input("mask", (n_new, n_kv)) if masked else None,
@@ -243,10 +250,13 @@ def attn_uploads(cache: KVCache, pos0: int, n_new: int, n_kv: int | None,
     """Values of the attention inputs for rows at positions ``pos0 .. pos0+n_new-1``.
 
     With ``n_kv`` given, also the mask: query at position p sees cache positions ``<= p``.
-    ``indices=False``: no ``set_rows`` indices (``prefill_inputs``).
+    ``indices=False``: no ``set_rows`` indices (``prefill_inputs``). With indices on a cache
+    qtts's ops may touch, the positions alone (``attn_inputs``).
     """
     pos = np.arange(pos0, pos0 + n_new, dtype=np.int32)
     up: dict[str, npt.NDArray[Any]] = {"pos": pos}
+    if indices and cache.native:
+        return up
     if indices:
         up.update(k_idx=pos, v_idx=cache.v_index(pos))
     if n_kv is not None:
@@ -303,6 +313,11 @@ def attention(b: Builder, lw: LayerWeights, il: int, x: Tensor, a: AttnInputs,
     k = b.cb(rope(ctx, k, a.pos, d, s.rope_theta), "k_rope", il)
 
     k_rows = lib.ggml_reshape_2d(ctx, k, s.kv_dim, t)
+    if a.fused_step:
+        merged = custom_ops.attn_step(
+            ctx, q, k_rows, v, a.pos, [custom_ops.StepCache(cache.k[il], cache.v[il], 0,
+                                                            cache.n_ctx)], b.g.keep)
+        return b.cb(b.matmul(lw, "o", b.cb(merged, "kqv_merged", il)), "attn_out", il)
     if a.snapshot:
         n = a.snapshot
         b.g.output(lib.ggml_cont(ctx, lib.ggml_view_2d(ctx, k_rows, s.kv_dim, n, k_rows.nb[1], 0)),

@@ -412,3 +412,169 @@ void qtts_attn_causal_op(struct ggml_tensor * dst, int ith, int nth, void * user
         }
     }
 }
+
+/* ---- qtts_attn_step_op: the attention of decoding steps, K/V writes included ----------------
+ *
+ * Why: a step's query is one row, and ggml's path is six nodes per session and layer (two
+ * set_rows, K.Q, softmax, the product with V, the merge), each tiny and each with its own
+ * thread barrier and F16 rounding of Q and the probabilities; with several sessions in one
+ * step graph those nodes were a third of the step. Here one node per layer does every
+ * session: a (session, KV head) item writes its new K/V rows into the session's cache and
+ * attends with its G query heads over rows 0 .. p. An item is computed by one thread in a fixed
+ * order, so a session's result does not depend on the other sessions or the thread count.
+ *
+ * Sums run in 16 lanes (lane l takes the elements l, l + 16, ...) folded by halves at the end:
+ * the AVX-512, AVX2 and portable paths add in that same order. */
+
+/* F32 -> the cache's type, as ggml's CPY / SET_ROWS write it (round to nearest even) */
+static void store_row(char * dst, const float * src, int64_t n, int f16) {
+    if (f16) {
+        ggml_fp32_to_fp16_row(src, (ggml_fp16_t *)dst, n);
+    } else {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+    }
+}
+
+/* lanes[16] folded by halves: (l, l + 8), then (l, l + 4), (l, l + 2), (0, 1) */
+static inline float fold16(float * acc) {
+    for (int w = 8; w; w >>= 1) {
+        for (int l = 0; l < w; l++) acc[l] += acc[l + w];
+    }
+    return acc[0];
+}
+
+/* sum_i a[i] * b[i] in 16 lanes; n a multiple of 16 (the caller pads with zeros) */
+static float dot16(const float * a, const float * b, int64_t n) {
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    }
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1));
+#elif ATTN_AVX2
+    __m256 lo = _mm256_setzero_ps(), hi = lo;
+    for (int64_t i = 0; i < n; i += 16) {
+        lo = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), lo);
+        hi = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), hi);
+    }
+    __m256 h = _mm256_add_ps(lo, hi);
+#endif
+#if defined(__AVX512F__) || ATTN_AVX2
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+#else
+    float acc[LANES] = {0};
+    for (int64_t i = 0; i < n; i += LANES) {
+        for (int l = 0; l < LANES; l++) acc[l] = fmaf(a[i + l], b[i + l], acc[l]);
+    }
+    return fold16(acc);
+#endif
+}
+
+/* P[j] = exp(S[j] - m) for j < n (the padding up to n16 stays 0); returns sum_j P[j] in lanes */
+static float exp_sum16(float * S, int64_t n, int64_t n16, float m) {
+    float acc[LANES] = {0};
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    __m512 sum = _mm512_setzero_ps();
+    for (; j + 16 <= n; j += 16) {
+        const __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(S + j), _mm512_set1_ps(m)));
+        _mm512_storeu_ps(S + j, p);
+        sum = _mm512_add_ps(sum, p);
+    }
+    _mm512_storeu_ps(acc, sum);
+#elif ATTN_AVX2
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0;
+    for (; j + 16 <= n; j += 16) {
+        const __m256 p0 = exp8(_mm256_sub_ps(_mm256_loadu_ps(S + j), _mm256_set1_ps(m)));
+        const __m256 p1 = exp8(_mm256_sub_ps(_mm256_loadu_ps(S + j + 8), _mm256_set1_ps(m)));
+        _mm256_storeu_ps(S + j, p0);
+        _mm256_storeu_ps(S + j + 8, p1);
+        s0 = _mm256_add_ps(s0, p0);
+        s1 = _mm256_add_ps(s1, p1);
+    }
+    _mm256_storeu_ps(acc, s0);
+    _mm256_storeu_ps(acc + 8, s1);
+#endif
+    for (; j < n; j++) {
+        S[j] = expf(S[j] - m);
+        acc[j % LANES] += S[j];
+    }
+    for (; j < n16; j++) S[j] = 0.0f;
+    return fold16(acc);
+}
+
+void qtts_attn_step_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const struct ggml_tensor * q = dst->src[0];
+    const struct ggml_tensor * kn = dst->src[1];
+    const struct ggml_tensor * vn = dst->src[2];
+    const struct ggml_tensor * pos = dst->src[3];
+    const int64_t * args = (const int64_t *)userdata;
+    const int64_t n_sess = args[0], per = args[1], f16 = args[2];
+    const int64_t d = q->ne[0], H = q->ne[1];
+    const int64_t Hkv = kn->ne[0] / d, G = H / Hkv, es = f16 ? 2 : 4;
+    const float scale = 1.0f / sqrtf((float)d);
+    int64_t max_ctx = 0;
+    for (int64_t s = 0; s < n_sess; s++) {
+        const int64_t n_ctx = args[3 + 5 * s + 4];
+        max_ctx = n_ctx > max_ctx ? n_ctx : max_ctx;
+    }
+    const int64_t cap = (max_ctx + LANES - 1) / LANES * LANES, d16 = (d + LANES - 1) / LANES * LANES;
+    float * Kf = (float *)qtts_scratch_get(
+        QTTS_SCRATCH_ATTN, (size_t)(cap * d16 + d * cap + G * cap + d16) * sizeof(float));
+    float * Vf = Kf + cap * d16; /* [d][cap]: a channel's positions */
+    float * P = Vf + d * cap;    /* [G][cap] */
+    float * Q = P + G * cap;     /* [d16] */
+    const int64_t n_items = n_sess * Hkv;
+    const int64_t i0 = n_items * ith / nth, i1 = n_items * (ith + 1) / nth;
+    for (int64_t item = i0; item < i1; item++) {
+        const int64_t s = item / Hkv, hk = item % Hkv;
+        const int64_t * c = args + 3 + 5 * s;
+        char * kc = (char *)(intptr_t)c[0];
+        char * vc = (char *)(intptr_t)c[2];
+        const int64_t k_nb1 = c[1], v_nb1 = c[3], n_ctx = c[4];
+        for (int64_t t = s * per; t < (s + 1) * per; t++) {
+            const int64_t p = ((const int32_t *)pos->data)[t];
+            float * out = (float *)((char *)dst->data + t * dst->nb[1]) + hk * G * d;
+            if (p < 0 || p >= n_ctx) { /* the wrapper's callers never upload one */
+                memset(out, 0, (size_t)(G * d) * sizeof(float));
+                continue;
+            }
+            const float * kr = (const float *)((const char *)kn->data + t * kn->nb[1]) + hk * d;
+            const float * vr = (const float *)((const char *)vn->data + t * vn->nb[1]) + hk * d;
+            store_row(kc + p * k_nb1 + hk * d * es, kr, d, (int)f16);
+            for (int64_t ch = 0; ch < d; ch++) {
+                store_row(vc + (hk * d + ch) * v_nb1 + p * es, vr + ch, 1, (int)f16);
+            }
+            const int64_t n = p + 1, n16 = (n + LANES - 1) / LANES * LANES;
+            for (int64_t j = 0; j < n; j++) {
+                float * row = Kf + j * d16;
+                to_f32(kc + j * k_nb1 + hk * d * es, (int)f16, d, row);
+                for (int64_t i = d; i < d16; i++) row[i] = 0.0f;
+            }
+            for (int64_t ch = 0; ch < d; ch++) {
+                float * row = Vf + ch * cap;
+                to_f32(vc + (hk * d + ch) * v_nb1, (int)f16, n, row);
+                for (int64_t j = n; j < n16; j++) row[j] = 0.0f;
+            }
+            for (int64_t g = 0; g < G; g++) {
+                const float * qr = (const float *)((const char *)q->data + t * q->nb[2] +
+                                                   (hk * G + g) * q->nb[1]);
+                for (int64_t i = 0; i < d16; i++) Q[i] = i < d ? qr[i] * scale : 0.0f;
+                float * Pg = P + g * cap;
+                float m = -INFINITY;
+                for (int64_t j = 0; j < n; j++) {
+                    Pg[j] = dot16(Kf + j * d16, Q, d16);
+                    m = Pg[j] > m ? Pg[j] : m;
+                }
+                const float inv = 1.0f / exp_sum16(Pg, n, n16, m);
+                float * o = out + g * d;
+                for (int64_t ch = 0; ch < d; ch++) {
+                    o[ch] = dot16(Vf + ch * cap, Pg, n16) * inv;
+                }
+            }
+        }
+    }
+}

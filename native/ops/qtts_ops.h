@@ -83,6 +83,20 @@ void qtts_attn_causal_op(struct ggml_tensor * dst, int ith, int nth, void * user
  * nodes */
 int qtts_attn_causal_fast(void);
 
+/* The attention of decoding steps, fused with their K/V writes, as a ggml_custom_op_t for
+ * ggml_custom_4d(ctx, F32, d * H, T, 1, 1, {q, k, v, pos}, 4, qtts_attn_step_op, n, args):
+ *   for each column t, session s = t / per, in order: the cache of s gets K row k[t] at
+ *   position p = pos[t] and V column v[t] there; then
+ *   dst[t, h*d + c] = sum_{j <= p} softmax_j(K_s[j, hk] . q[t, h] / sqrt(d)) V_s[j, hk, c]
+ * q: F32 ne = [d, H, T], contiguous rows of d; k, v: F32 ne = [d * H_kv, T], contiguous rows
+ * (the new rows); pos: I32 ne = [T]; args (int64_t): n_sessions, per (columns per session,
+ * consecutive), f16 (1: F16 caches, 0: F32), then per session its layer's K data pointer, K row
+ * stride (bytes per position), V data pointer (channel 0, position 0), V row stride (bytes per
+ * channel) and n_ctx (its positions). A p outside 0 .. n_ctx - 1 writes nothing and gives
+ * zeros. (session, KV head) items are split across the nth threads; the caches are written
+ * through the pointers, which must stay valid while the graph is used. */
+void qtts_attn_step_op(struct ggml_tensor * dst, int ith, int nth, void * userdata);
+
 /* Causal dilated conv1d, time-major, as a ggml_custom_op_t for
  * ggml_custom_4d(ctx, F32, C_out, T, 1, 1, {xp, w, bias}, 3, qtts_conv1d_tm_op, n, (void*)d)
  * or, with the history in a tensor of its own (no concat),

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from engine.backend import BackendSet
+from engine.ggml import custom_ops as co
 from engine.gguf_model import open_model
 from engine.talker import (
     PromptBuilder,
@@ -148,17 +149,24 @@ def _same(a: Run, b: Run, exact: bool = True) -> None:
 # what they give it among several, so the logits are equal bit for bit. F32 weights: ggml
 # multiplies one row with its dot product and several with its tiled GEMM, which round
 # differently (engine/talker/batch.py).
-@pytest.mark.parametrize(("weights", "kv_type"), [("f32", "f32"), ("f32", "f16"),
-                                                  ("q4_0", "f16"), ("q4_0", "f32")])
-def test_batched_equals_alone(weights: str, kv_type: str, tiny_gguf: Path, q4_gguf: Path,
-                              backends: BackendSet) -> None:
+@pytest.mark.parametrize(("weights", "kv_type", "ops"), [
+    ("f32", "f32", True), ("f32", "f16", True), ("q4_0", "f16", True), ("q4_0", "f32", True),
+    ("q4_0", "f16", False),  # ggml's attention nodes (an accelerator's cache, QTTS_CUSTOM_OPS=0)
+])
+def test_batched_equals_alone(weights: str, kv_type: str, ops: bool, tiny_gguf: Path,
+                              q4_gguf: Path, backends: BackendSet) -> None:
     """Sessions joining and leaving at different frames, with different voices, lengths, text
     modes, greedy and seeded sampling: each one's codes and logits are its codes and logits
     alone."""
     model = open_model(tiny_gguf if weights == "f32" else q4_gguf)
+    if not ops:
+        backends = BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "2",
+                                        "QTTS_CUSTOM_OPS": "0"})
     talker = _talker(model, backends, kv_type)
     try:
         alone = [_alone(talker, model, j) for j in JOBS]
+        # the step graphs take qtts's fused attention (custom_ops.attn_step) or ggml's nodes
+        assert talker.cache is not None and talker.cache.native == (ops and co.available())
         assert len({len(r.codes) for r in alone}) > 2  # they leave at different frames
         for a, b in zip(alone, _batched(talker, model, JOBS, max_batch=4), strict=True):
             _same(a, b, exact=weights == "q4_0")

@@ -861,6 +861,17 @@ def test_other_isa_paths(cpu1: BackendSet, cpu2: BackendSet, tmp_path: Path,
         want, mag = _attn_reference(q, k, vt, pos)
         got = _attn_causal(cpu2, q, k, vt, pos, pos0 + t, library)
         assert np.all(np.abs(got - want) <= 1e-6 * mag + 1e-30)
+    # the fused step attention (AVX2 intrinsics, portable C below): two sessions' caches
+    d, h, hkv, positions = 128, 16, 8, np.asarray([37, 5], dtype=np.int32)
+    q = rng.standard_normal((2, h, d)).astype(np.float32)
+    k, v = (rng.standard_normal((2, hkv * d)).astype(np.float32) for _ in range(2))
+    caches = _step_caches(cpu2, rng, [64, 64], hkv * d, np.float16)
+    got = _attn_step(cpu2, q, k, v, positions, [(c, 0, 64) for c in caches], library)
+    for i, c in enumerate(caches):
+        kr, vr = _cache_rows(c, np.float16)
+        want, mag = _attn_reference(q[i:i + 1], kr, vr, positions[i:i + 1])
+        assert np.all(np.abs(got[i:i + 1] - want) <= 1e-6 * mag + 1e-30)
+        c.close()
     for op in ("f32", "bf16"):  # the history apart (hist=): bit for bit the concat
         for c, t, k, d in [(96, 2, 7, 3), (95, 50, 7, 9), (40, 300, 3, 1)]:
             p = (k - 1) * d
@@ -1191,6 +1202,164 @@ def test_attn_causal_a_query_does_not_depend_on_the_others(cpu2: BackendSet, hkv
     for n in (13, 22, 35, 38, 47, 57, 60):  # remainders of every size under 4 and 8 keys
         part = _attn_causal(cpu2, q[:n], k, vt, pos[:n], 64)
         assert np.array_equal(part, every[:n]), n
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused attention of decoding steps (K/V writes included), several sessions in one node
+
+
+def _step_caches(be: BackendSet, rng: np.random.Generator, n_ctxs: list[int], kv: int,
+                 dtype: Any) -> list[Any]:
+    """One-layer caches of random rows (position-major K, channel-major V), in host memory."""
+    from engine.talker.qwen3 import KVCache
+    ggml_type = lib.GGML_TYPE_F16 if dtype == np.float16 else lib.GGML_TYPE_F32
+    caches = []
+    for n_ctx in n_ctxs:
+        c = KVCache(be, 1, kv, n_ctx, ggml_type, "test")
+        k = rng.standard_normal((n_ctx, kv)).astype(dtype)
+        vt = (rng.standard_normal((kv, n_ctx)) * 10.0 ** rng.uniform(-2, 2, (kv, 1))).astype(dtype)
+        lib.ggml_backend_tensor_set(c.k[0], ffi.from_buffer(k), 0, k.nbytes)
+        lib.ggml_backend_tensor_set(c.v[0], ffi.from_buffer(vt), 0, vt.nbytes)
+        caches.append(c)
+    return caches
+
+
+def _cache_rows(c: Any, dtype: Any) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    k = np.empty((c.n_ctx, c.kv_dim), dtype)
+    vt = np.empty((c.kv_dim, c.n_ctx), dtype)
+    lib.ggml_backend_tensor_get(c.k[0], ffi.from_buffer(k), 0, k.nbytes)
+    lib.ggml_backend_tensor_get(c.v[0], ffi.from_buffer(vt), 0, vt.nbytes)
+    return k, vt
+
+
+def _attn_step(be: BackendSet, q: np.ndarray[Any, Any], k: np.ndarray[Any, Any],
+               v: np.ndarray[Any, Any], pos: np.ndarray[Any, Any],
+               slots: list[Any], library: Any | None = None) -> np.ndarray[Any, Any]:
+    """The op on q [T, H, d] and new rows k, v [T, kv] at ``pos``, over ``slots``: (cache,
+    first position, n_ctx) per session."""
+    t, h, d = q.shape
+    g = Graph()
+    tq = g.input("q", q.shape)
+    tk = g.input("k", k.shape)
+    tv = g.input("v", v.shape)
+    tp = g.input("pos", pos.shape, np.int32)
+    caches = [co.StepCache(c.k[0], c.v[0], first, n) for c, first, n in slots]
+    g.output(co.attn_step(g.ctx, tq, tk, tv, tp, caches, g.keep, library=library), "out")
+    return be.execute(g, {"q": q, "k": k, "v": v, "pos": pos})["out"].reshape(t, h * d)
+
+
+@needs_ops
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+@pytest.mark.parametrize("d,h,hkv,positions,per,scale", [
+    (128, 16, 8, [200, 0, 63, 64], 1, 1.0),  # a talker step of four sessions
+    (128, 16, 8, [0, 1, 0, 1, 0, 1], 2, 1.0),  # the code predictor's first pass, three slots
+    (64, 8, 2, [15, 7], 1, 3.0),  # 4 query heads per KV head
+    (24, 8, 8, [40, 2, 17], 1, 8.0),  # head size not a multiple of 16; a peaked softmax
+])
+def test_attn_step_writes_the_rows_and_matches_float64(cpu1: BackendSet, cpu2: BackendSet,
+                                                       dtype: Any, d: int, h: int, hkv: int,
+                                                       positions: list[int], per: int,
+                                                       scale: float) -> None:
+    """Each session's new K/V rows land in its own cache at its position (rounded as ggml
+    stores them) and nowhere else; its query heads attend to rows 0..position of its own cache
+    only: within float32 rounding of float64. Sessions may be caches of their own or slots of
+    one cache (the code predictor's layout)."""
+    kv = hkv * d
+    n_sess = len(positions) // per
+    pos = np.asarray(positions, dtype=np.int32)
+    for be in (cpu1, cpu2):
+        rng = np.random.default_rng(d + len(positions))
+        q = (rng.standard_normal((len(pos), h, d)) * scale).astype(np.float32)
+        k = (rng.standard_normal((len(pos), kv)) * scale).astype(np.float32)
+        v = rng.standard_normal((len(pos), kv)).astype(np.float32)
+        if per == 1:  # caches of their own, of different lengths
+            caches = _step_caches(be, rng, [64 * (2 + i) + 64 * (p // 64) for i, p in
+                                            enumerate(positions)], kv, dtype)
+            slots = [(c, 0, c.n_ctx) for c in caches]
+        else:  # slots of 16 positions in one cache
+            caches = _step_caches(be, rng, [16 * n_sess], kv, dtype)
+            slots = [(caches[0], 16 * i, 16) for i in range(n_sess)]
+        before = [_cache_rows(c, dtype) for c in caches]
+        for i, (c, first, _n) in enumerate(slots):  # keys past a position: they would dominate
+            kr, vr = before[caches.index(c)]
+            top = first + int(pos[i * per:(i + 1) * per].max()) + 1
+            kr[top:first + _n] = 1e4 if dtype == np.float16 else 1e30
+        for c, (kr, _vr) in zip(caches, before, strict=True):
+            lib.ggml_backend_tensor_set(c.k[0], ffi.from_buffer(kr), 0, kr.nbytes)
+        got = _attn_step(be, q, k, v, pos, slots)
+        for i, (c, first, _n) in enumerate(slots):
+            ci = caches.index(c)
+            kr, vr = before[ci]
+            for j in range(per):
+                t = i * per + j
+                kr[first + pos[t]] = k[t].astype(dtype)
+                vr[:, first + pos[t]] = v[t].astype(dtype)
+        for c, (kr, vr) in zip(caches, before, strict=True):
+            ka, va = _cache_rows(c, dtype)
+            assert np.array_equal(ka, kr) and np.array_equal(va, vr)
+        for i, (c, first, n) in enumerate(slots):
+            kr, vr = before[caches.index(c)]
+            cols = slice(i * per, (i + 1) * per)
+            want, mag = _attn_reference(q[cols], kr[first:first + n], vr[:, first:first + n],
+                                        pos[cols])
+            assert np.all(np.abs(got[cols] - want) <= 1e-6 * mag + 1e-30), \
+                np.abs(got[cols] - want).max()
+        for c in caches:
+            c.close()
+
+
+@needs_ops
+def test_attn_step_a_session_does_not_depend_on_the_others(cpu1: BackendSet,
+                                                           cpu2: BackendSet) -> None:
+    """A session's output is the same bits alone as beside others, on 1 and 2 threads: a
+    batched step gives each session what it gets alone."""
+    d, h, hkv = 128, 16, 8
+    kv = hkv * d
+    positions = [37, 130, 5]
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((3, h, d)).astype(np.float32)
+    k = rng.standard_normal((3, kv)).astype(np.float32)
+    v = rng.standard_normal((3, kv)).astype(np.float32)
+    pos = np.asarray(positions, dtype=np.int32)
+    outs = []
+    for be in (cpu2, cpu1):
+        caches = _step_caches(be, np.random.default_rng(4), [192, 192, 192], kv, np.float16)
+        together = _attn_step(be, q, k, v, pos, [(c, 0, c.n_ctx) for c in caches])
+        for c in caches:
+            c.close()
+        caches = _step_caches(be, np.random.default_rng(4), [192, 192, 192], kv, np.float16)
+        for i, c in enumerate(caches):
+            alone = _attn_step(be, q[i:i + 1], k[i:i + 1], v[i:i + 1], pos[i:i + 1],
+                               [(c, 0, c.n_ctx)])
+            assert np.array_equal(alone[0], together[i]), i
+            c.close()
+        outs.append(together)
+    assert np.array_equal(outs[0], outs[1])
+
+
+@needs_ops
+def test_attn_step_rejects_what_the_kernel_cannot_take(cpu1: BackendSet) -> None:
+    from engine.talker.qwen3 import KVCache
+    c = KVCache(cpu1, 1, 16, 64, lib.GGML_TYPE_F16, "test")
+    c32 = KVCache(cpu1, 1, 16, 64, lib.GGML_TYPE_F32, "test")
+    g = Graph()
+    q = g.input("q", (2, 4, 8))  # d 8, 4 heads, 2 columns
+    k = g.input("k", (2, 16))
+    pos = g.input("pos", (2,), np.int32)
+    one = [co.StepCache(c.k[0], c.v[0], 0, 64)]
+    with pytest.raises(ValueError, match="do not split"):
+        co.attn_step(g.ctx, q, k, k, pos, one * 3, g.keep)
+    with pytest.raises(TypeError, match="every cache"):
+        co.attn_step(g.ctx, q, k, k, pos, [*one, co.StepCache(c32.k[0], c32.v[0], 0, 64)],
+                     g.keep)
+    with pytest.raises(ValueError, match="does not hold"):
+        co.attn_step(g.ctx, q, k, k, pos, [co.StepCache(c.k[0], c.v[0], 32, 64)], g.keep)
+    with pytest.raises(ValueError, match="pos must be"):
+        co.attn_step(g.ctx, q, k, k, g.input("p3", (3,), np.int32), one, g.keep)
+    with pytest.raises(ValueError, match="k must be"):
+        co.attn_step(g.ctx, q, g.input("k3", (3, 16)), k, pos, one, g.keep)
+    c.close()
+    c32.close()
 
 
 @needs_ops

@@ -150,7 +150,7 @@ def test_every_intermediate_is_named(talker: TalkerModel, model: Any) -> None:
     step_names = {name_of(n) for n in talker._step[1].graph.nodes()}
     cp_names = {name_of(n) for n in talker._cp_graphs[3].graph.nodes()}
     for il in range(len(talker.weights.layers)):
-        for part in ("attn_norm", "q_norm", "k_rope", "kq_soft_max", "attn_out", "attn_res",
+        for part in ("attn_norm", "q_norm", "k_rope", "kqv_merged", "attn_out", "attn_res",
                      "ffn_out", "l_out"):
             assert f"talk.blk{il}.{part}" in step_names
     assert {"hidden", "logits", "talk.inp_embd"} <= step_names and "cp.blk1.ffn_out" in cp_names
