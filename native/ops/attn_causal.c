@@ -426,13 +426,58 @@ void qtts_attn_causal_op(struct ggml_tensor * dst, int ith, int nth, void * user
  * Sums run in 16 lanes (lane l takes the elements l, l + 16, ...) folded by halves at the end:
  * the AVX-512, AVX2 and portable paths add in that same order. */
 
-/* F32 -> the cache's type, as ggml's CPY / SET_ROWS write it (round to nearest even) */
+/* F32 -> the cache's type, as ggml's CPY / SET_ROWS write it (round to nearest even; the
+ * hardware conversion where there is one, ggml's converter otherwise: the same bits) */
 static void store_row(char * dst, const float * src, int64_t n, int f16) {
-    if (f16) {
-        ggml_fp32_to_fp16_row(src, (ggml_fp16_t *)dst, n);
-    } else {
+    if (!f16) {
         memcpy(dst, src, (size_t)n * sizeof(float));
+        return;
     }
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) {
+        _mm256_storeu_si256((__m256i *)(dst + 2 * i),
+                            _mm512_cvtps_ph(_mm512_loadu_ps(src + i),
+                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+#elif defined(__F16C__) && defined(__AVX__)
+    for (; i + 8 <= n; i += 8) {
+        _mm_storeu_si128((__m128i *)(dst + 2 * i),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+#endif
+    if (i < n) {
+        ggml_fp32_to_fp16_row(src + i, (ggml_fp16_t *)dst + i, n - i);
+    }
+}
+
+/* one value into a channel-major V row */
+static inline void store_one(char * dst, float x, int f16) {
+#if defined(__F16C__) || defined(__AVX512F__)
+    if (f16) {
+        *(ggml_fp16_t *)dst = (ggml_fp16_t)_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
+        return;
+    }
+#endif
+    store_row(dst, &x, 1, f16);
+}
+
+/* n values of a cache row as F32, then zeros up to the next multiple of 16 */
+static void to_f32_pad16(const char * row, int f16, int64_t n, float * out) {
+    const int64_t n16 = (n + LANES - 1) / LANES * LANES;
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    if (f16) {
+        for (int64_t i = 0; i < n16; i += 16) {
+            const __mmask16 live =
+                n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+            _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(live, row + 2 * i)));
+        }
+        return;
+    }
+#endif
+    to_f32(row, f16, n, out);
+    for (int64_t i = n; i < n16; i++) out[i] = 0.0f;
 }
 
 /* lanes[16] folded by halves: (l, l + 8), then (l, l + 4), (l, l + 2), (0, 1) */
@@ -546,18 +591,14 @@ void qtts_attn_step_op(struct ggml_tensor * dst, int ith, int nth, void * userda
             const float * vr = (const float *)((const char *)vn->data + t * vn->nb[1]) + hk * d;
             store_row(kc + p * k_nb1 + hk * d * es, kr, d, (int)f16);
             for (int64_t ch = 0; ch < d; ch++) {
-                store_row(vc + (hk * d + ch) * v_nb1 + p * es, vr + ch, 1, (int)f16);
+                store_one(vc + (hk * d + ch) * v_nb1 + p * es, vr[ch], (int)f16);
             }
             const int64_t n = p + 1, n16 = (n + LANES - 1) / LANES * LANES;
             for (int64_t j = 0; j < n; j++) {
-                float * row = Kf + j * d16;
-                to_f32(kc + j * k_nb1 + hk * d * es, (int)f16, d, row);
-                for (int64_t i = d; i < d16; i++) row[i] = 0.0f;
+                to_f32_pad16(kc + j * k_nb1 + hk * d * es, (int)f16, d, Kf + j * d16);
             }
             for (int64_t ch = 0; ch < d; ch++) {
-                float * row = Vf + ch * cap;
-                to_f32(vc + (hk * d + ch) * v_nb1, (int)f16, n, row);
-                for (int64_t j = n; j < n16; j++) row[j] = 0.0f;
+                to_f32_pad16(vc + (hk * d + ch) * v_nb1, (int)f16, n, Vf + ch * cap);
             }
             for (int64_t g = 0; g < G; g++) {
                 const float * qr = (const float *)((const char *)q->data + t * q->nb[2] +
