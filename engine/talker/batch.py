@@ -7,14 +7,17 @@ read once per step for every session and the same graphs run batched on an accel
   of one ``[hidden, B]`` activation; every projection, norm, RoPE and MLP runs over the B
   columns at once. Attention is per session inside the same graph: each session has its own KV
   cache (``TalkerModel.new_cache``: a session's memory is its own and goes when it ends), its
-  own position and its own number of cache positions read, so each column is a view that
-  writes its K/V row into its own cache and attends to its own rows. The graph's structure
-  depends on which caches take part and on each one's 64-position read bucket, so it is
-  rebuilt when a session joins or leaves or crosses a bucket (rare next to the steps).
+  own position and its own number of cache positions read. On host-memory caches one node per
+  layer (``custom_ops.attn_step``) writes every session's K/V row into its own cache and
+  attends to its own rows 0 .. position; elsewhere each column is a view that does the same
+  with ggml's nodes. The graph's structure depends on which caches take part (and, with
+  ggml's nodes, on each one's 64-position read bucket), so it is rebuilt when a session joins
+  or leaves (or crosses a bucket): rare next to the steps.
 * **Code predictor** over B rows (``BatchedTalker.predict``): the code predictor's 16-position
   cache is rewritten every frame, so a batch needs no per-session state: one cache of B slots
-  of 16 positions, and each of the 15 passes is one graph whose attention is a 4-D
-  ``mul_mat`` over (slot, head). One set of 15 graphs per batch size, built when first used.
+  of 16 positions, and each of the 15 passes is one graph whose attention is ``attn_step``
+  over the slots (or a 4-D ``mul_mat`` over (slot, head)). One set of 15 graphs per batch
+  size, built at warm-up or when first used.
 
 Same results as one session alone: every session's attention reads exactly its own rows, its
 sampling keeps its own RNG (``engine.talker.generate.FrameSampler``), and the matrix products run
