@@ -118,6 +118,12 @@ class _Out(list[Event]):
             self.deliver(*ev)
 
 
+# the warm-up burst (``BatchRunner.warm_up``): past the ramp's largest chunk (16 frames)
+WARM_TEXT = "Warming up every slot of the batch at once."
+WARM_INSTRUCT = "A calm, clear voice."  # for models that speak only to an instruction
+WARM_FRAMES = 36
+
+
 class BatchRunner:
     """Up to ``max_batch`` text streams of one ``Pipeline`` (module docstring)."""
 
@@ -143,12 +149,38 @@ class BatchRunner:
     def warm_up(self) -> float:
         """Build the batched code-predictor graphs of every batch size and reserve a talker
         cache for every slot but the one the model's own cache serves, up to
-        ``RESERVED_SLOTS`` (seconds), so that the streams that join do not pay for either
-        (``FrameScheduler.reserve``)."""
+        ``RESERVED_SLOTS`` (``FrameScheduler.reserve``), then speak a short text in every slot
+        at once (``WARM_FRAMES`` frames each, greedy), so that the streams that join do not pay
+        for the graphs, the caches or their memory's first touch (seconds)."""
         t0 = time.perf_counter()
         self.batched.warm_up(self.max_batch)
         self.frames.reserve(min(self.max_batch - 1, RESERVED_SLOTS))
+        self._warm_burst()
         return time.perf_counter() - t0
+
+    def _warm_burst(self) -> None:
+        # Every slot speaks a short text at once, as a burst of requests right after start
+        # would: the joint prefills, the steps of each batch size and the decoder pushes of
+        # each ramp size touch their memory here, not in the first clients' first audio (a
+        # fresh 4 KB page cost 1.5-11 us on a measured VM; docs/performance.md, Session 20).
+        # Skipped where a request needs a voice of its own (a Base model's clone).
+        voice = next(iter(self.pipeline.voices), None)
+        sids: list[int] = []
+        for instruct in (None, WARM_INSTRUCT):
+            try:
+                for i in range(self.max_batch):
+                    sids.append(self.submit(SynthesisRequest(
+                        WARM_TEXT, voice=voice, instruct=instruct, seed=i, greedy=True,
+                        max_frames=min(WARM_FRAMES, self.pipeline.max_frames_cap))))
+                break
+            except InputError:
+                for sid in sids:
+                    self.cancel(sid)
+                sids = []
+                while self._streams:
+                    self.step()
+        while self._streams:
+            self.step()
 
     @property
     def free(self) -> int:

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from engine.backend import BackendSet
-from engine.batching import BatchRunner, Finished, Rejected
+from engine.batching import WARM_FRAMES, WARM_INSTRUCT, BatchRunner, Finished, Rejected
 from engine.errors import InputError
 from engine.gguf_model import open_model
 from engine.pipeline import AudioChunk, CodesRequest, Pipeline, StreamInfo, SynthesisRequest
@@ -105,7 +105,14 @@ def test_warm_up_builds_and_reserves_for_every_slot_and_changes_nothing(
     assert pipeline.talker is not None
     alone = [_alone(pipeline, r) for r in REQUESTS]
     runner = BatchRunner(pipeline, 3)
+    steps: list[int] = []
+    step = runner.step
+    monkeypatch.setattr(runner, "step", lambda *a, **k: (steps.append(len(runner)),
+                                                          step(*a, **k))[1])
     assert runner.warm_up() > 0
+    # ... and every slot spoke a short text at once, to its end
+    assert max(steps) == 3 and len(steps) >= WARM_FRAMES and len(runner) == 0
+    monkeypatch.setattr(runner, "step", step)
     built = {n: [id(g) for g in graphs] for n, (_, graphs) in runner.batched._cp.items()}
     assert sorted(built) == [1, 2, 3]
     reserved = list(runner.frames._reserved)
@@ -128,6 +135,39 @@ def test_warm_up_builds_and_reserves_for_every_slot_and_changes_nothing(
         assert end == a_info.outcome
         np.testing.assert_array_equal(np.concatenate(b_info.codes, 1),
                                       np.concatenate(a_info.codes, 1))
+
+
+def test_the_warm_up_burst_takes_an_instruction_or_is_skipped(
+        pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model that speaks only to an instruction (VoiceDesign) gets one in its warm-up burst;
+    one that needs a request's own voice (a Base model's clone) skips the burst, and the
+    runner is ready and empty either way."""
+    submitted: list[str | None] = []
+    submit = BatchRunner.submit
+
+    def wants_instruct(self: BatchRunner, request: Any, *a: Any, **k: Any) -> int:
+        submitted.append(request.instruct)
+        if request.instruct is None:
+            raise InputError("instruct", "this model speaks to an instruction")
+        return submit(self, replace(request, instruct=None), *a, **k)  # (this one has none)
+
+    monkeypatch.setattr(BatchRunner, "submit", wants_instruct)
+    runner = BatchRunner(pipeline, 2)
+    try:
+        runner.warm_up()
+        assert submitted == [None, WARM_INSTRUCT, WARM_INSTRUCT] and len(runner) == 0
+    finally:
+        runner.close()
+
+    def refuses(self: BatchRunner, request: Any, *a: Any, **k: Any) -> int:
+        raise InputError("voice", "this model clones: a request needs its voice")
+
+    monkeypatch.setattr(BatchRunner, "submit", refuses)
+    runner = BatchRunner(pipeline, 2)
+    try:
+        assert runner.warm_up() > 0 and len(runner) == 0 and runner.free == 2
+    finally:
+        runner.close()
 
 
 def test_reserved_caches_fit_a_talker_with_few_positions(pipeline: Pipeline,
