@@ -5,9 +5,9 @@
 
 1. at most one prefill chunk of one joining utterance (a long prompt is several chunks, so the
    running utterances wait one chunk at most, never a whole prompt); or, where several live
-   ones joined since the last round and none has begun, their whole prompts in one graph
-   (``joint_prefill``: one read of the weights for all of them, each one's results those of
-   its prefill alone);
+   ones joined since the last round and none has begun (or, while nothing streams, two whole
+   texts), their whole prompts in one graph (``joint_prefill``: one read of the weights for
+   all of them, each one's results those of its prefill alone);
 2. codebook 0 of every utterance with logits (``generate.decide``: EOS, budget, cancel), then one
    batched code-predictor pass over those that go on: their frames are complete;
 3. one batched talker step for every utterance whose frame was not its last.
@@ -112,6 +112,10 @@ class StepStats:
     prefill_s: float = 0.0
 
 
+# whole texts that prefill in one graph when they join while nothing streams (a burst)
+BURST_WHOLE_TEXTS = 2
+
+
 class FrameScheduler:
     """Up to ``max_batch`` utterances generating frames together (module docstring)."""
 
@@ -123,10 +127,13 @@ class FrameScheduler:
             raise ValueError(f"joint_prefill must be 'live' or 'all', got {joint_prefill!r}")
         self.talker = talker
         self.max_batch = max_batch
-        # Which joiners prefill together: live text only by default. A live utterance's first
+        # Which joiners prefill together: live text by default. A live utterance's first
         # audio waits for the text that confirms its opening anyway (engine/batching.py), so
-        # waiting for the others' rows costs it little; a whole text's first audio would pay
-        # for the others' prefills in full (docs/performance.md, "Session 18").
+        # waiting for the others' rows costs it little; a whole text's first audio pays for
+        # the others' prefills in full (docs/performance.md, "Session 18"). Whole texts of a
+        # burst (nothing streaming yet) prefill BURST_WHOLE_TEXTS at a time: the later ones
+        # then wait half the rounds, the first pair one prefill more (Session 20). "all":
+        # every joiner, always.
         self.joint_prefill = joint_prefill
         self.batched = batched if batched is not None else BatchedTalker(talker)
         self._uids = itertools.count(1)
@@ -372,9 +379,14 @@ class FrameScheduler:
     def _prefill_joint(self, stats: StepStats) -> bool:
         # engine/talker/joint_prefill.py: joiners not cancelled, none begun alone, in groups
         # alike in their rows' products; False: none ran (then one chunk runs alone)
+        # a burst: nothing streams yet, so no one's audio waits for the joint graph
+        burst = all(u.chunks is not None for u in self._live.values())
         fresh = [u for u in self._live.values()
                  if u.chunks is not None and not u.prefilling and not is_cancelled(u.cancel)
-                 and (u.text is not None or self.joint_prefill == "all")]
+                 and (u.text is not None or self.joint_prefill == "all" or burst)]
+        if burst and self.joint_prefill == "live":
+            whole = [u for u in fresh if u.text is None][:BURST_WHOLE_TEXTS]
+            fresh = [u for u in fresh if u.text is not None] + whole
         if len(fresh) < 2:
             return False
         groups: dict[bool, list[tuple[Utterance, Joiner]]] = {}

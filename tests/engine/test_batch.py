@@ -193,8 +193,9 @@ def test_joiners_prefilled_together_equal_alone(weights: str, kv_type: str, tiny
                                                 q4_gguf: Path, backends: BackendSet,
                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Utterances that join in the same round prefill in one graph (whole texts too with
-    ``joint_prefill="all"``; by default live text only), and each one's codes and logits are
-    its codes and logits alone (bit for bit with Q4_0 weights)."""
+    ``joint_prefill="all"``; by default live text, and whole texts only in pairs in a burst),
+    and each one's codes and logits are its codes and logits alone (bit for bit with Q4_0
+    weights)."""
     from engine.talker import scheduler
 
     joint: list[int] = []
@@ -216,6 +217,41 @@ def test_joiners_prefilled_together_equal_alone(weights: str, kv_type: str, tiny
         assert sorted(joint) == [2, 2]
         for a, b in zip(alone, batched, strict=True):
             _same(a, b, exact=weights == "q4_0")
+    finally:
+        talker.close()
+
+
+def test_whole_texts_of_a_burst_prefill_in_pairs(q4_gguf: Path, backends: BackendSet,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whole texts that join while nothing streams (a burst) prefill two at a time in one
+    graph; two that join while another streams prefill one a round (its audio would wait for
+    their joint graph). Each one's codes and logits are its own, bit for bit."""
+    from engine.talker import scheduler
+
+    joint: list[int] = []
+    real = scheduler.prefill_joint
+    monkeypatch.setattr(scheduler, "prefill_joint",
+                        lambda talker, js: joint.append(len(js)) or real(talker, js))
+    model = open_model(q4_gguf)
+    talker = _talker(model, backends, "f16")
+    burst = [Job("Hello world, once more.", 0, True, 0, 8, "full", 0),
+             Job("A much longer sentence, and it goes on.", 1, False, 5, 9, "full", 0),
+             Job("Third one, a full text!", -1, True, 9, 7, "full", 0)]
+    later = [Job("Hello world.", 0, True, 0, 12, "full", 0),
+             Job("Two join while one speaks.", 1, True, 5, 6, "full", 4),
+             Job("And a third one here.", -1, False, 9, 6, "full", 4)]
+    try:
+        for jobs, want in ((burst, [2]), (later, [])):
+            joint.clear()
+            alone = [_alone(talker, model, j) for j in jobs]
+            joint.clear()
+            batched = _batched(talker, model, jobs, max_batch=3)
+            assert joint == want
+            for a, b in zip(alone, batched, strict=True):
+                _same(a, b)
+        joint.clear()
+        _batched(talker, model, later, max_batch=3, joint_prefill="all")
+        assert joint == [2]
     finally:
         talker.close()
 
