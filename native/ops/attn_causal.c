@@ -21,6 +21,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "qtts_f16.h"
 #include "qtts_ops.h"
 #include "qtts_scratch.h"
 
@@ -426,41 +427,22 @@ void qtts_attn_causal_op(struct ggml_tensor * dst, int ith, int nth, void * user
  * Sums run in 16 lanes (lane l takes the elements l, l + 16, ...) folded by halves at the end:
  * the AVX-512, AVX2 and portable paths add in that same order. */
 
-/* F32 -> the cache's type, as ggml's CPY / SET_ROWS write it (round to nearest even; the
- * hardware conversion where there is one, ggml's converter otherwise: the same bits) */
+/* F32 -> the cache's type, as ggml's CPY / SET_ROWS write it (qtts_f16.h) */
 static void store_row(char * dst, const float * src, int64_t n, int f16) {
-    if (!f16) {
+    if (f16) {
+        qtts_f16_row((ggml_fp16_t *)dst, src, n);
+    } else {
         memcpy(dst, src, (size_t)n * sizeof(float));
-        return;
-    }
-    int64_t i = 0;
-#if defined(__AVX512F__)
-    for (; i + 16 <= n; i += 16) {
-        _mm256_storeu_si256((__m256i *)(dst + 2 * i),
-                            _mm512_cvtps_ph(_mm512_loadu_ps(src + i),
-                                            _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    }
-#elif defined(__F16C__) && defined(__AVX__)
-    for (; i + 8 <= n; i += 8) {
-        _mm_storeu_si128((__m128i *)(dst + 2 * i),
-                         _mm256_cvtps_ph(_mm256_loadu_ps(src + i),
-                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    }
-#endif
-    if (i < n) {
-        ggml_fp32_to_fp16_row(src + i, (ggml_fp16_t *)dst + i, n - i);
     }
 }
 
 /* one value into a channel-major V row */
 static inline void store_one(char * dst, float x, int f16) {
-#if defined(__F16C__) || defined(__AVX512F__)
     if (f16) {
-        *(ggml_fp16_t *)dst = (ggml_fp16_t)_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT);
-        return;
+        *(ggml_fp16_t *)dst = qtts_f16(x);
+    } else {
+        *(float *)dst = x;
     }
-#endif
-    store_row(dst, &x, 1, f16);
 }
 
 /* n values of a cache row as F32, then zeros up to the next multiple of 16 */

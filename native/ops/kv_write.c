@@ -13,11 +13,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "qtts_f16.h"
 #include "qtts_ops.h"
-
-#if defined(__AVX512F__) || defined(__F16C__)
-#include <immintrin.h>
-#endif
 
 void qtts_kv_write_transposed_op(struct ggml_tensor * dst, const struct ggml_tensor * a,
                                  const struct ggml_tensor * b, int ith, int nth, void * userdata) {
@@ -34,24 +31,7 @@ void qtts_kv_write_transposed_op(struct ggml_tensor * dst, const struct ggml_ten
             const float * src = (const float *)((const char *)b->data + p * b->nb[1]) + c0;
             if (f16) {
                 ggml_fp16_t h[16];
-#if defined(__AVX512F__)
-                if (m == 16) {
-                    _mm256_storeu_si256((__m256i *)h,
-                                        _mm512_cvtps_ph(_mm512_loadu_ps(src),
-                                                        _MM_FROUND_TO_NEAREST_INT |
-                                                            _MM_FROUND_NO_EXC));
-                } else
-#elif defined(__F16C__) && defined(__AVX__)
-                if (m == 16) {
-                    const int rne = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-                    _mm_storeu_si128((__m128i *)h, _mm256_cvtps_ph(_mm256_loadu_ps(src), rne));
-                    _mm_storeu_si128((__m128i *)(h + 8),
-                                     _mm256_cvtps_ph(_mm256_loadu_ps(src + 8), rne));
-                } else
-#endif
-                {
-                    ggml_fp32_to_fp16_row(src, h, m);
-                }
+                qtts_f16_row(h, src, m);
                 for (int64_t j = 0; j < m; j++) {
                     ((ggml_fp16_t *)(rows + j * dst->nb[1]))[p] = h[j];
                 }
