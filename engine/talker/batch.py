@@ -119,14 +119,13 @@ class BatchedTalker:
                 np.stack([np.asarray(r.text_add, dtype=np.float32) for r in rows])),
             "pos": np.asarray([r.pos for r in rows], dtype=np.int32),
         }
-        for i, (r, (_, width)) in enumerate(zip(rows, key, strict=True)):
-            if fused:
-                break
-            p = np.asarray([r.pos], dtype=np.int32)
-            up[f"k_idx.{i}"] = p
-            up[f"v_idx.{i}"] = r.cache.v_index(p)
-            up[f"mask.{i}"] = np.where(np.arange(width)[None, :] <= r.pos, 0.0,
-                                       -np.inf).astype(np.float32)
+        if not fused:  # ggml's nodes: each row's write indices and mask
+            for i, (r, (_, width)) in enumerate(zip(rows, key, strict=True)):
+                p = np.asarray([r.pos], dtype=np.int32)
+                up[f"k_idx.{i}"] = p
+                up[f"v_idx.{i}"] = r.cache.v_index(p)
+                up[f"mask.{i}"] = np.where(np.arange(width)[None, :] <= r.pos, 0.0,
+                                           -np.inf).astype(np.float32)
         out = self._step[1].run(up)
         return out["logits"].reshape(n, -1), out["hidden"].reshape(n, -1)
 
