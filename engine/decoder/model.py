@@ -43,6 +43,15 @@ class DecoderModel:
         return dm
 
     @property
+    def chunk_invariant(self) -> bool:
+        """Whether a stream's audio is the same bits however its frames are pushed: on the CPU
+        with qtts's kernels every stage sums in an order fixed by positions, not by where a
+        chunk starts (the pre-transformer's window attention included), except the Winograd
+        convs, whose tiles start where a chunk starts. ggml's stock nodes (accelerators) group
+        their sums by offsets in the chunk."""
+        return self.use_custom_ops and not self.weights.winograd
+
+    @property
     def samples_per_frame(self) -> int:
         """Output samples per codec frame (1920 at 24 kHz / 12.5 Hz)."""
         return int(self.cfg.upsample_total)

@@ -15,7 +15,7 @@ import numpy as np
 
 from engine.decoder.blocks import StageGraph, linear
 from engine.decoder.weights import DecoderWeights, Linear, PreTransformerLayer
-from engine.ggml import Tensor, lib
+from engine.ggml import Tensor, custom_ops, lib
 from engine.transformer import attend, rms_norm, rope, swiglu
 
 
@@ -42,6 +42,9 @@ def self_attention(g: StageGraph, w: DecoderWeights, il: int, x: Tensor, pos: Te
     k_all = _windowed(g, f"pretr.{il}.k", rope(ctx, heads(lw.k), pos, d_head, cfg.rope_theta),
                       n_cache)
     v_all = _windowed(g, f"pretr.{il}.v", heads(lw.v), n_cache)
+    if g.use_custom_ops:  # chunking-invariant: a stream's bits do not depend on its chunks
+        return linear(g, custom_ops.attn_window(ctx, q, k_all, v_all, pos, cfg.sliding_window),
+                      lw.o)
     kp = lib.ggml_permute(ctx, k_all, 0, 2, 1, 3)  # [d, Tk, H]
     vt = lib.ggml_cont(ctx, lib.ggml_permute(ctx, v_all, 1, 2, 0, 3))  # [Tk, d, H]
     return linear(g, attend(ctx, q, kp, vt, mask), lw.o)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.decoder.blocks import StageGraph
+from engine.decoder.blocks import StageGraph, linear
 from engine.decoder.weights import DecoderWeights
 from engine.ggml import Tensor, lib
 
@@ -25,5 +25,5 @@ def build(g: StageGraph, w: DecoderWeights, n_frames: int) -> Tensor:
     rest = lookup(1)
     for q in range(2, n_q):
         rest = lib.ggml_add(ctx, rest, lookup(q))
-    first = g.mul_mat(w.first_proj, lookup(0))
-    return g.tap(lib.ggml_add(ctx, first, g.mul_mat(w.rest_proj, rest)), "dec.rvq.out")
+    first = linear(g, lookup(0), w.first_proj)
+    return g.tap(lib.ggml_add(ctx, first, linear(g, rest, w.rest_proj)), "dec.rvq.out")

@@ -146,7 +146,9 @@ class StreamingDecoder:
             g.close()
         for key, arr in out.items():
             if key.startswith("tap."):
-                self._taps.setdefault(key[4:], []).append(arr.reshape(arr.shape[0], -1))
+                # one time step comes back 1-D (ggml drops a trailing 1): [1, C]
+                rows = arr.reshape(1, -1) if arr.ndim == 1 else arr.reshape(arr.shape[0], -1)
+                self._taps.setdefault(key[4:], []).append(rows)
         setattr(tm, name, getattr(tm, name) + time.perf_counter() - started)
         return out["y"]
 

@@ -225,10 +225,8 @@ class DecoderWeights:
                 raise ModelFileError(str(model.path), f"codebook dec.rvq.cb.{q} holds NaN or "
                                      "infinite values: the file is damaged")  # fmt: skip
             self.codebooks.append(self._f32(f"dec.rvq.cb.{q}.table", table))
-        self.first_proj = self._f32("dec.rvq.first_proj.weight",
-                                    model.tensor_f32("dec.rvq.first_proj.weight"))
-        self.rest_proj = self._f32("dec.rvq.rest_proj.weight",
-                                   model.tensor_f32("dec.rvq.rest_proj.weight"))
+        self.first_proj = self._linear("dec.rvq.first_proj", bias=False)
+        self.rest_proj = self._linear("dec.rvq.rest_proj", bias=False)
         self.pre_conv = self._conv("dec.pre_conv")
         self.in_proj = self._linear("dec.pretr.in_proj")
         self.layers = [self._pretr_layer(i) for i in range(cfg.num_hidden_layers)]

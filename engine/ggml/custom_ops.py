@@ -22,6 +22,7 @@ Ops: ``snake_beta``; ``elu`` (vectorised ELU); ``kv_write_transposed`` (a prefil
 into the channel-major cache); ``pool_stats`` (per-channel mean and variance over time);
 ``attn_causal`` (a prefill's attention over the talker cache, fused); ``attn_step`` (the
 attention of decoding steps, several sessions' caches and their K/V writes in one node);
+``attn_window`` (the decoder pre-transformer's sliding-window attention, chunking-invariant);
 ``conv1d_tm`` (exact F32
 direct conv, weights from ``pack_conv_weight``); ``conv1d_tm_bf16`` (its fast-mode twin: BF16
 weights from ``pack_conv_weight_bf16`` and BF16-rounded input, F32 sums; AVX512_BF16 when
@@ -114,6 +115,7 @@ def kernel_paths(library: Any | None = None) -> dict[str, str]:
                     if has_fast_path(library, "qtts_gemv_q4_fast") else "portable C"),
         "attn_causal": isa if attn_causal_fast(library) else "portable C",
         "attn_step": isa if attn_causal_fast(library) else "portable C",
+        "attn_window": isa if attn_causal_fast(library) else "portable C",
         "conv1d_wino_f32": "avx2" if wino_f32_available(library) else "portable C",
     }
 
@@ -291,6 +293,36 @@ def attn_causal(ctx: Any, q: Tensor, k: Tensor, v: Tensor, pos: Tensor, *,
     args = ffi.new("struct ggml_tensor *[4]", [q, k, v, pos])
     return lib.ggml_custom_4d(ctx, lib.GGML_TYPE_F32, d * n_head, t, 1, 1, args, 4, fn,
                               GGML_N_TASKS_MAX, ffi.NULL)
+
+
+def attn_window(ctx: Any, q: Tensor, k: Tensor, v: Tensor, pos: Tensor, window: int, *,
+                library: Any | None = None) -> Tensor:
+    """Sliding-window causal attention in one node: ``softmax(k q / sqrt(d)) v`` per query
+    head, the query at position ``p`` seeing the keys at positions ``max(0, p - window + 1) ..
+    p``; the heads merged, ``[d * H, T]`` (F32). ``q``: ``[d, H, T]``; ``k``, ``v``: ``[d,
+    H_kv, Tk]``, the ``Tk - T`` carried rows (the positions before the chunk's) then the
+    chunk's; ``pos``: I32 ``[T]``, the chunk's consecutive positions. F32 throughout; each
+    query's keys are summed in position order, so the result does not depend on where a chunk
+    starts (a stream's bits are the same in any chunking) or on the thread count."""
+    for x, name in ((q, "q"), (k, "k"), (v, "v")):
+        _check_f32(x, f"attn_window: {name}")
+        if int(x.nb[0]) != 4 or int(x.ne[3]) != 1:
+            raise ValueError(f"attn_window: {name} must be 3-D with contiguous rows")
+    d, n_head, t = int(q.ne[0]), int(q.ne[1]), int(q.ne[2])
+    shape = [int(k.ne[i]) for i in range(3)]
+    if shape != [int(v.ne[i]) for i in range(3)] or shape[0] != d or shape[2] < t:
+        raise ValueError(f"attn_window: k and v must both be [{d}, H_kv, >= {t}], got "
+                         f"{shape} and {[int(v.ne[i]) for i in range(3)]}")
+    if shape[1] < 1 or n_head % shape[1]:
+        raise ValueError(f"attn_window: {n_head} query heads over {shape[1]} KV heads")
+    if window < 1:
+        raise ValueError(f"attn_window: window must be >= 1, got {window}")
+    if int(pos.type) != lib.GGML_TYPE_I32 or int(pos.ne[0]) != t or not lib.ggml_is_contiguous(pos):
+        raise ValueError("attn_window: pos must be a contiguous I32 [T]")
+    fn = _fn(library, "qtts_attn_window_op", "ggml_custom_op_t")
+    args = ffi.new("struct ggml_tensor *[4]", [q, k, v, pos])
+    return lib.ggml_custom_4d(ctx, lib.GGML_TYPE_F32, d * n_head, t, 1, 1, args, 4, fn,
+                              GGML_N_TASKS_MAX, ffi.cast("void *", window))
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ volatile int qtts_amx_on;
       (dst, a, b, ith, nth, userdata))                                                           \
     X(v, void, qtts_attn_causal_op, QTTS_OP_ARGS, (dst, ith, nth, userdata))                     \
     X(v, void, qtts_attn_step_op, QTTS_OP_ARGS, (dst, ith, nth, userdata))                       \
+    X(v, void, qtts_attn_window_op, QTTS_OP_ARGS, (dst, ith, nth, userdata))                     \
     X(v, void, qtts_channel_join_op, QTTS_OP_ARGS, (dst, ith, nth, userdata))                    \
     X(v, void, qtts_pool_stats_op, QTTS_OP_ARGS, (dst, ith, nth, userdata))                      \
     X(v, void, qtts_conv1d_tm_op, QTTS_OP_ARGS, (dst, ith, nth, userdata))                       \

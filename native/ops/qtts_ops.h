@@ -97,6 +97,17 @@ int qtts_attn_causal_fast(void);
  * through the pointers, which must stay valid while the graph is used. */
 void qtts_attn_step_op(struct ggml_tensor * dst, int ith, int nth, void * userdata);
 
+/* Sliding-window causal attention (the decoder's pre-transformer), as a ggml_custom_op_t for
+ * ggml_custom_4d(ctx, F32, d * H, T, 1, 1, {q, k, v, pos}, 4, qtts_attn_window_op, n, window):
+ *   dst[t, h*d + c] = sum_j softmax_j(k[j, hk] . q[t, h] / sqrt(d)) v[j, hk, c] over the keys j
+ *   whose position p0 - n_cache + j lies in max(0, p - window + 1) .. p, p = p0 + t,
+ *   p0 = pos[0], n_cache = Tk - T, hk = h / (H / H_kv)
+ * q: F32 ne = [d, H, T]; k, v: F32 ne = [d, H_kv, Tk] (the carried rows, then the chunk's), rows
+ * of d contiguous, any other strides; pos: I32 ne = [T], consecutive positions. Each query's keys
+ * are summed in position order: the result depends on positions only, not on where a chunk
+ * starts or on the thread count. */
+void qtts_attn_window_op(struct ggml_tensor * dst, int ith, int nth, void * userdata);
+
 /* Causal dilated conv1d, time-major, as a ggml_custom_op_t for
  * ggml_custom_4d(ctx, F32, C_out, T, 1, 1, {xp, w, bias}, 3, qtts_conv1d_tm_op, n, (void*)d)
  * or, with the history in a tensor of its own (no concat),

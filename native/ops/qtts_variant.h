@@ -23,6 +23,7 @@
 #define qtts_attn_causal_op QTTS_V(qtts_attn_causal_op)
 #define qtts_attn_causal_fast QTTS_V(qtts_attn_causal_fast)
 #define qtts_attn_step_op QTTS_V(qtts_attn_step_op)
+#define qtts_attn_window_op QTTS_V(qtts_attn_window_op)
 #define qtts_channel_join_op QTTS_V(qtts_channel_join_op)
 #define qtts_pool_stats_op QTTS_V(qtts_pool_stats_op)
 #define qtts_conv1d_tm_op QTTS_V(qtts_conv1d_tm_op)

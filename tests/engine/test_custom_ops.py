@@ -872,6 +872,21 @@ def test_other_isa_paths(cpu1: BackendSet, cpu2: BackendSet, tmp_path: Path,
         want, mag = _attn_reference(q[i:i + 1], kr, vr, positions[i:i + 1])
         assert np.all(np.abs(got[i:i + 1] - want) <= 1e-6 * mag + 1e-30)
         c.close()
+    # the window attention (AVX2 intrinsics, portable C below), in two chunkings: the same bits
+    d, h, window, total = 24, 8, 9, 20
+    q = rng.standard_normal((total, h, d)).astype(np.float32)
+    k, v = (np.concatenate([np.zeros((window - 1, 4, d), np.float32),
+                            rng.standard_normal((total, 4, d)).astype(np.float32)])
+            for _ in range(2))
+    whole = _attn_window(cpu2, q, k, v, 0, window, library)
+    want, mag = _window_reference(q, k, v, 0, window)
+    assert np.all(np.abs(whole - want) <= 1e-6 * mag + 1e-30)
+    parts, p0 = [], 0
+    for n in (1, 3, 16):
+        rows_ = slice(p0, p0 + window - 1 + n)
+        parts.append(_attn_window(cpu1, q[p0:p0 + n], k[rows_], v[rows_], p0, window, library))
+        p0 += n
+    assert np.array_equal(np.concatenate(parts), whole)
     for op in ("f32", "bf16"):  # the history apart (hist=): bit for bit the concat
         for c, t, k, d in [(96, 2, 7, 3), (95, 50, 7, 9), (40, 300, 3, 1)]:
             p = (k - 1) * d
@@ -1378,6 +1393,124 @@ def test_attn_causal_rejects_what_the_kernel_cannot_take() -> None:
         co.attn_causal(g.ctx, q, g.input("k4", (10, 16), np.int32), v, pos)
     with pytest.raises(ValueError, match="pos"):
         co.attn_causal(g.ctx, q, k, v, g.input("p2", (4,), np.int32))
+
+
+# ---------------------------------------------------------------------------------------------
+# The sliding-window attention of the decoder's pre-transformer
+
+
+def _attn_window(be: BackendSet, q: np.ndarray[Any, Any], k: np.ndarray[Any, Any],
+                 v: np.ndarray[Any, Any], pos0: int, window: int,
+                 library: Any | None = None) -> np.ndarray[Any, Any]:
+    """The op on q [T, H, d] and k, v [Tk, H_kv, d] (carried rows, then the chunk's)."""
+    t, h, d = q.shape
+    g = Graph()
+    tq, tk, tv = g.input("q", q.shape), g.input("k", k.shape), g.input("v", v.shape)
+    tp = g.input("pos", (t,), np.int32)
+    g.output(co.attn_window(g.ctx, tq, tk, tv, tp, window, library=library), "out")
+    pos = np.arange(pos0, pos0 + t, dtype=np.int32)
+    return be.execute(g, {"q": q, "k": k, "v": v, "pos": pos})["out"].reshape(t, h * d)
+
+
+def _window_reference(q: np.ndarray[Any, Any], k: np.ndarray[Any, Any], v: np.ndarray[Any, Any],
+                      pos0: int, window: int) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+    """float64 sliding-window attention and the scale of each output's float32 rounding (as
+    ``_attn_reference``)."""
+    t, h, d = q.shape
+    n_cache, hkv = k.shape[0] - t, k.shape[1]
+    out, mag = np.zeros((t, h * d)), np.zeros((t, h * d))
+    kpos = pos0 - n_cache + np.arange(k.shape[0])
+    for i in range(t):
+        p = pos0 + i
+        seen = (kpos <= p) & (kpos > p - window) & (kpos >= 0)
+        for hh in range(h):
+            hk = hh // (h // hkv)
+            keys = k[seen, hk].astype(np.float64)
+            s = keys @ q[i, hh].astype(np.float64) / np.sqrt(d)
+            pr = np.exp(s - s.max())
+            pr /= pr.sum()
+            vals = v[seen, hk].astype(np.float64)
+            out[i, hh * d:(hh + 1) * d] = pr @ vals
+            terms = np.abs(keys) @ np.abs(q[i, hh].astype(np.float64)) / np.sqrt(d)
+            mag[i, hh * d:(hh + 1) * d] = (pr @ np.abs(vals)) * (1 + terms.max())
+    return out, mag
+
+
+@needs_ops
+@pytest.mark.parametrize("d,h,hkv,t,pos0,window,scale", [
+    (64, 16, 16, 16, 200, 72, 1.0),  # the decoder: a 16-frame chunk well into a stream
+    (64, 16, 16, 1, 0, 72, 1.0),  # its first frame: one key
+    (64, 16, 16, 5, 3, 72, 4.0),  # early: the carried rows before position 0 are not seen
+    (64, 4, 2, 90, 10, 72, 1.0),  # a chunk longer than the window; 2 query heads per KV head
+    (24, 8, 4, 7, 40, 9, 8.0),  # head size not a multiple of 8 or 16; a peaked softmax
+])
+def test_attn_window_matches_float64(cpu1: BackendSet, cpu2: BackendSet, d: int, h: int,
+                                     hkv: int, t: int, pos0: int, window: int,
+                                     scale: float) -> None:
+    """A query sees the keys of the last ``window`` positions up to its own, none before
+    position 0 (those carried rows hold NaN here), on 1 and 2 threads: within float32 rounding
+    of float64."""
+    rng = np.random.default_rng(d * t + pos0)
+    n_cache = window - 1
+    q = (rng.standard_normal((t, h, d)) * scale).astype(np.float32)
+    k = (rng.standard_normal((n_cache + t, hkv, d)) * scale).astype(np.float32)
+    v = (rng.standard_normal((n_cache + t, hkv, d)) * 10.0 ** rng.uniform(-2, 2, (1, hkv, d))
+         ).astype(np.float32)
+    unseen = max(0, n_cache - pos0)  # rows of positions below 0
+    k[:unseen], v[:unseen] = np.nan, np.nan
+    want, mag = _window_reference(q, k, v, pos0, window)
+    for be in (cpu1, cpu2):
+        got = _attn_window(be, q, k, v, pos0, window)
+        assert np.all(np.abs(got - want) <= 1e-6 * mag + 1e-30), np.abs(got - want).max()
+
+
+@needs_ops
+def test_attn_window_bits_do_not_depend_on_the_chunking(cpu1: BackendSet,
+                                                        cpu2: BackendSet) -> None:
+    """A stream's queries give the same bits whichever chunks they come in (each chunk with the
+    window's last rows carried in front, as the decoder does), on 1 or 2 threads: its keys
+    sit at other offsets, but every sum runs in position order."""
+    rng = np.random.default_rng(7)
+    d, h, window, total = 64, 16, 72, 150
+    n_cache = window - 1
+    q = rng.standard_normal((total, h, d)).astype(np.float32)
+    k = np.concatenate([np.zeros((n_cache, h, d), np.float32),
+                        rng.standard_normal((total, h, d)).astype(np.float32)])
+    v = np.concatenate([np.zeros((n_cache, h, d), np.float32),
+                        rng.standard_normal((total, h, d)).astype(np.float32)])
+
+    def stream(sizes: list[int], be: BackendSet) -> np.ndarray[Any, Any]:
+        out, p = [], 0
+        for n in sizes:
+            rows = slice(p, p + n_cache + n)  # the carried window, then the chunk
+            out.append(_attn_window(be, q[p:p + n], k[rows], v[rows], p, window))
+            p += n
+        assert p == total
+        return np.concatenate(out)
+
+    whole = stream([total], cpu2)
+    assert np.array_equal(stream([1] * 3 + [2, 2, 3, 4, 6, 8, 12, 16, 16, 16, 16, 16, 16, 14],
+                                 cpu1), whole)
+    assert np.array_equal(stream([1, 2, 4, 8, 16, 16, 16, 16, 16, 16, 16, 16, 7], cpu2), whole)
+
+
+def test_attn_window_rejects_what_the_kernel_cannot_take() -> None:
+    g = Graph()
+    q = g.input("q", (3, 4, 8))  # ne [8, 4, 3]: d 8, 4 heads, 3 positions
+    pos = g.input("pos", (3,), np.int32)
+    k = g.input("k", (10, 2, 8))  # ne [8, 2, 10]: 2 KV heads, 7 carried rows
+    v = g.input("v", (10, 2, 8))
+    co.attn_window(g.ctx, q, k, v, pos, 8)
+    with pytest.raises(ValueError, match="k and v"):
+        co.attn_window(g.ctx, q, k, g.input("v2", (10, 2, 4)), pos, 8)
+    with pytest.raises(ValueError, match="KV heads"):
+        co.attn_window(g.ctx, q, g.input("k3", (10, 3, 8)), g.input("v3", (10, 3, 8)), pos, 8)
+    with pytest.raises(TypeError, match="F32"):
+        co.attn_window(g.ctx, q, g.input("k4", (10, 2, 8), np.float16), v, pos, 8)
+    with pytest.raises(ValueError, match="pos"):
+        co.attn_window(g.ctx, q, k, v, g.input("p2", (4,), np.int32), 8)
+    with pytest.raises(ValueError, match="window"):
+        co.attn_window(g.ctx, q, k, v, pos, 0)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -125,6 +125,7 @@ def test_info_picks_the_avx2_variants_on_a_cpu_without_avx512(portable_tree: Pat
     assert _field(emulated, "gemv_q4:") == "avx2"
     assert _field(emulated, "attn_causal:") == "avx2"
     assert _field(emulated, "attn_step:") == "avx2"
+    assert _field(emulated, "attn_window:") == "avx2"
     assert _field(emulated, "conv1d_wino_f32:") == "avx2"
 
     native = _qtts(portable_tree, ["info"]).stdout

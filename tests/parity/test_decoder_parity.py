@@ -117,9 +117,13 @@ def test_stock_ops_match(case: Case, max_rows: str) -> None:
 
 
 @pytest.mark.consistency
+@pytest.mark.parametrize("precision", ["exact", "fast"])
 @pytest.mark.parametrize("chunking", ["1", "2", "3", "5", "8", "random"])
-def test_streaming_equals_offline(case: Case, chunking: str) -> None:
-    dec = case.decoder("f32", "exact")
+def test_streaming_equals_offline(case: Case, precision: str, chunking: str) -> None:
+    """Any chunking gives the offline decode's audio: the same bits where the decoder is
+    chunking-invariant (qtts's CPU kernels, no Winograd conv), else within rounding (fast
+    mode's BF16 convs amplify the rounding of other sum orders: there within its precision)."""
+    dec = case.decoder("f32", precision)
     offline, _ = decode(dec, case.codes, chunk=10_000)
     rng = np.random.default_rng(7)
     sd = StreamingDecoder(dec)
@@ -130,7 +134,13 @@ def test_streaming_equals_offline(case: Case, chunking: str) -> None:
         assert audio.shape == (min(n, t - start) * 1920,)
         pieces.append(audio)
         start += n
-    assert np.abs(np.concatenate(pieces) - offline).max() <= 1e-5
+    streamed = np.concatenate(pieces)
+    if dec.chunk_invariant:
+        np.testing.assert_array_equal(streamed, offline)
+    elif precision == "exact":
+        assert np.abs(streamed - offline).max() <= 1e-5
+    else:
+        assert snr_db(offline, streamed) >= 35.0
 
 
 def test_prefix_is_causal(case: Case) -> None:
