@@ -163,19 +163,22 @@ def free_port() -> int:
 
 
 def start_server(model: str | Path, workers: int, threads: int, queue: int | None = None,
-                 max_batch: int = 1, settings: dict[str, str] | None = None,
+                 max_batch: int | None = None, settings: dict[str, str] | None = None,
                  log: Path | None = None
                  ) -> tuple[subprocess.Popen[bytes], str]:
     """Start ``python -m cli serve`` on a free loopback port and wait for /readyz.
 
-    ``queue``: QTTS_QUEUE_SIZE (None: the server's default); ``settings``: more variables
+    ``queue``: QTTS_QUEUE_SIZE and ``max_batch``: QTTS_MAX_BATCH (None: the server's
+    defaults); ``settings``: more variables
     (QTTS_DATA_DIR, QTTS_BACKEND, ...); ``log``: a file for the server's output (else its
     stdout is dropped and its stderr told when it exits early)."""
     port = free_port()
     env = {**os.environ, "QTTS_MODEL": str(model), "QTTS_PORT": str(port),
            "QTTS_HOST": "127.0.0.1", "QTTS_WORKERS": str(workers),
            "QTTS_THREADS_PER_WORKER": str(threads), "QTTS_LOG_LEVEL": "warning",
-           "QTTS_MAX_BATCH": str(max_batch), **(settings or {})}
+           **(settings or {})}
+    if max_batch is not None:
+        env["QTTS_MAX_BATCH"] = str(max_batch)
     if queue is not None:
         env["QTTS_QUEUE_SIZE"] = str(queue)
     if log is None:
@@ -241,8 +244,9 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=20.0, help="load duration per run (20)")
     ap.add_argument("--frames", type=int, default=50, help="codec frames per request (50 = 4 s)")
     ap.add_argument("--queue", type=int, default=2, help="QTTS_QUEUE_SIZE of started servers")
-    ap.add_argument("--max-batch", default="1",
-                    help="comma list of QTTS_MAX_BATCH values, each run per worker count (1)")
+    ap.add_argument("--max-batch", default="default",
+                    help="comma list of QTTS_MAX_BATCH values, each run per worker count "
+                         "('default': the server's)")
     ap.add_argument("--mode", choices=("auto", "codes", "text"), default="auto",
                     help="request kind: text when the model has a talker (auto), or codes")
     ap.add_argument("--api-key", default=os.environ.get("QTTS_API_KEY"))
@@ -258,7 +262,7 @@ def main() -> int:
         return 0
     if not args.model:
         ap.error("--model (or QTTS_MODEL) is required without --url")
-    runs = [(int(w), int(b)) for w in args.workers.split(",")
+    runs = [(int(w), None if b == "default" else int(b)) for w in args.workers.split(",")
             for b in args.max_batch.split(",")]
     for w, b in runs:
         threads = args.threads or max(1, ((os.cpu_count() or 1) - 1) // w)
@@ -268,8 +272,8 @@ def main() -> int:
             try:
                 res, d = asyncio.run(run_load(url, args.clients, args.seconds, args.frames,
                                               headers, args.mode))
-                label = (f"{w} worker(s) x {threads} thread(s)"
-                         + (f", batch {b}" if b > 1 else ""))
+                label = (f"{w} worker(s) x {threads} thread(s), batch "
+                         + (str(b) if b is not None else "default"))
                 print(row(label, res, d), flush=True)
             finally:
                 stop_server(proc)

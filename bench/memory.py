@@ -9,8 +9,9 @@ the front end and of every worker (pids from /healthz):
              sum over the pod's processes is the pod's real footprint
   private    pages only this process maps (the int8 and repacked weight copies, caches)
 
-once idle (after warm-up) and at the peak while every worker serves one request
-(``--frames`` of audio each; sampled every 0.1 s). The weights file's page cache is charged to
+once idle (after warm-up) and at the peak while every slot of every worker serves a request
+(``--max-batch`` per worker, the server's default unless given; ``--frames`` of audio each;
+sampled every 0.1 s). The weights file's page cache is charged to
 the pod's memory cgroup as well, which the PSS of the mapping counts.
 
 It prints a markdown table and the memory limit the formula of docs/deploy.md ("Sizing")
@@ -45,6 +46,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from load import request_body, start_server, stop_server
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from service.settings import Settings
 
 GIB = 1024**3
 MIB = 1024**2
@@ -111,7 +115,7 @@ def sample(front_pid: int, pids: list[int]) -> Sample:
 
 def peak_under_load(url: str, front_pid: int, pids: list[int], body: dict, n: int
                     ) -> tuple[Sample, int]:
-    """One request per worker at once; the sample with the largest pod PSS while they run."""
+    """``n`` requests at once; the sample with the largest pod PSS while they run."""
     best = sample(front_pid, pids)
     done = threading.Event()
     ok = [0]
@@ -151,16 +155,19 @@ def synthetic_model(size: str, dtype: str) -> Path:
     return model
 
 
-def measure(label: str, model: Path, workers: int, threads: int, frames: int) -> Row:
-    proc, url = start_server(str(model), workers, threads, queue=workers)
+def measure(label: str, model: Path, workers: int, threads: int, frames: int,
+            max_batch: int) -> Row:
+    proc, url = start_server(str(model), workers, threads, queue=workers * max_batch,
+                             max_batch=max_batch)
     try:
         time.sleep(2.0)  # let the warm-up's transient buffers go
         pids = worker_pids(url)
         idle = sample(proc.pid, pids)
         body, kind = request_body(url, "auto", frames, {})
-        peak, ok = peak_under_load(url, proc.pid, pids, body, workers)
-        if ok != workers:
-            raise SystemExit(f"{label}: {workers - ok} of {workers} requests failed")
+        n = workers * max_batch  # every slot busy
+        peak, ok = peak_under_load(url, proc.pid, pids, body, n)
+        if ok != n:
+            raise SystemExit(f"{label}: {n - ok} of {n} requests failed")
     finally:
         stop_server(proc)
     return Row(label, model.stat().st_size, workers, idle, peak, kind)
@@ -197,6 +204,10 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2, help="threads per worker (2)")
     ap.add_argument("--frames", type=int, default=125,
                     help="audio frames per request of the peak phase (125 = 10 s)")
+    default_batch = int(Settings.model_fields["max_batch"].default)
+    ap.add_argument("--max-batch", type=int, default=default_batch,
+                    help=f"QTTS_MAX_BATCH: requests per worker at the peak ({default_batch}, "
+                         "the server's default)")
     ap.add_argument("--json", type=Path, help="also write the raw samples here")
     args = ap.parse_args()
     models = [(Path(m).parent.name or m, Path(m)) for m in args.model]
@@ -209,9 +220,11 @@ def main() -> int:
     rows = []
     for label, model in models:
         print(f"# {label}: {model}", file=sys.stderr, flush=True)
-        rows.append(measure(label, model, args.workers, args.threads, args.frames))
-    print(f"workers {args.workers} x threads {args.threads}, peak: one {rows[0].kind} request "
-          f"of {args.frames} frames per worker; GiB")
+        rows.append(measure(label, model, args.workers, args.threads, args.frames,
+                            args.max_batch))
+    print(f"workers {args.workers} x threads {args.threads}, QTTS_MAX_BATCH {args.max_batch}, "
+          f"peak: {args.max_batch} {rows[0].kind} request(s) of {args.frames} frames per "
+          "worker at once; GiB")
     print(table(rows))
     if args.json:
         args.json.write_text(json.dumps([{**asdict(r), "limit_bytes": r.limit_bytes}

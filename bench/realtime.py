@@ -47,6 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.load import start_server
 from service.playback import PlaybackClock
+from service.settings import Settings
 
 BYTES_PER_SECOND = 24000 * 2
 TOKENS_PER_WORD = 1.3
@@ -194,9 +195,10 @@ def main() -> int:
     ap.add_argument("--url", default=None, help="bench this running server (http://host:port)")
     ap.add_argument("--sessions", default="1,3", help="concurrent sessions, comma-separated")
     ap.add_argument("--threads", type=int, default=0, help="threads per worker (0: default)")
-    ap.add_argument("--max-batch", type=int, default=1,
-                    help="QTTS_MAX_BATCH: with B > 1, ceil(sessions / B) workers share them "
-                    "(1: one worker per session)")
+    default_batch = int(Settings.model_fields["max_batch"].default)
+    ap.add_argument("--max-batch", type=int, default=default_batch,
+                    help="QTTS_MAX_BATCH: ceil(sessions / B) workers share them (1: one worker "
+                    f"per session; default {default_batch}, the server's)")
     ap.add_argument("--words", type=int, default=60)
     ap.add_argument("--tokens-per-second", type=float, default=30.0)
     ap.add_argument("--policies", default="immediate,auto", help="start policies to compare")

@@ -6,7 +6,8 @@ Each ``BatchRunner.step()`` is one scheduler iteration (a prefill chunk of a joi
 the prefills of live streams that joined together; one batched code-predictor pass, one
 batched talker step) followed by the decoder pushes that are
 due: every stream keeps its own ``StreamingDecoder`` and chunk ramp, exactly as
-``Pipeline.stream``, so a stream's chunks (sizes, codes, audio) are those it gets alone. A
+``Pipeline.stream``, so a stream's chunks (sizes, codes, audio) are those it gets alone (with
+the ``auto`` ramp, only while it is alone: sharing the batch, its chunks double). A
 segment that ends flushes its last frames and the stream's next segment joins at once (its
 slot is free); a cancelled stream leaves at the next step, before any more work for it.
 
@@ -370,7 +371,7 @@ class BatchRunner:
                 st.pending.append(ev.frame.codes)
                 st.acc = st.acc + ev.frame.timings
                 if len(st.pending) >= st.plan.ramp.target and self._push_due(st, out):
-                    st.plan.ramp.advance()
+                    st.plan.ramp.advance(shared=len(self._streams) > 1)
                     if self._pump is not None and st.live is not None and st.live.held:
                         self._pump()
                         self._settle(out)

@@ -226,27 +226,46 @@ class LivePlan:
 
 
 class Ramp:
-    """Where a stream is on the chunk ramp: ``target`` frames make the next decoder push."""
+    """Where a stream is on the chunk ramp: ``target`` frames make the next decoder push.
+
+    ``auto`` (``chunk_sizes``): the gentle ramp while the stream is alone in its worker, the
+    doubling one while it shares the worker's steps with other streams (``advance(shared=
+    True)``): alone, a stream at RTF ~0.6 cannot double its chunks without running dry; in a
+    batch, every small push holds up the other streams' frames (docs/performance.md, Session
+    19). A doubled size skips the gentle sizes below it, so a stream left alone again goes on
+    gently from where it is."""
 
     def __init__(self, chunk_max_frames: int, ramp: str = "double") -> None:
-        self.chunk_max = chunk_max_frames
+        if ramp not in RAMPS:
+            raise ValueError(f"ramp must be one of {RAMPS}, got {ramp!r}")
+        self.chunk_max = max(1, chunk_max_frames)
         self.ramp = ramp
-        self._sizes = chunk_sizes(chunk_max_frames, ramp)
-        self.target = next(self._sizes)
+        self.advance(restart=True)
 
-    def advance(self, restart: bool = False) -> None:
-        """The next size after a push (1 again after ``restart``: a pause for text)."""
+    def advance(self, restart: bool = False, shared: bool = False) -> None:
+        """The next size after a push (1 again after ``restart``: a pause for text);
+        ``shared``: other streams share the worker's steps now (``auto`` doubles then)."""
         if restart:
             self._sizes = chunk_sizes(self.chunk_max, self.ramp)
-        self.target = next(self._sizes)
+            self._doubled = False
+            self.target = next(self._sizes)
+        elif self.ramp != "auto":
+            self.target = next(self._sizes)
+        elif shared:
+            self._doubled = True
+            self.target = min(self.target * 2, self.chunk_max)
+        else:  # alone: the gentle ramp, or after a doubling its growth from the size reached
+            self.target = _grow(self.target, self.chunk_max) if self._doubled else next(
+                self._sizes)
 
 
-RAMPS = ("double", "gentle")
+RAMPS = ("auto", "double", "gentle")
 
 
 def chunk_sizes(chunk_max_frames: int, ramp: str = "double") -> Generator[int, None, None]:
     """The chunk ramp capped at ``chunk_max_frames`` (forever): ``double`` 1, 2, 4, 8, ...;
-    ``gentle`` 1, 1, 1, 2, 2, 3, 4, 6, 8, 12, 16, 24, ... (x1.5 a step).
+    ``gentle`` 1, 1, 1, 2, 2, 3, 4, 6, 8, 12, 16, 24, ... (x1.5 a step); ``auto`` is gentle
+    here (a stream alone: ``Ramp`` doubles it while the stream shares a batch).
 
     A chunk of n frames must be made while the audio before it plays. Doubling asks for 2n
     frames in the time n play, which a stream whose frames take more than ~half their audio's
@@ -256,16 +275,20 @@ def chunk_sizes(chunk_max_frames: int, ramp: str = "double") -> Generator[int, N
     if ramp not in RAMPS:
         raise ValueError(f"ramp must be one of {RAMPS}, got {ramp!r}")
     cap = max(1, chunk_max_frames)
-    if ramp == "gentle":
+    gentle = ramp != "double"
+    if gentle:
         for size in (1, 1, 1, 2):
             yield min(size, cap)
-    size = 2 if ramp == "gentle" else 1
+    size = 2 if gentle else 1
     while True:
         yield min(size, cap)
-        if ramp == "double":
-            size = min(size * 2, cap)
-        else:  # 2, 3, 4, 6, 8, 12, ...: x1.5 from a power of two, x4/3 to the next one
-            size = min(size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3, cap)
+        size = _grow(size, cap) if gentle else min(size * 2, cap)
+
+
+def _grow(size: int, cap: int) -> int:
+    """The gentle ramp's step: 2, 3, 4, 6, 8, 12, ...: x1.5 from a power of two, x4/3 to the
+    next one."""
+    return min(size * 3 // 2 if size & (size - 1) == 0 else size * 4 // 3, cap)
 
 
 class Pipeline:

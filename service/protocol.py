@@ -97,7 +97,7 @@ class WorkerOptions:
     segment_tokens: int | None = None
     prefill_chunk: int | None = None
     max_batch: int = 1  # text jobs spoken at once (>1: the batch loop of service/worker.py)
-    chunk_ramp: Literal["double", "gentle"] = "double"  # engine.pipeline.chunk_sizes
+    chunk_ramp: Literal["auto", "double", "gentle"] = "auto"  # engine.pipeline.Ramp
 
 
 # ---- front end -> worker -------------------------------------------------------------------

@@ -30,11 +30,12 @@ class Settings(BaseSettings):
         description="worker processes (each serves up to `QTTS_MAX_BATCH` requests at a time)",
     )
     max_batch: int = Field(
-        default=1, ge=1, le=64,
+        default=4, ge=1, le=64,
         description=(
             "text requests one worker speaks at once: their talker and code-predictor steps "
             "run as one batch, realtime sessions among them (1 = one request at a time; codes "
-            "and one-shot `ref_audio` requests always run alone)"
+            "and one-shot `ref_audio` requests always run alone). Each live session beyond the "
+            "first holds ~130 MB per 1024 positions at 0.6B (docs/deploy.md, Sizing)"
         ),
     )
     threads_per_worker: int = Field(
@@ -147,9 +148,9 @@ class Settings(BaseSettings):
         description=(
             "how the decoder's chunks grow to `QTTS_CHUNK_MAX_FRAMES`: `double` 1, 2, 4, 8, "
             "16; `gentle` 1, 1, 1, 2, 2, 3, 4, 6, 8, 12, 16, fewer stalls for a stream whose "
-            "frames take more than half their audio's time to make; `auto`: gentle "
-            "where a worker speaks one request at a time (`QTTS_MAX_BATCH` = 1), double in a "
-            "batching worker, whose streams share its steps"
+            "frames take more than half their audio's time to make; `auto`: gentle while a "
+            "stream is alone in its worker, doubling while it shares the worker's batch (each "
+            "small push holds up the other streams)"
         ),
     )
     drain_seconds: float = Field(
@@ -268,15 +269,8 @@ class Settings(BaseSettings):
             pin_prefixes=self.pin_prefixes, max_text_tokens=self.max_text_tokens,
             max_instruct_tokens=self.max_instruct_tokens, segment_tokens=self.segment_tokens,
             prefill_chunk=self.prefill_chunk, max_batch=self.max_batch,
-            chunk_ramp=self.resolved_chunk_ramp(),
+            chunk_ramp=self.chunk_ramp,
         )
-
-    def resolved_chunk_ramp(self) -> Literal["double", "gentle"]:
-        """The ramp the workers use (``auto`` decided by ``max_batch``; measured in
-        docs/performance.md, Session 19: more small pushes stall a batch's other streams)."""
-        if self.chunk_ramp != "auto":
-            return self.chunk_ramp
-        return "gentle" if self.max_batch == 1 else "double"
 
     def worker_env(self) -> dict[str, str]:
         """Extra environment for a worker process (the engine's own variables)."""

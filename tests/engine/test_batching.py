@@ -12,6 +12,7 @@ import pytest
 
 from engine.backend import BackendSet
 from engine.batching import WARM_FRAMES, WARM_INSTRUCT, BatchRunner, Finished, Rejected
+from engine.decoder.precision import snr_db
 from engine.errors import InputError
 from engine.gguf_model import open_model
 from engine.pipeline import AudioChunk, CodesRequest, Pipeline, StreamInfo, SynthesisRequest
@@ -94,6 +95,34 @@ def test_streams_batched_equal_alone(pipeline: Pipeline) -> None:
         assert b_info.budget == a_info.budget
         if req.seed is not None:
             assert b_info.seed == a_info.seed == req.seed
+
+
+def test_auto_ramp_doubles_in_company_and_keeps_each_streams_audio(pipeline: Pipeline) -> None:
+    """With the ``auto`` ramp a stream alone takes the gentle sizes (those of an unbatched
+    pipeline) and streams sharing the batch double theirs; a stream's codes stay its own, and
+    so does its audio: the same bits where the decoder is chunking-invariant (qtts's CPU
+    kernels without Winograd), else within fast mode's rounding."""
+    auto = Pipeline(pipeline.model, pipeline.backends, pipeline.decoder, segment_tokens=8,
+                    chunk_ramp="auto")
+    try:
+        reqs = [SynthesisRequest(t, "ryan", "english", seed=40 + i, max_frames=24)
+                for i, t in enumerate(("One stream alone first.", "Then two more join it.",
+                                       "And a third one."))]
+        alone = [_alone(auto, r) for r in reqs]
+        assert [c.frames for c in alone[0][0]][:5] == [1, 1, 1, 2, 2]
+        chunks, infos, _ = _run(auto, reqs, [0, 0, 0], max_batch=3)
+        for (a_chunks, a_info), b_chunks, b_info in zip(alone, chunks, infos, strict=True):
+            assert [c.frames for c in b_chunks][:4] == [1, 2, 4, 8]
+            np.testing.assert_array_equal(np.concatenate(b_info.codes, 1),
+                                          np.concatenate(a_info.codes, 1))
+            a = np.concatenate([c.audio for c in a_chunks])
+            b = np.concatenate([c.audio for c in b_chunks])
+            if pipeline.decoder.chunk_invariant:
+                np.testing.assert_array_equal(a, b)
+            else:
+                assert snr_db(a, b) >= 35.0
+    finally:
+        auto.close()
 
 
 def test_warm_up_builds_and_reserves_for_every_slot_and_changes_nothing(

@@ -19,6 +19,7 @@ from engine.gguf_model import open_model
 from engine.pipeline import (
     CodesRequest,
     Pipeline,
+    Ramp,
     StreamInfo,
     SynthesisRequest,
     as_request,
@@ -70,6 +71,34 @@ def test_chunk_ramp() -> None:
     assert [next(g) for _ in range(11)] == [1, 1, 1, 2, 2, 3, 4, 6, 8, 10, 10]
     with pytest.raises(ValueError, match="ramp"):
         next(chunk_sizes(8, "steep"))
+
+
+def test_auto_ramp_is_gentle_alone_and_doubles_in_a_batch() -> None:
+    def walk(ramp: Ramp, shared: list[bool]) -> list[int]:
+        sizes = [ramp.target]
+        for s in shared:
+            ramp.advance(shared=s)
+            sizes.append(ramp.target)
+        return sizes
+
+    alone = [False] * 12
+    assert walk(Ramp(16, "auto"), alone) == [1, 1, 1, 2, 2, 3, 4, 6, 8, 12, 16, 16, 16]
+    assert walk(Ramp(16, "auto"), [True] * 6) == [1, 2, 4, 8, 16, 16, 16]
+    # joined by others after two pushes, alone again at 8: on gently from there
+    assert walk(Ramp(16, "auto"), [False, False, True, True, True, False, False]) == [
+        1, 1, 1, 2, 4, 8, 12, 16]
+    # the fixed ramps ignore the company; a restart (a pause for text) begins again at 1
+    assert walk(Ramp(16, "gentle"), [True] * 4) == [1, 1, 1, 2, 2]
+    assert walk(Ramp(16, "double"), [False] * 4) == [1, 2, 4, 8, 16]
+    r = Ramp(4, "auto")
+    assert walk(r, [True] * 3) == [1, 2, 4, 4]
+    r.advance(restart=True)
+    assert walk(r, [False] * 4) == [1, 1, 1, 2, 2]
+    assert walk(Ramp(3, "auto"), [True, False, False]) == [1, 2, 3, 3]
+    assert walk(Ramp(16, "auto"), [True, True, True, False, True, False]) == [
+        1, 2, 4, 8, 12, 16, 16]
+    with pytest.raises(ValueError, match="ramp"):
+        Ramp(8, "steep")
 
 
 def test_gentle_ramp_streams_the_same_audio_in_other_chunks(pipe: Pipeline) -> None:

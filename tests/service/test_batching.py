@@ -54,7 +54,9 @@ def _post_all(server: Server, bodies: list[dict[str, Any]]) -> list[httpx.Respon
 
 
 def test_batched_requests_equal_alone(batch_server: Any) -> None:
-    server = batch_server(workers=1, max_batch=3)
+    # a fixed ramp: the chunks, and so the bytes on any decoder, are those alone (the auto
+    # ramp's chunks depend on the company: tests/engine/test_batching.py)
+    server = batch_server(workers=1, max_batch=3, chunk_ramp="double")
     bodies = [_body(i) for i in range(3)]
     alone = [httpx.post(server.url + "/tts", json=b, timeout=120) for b in bodies]
     together = _post_all(server, bodies)
@@ -133,7 +135,7 @@ def test_kill_ends_every_job_of_that_worker_only(batch_server: Any) -> None:
 
 
 def test_cancel_one_stream_others_finish(batch_server: Any) -> None:
-    server = batch_server(workers=1, max_batch=3)
+    server = batch_server(workers=1, max_batch=3, chunk_ramp="double")
     alone = httpx.post(server.url + "/tts", json=_body(1), timeout=120).content
     out: dict[int, bytes] = {}
 

@@ -357,7 +357,8 @@ def test_metrics_after_requests(server: Server) -> None:
     ms = wait_metric(server, "qtts_request_duration_seconds_count",
                      counts0["qtts_request_duration_seconds"] + served)
     assert metric(ms, "qtts_workers_alive") == 2
-    assert metric(ms, "qtts_capacity") == 2  # the autoscaler's denominator: 2 workers x 1
+    # the autoscaler's denominator: 2 workers x the default batch of 4
+    assert metric(ms, "qtts_capacity") == 8
     assert metric(ms, "qtts_requests_waiting") == 0
     assert metric(ms, "qtts_requests_running") == 0
     assert metric(ms, "qtts_requests_total", route="/tts", outcome="ok") == ok0 + oks

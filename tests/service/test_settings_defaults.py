@@ -24,10 +24,12 @@ def test_explicit_threads_win(monkeypatch: pytest.MonkeyPatch) -> None:
     assert Settings(workers=1, threads_per_worker=5).worker_env()["QTTS_THREADS"] == "5"
 
 
-def test_chunk_ramp_follows_the_batching() -> None:
-    """``auto``: gentle where a worker speaks one request at a time, double in a batch; an
-    explicit choice wins."""
-    assert Settings(max_batch=1).resolved_chunk_ramp() == "gentle"
-    assert Settings(max_batch=4).resolved_chunk_ramp() == "double"
-    assert Settings(max_batch=1, chunk_ramp="double").resolved_chunk_ramp() == "double"
-    assert Settings(max_batch=4, chunk_ramp="gentle").worker_options(0, 100).chunk_ramp == "gentle"
+def test_workers_batch_and_ramp_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Out of the box a worker speaks up to four text requests at once, each on the ``auto``
+    ramp (gentle alone, doubling in a batch: engine.pipeline.Ramp); explicit choices win."""
+    monkeypatch.delenv("QTTS_MAX_BATCH", raising=False)
+    monkeypatch.delenv("QTTS_CHUNK_RAMP", raising=False)
+    opts = Settings().worker_options(0, 100)
+    assert (opts.max_batch, opts.chunk_ramp) == (4, "auto")
+    assert Settings(max_batch=1, chunk_ramp="double").worker_options(0, 100).chunk_ramp == "double"
+    assert Settings(chunk_ramp="gentle").worker_options(0, 100).chunk_ramp == "gentle"
