@@ -16,7 +16,7 @@ import pytest
 from tests.service.helpers import FRAME_SAMPLES, Server, codes
 
 N = 24  # frames: the gentle ramp 1, 1, 1, 2, 2, 3, 4, 6 and a 4-frame chunk (the server
-# speaks one request at a time, so QTTS_CHUNK_RAMP=auto is gentle; QTTS_CHUNK_MAX_FRAMES=16)
+# speaks each request alone, so QTTS_CHUNK_RAMP=auto is gentle; QTTS_CHUNK_MAX_FRAMES=16)
 
 
 @pytest.fixture(scope="module")

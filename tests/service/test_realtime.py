@@ -119,8 +119,7 @@ def test_a_late_chunk_after_the_text_is_a_stream_gap(make_server: Any) -> None:
 
 def test_identity_with_post_tts_stream(rt_server: Server) -> None:
     """All text at once: the same samples as POST /tts with text_mode stream and the seed, in
-    the chunks of the gentle ramp (a worker that speaks one request at a time: QTTS_CHUNK_RAMP
-    auto)."""
+    the chunks of the gentle ramp (a stream alone in its worker: QTTS_CHUNK_RAMP auto)."""
     sizes: list[int] = []
 
     async def go() -> bytes:
