@@ -44,7 +44,7 @@ import numpy.typing as npt
 from engine.errors import InputError
 from engine.ggml import NULL, Graph, Tensor, custom_ops, lib
 from engine.talker.model import STEP_BUCKET, TalkerModel, _graph_nodes, codes_embedding
-from engine.talker.qwen3 import Builder, KVCache, stack
+from engine.talker.qwen3 import Builder, KVCache, attention_out, stack
 from engine.talker.runner import CachedGraph
 from engine.talker.weights import LayerWeights
 from engine.transformer import attend, rms_norm, rope
@@ -314,8 +314,8 @@ def _fused_attention(b: Builder, lw: LayerWeights, il: int, x: Tensor, pos: Tens
                      caches: list[custom_ops.StepCache]) -> Tensor:
     # every session's K/V writes and attention in one node (``custom_ops.attn_step``)
     q, k_rows, v = _qkv(b, lw, il, x, pos)
-    merged = custom_ops.attn_step(b.ctx, q, k_rows, v, pos, caches, b.g.keep)
-    return b.cb(b.matmul(lw, "o", b.cb(merged, "kqv_merged", il)), "attn_out", il)
+    return attention_out(b, lw, il, custom_ops.attn_step(b.ctx, q, k_rows, v, pos, caches,
+                                                         b.g.keep))
 
 
 def _rows_attention(b: Builder, lw: LayerWeights, il: int, x: Tensor, pos: Tensor,
@@ -341,7 +341,7 @@ def _rows_attention(b: Builder, lw: LayerWeights, il: int, x: Tensor, pos: Tenso
         o = attend(ctx, q_i, kk, vv, r.mask)
         merged = o if merged is None else lib.ggml_concat(ctx, merged, o, 1)
     assert merged is not None
-    return b.cb(b.matmul(lw, "o", b.cb(merged, "kqv_merged", il)), "attn_out", il)
+    return attention_out(b, lw, il, merged)
 
 
 def _slots_attention(b: Builder, lw: LayerWeights, il: int, x: Tensor, cache: KVCache,
@@ -368,4 +368,4 @@ def _slots_attention(b: Builder, lw: LayerWeights, il: int, x: Tensor, cache: KV
                                     1.0 / math.sqrt(d), 0.0), "kq_soft_max", il)
     kqv = lib.ggml_mul_mat(ctx, vv, kq)  # [d, per, H, n]
     merged = lib.ggml_cont_2d(ctx, lib.ggml_permute(ctx, kqv, 0, 2, 1, 3), d * n_head, per * n)
-    return b.cb(b.matmul(lw, "o", b.cb(merged, "kqv_merged", il)), "attn_out", il)
+    return attention_out(b, lw, il, merged)

@@ -314,10 +314,9 @@ def attention(b: Builder, lw: LayerWeights, il: int, x: Tensor, a: AttnInputs,
 
     k_rows = lib.ggml_reshape_2d(ctx, k, s.kv_dim, t)
     if a.fused_step:
-        merged = custom_ops.attn_step(
+        return attention_out(b, lw, il, custom_ops.attn_step(
             ctx, q, k_rows, v, a.pos, [custom_ops.StepCache(cache.k[il], cache.v[il], 0,
-                                                            cache.n_ctx)], b.g.keep)
-        return b.cb(b.matmul(lw, "o", b.cb(merged, "kqv_merged", il)), "attn_out", il)
+                                                            cache.n_ctx)], b.g.keep))
     if a.snapshot:
         n = a.snapshot
         b.g.output(lib.ggml_cont(ctx, lib.ggml_view_2d(ctx, k_rows, s.kv_dim, n, k_rows.nb[1], 0)),
@@ -331,9 +330,12 @@ def attention(b: Builder, lw: LayerWeights, il: int, x: Tensor, a: AttnInputs,
     if not a.row0:  # (a later chunk's k_w/v_w are the cache tensors themselves: no renaming)
         b.cb(k_w, "k_write", il)
         b.cb(v_w, "v_write", il)
-    merged = b.cb(cache_attention(b, a, il, q, k_w, v_w, cache, pos_q, mask_q), "kqv_merged",
-                  il)
-    return b.cb(b.matmul(lw, "o", merged), "attn_out", il)
+    return attention_out(b, lw, il, cache_attention(b, a, il, q, k_w, v_w, cache, pos_q, mask_q))
+
+
+def attention_out(b: Builder, lw: LayerWeights, il: int, merged: Tensor) -> Tensor:
+    """The output projection of the heads merged ``[d * H, T]`` (both named for the callback)."""
+    return b.cb(b.matmul(lw, "o", b.cb(merged, "kqv_merged", il)), "attn_out", il)
 
 
 def cache_attention(b: Builder, a: AttnInputs, il: int, q: Tensor, k_w: Tensor, v_w: Tensor,

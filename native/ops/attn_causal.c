@@ -28,7 +28,6 @@
 
 int qtts_attn_causal_fast(void) { return ATTN_SIMD; }
 
-#define LANES 16
 #define KB 128 /* keys per block */
 
 static inline float load_f(const char * row, int f16, int64_t i) {
@@ -395,14 +394,6 @@ static void to_f32_pad16(const char * row, int f16, int64_t n, float * out) {
     for (int64_t i = n; i < n16; i++) out[i] = 0.0f;
 }
 
-/* lanes[16] folded by halves: (l, l + 8), then (l, l + 4), (l, l + 2), (0, 1) */
-static inline float fold16(float * acc) {
-    for (int w = 8; w; w >>= 1) {
-        for (int l = 0; l < w; l++) acc[l] += acc[l + w];
-    }
-    return acc[0];
-}
-
 /* sum_i a[i] * b[i] in 16 lanes; n a multiple of 16 (the caller pads with zeros) */
 static float dot16(const float * a, const float * b, int64_t n) {
 #if defined(__AVX512F__)
@@ -431,39 +422,6 @@ static float dot16(const float * a, const float * b, int64_t n) {
     }
     return fold16(acc);
 #endif
-}
-
-/* P[j] = exp(S[j] - m) for j < n (the padding up to n16 stays 0); returns sum_j P[j] in lanes */
-static float exp_sum16(float * S, int64_t n, int64_t n16, float m) {
-    float acc[LANES] = {0};
-    int64_t j = 0;
-#if defined(__AVX512F__)
-    __m512 sum = _mm512_setzero_ps();
-    for (; j + 16 <= n; j += 16) {
-        const __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(S + j), _mm512_set1_ps(m)));
-        _mm512_storeu_ps(S + j, p);
-        sum = _mm512_add_ps(sum, p);
-    }
-    _mm512_storeu_ps(acc, sum);
-#elif ATTN_AVX2
-    __m256 s0 = _mm256_setzero_ps(), s1 = s0;
-    for (; j + 16 <= n; j += 16) {
-        const __m256 p0 = exp8(_mm256_sub_ps(_mm256_loadu_ps(S + j), _mm256_set1_ps(m)));
-        const __m256 p1 = exp8(_mm256_sub_ps(_mm256_loadu_ps(S + j + 8), _mm256_set1_ps(m)));
-        _mm256_storeu_ps(S + j, p0);
-        _mm256_storeu_ps(S + j + 8, p1);
-        s0 = _mm256_add_ps(s0, p0);
-        s1 = _mm256_add_ps(s1, p1);
-    }
-    _mm256_storeu_ps(acc, s0);
-    _mm256_storeu_ps(acc + 8, s1);
-#endif
-    for (; j < n; j++) {
-        S[j] = expf(S[j] - m);
-        acc[j % LANES] += S[j];
-    }
-    for (; j < n16; j++) S[j] = 0.0f;
-    return fold16(acc);
 }
 
 void qtts_attn_step_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {

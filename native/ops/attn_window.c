@@ -42,30 +42,6 @@ static inline float dot(const float * a, const float * b, int64_t d) {
     return s;
 }
 
-/* S[0 .. n) = exp(S - m), elementwise (the same value for an element wherever it sits) */
-static void exp_shifted(float * S, int64_t n, float m) {
-    int64_t j = 0;
-#if defined(__AVX512F__)
-    for (; j < n; j += 16) {
-        const __mmask16 live = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
-        const __m512 x = _mm512_maskz_loadu_ps(live, S + j);
-        _mm512_mask_storeu_ps(S + j, live, exp16(_mm512_sub_ps(x, _mm512_set1_ps(m))));
-    }
-#elif ATTN_AVX2
-    for (; j + 8 <= n; j += 8) {
-        _mm256_storeu_ps(S + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(S + j), _mm256_set1_ps(m))));
-    }
-    if (j < n) { /* the tail through the same polynomial: padded, computed, copied back */
-        float t[8] = {0};
-        memcpy(t, S + j, (size_t)(n - j) * sizeof(float));
-        _mm256_storeu_ps(t, exp8(_mm256_sub_ps(_mm256_loadu_ps(t), _mm256_set1_ps(m))));
-        memcpy(S + j, t, (size_t)(n - j) * sizeof(float));
-        j = n;
-    }
-#endif
-    for (; j < n; j++) S[j] = expf(S[j] - m);
-}
-
 /* out[c] = sum_i P[i] * V_i[c] / l, i ascending (V_i = v + i * vs) */
 static void weighted_sum(float * out, const float * P, int64_t n, const char * v, size_t vs,
                          int64_t d, float l) {
@@ -117,7 +93,8 @@ void qtts_attn_window_op(struct ggml_tensor * dst, int ith, int nth, void * user
     const int64_t p0 = pp[0];
     const int64_t G = H / Hkv;
     const float scale = 1.0f / sqrtf((float)d);
-    float * S = (float *)qtts_scratch_get(QTTS_SCRATCH_ATTN, (size_t)Tk * sizeof(float));
+    const int64_t tk16 = (Tk + LANES - 1) / LANES * LANES; /* exp_sum16 pads to lanes */
+    float * S = (float *)qtts_scratch_get(QTTS_SCRATCH_ATTN, (size_t)tk16 * sizeof(float));
 
     const int64_t items = T * H;
     const int64_t i0 = items * ith / nth, i1 = items * (ith + 1) / nth;
@@ -142,9 +119,7 @@ void qtts_attn_window_op(struct ggml_tensor * dst, int ith, int nth, void * user
             S[i] = dot(qv, (const float *)(kb + i * k->nb[2]), d) * scale;
             m = S[i] > m ? S[i] : m;
         }
-        exp_shifted(S, n, m);
-        float l = 0.0f;
-        for (int64_t i = 0; i < n; i++) l += S[i];
+        const float l = exp_sum16(S, n, (n + LANES - 1) / LANES * LANES, m);
         weighted_sum(out, S, n, (const char *)v->data + hk * v->nb[1] + lo * v->nb[2],
                      (size_t)v->nb[2], d, l);
     }

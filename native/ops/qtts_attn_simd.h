@@ -1,6 +1,10 @@
-/* Internal to libqtts_ops (not part of the cffi binding): the attention kernels' SIMD paths and
- * their exponential (attn_causal.c, attn_window.c). */
+/* Internal to libqtts_ops (not part of the cffi binding): the attention kernels' SIMD paths,
+ * their exponential and the softmax's exponentials and sum in 16 lanes (attn_causal.c,
+ * attn_window.c). */
 #pragma once
+
+#include <math.h>
+#include <stdint.h>
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -69,3 +73,46 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_and_ps(_mm256_mul_ps(p, _mm256_castsi256_ps(e)), live);
 }
 #endif
+
+#define LANES 16 /* the lanes of the SIMD sums (both paths: 16 or 2 x 8 floats) */
+
+/* lanes[16] folded by halves: (l, l + 8), then (l, l + 4), (l, l + 2), (0, 1) */
+static inline float fold16(float * acc) {
+    for (int w = 8; w; w >>= 1) {
+        for (int l = 0; l < w; l++) acc[l] += acc[l + w];
+    }
+    return acc[0];
+}
+
+/* P[j] = exp(S[j] - m) for j < n (the padding up to n16 stays 0); returns sum_j P[j] in lanes */
+static inline float exp_sum16(float * S, int64_t n, int64_t n16, float m) {
+    float acc[LANES] = {0};
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    __m512 sum = _mm512_setzero_ps();
+    for (; j + 16 <= n; j += 16) {
+        const __m512 p = exp16(_mm512_sub_ps(_mm512_loadu_ps(S + j), _mm512_set1_ps(m)));
+        _mm512_storeu_ps(S + j, p);
+        sum = _mm512_add_ps(sum, p);
+    }
+    _mm512_storeu_ps(acc, sum);
+#elif ATTN_AVX2
+    __m256 s0 = _mm256_setzero_ps(), s1 = s0;
+    for (; j + 16 <= n; j += 16) {
+        const __m256 p0 = exp8(_mm256_sub_ps(_mm256_loadu_ps(S + j), _mm256_set1_ps(m)));
+        const __m256 p1 = exp8(_mm256_sub_ps(_mm256_loadu_ps(S + j + 8), _mm256_set1_ps(m)));
+        _mm256_storeu_ps(S + j, p0);
+        _mm256_storeu_ps(S + j + 8, p1);
+        s0 = _mm256_add_ps(s0, p0);
+        s1 = _mm256_add_ps(s1, p1);
+    }
+    _mm256_storeu_ps(acc, s0);
+    _mm256_storeu_ps(acc + 8, s1);
+#endif
+    for (; j < n; j++) {
+        S[j] = expf(S[j] - m);
+        acc[j % LANES] += S[j];
+    }
+    for (; j < n16; j++) S[j] = 0.0f;
+    return fold16(acc);
+}
