@@ -15,6 +15,7 @@ from typing import Any
 
 from engine.codec_encoder.schema import CodecEncoderConfig
 from engine.ggml import Tensor, lib
+from engine.ggml import custom_ops as co
 from engine.ggml.ops1d import ConvForm, pad_zero, repeat_row, row, zeros
 
 ZERO_BUFFER = "cenc.zeros"  # the store's zero buffer (left padding of every causal conv)
@@ -88,15 +89,23 @@ def seanet(ctx: Any, W: Callable[[str], Tensor], form: ConvForm, c: CodecEncoder
         _hf, _ci, _co, k, stride, dil = convs[n]
         return causal_conv(ctx, W, form, f"cenc.conv.{n}", x, k, stride, dil)
 
+    def unit(n: int, h: Tensor, last: bool) -> Tensor:
+        """A residual unit; with ``last``, the ELU of its sum (what the strided conv reads)."""
+        if form.direct:  # one node, its intermediates never leave the cache
+            p, q = f"cenc.conv.{n}", f"cenc.conv.{n + 1}"
+            return co.seanet_unit(ctx, h, W(f"{p}.weight"), W(f"{p}.bias"), W(f"{q}.weight"),
+                                  W(f"{q}.bias"), convs[n][5], elu_out=last)  # fmt: skip
+        r = cv(n, form.elu(ctx, h))
+        s = lib.ggml_add(ctx, h, cv(n + 1, form.elu(ctx, r)))
+        return form.elu(ctx, s) if last else s
+
     h = cv(0, wav)
     n = 1
     for _ratio in c.upsampling_ratios:
-        for _j in range(c.num_residual_layers):
-            r = cv(n, form.elu(ctx, h))
-            r = cv(n + 1, form.elu(ctx, r))
-            h = lib.ggml_add(ctx, h, r)
+        for j in range(c.num_residual_layers):
+            h = unit(n, h, last=j == c.num_residual_layers - 1)
             n += 2
-        h = cv(n, form.elu(ctx, h))
+        h = cv(n, h if c.num_residual_layers else form.elu(ctx, h))
         n += 1
     return cv(n, form.elu(ctx, h))
 

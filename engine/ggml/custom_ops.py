@@ -24,7 +24,8 @@ into the channel-major cache); ``pool_stats`` (per-channel mean and variance ove
 attention of decoding steps, several sessions' caches and their K/V writes in one node);
 ``attn_window`` (the decoder pre-transformer's sliding-window attention, chunking-invariant);
 ``conv1d_tm`` (exact F32
-direct conv, weights from ``pack_conv_weight``); ``conv1d_tm_bf16`` (its fast-mode twin: BF16
+direct conv, weights from ``pack_conv_weight``) and ``seanet_unit`` (a residual unit of the
+codec encoder on it, fused); ``conv1d_tm_bf16`` (its fast-mode twin: BF16
 weights from ``pack_conv_weight_bf16`` and BF16-rounded input, F32 sums; AVX512_BF16 when
 ``bf16_available()``, else a slow portable path);
 ``conv1d_wino_bf16`` and ``conv1d_wino_f32`` (fast mode's Winograd convs, BF16 and F32);
@@ -500,6 +501,43 @@ def conv1d_tm(ctx: Any, xp: Tensor, w: Tensor, bias: Tensor, dilation: int = 1, 
     args = ffi.new(f"struct ggml_tensor *[{len(srcs)}]", srcs)
     return lib.ggml_custom_4d(ctx, lib.GGML_TYPE_F32, c_out, t, 1, 1, args, len(srcs), fn,
                               GGML_N_TASKS_MAX, ffi.cast("void *", dilation if k > 1 else 1))
+
+
+def seanet_unit(ctx: Any, h: Tensor, w3: Tensor, b3: Tensor, w1: Tensor, b1: Tensor,
+                dilation: int = 1, *, elu_out: bool = False,
+                library: Any | None = None) -> Tensor:  # fmt: skip
+    """One SEANet residual unit in a single node: ``s = h + conv1(ELU(convK(ELU(h))))``, and
+    ``ELU(s)`` with ``elu_out`` (the unit whose sum only feeds an ELU).
+
+    ``h``: F32 ne = [C, T], contiguous. ``w3``/``b3``: a causal conv C -> R of K taps (dilation
+    ``dilation``, zero history), ``w1``/``b1``: a 1-tap conv R -> C, both packed by
+    ``pack_conv_weight``. Every value is bit for bit that of the separate ``elu``,
+    ``conv1d_tm`` and add nodes; the node runs slice by slice in time, so the unit's
+    intermediates (three activations the size of ``h`` or half of it) never leave the cache.
+    """
+    _check_f32(h, "seanet_unit: h")
+    if not lib.ggml_is_contiguous(h) or int(h.ne[2]) != 1 or int(h.ne[3]) != 1:
+        raise ValueError("seanet_unit: h must be a contiguous 2-D F32 tensor [C, T]")
+    if dilation < 1 or dilation > 0xFFFF:
+        raise ValueError(f"seanet_unit: dilation must be in 1 .. 65535, got {dilation}")
+    c, t = int(h.ne[0]), int(h.ne[1])
+    blk = conv_block(library)
+    r = int(b3.ne[0])
+    for name, w, c_in, c_out, taps in (("w3", w3, c, r, None), ("w1", w1, r, c, 1)):
+        _check_f32(w, f"seanet_unit: {name}")
+        ne = [int(w.ne[i]) for i in range(4)]
+        if (not lib.ggml_is_contiguous(w) or ne[0] != blk or ne[1] != c_in
+                or ne[3] != -(-c_out // blk) or (taps is not None and ne[2] != taps)):
+            raise ValueError(f"seanet_unit: {name} has ne={ne}; a conv {c_in} -> {c_out} "
+                             f"packed by pack_conv_weight has [{blk}, {c_in}, K, "
+                             f"{-(-c_out // blk)}]")
+    _check_vector(b3, r, "seanet_unit: b3")
+    _check_vector(b1, c, "seanet_unit: b1")
+    fn = _fn(library, "qtts_seanet_unit_op", "ggml_custom_op_t")
+    args = ffi.new("struct ggml_tensor *[5]", [h, w3, b3, w1, b1])
+    flags = dilation | (int(lib.QTTS_SEANET_ELU_OUT) if elu_out else 0)
+    return lib.ggml_custom_4d(ctx, lib.GGML_TYPE_F32, c, t, 1, 1, args, 5, fn,
+                              GGML_N_TASKS_MAX, ffi.cast("void *", flags))
 
 
 # ---------------------------------------------------------------------------------------------

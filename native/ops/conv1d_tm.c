@@ -19,6 +19,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "qtts_elu.h"
 #include "qtts_ops.h"
 #include "qtts_scratch.h"
 
@@ -352,6 +353,12 @@ static const tile_fn TILE_MASK[NT_MAIN + 1] = {
 
 int qtts_conv1d_tm_block(void) { return OB; }
 
+/* The input channels of a conv in reduction chunks of <= KC_MAX, the same for every caller. */
+static int64_t chunk_width(int64_t Ci) {
+    const int64_t n_kc = (Ci + KC_MAX - 1) / KC_MAX;
+    return (Ci + n_kc - 1) / n_kc;
+}
+
 void qtts_conv1d_tm_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
     const struct ggml_tensor * x = dst->src[0];
     const struct ggml_tensor * wt = dst->src[1];
@@ -396,8 +403,7 @@ void qtts_conv1d_tm_op(struct ggml_tensor * dst, int ith, int nth, void * userda
      * C = 96..1536): 108-114 GFLOP/s with KC_MAX 128, 256 or unchunked and TCHUNK 384 or 768
      * alike (192: -4 %); the chunking is insurance for smaller L2s. Before the weights were
      * packed (rows of C_out floats) C >= 384 lost 10-50 % and chunking won that partly back. */
-    const int64_t n_kc = (Ci + KC_MAX - 1) / KC_MAX;
-    const int64_t kc = (Ci + n_kc - 1) / n_kc;
+    const int64_t kc = chunk_width(Ci);
 
     /* Time chunks of equal length (a multiple of the tile) rather than TCHUNK and a remainder:
      * units are shared out in contiguous ranges, so with few chunks (T = 250: 192 + 58 steps)
@@ -441,5 +447,86 @@ void qtts_conv1d_tm_op(struct ggml_tensor * dst, int ith, int nth, void * userda
                 }
             }
         }
+    }
+}
+
+/* y rows 0 .. n-1 (row stride ys) of a conv over xp (row stride xs, its (K-1)*d history rows
+ * in front), every output block: the tiles and the summation order of qtts_conv1d_tm_op. */
+static void conv_rows(float * y, int64_t ys, const float * xp, int64_t xs, const float * w,
+                      const float * bias, int64_t Ci, int64_t O, int K, int64_t d, int64_t n) {
+    const int64_t kc = chunk_width(Ci);
+    for (int64_t o0 = 0; o0 < O; o0 += OB) {
+        const int width = (int)(O - o0 < OB ? O - o0 : OB);
+        const tile_fn * fns = width == OB ? TILE_FULL : TILE_MASK;
+        for (int64_t c0 = 0; c0 < Ci; c0 += kc) {
+            const int64_t nc = Ci - c0 < kc ? Ci - c0 : kc;
+            const conv_args base = {
+                .xp = xp + c0, .xs = xs, .w = w + (o0 / OB * K * Ci + c0) * OB, .wks = Ci * OB,
+                .d = d, .nc = nc, .K = K,
+            };
+            for (int64_t t = 0; t < n; t += NT_MAIN) {
+                const int nt = (int)(n - t < NT_MAIN ? n - t : NT_MAIN);
+                conv_args at = base;
+                at.xp = base.xp + t * xs;
+                float * out = y + t * ys + o0;
+                if (c0 == 0) {
+                    fns[nt](out, ys, bias + o0, 0, &at, width);
+                } else {
+                    fns[nt](out, ys, out, ys, &at, width);
+                }
+            }
+        }
+    }
+}
+
+#ifndef SEANET_SLICE_BYTES
+#define SEANET_SLICE_BYTES (512 * 1024) /* a slice's ELU(h), r and output together */
+#endif
+
+void qtts_seanet_unit_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const struct ggml_tensor * h = dst->src[0];
+    const struct ggml_tensor * w3 = dst->src[1];
+    const struct ggml_tensor * b3 = dst->src[2];
+    const struct ggml_tensor * w1 = dst->src[3];
+    const struct ggml_tensor * b1 = dst->src[4];
+    const int64_t flags = (int64_t)(intptr_t)userdata;
+    const int64_t d = flags & 0xFFFF;
+    const int elu_out = (flags & QTTS_SEANET_ELU_OUT) != 0;
+    const int64_t C = h->ne[0], T = h->ne[1], R = b3->ne[0];
+    const int K = (int)w3->ne[2];
+    const int64_t P = (int64_t)(K - 1) * d;
+    GGML_ASSERT(h->type == GGML_TYPE_F32 && dst->type == GGML_TYPE_F32 && d >= 1);
+    GGML_ASSERT(ggml_is_contiguous(h) && ggml_is_contiguous(dst) && h->ne[2] == 1 && h->ne[3] == 1);
+    GGML_ASSERT(dst->ne[0] == C && dst->ne[1] == T);
+    GGML_ASSERT(w3->type == GGML_TYPE_F32 && ggml_is_contiguous(w3) && w3->ne[0] == OB);
+    GGML_ASSERT(w3->ne[1] == C && w3->ne[3] == (R + OB - 1) / OB);
+    GGML_ASSERT(w1->type == GGML_TYPE_F32 && ggml_is_contiguous(w1) && w1->ne[0] == OB);
+    GGML_ASSERT(w1->ne[1] == R && w1->ne[2] == 1 && w1->ne[3] == (C + OB - 1) / OB);
+    GGML_ASSERT(b3->type == GGML_TYPE_F32 && ggml_is_contiguous(b3) && ggml_nelements(b3) == R);
+    GGML_ASSERT(b1->type == GGML_TYPE_F32 && ggml_is_contiguous(b1) && ggml_nelements(b1) == C);
+
+    /* rows of a slice: a multiple of the tile, its three buffers within SEANET_SLICE_BYTES */
+    int64_t S = SEANET_SLICE_BYTES / (int64_t)sizeof(float) / (2 * C + R);
+    S = S < NT_MAIN ? NT_MAIN : S / NT_MAIN * NT_MAIN;
+    const int64_t t0 = T * ith / nth, t1 = T * (ith + 1) / nth;
+    if (t0 >= t1) return;
+    float * e = (float *)qtts_scratch_get(QTTS_SCRATCH_SEANET,
+                                          (size_t)((P + S) * C + S * R) * sizeof(float));
+    float * r = e + (P + S) * C;
+    const float * hx = (const float *)h->data;
+    float * y = (float *)dst->data;
+    for (int64_t s0 = t0; s0 < t1; s0 += S) {
+        const int64_t n = t1 - s0 < S ? t1 - s0 : S;
+        /* e = ELU(h) over rows s0 - P .. s0 + n - 1; rows before 0 are the conv's zero padding */
+        const int64_t zr = P - s0 > 0 ? P - s0 : 0;
+        memset(e, 0, (size_t)(zr * C) * sizeof(float));
+        qtts_elu_span(e + zr * C, hx + (s0 - P + zr) * C, (P + n - zr) * C);
+        conv_rows(r, R, e, C, (const float *)w3->data, (const float *)b3->data, C, R, K, d, n);
+        qtts_elu_span(r, r, n * R);
+        float * ys = y + s0 * C;
+        conv_rows(ys, C, r, R, (const float *)w1->data, (const float *)b1->data, R, C, 1, 1, n);
+        const float * hs = hx + s0 * C;
+        for (int64_t i = 0; i < n * C; i++) ys[i] = hs[i] + ys[i];
+        if (elu_out) qtts_elu_span(ys, ys, n * C);
     }
 }

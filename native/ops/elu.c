@@ -12,6 +12,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "qtts_elu.h"
 #include "qtts_ops.h"
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -56,7 +57,7 @@ static inline __m512 elu_v16(__m512 x) {
     return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_NLE_UQ), y, x);
 }
 
-static void elu_span(float * y, const float * x, int64_t n) {
+void qtts_elu_span(float * y, const float * x, int64_t n) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, elu_v16(_mm512_loadu_ps(x + i)));
     if (i < n) {
@@ -91,15 +92,20 @@ static inline __m256 elu_v8(__m256 x) {
     return _mm256_blendv_ps(y, x, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_NLE_UQ));
 }
 
-static void elu_span(float * y, const float * x, int64_t n) {
+void qtts_elu_span(float * y, const float * x, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, elu_v8(_mm256_loadu_ps(x + i)));
-    for (; i < n; i++) y[i] = x[i] > 0.0f ? x[i] : expm1f(x[i]);
+    if (i < n) { /* the same lanes for the tail: a value does not depend on where a span ends */
+        float buf[8] = {0};
+        for (int64_t j = i; j < n; j++) buf[j - i] = x[j];
+        _mm256_storeu_ps(buf, elu_v8(_mm256_loadu_ps(buf)));
+        for (int64_t j = i; j < n; j++) y[j] = buf[j - i];
+    }
 }
 
 #else
 
-static void elu_span(float * y, const float * x, int64_t n) {
+void qtts_elu_span(float * y, const float * x, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] = x[i] > 0.0f ? x[i] : expm1f(x[i]);
 }
 
@@ -116,5 +122,5 @@ void qtts_elu_op(struct ggml_tensor * dst, const struct ggml_tensor * a, int ith
     const int64_t per = ((n + nth - 1) / nth + 15) / 16 * 16;
     const int64_t i0 = per * ith;
     const int64_t i1 = i0 + per < n ? i0 + per : n;
-    if (i0 < i1) elu_span((float *)dst->data + i0, (const float *)a->data + i0, i1 - i0);
+    if (i0 < i1) qtts_elu_span((float *)dst->data + i0, (const float *)a->data + i0, i1 - i0);
 }

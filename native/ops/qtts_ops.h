@@ -127,6 +127,19 @@ void qtts_conv1d_tm_op(struct ggml_tensor * dst, int ith, int nth, void * userda
 /* Output channels per packed weight block of qtts_conv1d_tm_op (depends on the SIMD path). */
 int qtts_conv1d_tm_block(void);
 
+/* One SEANet residual unit of the speech-tokenizer encoder in a single node, as a
+ * ggml_custom_op_t for
+ * ggml_custom_4d(ctx, F32, C, T, 1, 1, {h, w3, b3, w1, b1}, 5, qtts_seanet_unit_op, n, flags):
+ *   r = conv_K(ELU(h)) (causal: (K-1)*d zero rows in front), s = h + conv_1(ELU(r)),
+ *   dst = s, or ELU(s) with QTTS_SEANET_ELU_OUT in the flags,
+ * every value bit for bit that of the separate ELU, qtts_conv1d_tm_op and add nodes. The unit
+ * runs slice by slice in time, so its intermediates stay in the cache instead of being written
+ * out and read back. h: F32 ne = [C, T], contiguous; w3, b3: a conv C -> R of K taps packed as
+ * for qtts_conv1d_tm_op; w1, b1: a conv R -> C of 1 tap; flags: the dilation d in the low 16
+ * bits, or'ed with QTTS_SEANET_ELU_OUT. */
+#define QTTS_SEANET_ELU_OUT 0x10000
+void qtts_seanet_unit_op(struct ggml_tensor * dst, int ith, int nth, void * userdata);
+
 /* Output channels per packed weight block of qtts_conv1d_tm_bf16_op (every build). */
 #define QTTS_CONV_BF16_BLOCK 32
 

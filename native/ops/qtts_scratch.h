@@ -10,7 +10,8 @@
 #define QTTS_SCRATCH_WINO 3         /* conv1d_wino_bf16.c: staged rows, records, BF16 rows */
 #define QTTS_SCRATCH_Q4_INPUT 4     /* gemv_q4.c: the rows as int8 blocks + scales + sums */
 #define QTTS_SCRATCH_ATTN 5          /* attn_causal.c: Q^T, O^T, scores, a block of K and V */
-#define QTTS_SCRATCH_SLOTS 6
+#define QTTS_SCRATCH_SEANET 6        /* conv1d_tm.c: a SEANet unit's time slice */
+#define QTTS_SCRATCH_SLOTS 7
 
 /* A 64-byte aligned buffer of at least `bytes` for the calling thread, kept between calls
  * (grown when too small; its old contents are not kept) and freed when the thread exits.

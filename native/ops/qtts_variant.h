@@ -28,6 +28,7 @@
 #define qtts_pool_stats_op QTTS_V(qtts_pool_stats_op)
 #define qtts_conv1d_tm_op QTTS_V(qtts_conv1d_tm_op)
 #define qtts_conv1d_tm_block QTTS_V(qtts_conv1d_tm_block)
+#define qtts_seanet_unit_op QTTS_V(qtts_seanet_unit_op)
 #define qtts_conv1d_tm_bf16_op QTTS_V(qtts_conv1d_tm_bf16_op)
 #define qtts_conv1d_tm_bf16_fast QTTS_V(qtts_conv1d_tm_bf16_fast)
 #define qtts_conv1d_tm_bf16_amx_built QTTS_V(qtts_conv1d_tm_bf16_amx_built)
@@ -48,3 +49,4 @@
 #define qtts_conv_rows_of QTTS_V(qtts_conv_rows_of)
 #define qtts_conv_stage_rows QTTS_V(qtts_conv_stage_rows)
 #define qtts_snake_row QTTS_V(qtts_snake_row)
+#define qtts_elu_span QTTS_V(qtts_elu_span)

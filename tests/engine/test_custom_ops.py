@@ -757,6 +757,104 @@ def test_elu_rejects_what_the_kernel_cannot_take() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# SEANet residual unit (the codec encoder's, fused)
+
+
+def seanet_unit_data(rng: np.random.Generator, c: int, t: int, k: int
+                     ) -> tuple[np.ndarray[Any, Any], ...]:
+    """h ~ N(0, 2) and the two convs of a unit (C -> C/2, K taps; C/2 -> C, 1 tap)."""
+    r = c // 2
+    h = (rng.standard_normal((t, c)) * 2).astype(np.float32)
+    w3 = (rng.standard_normal((r, c, k)) * 2 / np.sqrt(c * k)).astype(np.float32)
+    w1 = (rng.standard_normal((c, r, 1)) / np.sqrt(r)).astype(np.float32)
+    b3, b1 = (rng.standard_normal(n).astype(np.float32) for n in (r, c))
+    return h, w3, b3, w1, b1
+
+
+def run_seanet_unit(be: BackendSet, data: tuple[np.ndarray[Any, Any], ...], d: int,
+                    elu_out: bool, fused: bool, library: Any = None) -> np.ndarray[Any, Any]:
+    """The unit as one ``seanet_unit`` node, or as the separate ELU, conv and add nodes."""
+    h, w3, b3, w1, b1 = data
+    t, c = h.shape
+    p = (w3.shape[2] - 1) * d
+    g = Graph()
+    th, tb3, tb1 = g.input("h", h.shape), g.input("b3", b3.shape), g.input("b1", b1.shape)
+    p3, p1 = (co.pack_conv_weight(w, library=library) for w in (w3, w1))
+    tw3, tw1 = g.input("w3", p3.shape), g.input("w1", p1.shape)
+    if fused:
+        y = co.seanet_unit(g.ctx, th, tw3, tb3, tw1, tb1, d, elu_out=elu_out, library=library)
+    else:
+        hist = g.input("zeros", (p, c))
+        r = co.conv1d_tm(g.ctx, co.elu(g.ctx, th, library=library), tw3, tb3, d, hist=hist,
+                         library=library)
+        r = co.conv1d_tm(g.ctx, co.elu(g.ctx, r, library=library), tw1, tb1, library=library)
+        y = lib.ggml_add(g.ctx, th, r)
+        y = co.elu(g.ctx, y, library=library) if elu_out else y
+    g.output(y, "y")
+    feed = {"h": h, "w3": p3, "b3": b3, "w1": p1, "b1": b1}
+    if not fused:
+        feed["zeros"] = np.zeros((p, c), np.float32)
+    return be.execute(g, feed)["y"].reshape(t, c)
+
+
+def seanet_unit_ref(data: tuple[np.ndarray[Any, Any], ...], d: int, elu_out: bool
+                    ) -> np.ndarray[Any, Any]:
+    """float64."""
+    h, w3, b3, w1, b1 = (a.astype(np.float64) for a in data)
+
+    def elu(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        return np.where(x > 0, x, np.expm1(np.minimum(x, 0)))
+
+    p = (w3.shape[2] - 1) * d
+    e = np.concatenate([np.zeros((p, h.shape[1])), elu(h)])
+    r = conv_ref(e, w3, b3, d)
+    s = h + conv_ref(elu(r), w1, b1, 1)
+    return elu(s) if elu_out else s
+
+
+SEANET_CASES = [  # (C, T, K, d, elu_out): one and two input-channel chunks, masked blocks,
+    (64, 5000, 3, 1, True),  # fewer rows than the history, several slices per thread
+    (128, 2001, 3, 1, False),
+    (512, 300, 3, 1, True),
+    (40, 37, 3, 2, False),
+    (96, 2, 3, 2, True),
+    (64, 1, 1, 1, True),
+]
+
+
+@needs_ops
+@pytest.mark.parametrize(("c", "t", "k", "d", "elu_out"), SEANET_CASES)
+def test_seanet_unit_equals_separate_nodes(cpu1: BackendSet, cpu2: BackendSet, c: int, t: int,
+                                           k: int, d: int, elu_out: bool) -> None:
+    data = seanet_unit_data(np.random.default_rng(c + t), c, t, k)
+    y = run_seanet_unit(cpu2, data, d, elu_out, fused=True)
+    assert np.array_equal(y, run_seanet_unit(cpu2, data, d, elu_out, fused=False))
+    assert np.array_equal(y, run_seanet_unit(cpu1, data, d, elu_out, fused=True))
+    ref = seanet_unit_ref(data, d, elu_out)
+    assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
+@needs_ops
+def test_seanet_unit_rejects_what_the_kernel_cannot_take() -> None:
+    blk = co.conv_block()
+    g = Graph()
+    h = g.input("h", (10, 64))
+    w3, b3 = g.input("w3", (1, 3, 64, blk)), g.input("b3", (32,))
+    w1, b1 = g.input("w1", (-(-64 // blk), 1, 32, blk)), g.input("b1", (64,))
+    assert int(co.seanet_unit(g.ctx, h, w3, b3, w1, b1).ne[1]) == 10
+    with pytest.raises(ValueError, match="contiguous 2-D"):
+        co.seanet_unit(g.ctx, lib.ggml_transpose(g.ctx, h), w3, b3, w1, b1)
+    with pytest.raises(ValueError, match="w3 has ne"):
+        co.seanet_unit(g.ctx, h, g.input("w3b", (1, 3, 48, blk)), b3, w1, b1)
+    with pytest.raises(ValueError, match="w1 has ne"):
+        co.seanet_unit(g.ctx, h, w3, b3, g.input("w1b", (1, 2, 32, blk)), b1)
+    with pytest.raises(ValueError, match="b1"):
+        co.seanet_unit(g.ctx, h, w3, b3, w1, g.input("b1b", (63,)))
+    with pytest.raises(ValueError, match="dilation"):
+        co.seanet_unit(g.ctx, h, w3, b3, w1, b1, 0)
+
+
+# ---------------------------------------------------------------------------------------------
 # The other ISA paths (AVX2 and scalar), compiled here from the same sources
 
 
@@ -789,6 +887,11 @@ def test_other_isa_paths(cpu1: BackendSet, cpu2: BackendSet, tmp_path: Path,
     assert co.conv_block(library) == {"avx2": 16, "scalar": 64}[isa]
     x = elu_input()
     check_elu(run_elu(cpu2, x, library), x)
+    for c, t, k, d, elu_out in SEANET_CASES:
+        data = seanet_unit_data(np.random.default_rng(c), c, t, k)
+        y = run_seanet_unit(cpu2, data, d, elu_out, fused=True, library=library)
+        assert np.array_equal(y, run_seanet_unit(cpu2, data, d, elu_out, False, library))
+        assert np.array_equal(y, run_seanet_unit(cpu1, data, d, elu_out, True, library))
     rng = np.random.default_rng(21)
     for c, t in [(96, 300), (100, 3)]:
         ea, ib = snake_params(rng, c)
