@@ -48,7 +48,7 @@ def encode(ctx: Any, W: Callable[[str], Tensor], form: ConvForm,
             e = W(f"cenc.vq.cb.{q}.embed")
             score = form.conv(ctx, W(f"cenc.vq.cb.{q}.packed"), W(f"cenc.vq.cb.{q}.neg_half_norm"),
                               r)  # fmt: skip
-            idx = lib.ggml_argmax(ctx, score)  # [T] int32
+            idx = form.argmax(ctx, score)  # [T] int32
             codes.append(idx)
             if q + 1 < levels.stop:
                 r = lib.ggml_sub(ctx, r, lib.ggml_get_rows(ctx, e, idx))

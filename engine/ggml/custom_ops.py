@@ -20,14 +20,14 @@ Neither op is eligible for ggml-alloc's in-place reuse, so dst never aliases an 
 
 Ops: ``snake_beta``; ``elu`` (vectorised ELU); ``kv_write_transposed`` (a prefill's V rows
 into the channel-major cache); ``pool_stats`` (per-channel mean and variance over time);
-``attn_causal`` (a prefill's attention over the talker cache, fused); ``attn_step`` (the
-attention of decoding steps, several sessions' caches and their K/V writes in one node);
-``attn_window`` (the decoder pre-transformer's sliding-window attention, chunking-invariant);
-``conv1d_tm`` (exact F32
-direct conv, weights from ``pack_conv_weight``) and ``seanet_unit`` (a residual unit of the
-codec encoder on it, fused); ``conv1d_tm_bf16`` (its fast-mode twin: BF16
-weights from ``pack_conv_weight_bf16`` and BF16-rounded input, F32 sums; AVX512_BF16 when
-``bf16_available()``, else a slow portable path);
+``argmax`` (rows over every thread); ``attn_causal`` (a prefill's attention over the talker
+cache, fused); ``attn_step`` (the attention of decoding steps, several sessions' caches and
+their K/V writes in one node); ``attn_window`` (the decoder pre-transformer's sliding-window
+attention, chunking-invariant); ``conv1d_tm`` (exact F32 direct conv, weights from
+``pack_conv_weight``) and ``seanet_unit`` (a residual unit of the codec encoder on it, fused);
+``conv1d_tm_bf16`` (its fast-mode twin: BF16 weights from ``pack_conv_weight_bf16`` and
+BF16-rounded input, F32 sums; AVX512_BF16 when ``bf16_available()``, else a slow portable
+path);
 ``conv1d_wino_bf16`` and ``conv1d_wino_f32`` (fast mode's Winograd convs, BF16 and F32);
 ``gemm_i8`` and ``gemv_q4`` (the talker's quantised products). The convs take their left history
 either in front of the input (``xp``) or as a tensor of its own (``hist=``), which spares the
@@ -200,6 +200,20 @@ def elu(ctx: Any, x: Tensor, *, library: Any | None = None) -> Tensor:
         raise ValueError("elu: x must be contiguous (ggml_cont it first)")
     fn = _fn(library, "qtts_elu_op", "ggml_custom1_op_t")
     return lib.ggml_map_custom1(ctx, x, fn, GGML_N_TASKS_MAX, ffi.NULL)
+
+
+def argmax(ctx: Any, x: Tensor, *, library: Any | None = None) -> Tensor:
+    """Row argmax, I32 ``[rows]``: the first index of each row's largest value (torch's rule
+    for ties; ``ggml_argmax`` takes the last, and runs on one thread), NaN never taken, 0 for
+    a row with nothing above -inf. Rows are shared out over the compute threads and read in
+    vector lanes. ``x``: F32 ``[n, rows]``, 2-D, contiguous rows (any row stride)."""
+    _check_f32(x, "argmax: x")
+    if int(x.nb[0]) != 4 or int(x.ne[2]) != 1 or int(x.ne[3]) != 1:
+        raise ValueError("argmax: x must be 2-D with contiguous rows")
+    fn = _fn(library, "qtts_argmax_op", "ggml_custom_op_t")
+    args = ffi.new("struct ggml_tensor *[1]", [x])
+    return lib.ggml_custom_4d(ctx, lib.GGML_TYPE_I32, int(x.ne[1]), 1, 1, 1, args, 1, fn,
+                              GGML_N_TASKS_MAX, ffi.NULL)
 
 
 def kv_write_transposed(ctx: Any, dst: Tensor, v: Tensor, *,

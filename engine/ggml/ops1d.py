@@ -119,6 +119,11 @@ class ConvForm:
         """ELU: the vectorised native op, or ggml's."""
         return co.elu(ctx, x) if self.direct else lib.ggml_elu(ctx, x)
 
+    def argmax(self, ctx: Any, x: Tensor) -> Tensor:
+        """Row argmax (I32): the native op (every thread; ties to the first index, as the
+        reference's argmin), or ggml's (one thread; ties to the last)."""
+        return co.argmax(ctx, x) if self.direct else lib.ggml_argmax(ctx, x)
+
 
 def zeros(ctx: Any, buf: Tensor, c: int, n: int) -> Tensor:
     """``[n, c]`` zeros: a view of the zero buffer ``buf`` (F32, at least ``c * n`` values)."""

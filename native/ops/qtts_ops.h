@@ -108,6 +108,13 @@ void qtts_attn_step_op(struct ggml_tensor * dst, int ith, int nth, void * userda
  * starts or on the thread count. */
 void qtts_attn_window_op(struct ggml_tensor * dst, int ith, int nth, void * userdata);
 
+/* Row argmax, as a ggml_custom_op_t for
+ * ggml_custom_4d(ctx, I32, rows, 1, 1, 1, {x}, 1, qtts_argmax_op, n, NULL):
+ *   dst[r] = the first index of the largest value of row r (NaN never taken; 0 when no value
+ *   exceeds -inf; ggml_argmax takes the last of equal values and runs on one thread).
+ * x: F32 ne = [n, rows], contiguous rows (any row stride); 2-D. */
+void qtts_argmax_op(struct ggml_tensor * dst, int ith, int nth, void * userdata);
+
 /* Causal dilated conv1d, time-major, as a ggml_custom_op_t for
  * ggml_custom_4d(ctx, F32, C_out, T, 1, 1, {xp, w, bias}, 3, qtts_conv1d_tm_op, n, (void*)d)
  * or, with the history in a tensor of its own (no concat),

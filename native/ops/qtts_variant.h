@@ -26,6 +26,7 @@
 #define qtts_attn_window_op QTTS_V(qtts_attn_window_op)
 #define qtts_channel_join_op QTTS_V(qtts_channel_join_op)
 #define qtts_pool_stats_op QTTS_V(qtts_pool_stats_op)
+#define qtts_argmax_op QTTS_V(qtts_argmax_op)
 #define qtts_conv1d_tm_op QTTS_V(qtts_conv1d_tm_op)
 #define qtts_conv1d_tm_block QTTS_V(qtts_conv1d_tm_block)
 #define qtts_seanet_unit_op QTTS_V(qtts_seanet_unit_op)

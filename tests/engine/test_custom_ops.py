@@ -757,6 +757,65 @@ def test_elu_rejects_what_the_kernel_cannot_take() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Row argmax
+
+
+def argmax_input() -> np.ndarray[Any, Any]:
+    """Rows of 2048 (a codebook), 37 and 5 values: random, with ties, NaN, +-0, -inf."""
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((9, 2048)).astype(np.float32)
+    x[1, [5, 700, 2047]] = 9.0  # ties: the first
+    x[2, :] = np.nan
+    x[2, 1000] = 1.0  # NaN never taken
+    x[3, :] = -np.inf  # nothing exceeds -inf: 0
+    x[4, :] = np.nan  # 0
+    x[5, :] = 0.0
+    x[5, 3] = -0.0
+    x[6, 2047] = 50.0  # the last element, in the scalar tail of no row
+    x[7, :17] = np.nan
+    return x
+
+
+def run_argmax(be: BackendSet, x: np.ndarray[Any, Any], library: Any = None
+               ) -> np.ndarray[Any, Any]:  # fmt: skip
+    g = Graph()
+    tx = g.input("x", x.shape)
+    g.output(co.argmax(g.ctx, tx, library=library), "i")
+    return be.execute(g, {"x": x})["i"].reshape(x.shape[0])
+
+
+def argmax_ref(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """The first index of the largest non-NaN value; 0 where none exceeds -inf."""
+    xm = np.where(np.isnan(x), -np.inf, x)
+    return np.where(xm.max(axis=1) > -np.inf, xm.argmax(axis=1), 0)
+
+
+@needs_ops
+def test_argmax_first_of_the_largest(cpu1: BackendSet, cpu2: BackendSet) -> None:
+    x = argmax_input()
+    for n in (2048, 37, 5):
+        xs = np.ascontiguousarray(x[:, -n:])
+        got = run_argmax(cpu2, xs)
+        assert np.array_equal(got, argmax_ref(xs))
+        assert np.array_equal(got, run_argmax(cpu1, xs))
+    assert list(run_argmax(cpu2, x)[1:7]) == [5, 1000, 0, 0, 0, 2047]
+    # where values are distinct, ggml's ARGMAX (the graph without the native ops) agrees
+    g = Graph()
+    tx = g.input("x", x[8:].shape)
+    g.output(lib.ggml_argmax(g.ctx, tx), "i")
+    assert np.array_equal(cpu2.execute(g, {"x": x[8:]})["i"].reshape(-1), argmax_ref(x[8:]))
+
+
+@needs_ops
+def test_argmax_rejects_what_the_kernel_cannot_take() -> None:
+    g = Graph()
+    with pytest.raises(TypeError, match="F32"):
+        co.argmax(g.ctx, g.input("i", (4, 3), dtype=np.int32))
+    with pytest.raises(ValueError, match="2-D"):
+        co.argmax(g.ctx, g.input("x3", (2, 4, 3)))
+
+
+# ---------------------------------------------------------------------------------------------
 # SEANet residual unit (the codec encoder's, fused)
 
 
@@ -887,6 +946,8 @@ def test_other_isa_paths(cpu1: BackendSet, cpu2: BackendSet, tmp_path: Path,
     assert co.conv_block(library) == {"avx2": 16, "scalar": 64}[isa]
     x = elu_input()
     check_elu(run_elu(cpu2, x, library), x)
+    x = argmax_input()
+    assert np.array_equal(run_argmax(cpu2, x, library), argmax_ref(x))
     for c, t, k, d, elu_out in SEANET_CASES:
         data = seanet_unit_data(np.random.default_rng(c), c, t, k)
         y = run_seanet_unit(cpu2, data, d, elu_out, fused=True, library=library)
