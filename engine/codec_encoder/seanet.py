@@ -99,14 +99,32 @@ def seanet(ctx: Any, W: Callable[[str], Tensor], form: ConvForm, c: CodecEncoder
         s = lib.ggml_add(ctx, h, cv(n + 1, form.elu(ctx, r)))
         return form.elu(ctx, s) if last else s
 
+    def stage(n: int, h: Tensor) -> Tensor:
+        """The last unit of a stage and the strided conv after it, in one node where the
+        conv's kernel spans two strides (every Mimi stage) and its weights are not larger than
+        the stage's input: the node reads them once per time slice, the separate nodes write
+        the unit's output (the size of the input) out and read it back."""
+        _hf, c_in, c_out, k, stride, _dil = convs[n + 2]
+        fused = form.direct and k == 2 * stride and c_in * c_out * k <= int(h.ne[0] * h.ne[1])
+        if not fused:
+            return cv(n + 2, unit(n, h, last=True))
+        p, q, s = (f"cenc.conv.{i}" for i in (n, n + 1, n + 2))
+        return co.seanet_stage(ctx, h, W(f"{p}.weight"), W(f"{p}.bias"), W(f"{q}.weight"),
+                               W(f"{q}.bias"), W(f"{s}.weight"), W(f"{s}.bias"), stride,
+                               convs[n][5])  # fmt: skip
+
     h = cv(0, wav)
     n = 1
     for _ratio in c.upsampling_ratios:
-        for j in range(c.num_residual_layers):
-            h = unit(n, h, last=j == c.num_residual_layers - 1)
+        if not c.num_residual_layers:
+            h = cv(n, form.elu(ctx, h))
+            n += 1
+            continue
+        for _j in range(c.num_residual_layers - 1):
+            h = unit(n, h, last=False)
             n += 2
-        h = cv(n, h if c.num_residual_layers else form.elu(ctx, h))
-        n += 1
+        h = stage(n, h)
+        n += 3
     return cv(n, form.elu(ctx, h))
 
 

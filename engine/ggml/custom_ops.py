@@ -24,7 +24,8 @@ into the channel-major cache); ``pool_stats`` (per-channel mean and variance ove
 cache, fused); ``attn_step`` (the attention of decoding steps, several sessions' caches and
 their K/V writes in one node); ``attn_window`` (the decoder pre-transformer's sliding-window
 attention, chunking-invariant); ``conv1d_tm`` (exact F32 direct conv, weights from
-``pack_conv_weight``) and ``seanet_unit`` (a residual unit of the codec encoder on it, fused);
+``pack_conv_weight``), ``seanet_unit`` and ``seanet_stage`` (a residual unit of the codec
+encoder on it, and a unit with the strided conv after it, fused);
 ``conv1d_tm_bf16`` (its fast-mode twin: BF16 weights from ``pack_conv_weight_bf16`` and
 BF16-rounded input, F32 sums; AVX512_BF16 when ``bf16_available()``, else a slow portable
 path);
@@ -517,6 +518,33 @@ def conv1d_tm(ctx: Any, xp: Tensor, w: Tensor, bias: Tensor, dilation: int = 1, 
                               GGML_N_TASKS_MAX, ffi.cast("void *", dilation if k > 1 else 1))
 
 
+def _seanet_unit_checks(what: str, h: Tensor, w3: Tensor, b3: Tensor, w1: Tensor, b1: Tensor,
+                        dilation: int, library: Any | None) -> None:  # fmt: skip
+    _check_f32(h, f"{what}: h")
+    if not lib.ggml_is_contiguous(h) or int(h.ne[2]) != 1 or int(h.ne[3]) != 1:
+        raise ValueError(f"{what}: h must be a contiguous 2-D F32 tensor [C, T]")
+    if dilation < 1 or dilation > int(lib.QTTS_CONV_DILATION_MASK):
+        raise ValueError(f"{what}: dilation must be in 1 .. 65535, got {dilation}")
+    c, r = int(h.ne[0]), int(b3.ne[0])
+    _check_packed(what, "w3", w3, c, r, None, library)
+    _check_packed(what, "w1", w1, r, c, 1, library)
+    _check_vector(b3, r, f"{what}: b3")
+    _check_vector(b1, c, f"{what}: b1")
+
+
+def _check_packed(what: str, name: str, w: Tensor, c_in: int, c_out: int, taps: int | None,
+                  library: Any | None) -> None:  # fmt: skip
+    """``w``: a conv ``c_in -> c_out`` packed by ``pack_conv_weight`` (``taps`` of them)."""
+    blk = conv_block(library)
+    _check_f32(w, f"{what}: {name}")
+    ne = [int(w.ne[i]) for i in range(4)]
+    if (not lib.ggml_is_contiguous(w) or ne[0] != blk or ne[1] != c_in
+            or ne[3] != -(-c_out // blk) or (taps is not None and ne[2] != taps)):
+        raise ValueError(f"{what}: {name} has ne={ne}; a conv {c_in} -> {c_out} packed by "
+                         f"pack_conv_weight has [{blk}, {c_in}, {taps or 'K'}, "
+                         f"{-(-c_out // blk)}]")
+
+
 def seanet_unit(ctx: Any, h: Tensor, w3: Tensor, b3: Tensor, w1: Tensor, b1: Tensor,
                 dilation: int = 1, *, elu_out: bool = False,
                 library: Any | None = None) -> Tensor:  # fmt: skip
@@ -529,29 +557,37 @@ def seanet_unit(ctx: Any, h: Tensor, w3: Tensor, b3: Tensor, w1: Tensor, b1: Ten
     ``conv1d_tm`` and add nodes; the node runs slice by slice in time, so the unit's
     intermediates (three activations the size of ``h`` or half of it) never leave the cache.
     """
-    _check_f32(h, "seanet_unit: h")
-    if not lib.ggml_is_contiguous(h) or int(h.ne[2]) != 1 or int(h.ne[3]) != 1:
-        raise ValueError("seanet_unit: h must be a contiguous 2-D F32 tensor [C, T]")
-    if dilation < 1 or dilation > 0xFFFF:
-        raise ValueError(f"seanet_unit: dilation must be in 1 .. 65535, got {dilation}")
-    c, t = int(h.ne[0]), int(h.ne[1])
-    blk = conv_block(library)
-    r = int(b3.ne[0])
-    for name, w, c_in, c_out, taps in (("w3", w3, c, r, None), ("w1", w1, r, c, 1)):
-        _check_f32(w, f"seanet_unit: {name}")
-        ne = [int(w.ne[i]) for i in range(4)]
-        if (not lib.ggml_is_contiguous(w) or ne[0] != blk or ne[1] != c_in
-                or ne[3] != -(-c_out // blk) or (taps is not None and ne[2] != taps)):
-            raise ValueError(f"seanet_unit: {name} has ne={ne}; a conv {c_in} -> {c_out} "
-                             f"packed by pack_conv_weight has [{blk}, {c_in}, K, "
-                             f"{-(-c_out // blk)}]")
-    _check_vector(b3, r, "seanet_unit: b3")
-    _check_vector(b1, c, "seanet_unit: b1")
+    _seanet_unit_checks("seanet_unit", h, w3, b3, w1, b1, dilation, library)
     fn = _fn(library, "qtts_seanet_unit_op", "ggml_custom_op_t")
     args = ffi.new("struct ggml_tensor *[5]", [h, w3, b3, w1, b1])
     flags = dilation | (int(lib.QTTS_SEANET_ELU_OUT) if elu_out else 0)
-    return lib.ggml_custom_4d(ctx, lib.GGML_TYPE_F32, c, t, 1, 1, args, 5, fn,
-                              GGML_N_TASKS_MAX, ffi.cast("void *", flags))
+    return lib.ggml_custom_4d(ctx, lib.GGML_TYPE_F32, int(h.ne[0]), int(h.ne[1]), 1, 1, args,
+                              5, fn, GGML_N_TASKS_MAX, ffi.cast("void *", flags))
+
+
+def seanet_stage(ctx: Any, h: Tensor, w3: Tensor, b3: Tensor, w1: Tensor, b1: Tensor,
+                 ws: Tensor, bs: Tensor, stride: int, dilation: int = 1, *,
+                 library: Any | None = None) -> Tensor:  # fmt: skip
+    """A SEANet unit and the strided conv after it in a single node:
+    ``conv_s(ELU(h + conv1(ELU(convK(ELU(h))))))`` -> F32 ne = [C_out, ceil(T / stride)].
+
+    ``h`` .. ``b1`` as for :func:`seanet_unit`; ``ws``/``bs``: the causal conv of ``2 * stride``
+    taps with stride ``stride`` (zero padding: ``stride`` rows in front, the rows that complete
+    the last window after), folded (``ops1d.fold_weight``) and packed by ``pack_conv_weight``:
+    ne = [B, stride * C, 2, ceil(C_out / B)]. Every value is bit for bit that of the separate
+    nodes (``seanet_unit`` with ``elu_out``, then ``conv1d_tm`` on the folded rows); each slice
+    of the unit's output is convolved while it is in the cache."""
+    _seanet_unit_checks("seanet_stage", h, w3, b3, w1, b1, dilation, library)
+    if stride < 1 or stride >= 1 << (63 - int(lib.QTTS_SEANET_STRIDE_SHIFT)):
+        raise ValueError(f"seanet_stage: stride must be >= 1, got {stride}")
+    c, c_out = int(h.ne[0]), int(bs.ne[0])
+    _check_packed("seanet_stage", "ws", ws, stride * c, c_out, 2, library)
+    _check_vector(bs, c_out, "seanet_stage: bs")
+    fn = _fn(library, "qtts_seanet_stage_op", "ggml_custom_op_t")
+    args = ffi.new("struct ggml_tensor *[7]", [h, w3, b3, w1, b1, ws, bs])
+    flags = dilation | (stride << int(lib.QTTS_SEANET_STRIDE_SHIFT))
+    return lib.ggml_custom_4d(ctx, lib.GGML_TYPE_F32, c_out, -(-int(h.ne[1]) // stride), 1, 1,
+                              args, 7, fn, GGML_N_TASKS_MAX, ffi.cast("void *", flags))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -482,51 +482,126 @@ static void conv_rows(float * y, int64_t ys, const float * xp, int64_t xs, const
 #ifndef SEANET_SLICE_BYTES
 #define SEANET_SLICE_BYTES (512 * 1024) /* a slice's ELU(h), r and output together */
 #endif
+#ifndef SEANET_STAGE_SLICE_BYTES
+/* the same in a stage, whose strided conv reads its weights once per slice: longer slices
+ * (the best of 0.5 to 2 MB for the codec encoder, docs/performance.md) */
+#define SEANET_STAGE_SLICE_BYTES (1536 * 1024)
+#endif
 
-void qtts_seanet_unit_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+/* A SEANet residual unit's weights and shapes (see qtts_ops.h), read from a node's sources
+ * src[0] (h) .. src[4] (b1) and its flags, every shape checked. */
+typedef struct {
+    const float * h;
+    const float * w3;
+    const float * b3;
+    const float * w1;
+    const float * b1;
+    int64_t C, R, T, d, P;
+    int K;
+    int elu_out;
+} seanet_unit;
+
+static seanet_unit seanet_unit_get(const struct ggml_tensor * dst, int64_t flags) {
     const struct ggml_tensor * h = dst->src[0];
     const struct ggml_tensor * w3 = dst->src[1];
     const struct ggml_tensor * b3 = dst->src[2];
     const struct ggml_tensor * w1 = dst->src[3];
     const struct ggml_tensor * b1 = dst->src[4];
-    const int64_t flags = (int64_t)(intptr_t)userdata;
-    const int64_t d = flags & 0xFFFF;
-    const int elu_out = (flags & QTTS_SEANET_ELU_OUT) != 0;
-    const int64_t C = h->ne[0], T = h->ne[1], R = b3->ne[0];
-    const int K = (int)w3->ne[2];
-    const int64_t P = (int64_t)(K - 1) * d;
-    GGML_ASSERT(h->type == GGML_TYPE_F32 && dst->type == GGML_TYPE_F32 && d >= 1);
+    seanet_unit u = {
+        .h = (const float *)h->data, .w3 = (const float *)w3->data,
+        .b3 = (const float *)b3->data, .w1 = (const float *)w1->data,
+        .b1 = (const float *)b1->data, .C = h->ne[0], .R = b3->ne[0], .T = h->ne[1],
+        .d = flags & QTTS_CONV_DILATION_MASK, .K = (int)w3->ne[2],
+        .elu_out = (flags & QTTS_SEANET_ELU_OUT) != 0,
+    };
+    u.P = (int64_t)(u.K - 1) * u.d;
+    GGML_ASSERT(h->type == GGML_TYPE_F32 && dst->type == GGML_TYPE_F32 && u.d >= 1);
     GGML_ASSERT(ggml_is_contiguous(h) && ggml_is_contiguous(dst) && h->ne[2] == 1 && h->ne[3] == 1);
-    GGML_ASSERT(dst->ne[0] == C && dst->ne[1] == T);
     GGML_ASSERT(w3->type == GGML_TYPE_F32 && ggml_is_contiguous(w3) && w3->ne[0] == OB);
-    GGML_ASSERT(w3->ne[1] == C && w3->ne[3] == (R + OB - 1) / OB);
+    GGML_ASSERT(w3->ne[1] == u.C && w3->ne[3] == (u.R + OB - 1) / OB);
     GGML_ASSERT(w1->type == GGML_TYPE_F32 && ggml_is_contiguous(w1) && w1->ne[0] == OB);
-    GGML_ASSERT(w1->ne[1] == R && w1->ne[2] == 1 && w1->ne[3] == (C + OB - 1) / OB);
-    GGML_ASSERT(b3->type == GGML_TYPE_F32 && ggml_is_contiguous(b3) && ggml_nelements(b3) == R);
-    GGML_ASSERT(b1->type == GGML_TYPE_F32 && ggml_is_contiguous(b1) && ggml_nelements(b1) == C);
+    GGML_ASSERT(w1->ne[1] == u.R && w1->ne[2] == 1 && w1->ne[3] == (u.C + OB - 1) / OB);
+    GGML_ASSERT(b3->type == GGML_TYPE_F32 && ggml_is_contiguous(b3) && ggml_nelements(b3) == u.R);
+    GGML_ASSERT(b1->type == GGML_TYPE_F32 && ggml_is_contiguous(b1) && ggml_nelements(b1) == u.C);
+    return u;
+}
 
-    /* rows of a slice: a multiple of the tile, its three buffers within SEANET_SLICE_BYTES */
-    int64_t S = SEANET_SLICE_BYTES / (int64_t)sizeof(float) / (2 * C + R);
-    S = S < NT_MAIN ? NT_MAIN : S / NT_MAIN * NT_MAIN;
-    const int64_t t0 = T * ith / nth, t1 = T * (ith + 1) / nth;
+/* Rows of a slice: a multiple of the tile, its three buffers within `bytes`. */
+static int64_t unit_slice_rows(const seanet_unit * u, int64_t bytes) {
+    const int64_t S = bytes / (int64_t)sizeof(float) / (2 * u->C + u->R);
+    return S < NT_MAIN ? NT_MAIN : S / NT_MAIN * NT_MAIN;
+}
+
+/* Rows t0 .. t0+n-1 of the unit's output into y (row stride C); e and r: scratch of
+ * (P + n) * C and n * R floats. */
+static void unit_rows(const seanet_unit * u, float * y, int64_t t0, int64_t n, float * e,
+                      float * r) {
+    const int64_t C = u->C, P = u->P;
+    /* e = ELU(h) over rows t0 - P .. t0 + n - 1; rows before 0 are the conv's zero padding */
+    const int64_t zr = P - t0 > 0 ? P - t0 : 0;
+    memset(e, 0, (size_t)(zr * C) * sizeof(float));
+    qtts_elu_span(e + zr * C, u->h + (t0 - P + zr) * C, (P + n - zr) * C);
+    conv_rows(r, u->R, e, C, u->w3, u->b3, C, u->R, u->K, u->d, n);
+    qtts_elu_span(r, r, n * u->R);
+    conv_rows(y, C, r, u->R, u->w1, u->b1, u->R, C, 1, 1, n);
+    const float * hs = u->h + t0 * C;
+    for (int64_t i = 0; i < n * C; i++) y[i] = hs[i] + y[i];
+    if (u->elu_out) qtts_elu_span(y, y, n * C);
+}
+
+void qtts_seanet_unit_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const seanet_unit u = seanet_unit_get(dst, (int64_t)(intptr_t)userdata);
+    GGML_ASSERT(dst->ne[0] == u.C && dst->ne[1] == u.T);
+    const int64_t S = unit_slice_rows(&u, SEANET_SLICE_BYTES);
+    const int64_t t0 = u.T * ith / nth, t1 = u.T * (ith + 1) / nth;
     if (t0 >= t1) return;
     float * e = (float *)qtts_scratch_get(QTTS_SCRATCH_SEANET,
-                                          (size_t)((P + S) * C + S * R) * sizeof(float));
-    float * r = e + (P + S) * C;
-    const float * hx = (const float *)h->data;
-    float * y = (float *)dst->data;
+                                          (size_t)((u.P + S) * u.C + S * u.R) * sizeof(float));
     for (int64_t s0 = t0; s0 < t1; s0 += S) {
         const int64_t n = t1 - s0 < S ? t1 - s0 : S;
-        /* e = ELU(h) over rows s0 - P .. s0 + n - 1; rows before 0 are the conv's zero padding */
-        const int64_t zr = P - s0 > 0 ? P - s0 : 0;
-        memset(e, 0, (size_t)(zr * C) * sizeof(float));
-        qtts_elu_span(e + zr * C, hx + (s0 - P + zr) * C, (P + n - zr) * C);
-        conv_rows(r, R, e, C, (const float *)w3->data, (const float *)b3->data, C, R, K, d, n);
-        qtts_elu_span(r, r, n * R);
-        float * ys = y + s0 * C;
-        conv_rows(ys, C, r, R, (const float *)w1->data, (const float *)b1->data, R, C, 1, 1, n);
-        const float * hs = hx + s0 * C;
-        for (int64_t i = 0; i < n * C; i++) ys[i] = hs[i] + ys[i];
-        if (elu_out) qtts_elu_span(ys, ys, n * C);
+        unit_rows(&u, (float *)dst->data + s0 * u.C, s0, n, e, e + (u.P + S) * u.C);
+    }
+}
+
+void qtts_seanet_stage_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    const int64_t flags = (int64_t)(intptr_t)userdata;
+    seanet_unit u = seanet_unit_get(dst, flags | QTTS_SEANET_ELU_OUT);
+    const struct ggml_tensor * ws = dst->src[5];
+    const struct ggml_tensor * bs = dst->src[6];
+    const int64_t st = flags >> QTTS_SEANET_STRIDE_SHIFT, C = u.C, T = u.T;
+    const int64_t Ci = st * C, O = bs->ne[0], T_out = (T + st - 1) / st;
+    GGML_ASSERT(st >= 1 && dst->ne[0] == O && dst->ne[1] == T_out);
+    GGML_ASSERT(ws->type == GGML_TYPE_F32 && ggml_is_contiguous(ws) && ws->ne[0] == OB);
+    GGML_ASSERT(ws->ne[1] == Ci && ws->ne[2] == 2 && ws->ne[3] == (O + OB - 1) / OB);
+    GGML_ASSERT(bs->type == GGML_TYPE_F32 && ggml_is_contiguous(bs));
+
+    /* folded rows of a slice: their unit rows fill about a unit slice */
+    int64_t F = unit_slice_rows(&u, SEANET_STAGE_SLICE_BYTES) / st / NT_MAIN * NT_MAIN;
+    F = F < NT_MAIN ? NT_MAIN : F;
+    const int64_t f0 = T_out * ith / nth, f1 = T_out * (ith + 1) / nth;
+    if (f0 >= f1) return;
+    const int64_t n_max = F * st; /* unit rows a slice computes at most */
+    float * e = (float *)qtts_scratch_get(
+        QTTS_SCRATCH_SEANET,
+        (size_t)((u.P + n_max) * C + n_max * u.R + (F + 1) * Ci) * sizeof(float));
+    float * r = e + (u.P + n_max) * C;
+    float * U = r + n_max * u.R; /* folded rows: the one before the slice, then the slice's */
+    const float * w = (const float *)ws->data;
+    const float * b = (const float *)bs->data;
+    float * y = (float *)dst->data;
+    /* the folded row before the first: the conv's zero padding, or this unit's rows */
+    if (f0 == 0) {
+        memset(U, 0, (size_t)Ci * sizeof(float));
+    } else {
+        unit_rows(&u, U, (f0 - 1) * st, st, e, r);
+    }
+    for (int64_t s0 = f0; s0 < f1; s0 += F) {
+        const int64_t nf = f1 - s0 < F ? f1 - s0 : F;
+        const int64_t a = s0 * st, n = (s0 + nf) * st < T ? nf * st : T - a;
+        unit_rows(&u, U + Ci, a, n, e, r);
+        /* past the input's end: the zeros that complete the last window */
+        memset(U + Ci + n * C, 0, (size_t)((nf * st - n) * C) * sizeof(float));
+        conv_rows(y + s0 * O, O, U, Ci, w, b, Ci, O, 2, 1, nf);
+        memcpy(U, U + nf * Ci, (size_t)Ci * sizeof(float));
     }
 }

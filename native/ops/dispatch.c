@@ -54,6 +54,7 @@ volatile int qtts_amx_on;
     X(v, void, qtts_argmax_op, QTTS_OP_ARGS, (dst, ith, nth, userdata))                          \
     X(v, void, qtts_conv1d_tm_op, QTTS_OP_ARGS, (dst, ith, nth, userdata))                       \
     X(v, void, qtts_seanet_unit_op, QTTS_OP_ARGS, (dst, ith, nth, userdata))                     \
+    X(v, void, qtts_seanet_stage_op, QTTS_OP_ARGS, (dst, ith, nth, userdata))                    \
     X(v, void, qtts_conv1d_tm_bf16_op, QTTS_OP_ARGS, (dst, ith, nth, userdata))                  \
     X(v, void, qtts_conv1d_wino_bf16_op, QTTS_OP_ARGS, (dst, ith, nth, userdata))                \
     X(v, void, qtts_conv1d_wino_f32_op, QTTS_OP_ARGS, (dst, ith, nth, userdata))                 \

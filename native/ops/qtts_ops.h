@@ -147,6 +147,21 @@ int qtts_conv1d_tm_block(void);
 #define QTTS_SEANET_ELU_OUT 0x10000
 void qtts_seanet_unit_op(struct ggml_tensor * dst, int ith, int nth, void * userdata);
 
+/* A SEANet unit and the strided conv after it (one stage of the encoder) in a single node:
+ * ggml_custom_4d(ctx, F32, C_out, T_out, 1, 1, {h, w3, b3, w1, b1, ws, bs}, 7,
+ *                qtts_seanet_stage_op, n, flags):
+ *   dst = conv_s(ELU(unit(h))), conv_s: a causal conv of 2s taps with stride s, C -> C_out,
+ *   its s rows of left padding and the rows that complete the last window zeros,
+ *   T_out = ceil(T / s),
+ * every value bit for bit that of the separate nodes (the unit as qtts_seanet_unit_op with
+ * QTTS_SEANET_ELU_OUT, then qtts_conv1d_tm_op on the folded rows). The unit's output never
+ * leaves the cache: each slice of it is folded and convolved at once. h .. b1 as for
+ * qtts_seanet_unit_op; ws: the conv folded to 2 taps over rows of s * C channels and packed
+ * as for qtts_conv1d_tm_op (ne = [B, s * C, 2, ceil(C_out / B)]); bs: F32 [C_out]; flags:
+ * the unit's dilation in the low 16 bits, or'ed with s << QTTS_SEANET_STRIDE_SHIFT. */
+#define QTTS_SEANET_STRIDE_SHIFT 20
+void qtts_seanet_stage_op(struct ggml_tensor * dst, int ith, int nth, void * userdata);
+
 /* Output channels per packed weight block of qtts_conv1d_tm_bf16_op (every build). */
 #define QTTS_CONV_BF16_BLOCK 32
 

@@ -30,6 +30,7 @@
 #define qtts_conv1d_tm_op QTTS_V(qtts_conv1d_tm_op)
 #define qtts_conv1d_tm_block QTTS_V(qtts_conv1d_tm_block)
 #define qtts_seanet_unit_op QTTS_V(qtts_seanet_unit_op)
+#define qtts_seanet_stage_op QTTS_V(qtts_seanet_stage_op)
 #define qtts_conv1d_tm_bf16_op QTTS_V(qtts_conv1d_tm_bf16_op)
 #define qtts_conv1d_tm_bf16_fast QTTS_V(qtts_conv1d_tm_bf16_fast)
 #define qtts_conv1d_tm_bf16_amx_built QTTS_V(qtts_conv1d_tm_bf16_amx_built)

@@ -17,6 +17,7 @@ from engine.errors import NativeBuildError
 from engine.ggml import Graph, ffi, gemm_i8, gemv_q4, lib, native_info, ops
 from engine.ggml import custom_ops as co
 from engine.ggml.graph import new_tensor
+from engine.ggml.ops1d import fold_weight, pad_zero
 from tests.engine.test_gemm_i8 import data as gemm_data
 from tests.engine.test_gemm_i8 import run_gemm
 from tests.engine.test_gemv_q4 import products as gemv_q4_products
@@ -893,6 +894,64 @@ def test_seanet_unit_equals_separate_nodes(cpu1: BackendSet, cpu2: BackendSet, c
     assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max()
 
 
+def run_seanet_stage(be: BackendSet, data: tuple[np.ndarray[Any, Any], ...],
+                     strided: tuple[np.ndarray[Any, Any], ...], stride: int, d: int, fused: bool,
+                     library: Any = None) -> np.ndarray[Any, Any]:  # fmt: skip
+    """A unit and the strided conv after it: one ``seanet_stage`` node, or ``seanet_unit``
+    (``elu_out``) then ``conv1d_tm`` on the folded rows, with the zero rows in front and at
+    the end as the graph builds them."""
+    h, w3, b3, w1, b1 = data
+    ws, bs = strided
+    t, c = h.shape
+    t_out = -(-t // stride)
+    g = Graph()
+    th, tb3, tb1, tbs = (g.input(n, a.shape) for n, a in (("h", h), ("b3", b3), ("b1", b1),
+                                                          ("bs", bs)))
+    p3, p1 = (co.pack_conv_weight(w, library=library) for w in (w3, w1))
+    ps = co.pack_conv_weight(fold_weight(ws, stride), library=library)
+    tw3, tw1, tws = g.input("w3", p3.shape), g.input("w1", p1.shape), g.input("ws", ps.shape)
+    feed = {"h": h, "w3": p3, "b3": b3, "w1": p1, "b1": b1, "ws": ps, "bs": bs}
+    if fused:
+        y = co.seanet_stage(g.ctx, th, tw3, tb3, tw1, tb1, tws, tbs, stride, d, library=library)
+    else:
+        u = co.seanet_unit(g.ctx, th, tw3, tb3, tw1, tb1, d, elu_out=True, library=library)
+        u = pad_zero(g.ctx, u, 0, t_out * stride - t)
+        folded = lib.ggml_reshape_2d(g.ctx, u, stride * c, t_out)
+        y = co.conv1d_tm(g.ctx, folded, tws, tbs, hist=g.input("zeros", (1, stride * c)),
+                         library=library)
+        feed["zeros"] = np.zeros((1, stride * c), np.float32)
+    g.output(y, "y")
+    return be.execute(g, feed)["y"].reshape(t_out, bs.shape[0])
+
+
+SEANET_STAGE_CASES = [  # (C, T, d, stride): a length not a multiple of the stride, shorter
+    (64, 4000, 1, 4),  # than one, masked blocks, several slices per thread
+    (128, 1001, 1, 5),
+    (40, 37, 2, 6),
+    (32, 3, 1, 8),
+    (256, 300, 1, 2),
+]
+
+
+@needs_ops
+@pytest.mark.parametrize(("c", "t", "d", "stride"), SEANET_STAGE_CASES)
+def test_seanet_stage_equals_separate_nodes(cpu1: BackendSet, cpu2: BackendSet, c: int, t: int,
+                                            d: int, stride: int) -> None:
+    rng = np.random.default_rng(c * t)
+    data = seanet_unit_data(rng, c, t, 3)
+    ws = (rng.standard_normal((2 * c, c, 2 * stride)) / np.sqrt(2 * c * stride)).astype(
+        np.float32)
+    strided = (ws, rng.standard_normal(2 * c).astype(np.float32))
+    y = run_seanet_stage(cpu2, data, strided, stride, d, fused=True)
+    assert np.array_equal(y, run_seanet_stage(cpu2, data, strided, stride, d, fused=False))
+    assert np.array_equal(y, run_seanet_stage(cpu1, data, strided, stride, d, fused=True))
+    u = seanet_unit_ref(data, d, True)  # float64: zero rows, folded, conv
+    u = np.concatenate([np.zeros((stride, c)), u, np.zeros((-t % stride, c))])
+    ref = conv_ref(u.reshape(-1, stride * c), fold_weight(ws, stride).astype(np.float64),
+                   strided[1], 1)
+    assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
 @needs_ops
 def test_seanet_unit_rejects_what_the_kernel_cannot_take() -> None:
     blk = co.conv_block()
@@ -911,6 +970,14 @@ def test_seanet_unit_rejects_what_the_kernel_cannot_take() -> None:
         co.seanet_unit(g.ctx, h, w3, b3, w1, g.input("b1b", (63,)))
     with pytest.raises(ValueError, match="dilation"):
         co.seanet_unit(g.ctx, h, w3, b3, w1, b1, 0)
+    ws, bs = g.input("ws", (-(-128 // blk), 2, 256, blk)), g.input("bs", (128,))
+    assert int(co.seanet_stage(g.ctx, h, w3, b3, w1, b1, ws, bs, 4).ne[1]) == 3
+    with pytest.raises(ValueError, match="ws has ne"):
+        co.seanet_stage(g.ctx, h, w3, b3, w1, b1, ws, bs, 2)
+    with pytest.raises(ValueError, match="stride"):
+        co.seanet_stage(g.ctx, h, w3, b3, w1, b1, ws, bs, 0)
+    with pytest.raises(TypeError, match="bs"):
+        co.seanet_stage(g.ctx, h, w3, b3, w1, b1, ws, g.input("bs2", (128,), dtype=np.int32), 4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -953,6 +1020,14 @@ def test_other_isa_paths(cpu1: BackendSet, cpu2: BackendSet, tmp_path: Path,
         y = run_seanet_unit(cpu2, data, d, elu_out, fused=True, library=library)
         assert np.array_equal(y, run_seanet_unit(cpu2, data, d, elu_out, False, library))
         assert np.array_equal(y, run_seanet_unit(cpu1, data, d, elu_out, True, library))
+    for c, t, d, stride in SEANET_STAGE_CASES:
+        rng = np.random.default_rng(c)
+        data = seanet_unit_data(rng, c, t, 3)
+        ws = rng.standard_normal((2 * c, c, 2 * stride)).astype(np.float32) / (4 * c)
+        strided = (ws, rng.standard_normal(2 * c).astype(np.float32))
+        y = run_seanet_stage(cpu2, data, strided, stride, d, True, library)
+        assert np.array_equal(y, run_seanet_stage(cpu2, data, strided, stride, d, False, library))
+        assert np.array_equal(y, run_seanet_stage(cpu1, data, strided, stride, d, True, library))
     rng = np.random.default_rng(21)
     for c, t in [(96, 300), (100, 3)]:
         ea, ib = snake_params(rng, c)
