@@ -97,8 +97,8 @@ def transformer(ctx: Any, W: Callable[[str], Tensor], form: ConvForm,
         a = _attention(ctx, W, form, zero_bias, c, g, a, pos, mask)
         h = lib.ggml_add(ctx, h, lib.ggml_mul(ctx, a, W(g + "attn_scale")))
         m = _layer_norm(ctx, h, W(g + "ffn_norm.weight"), W(g + "ffn_norm.bias"), c.norm_eps)
-        m = lib.ggml_gelu_erf(ctx, linear(ctx, W, form, zero_bias, g + "ffn_up.weight", m,
-                                                c.intermediate_size))  # fmt: skip
+        m = form.gelu_erf(ctx, linear(ctx, W, form, zero_bias, g + "ffn_up.weight", m,
+                                      c.intermediate_size))  # fmt: skip
         m = linear(ctx, W, form, zero_bias, g + "ffn_down.weight", m, c.hidden_size)
         h = lib.ggml_add(ctx, h, lib.ggml_mul(ctx, m, W(g + "ffn_scale")))
     return lib.ggml_view_2d(ctx, h, int(h.ne[0]), t, h.nb[1], 0) if tp > t else h

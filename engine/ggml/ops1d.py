@@ -119,6 +119,10 @@ class ConvForm:
         """ELU: the vectorised native op, or ggml's."""
         return co.elu(ctx, x) if self.direct else lib.ggml_elu(ctx, x)
 
+    def gelu_erf(self, ctx: Any, x: Tensor) -> Tensor:
+        """GELU with the exact erf: the vectorised native op, or ggml's (libm per element)."""
+        return co.gelu_erf(ctx, x) if self.direct else lib.ggml_gelu_erf(ctx, x)
+
     def argmax(self, ctx: Any, x: Tensor) -> Tensor:
         """Row argmax (I32): the native op (every thread; ties to the first index, as the
         reference's argmin), or ggml's (one thread; ties to the last)."""

@@ -42,6 +42,9 @@ volatile int qtts_amx_on;
     X(v, void, qtts_elu_op,                                                                      \
       (struct ggml_tensor * dst, const struct ggml_tensor * a, int ith, int nth, void * userdata), \
       (dst, a, ith, nth, userdata))                                                              \
+    X(v, void, qtts_gelu_erf_op,                                                                 \
+      (struct ggml_tensor * dst, const struct ggml_tensor * a, int ith, int nth, void * userdata), \
+      (dst, a, ith, nth, userdata))                                                              \
     X(v, void, qtts_kv_write_transposed_op,                                                      \
       (struct ggml_tensor * dst, const struct ggml_tensor * a, const struct ggml_tensor * b,     \
        int ith, int nth, void * userdata),                                                       \

@@ -108,6 +108,13 @@ void qtts_attn_step_op(struct ggml_tensor * dst, int ith, int nth, void * userda
  * starts or on the thread count. */
 void qtts_attn_window_op(struct ggml_tensor * dst, int ith, int nth, void * userdata);
 
+/* GELU with the exact erf, y = x/2 (1 + erf(x / sqrt 2)) (ggml's GELU_ERF), as a
+ * ggml_custom1_op_t for ggml_map_custom1(ctx, x, qtts_gelu_erf_op, n, NULL): vectorised,
+ * within 6 ulp of the float64 GELU from x = -5 up (scalar build: erff); x: F32, contiguous,
+ * any shape. */
+void qtts_gelu_erf_op(struct ggml_tensor * dst, const struct ggml_tensor * a, int ith, int nth,
+                      void * userdata);
+
 /* Row argmax, as a ggml_custom_op_t for
  * ggml_custom_4d(ctx, I32, rows, 1, 1, 1, {x}, 1, qtts_argmax_op, n, NULL):
  *   dst[r] = the first index of the largest value of row r (NaN never taken; 0 when no value

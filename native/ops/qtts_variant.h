@@ -19,6 +19,7 @@
 #define qtts_ops_isa QTTS_V(qtts_ops_isa)
 #define qtts_snake_beta_op QTTS_V(qtts_snake_beta_op)
 #define qtts_elu_op QTTS_V(qtts_elu_op)
+#define qtts_gelu_erf_op QTTS_V(qtts_gelu_erf_op)
 #define qtts_kv_write_transposed_op QTTS_V(qtts_kv_write_transposed_op)
 #define qtts_attn_causal_op QTTS_V(qtts_attn_causal_op)
 #define qtts_attn_causal_fast QTTS_V(qtts_attn_causal_fast)

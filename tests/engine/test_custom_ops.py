@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import platform
 import re
 import shutil
@@ -758,6 +759,73 @@ def test_elu_rejects_what_the_kernel_cannot_take() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# GELU (exact erf)
+
+
+def gelu_input() -> np.ndarray[Any, Any]:
+    """Every scale from 1e-6 to 8 on both sides, a fine sweep of -16..16 and the specials."""
+    rng = np.random.default_rng(6)
+    parts = [rng.standard_normal(20001) * s for s in (1e-6, 0.01, 0.3, 1, 2, 4, 8)]
+    edge = [0.0, -0.0, 1e-40, -1e-40, 0.7071, -0.7071, -14.1, -14.2, -30.0, 1e30, -1e30,
+            np.inf, -np.inf, np.nan]  # fmt: skip
+    return np.concatenate([*parts, np.linspace(-16, 16, 64001), edge]).astype(np.float32)
+
+
+def run_gelu(be: BackendSet, x: np.ndarray[Any, Any], library: Any = None, native: bool = True
+             ) -> np.ndarray[Any, Any]:  # fmt: skip
+    g = Graph()
+    tx = g.input("x", x.shape)
+    g.output(co.gelu_erf(g.ctx, tx, library=library) if native else lib.ggml_gelu_erf(g.ctx, tx),
+             "y")
+    return be.execute(g, {"x": x})["y"].reshape(x.shape)
+
+
+def gelu_errors(y: np.ndarray[Any, Any], x: np.ndarray[Any, Any]
+                ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:  # fmt: skip
+    """Finite x: (x, error in ulp of the float64 GELU); NaN and infinities checked here."""
+    assert y.dtype == np.float32
+    assert np.array_equal(np.isnan(y), np.isnan(x) | (x == -np.inf))  # -inf * 0, as ggml
+    assert np.all(y[x == np.inf] == np.inf)
+    ok = np.isfinite(x)
+    xd = x[ok].astype(np.float64)
+    ref = np.array([0.5 * v * math.erfc(-v / math.sqrt(2)) for v in xd])
+    ulp = np.spacing(np.abs(ref).astype(np.float32)).astype(np.float64)
+    # below the normal range (x < -13) in units of the smallest normal: AVX2 flushes there
+    ulp = np.maximum(ulp, float(np.finfo(np.float32).tiny))
+    return xd, np.abs(y[ok].astype(np.float64) - ref) / ulp
+
+
+def check_gelu(y: np.ndarray[Any, Any], x: np.ndarray[Any, Any]) -> None:
+    """The vector paths: within 6 ulp of float64 from x = -5 up, 11 below."""
+    xd, err = gelu_errors(y, x)
+    assert err[xd >= -5].max(initial=0.0) <= 6.0, f"{err[xd >= -5].max():.2f} ulp"
+    assert err.max(initial=0.0) <= 11.0, f"{err.max():.2f} ulp"
+
+
+@needs_ops
+def test_gelu_erf_matches_float64(cpu1: BackendSet, cpu2: BackendSet) -> None:
+    x = gelu_input()
+    y = run_gelu(cpu2, x)
+    check_gelu(y, x)
+    assert np.array_equal(y, run_gelu(cpu1, x), equal_nan=True)
+    for n in (1, 15, 17, 33):  # masked tails
+        check_gelu(run_gelu(cpu2, x[-n:]), x[-n:])
+    # ggml's (libm erff per element) loses every digit where 1 + erf cancels; ours does not
+    xd, err = gelu_errors(run_gelu(cpu2, x, native=False), x)
+    assert err[xd < -5].max() > 1e6
+
+
+@needs_ops
+def test_gelu_erf_rejects_what_the_kernel_cannot_take() -> None:
+    g = Graph()
+    x = g.input("x", (4, 6))
+    with pytest.raises(ValueError, match="contiguous"):
+        co.gelu_erf(g.ctx, lib.ggml_transpose(g.ctx, x))
+    with pytest.raises(TypeError, match="F32"):
+        co.gelu_erf(g.ctx, g.input("i", (4,), dtype=np.int32))
+
+
+# ---------------------------------------------------------------------------------------------
 # Row argmax
 
 
@@ -1013,6 +1081,12 @@ def test_other_isa_paths(cpu1: BackendSet, cpu2: BackendSet, tmp_path: Path,
     assert co.conv_block(library) == {"avx2": 16, "scalar": 64}[isa]
     x = elu_input()
     check_elu(run_elu(cpu2, x, library), x)
+    x = gelu_input()
+    if isa == "avx2":
+        check_gelu(run_gelu(cpu2, x, library), x)
+    else:  # erff per element, as ggml: its digits where 1 + erf does not cancel
+        xd, err = gelu_errors(run_gelu(cpu2, x, library), x)
+        assert err[xd >= -1].max() <= 3.0
     x = argmax_input()
     assert np.array_equal(run_argmax(cpu2, x, library), argmax_ref(x))
     for c, t, k, d, elu_out in SEANET_CASES:

@@ -1,0 +1,187 @@
+/* GELU with the exact erf, y = x/2 * (1 + erf(x / sqrt 2)), for the codec encoder's
+ * transformer (see qtts_ops.h).
+ *
+ * ggml's GELU_ERF calls libm erff once per element: ~7 ms of a 10 s reference's encode. Here in
+ * vector lanes, with 1 + erf(z) = erfc(-z):
+ *   |z| < 1/2:  1 + z * E(z^2), E the Taylor series of erf(z)/z to z^14 (truncation < 3e-10);
+ *   otherwise:  erfc(a), a = |z|, as t * exp(-a^2 + g(t)), t = 1 / (1 + a/2), g a polynomial of
+ *               degree 9 in u = (t - 7/12) * 12/5 (t over [1/6, 1] for a up to 10), fitted to
+ *               log(erfc(a) / t) + a^2 in float64 (weighted least squares, max error 5e-8);
+ *               a^2 enters as its rounded square and a remainder (exp(-hi) (1 - lo)) that holds
+ *               the square's rounding and z's (x / sqrt 2 rounded), which erfc would otherwise
+ *               amplify 2 a^2 times, and so does the rounding of g - hi; z > 0 takes
+ *               2 - erfc(a).
+ * Within 6 ulp of the float64 GELU from x = -5 up (11 below, where it is under 1e-6); ggml's
+ * is within 2.5 ulp above x = -1 and loses all digits below x = -5, where 1 + erff cancels.
+ * erfc(a) is 0 from a = 10 (below 2e-45). NaN stays NaN. The scalar build calls erff (as
+ * ggml does). */
+#include <math.h>
+#include <stdint.h>
+
+#include "qtts_attn_simd.h"
+#include "qtts_ops.h"
+
+#define GELU_INV_SQRT2 0.70710678118654752f
+#define GELU_INV_SQRT2_LO 1.2101617e-08f /* 1/sqrt 2 - GELU_INV_SQRT2 */
+#define GELU_A_MAX 10.0f
+#define GELU_U_MID 0.58333333333f /* (1/6 + 1) / 2: the centre of t's fitted range */
+#define GELU_U_SCALE 2.4f         /* 1 / (5/12) */
+/* E(w) = erf(z)/z, w = z^2: 2/sqrt(pi) (-1)^n / (n! (2n+1)) */
+#define GELU_E0 1.1283791671e+00f
+#define GELU_E1 -3.7612638903e-01f
+#define GELU_E2 1.1283791671e-01f
+#define GELU_E3 -2.6866170645e-02f
+#define GELU_E4 5.2239776254e-03f
+#define GELU_E5 -8.5483270235e-04f
+#define GELU_E6 1.2055332982e-04f
+#define GELU_E7 -1.4925650358e-05f
+/* g(u), lowest degree first */
+#define GELU_G0 -5.585953956e-01f
+#define GELU_G1 5.703070710e-01f
+#define GELU_G2 1.574721605e-02f
+#define GELU_G3 -2.946988936e-02f
+#define GELU_G4 -1.062950594e-03f
+#define GELU_G5 3.705812034e-03f
+#define GELU_G6 -2.267045386e-04f
+#define GELU_G7 -5.320486619e-04f
+#define GELU_G8 7.310249795e-05f
+#define GELU_G9 5.383271671e-05f
+
+#if defined(__AVX512F__)
+
+#define V __m512
+#define SET1 _mm512_set1_ps
+#define FMA _mm512_fmadd_ps
+#define MUL _mm512_mul_ps
+#define EXPV exp16
+
+static inline V gelu_v(V x) {
+    const V z = MUL(x, SET1(GELU_INV_SQRT2));
+    const V a = _mm512_min_ps(_mm512_abs_ps(z), SET1(GELU_A_MAX));
+    const V w = MUL(z, z);
+    V e = FMA(SET1(GELU_E7), w, SET1(GELU_E6));
+    e = FMA(e, w, SET1(GELU_E5));
+    e = FMA(e, w, SET1(GELU_E4));
+    e = FMA(e, w, SET1(GELU_E3));
+    e = FMA(e, w, SET1(GELU_E2));
+    e = FMA(e, w, SET1(GELU_E1));
+    e = FMA(e, w, SET1(GELU_E0));
+    const V s_small = FMA(z, e, SET1(1.0f));
+    const V t = _mm512_div_ps(SET1(1.0f), FMA(a, SET1(0.5f), SET1(1.0f)));
+    const V u = MUL(_mm512_sub_ps(t, SET1(GELU_U_MID)), SET1(GELU_U_SCALE));
+    V g = FMA(SET1(GELU_G9), u, SET1(GELU_G8));
+    g = FMA(g, u, SET1(GELU_G7));
+    g = FMA(g, u, SET1(GELU_G6));
+    g = FMA(g, u, SET1(GELU_G5));
+    g = FMA(g, u, SET1(GELU_G4));
+    g = FMA(g, u, SET1(GELU_G3));
+    g = FMA(g, u, SET1(GELU_G2));
+    g = FMA(g, u, SET1(GELU_G1));
+    g = FMA(g, u, SET1(GELU_G0));
+    /* a^2 = hi + lo: z's own rounding (x/sqrt 2 = z + dz) counts too, as 2 z dz */
+    const V dz = FMA(x, SET1(GELU_INV_SQRT2_LO), _mm512_fmsub_ps(x, SET1(GELU_INV_SQRT2), z));
+    const V hi = MUL(a, a);
+    const V lo = FMA(MUL(z, SET1(2.0f)), dz, _mm512_fmsub_ps(a, a, hi));
+    /* g - hi rounded, and what the rounding dropped (TwoSum): exp(arg) (1 + err - lo) */
+    const V arg = _mm512_sub_ps(g, hi);
+    const V bv = _mm512_sub_ps(arg, g);
+    const V err = _mm512_sub_ps(_mm512_sub_ps(g, _mm512_sub_ps(arg, bv)), _mm512_add_ps(hi, bv));
+    V c = MUL(MUL(t, EXPV(arg)), _mm512_add_ps(SET1(1.0f), _mm512_sub_ps(err, lo)));
+    c = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, SET1(GELU_A_MAX), _CMP_LT_OQ), c);
+    const __mmask16 pos = _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_GT_OQ);
+    V s = _mm512_mask_sub_ps(c, pos, SET1(2.0f), c);
+    const __mmask16 small = _mm512_cmp_ps_mask(_mm512_abs_ps(z), SET1(0.5f), _CMP_LT_OQ);
+    s = _mm512_mask_mov_ps(s, small, s_small);
+    /* NaN: z is NaN, so is s_small; a = min(NaN, 10) is 10 there: keep NaN */
+    s = _mm512_mask_mov_ps(s, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
+    return MUL(MUL(x, SET1(0.5f)), s);
+}
+
+static void gelu_span(float * y, const float * x, int64_t n) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, gelu_v(_mm512_loadu_ps(x + i)));
+    if (i < n) {
+        const __mmask16 m = (__mmask16)((1u << (n - i)) - 1u);
+        _mm512_mask_storeu_ps(y + i, m, gelu_v(_mm512_maskz_loadu_ps(m, x + i)));
+    }
+}
+
+#elif ATTN_AVX2
+
+#define V __m256
+#define SET1 _mm256_set1_ps
+#define FMA _mm256_fmadd_ps
+#define MUL _mm256_mul_ps
+
+static inline V gelu_v(V x) {
+    const V sign = SET1(-0.0f);
+    const V z = MUL(x, SET1(GELU_INV_SQRT2));
+    const V az = _mm256_andnot_ps(sign, z);
+    const V a = _mm256_min_ps(az, SET1(GELU_A_MAX));
+    const V w = MUL(z, z);
+    V e = FMA(SET1(GELU_E7), w, SET1(GELU_E6));
+    e = FMA(e, w, SET1(GELU_E5));
+    e = FMA(e, w, SET1(GELU_E4));
+    e = FMA(e, w, SET1(GELU_E3));
+    e = FMA(e, w, SET1(GELU_E2));
+    e = FMA(e, w, SET1(GELU_E1));
+    e = FMA(e, w, SET1(GELU_E0));
+    const V s_small = FMA(z, e, SET1(1.0f));
+    const V t = _mm256_div_ps(SET1(1.0f), FMA(a, SET1(0.5f), SET1(1.0f)));
+    const V u = MUL(_mm256_sub_ps(t, SET1(GELU_U_MID)), SET1(GELU_U_SCALE));
+    V g = FMA(SET1(GELU_G9), u, SET1(GELU_G8));
+    g = FMA(g, u, SET1(GELU_G7));
+    g = FMA(g, u, SET1(GELU_G6));
+    g = FMA(g, u, SET1(GELU_G5));
+    g = FMA(g, u, SET1(GELU_G4));
+    g = FMA(g, u, SET1(GELU_G3));
+    g = FMA(g, u, SET1(GELU_G2));
+    g = FMA(g, u, SET1(GELU_G1));
+    g = FMA(g, u, SET1(GELU_G0));
+    const V dz = FMA(x, SET1(GELU_INV_SQRT2_LO), _mm256_fmsub_ps(x, SET1(GELU_INV_SQRT2), z));
+    const V hi = MUL(a, a);
+    const V lo = FMA(MUL(z, SET1(2.0f)), dz, _mm256_fmsub_ps(a, a, hi));
+    /* exp8 flushes below -87 to 0: erfc(a) is below 1e-38 there */
+    const V arg = _mm256_sub_ps(g, hi);
+    const V bv = _mm256_sub_ps(arg, g);
+    const V err = _mm256_sub_ps(_mm256_sub_ps(g, _mm256_sub_ps(arg, bv)), _mm256_add_ps(hi, bv));
+    V c = MUL(MUL(t, exp8(arg)), _mm256_add_ps(SET1(1.0f), _mm256_sub_ps(err, lo)));
+    c = _mm256_and_ps(c, _mm256_cmp_ps(a, SET1(GELU_A_MAX), _CMP_LT_OQ));
+    V s = _mm256_blendv_ps(c, _mm256_sub_ps(SET1(2.0f), c),
+                           _mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_GT_OQ));
+    s = _mm256_blendv_ps(s, s_small, _mm256_cmp_ps(az, SET1(0.5f), _CMP_LT_OQ));
+    s = _mm256_blendv_ps(s, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    return MUL(MUL(x, SET1(0.5f)), s);
+}
+
+static void gelu_span(float * y, const float * x, int64_t n) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, gelu_v(_mm256_loadu_ps(x + i)));
+    if (i < n) { /* the same lanes for the tail */
+        float buf[8] = {0};
+        for (int64_t j = i; j < n; j++) buf[j - i] = x[j];
+        _mm256_storeu_ps(buf, gelu_v(_mm256_loadu_ps(buf)));
+        for (int64_t j = i; j < n; j++) y[j] = buf[j - i];
+    }
+}
+
+#else
+
+static void gelu_span(float * y, const float * x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) y[i] = 0.5f * x[i] * (1.0f + erff(x[i] * GELU_INV_SQRT2));
+}
+
+#endif
+
+void qtts_gelu_erf_op(struct ggml_tensor * dst, const struct ggml_tensor * a, int ith, int nth,
+                      void * userdata) {
+    (void)userdata;
+    GGML_ASSERT(a->type == GGML_TYPE_F32 && dst->type == GGML_TYPE_F32);
+    GGML_ASSERT(ggml_is_contiguous(a) && ggml_is_contiguous(dst));
+    const int64_t n = ggml_nelements(a);
+    GGML_ASSERT(ggml_nelements(dst) == n);
+    const int64_t per = ((n + nth - 1) / nth + 15) / 16 * 16; /* whole cache lines per thread */
+    const int64_t i0 = per * ith;
+    const int64_t i1 = i0 + per < n ? i0 + per : n;
+    if (i0 < i1) gelu_span((float *)dst->data + i0, (const float *)a->data + i0, i1 - i0);
+}
