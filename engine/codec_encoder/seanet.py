@@ -99,21 +99,25 @@ def seanet(ctx: Any, W: Callable[[str], Tensor], form: ConvForm, c: CodecEncoder
         s = lib.ggml_add(ctx, h, cv(n + 1, form.elu(ctx, r)))
         return form.elu(ctx, s) if last else s
 
-    def stage(n: int, h: Tensor) -> Tensor:
+    def stage(n: int, h: Tensor, pre: int | None = None) -> Tensor:
         """The last unit of a stage and the strided conv after it, in one node where the
         conv's kernel spans two strides (every Mimi stage) and its weights are not larger than
         the stage's input: the node reads them once per time slice, the separate nodes write
-        the unit's output (the size of the input) out and read it back."""
+        the unit's output (the size of the input) out and read it back. ``pre``: the conv
+        that makes ``h`` from the one-channel ``h`` given (the first conv), in the node too."""
         _hf, c_in, c_out, k, stride, _dil = convs[n + 2]
-        fused = form.direct and k == 2 * stride and c_in * c_out * k <= int(h.ne[0] * h.ne[1])
-        if not fused:
-            return cv(n + 2, unit(n, h, last=True))
+        size = int(h.ne[1]) * c_in  # the stage's input [T, C], in floats
+        if not form.direct or k != 2 * stride or c_in * c_out * k > size:
+            return cv(n + 2, unit(n, h if pre is None else cv(pre, h), last=True))
         p, q, s = (f"cenc.conv.{i}" for i in (n, n + 1, n + 2))
+        pw = None if pre is None else (W(f"cenc.conv.{pre}.weight"), W(f"cenc.conv.{pre}.bias"))
         return co.seanet_stage(ctx, h, W(f"{p}.weight"), W(f"{p}.bias"), W(f"{q}.weight"),
                                W(f"{q}.bias"), W(f"{s}.weight"), W(f"{s}.bias"), stride,
-                               convs[n][5])  # fmt: skip
+                               convs[n][5], pre=pw)  # fmt: skip
 
-    h = cv(0, wav)
+    # the first conv runs inside the first stage's node where that stage is one unit
+    one_unit = c.num_residual_layers == 1 and bool(c.upsampling_ratios)
+    h = wav if one_unit else cv(0, wav)
     n = 1
     for _ratio in c.upsampling_ratios:
         if not c.num_residual_layers:
@@ -123,7 +127,7 @@ def seanet(ctx: Any, W: Callable[[str], Tensor], form: ConvForm, c: CodecEncoder
         for _j in range(c.num_residual_layers - 1):
             h = unit(n, h, last=False)
             n += 2
-        h = stage(n, h)
+        h = stage(n, h, pre=0 if one_unit and n == 1 else None)
         n += 3
     return cv(n, form.elu(ctx, h))
 

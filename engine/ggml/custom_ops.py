@@ -531,13 +531,18 @@ def conv1d_tm(ctx: Any, xp: Tensor, w: Tensor, bias: Tensor, dilation: int = 1, 
 
 
 def _seanet_unit_checks(what: str, h: Tensor, w3: Tensor, b3: Tensor, w1: Tensor, b1: Tensor,
-                        dilation: int, library: Any | None) -> None:  # fmt: skip
+                        dilation: int, library: Any | None, h_channels: int | None = None
+                        ) -> None:  # fmt: skip
+    """``h`` [C, T] (``h_channels`` when it is a pre-conv's input instead)."""
     _check_f32(h, f"{what}: h")
     if not lib.ggml_is_contiguous(h) or int(h.ne[2]) != 1 or int(h.ne[3]) != 1:
         raise ValueError(f"{what}: h must be a contiguous 2-D F32 tensor [C, T]")
     if dilation < 1 or dilation > int(lib.QTTS_CONV_DILATION_MASK):
         raise ValueError(f"{what}: dilation must be in 1 .. 65535, got {dilation}")
-    c, r = int(h.ne[0]), int(b3.ne[0])
+    c, r = int(b1.ne[0]), int(b3.ne[0])
+    if int(h.ne[0]) != (c if h_channels is None else h_channels):
+        raise ValueError(f"{what}: h has {int(h.ne[0])} channels, expected "
+                         f"{c if h_channels is None else h_channels}")
     _check_packed(what, "w3", w3, c, r, None, library)
     _check_packed(what, "w1", w1, r, c, 1, library)
     _check_vector(b3, r, f"{what}: b3")
@@ -579,6 +584,7 @@ def seanet_unit(ctx: Any, h: Tensor, w3: Tensor, b3: Tensor, w1: Tensor, b1: Ten
 
 def seanet_stage(ctx: Any, h: Tensor, w3: Tensor, b3: Tensor, w1: Tensor, b1: Tensor,
                  ws: Tensor, bs: Tensor, stride: int, dilation: int = 1, *,
+                 pre: tuple[Tensor, Tensor] | None = None,
                  library: Any | None = None) -> Tensor:  # fmt: skip
     """A SEANet unit and the strided conv after it in a single node:
     ``conv_s(ELU(h + conv1(ELU(convK(ELU(h))))))`` -> F32 ne = [C_out, ceil(T / stride)].
@@ -586,20 +592,29 @@ def seanet_stage(ctx: Any, h: Tensor, w3: Tensor, b3: Tensor, w1: Tensor, b1: Te
     ``h`` .. ``b1`` as for :func:`seanet_unit`; ``ws``/``bs``: the causal conv of ``2 * stride``
     taps with stride ``stride`` (zero padding: ``stride`` rows in front, the rows that complete
     the last window after), folded (``ops1d.fold_weight``) and packed by ``pack_conv_weight``:
-    ne = [B, stride * C, 2, ceil(C_out / B)]. Every value is bit for bit that of the separate
-    nodes (``seanet_unit`` with ``elu_out``, then ``conv1d_tm`` on the folded rows); each slice
-    of the unit's output is convolved while it is in the cache."""
-    _seanet_unit_checks("seanet_stage", h, w3, b3, w1, b1, dilation, library)
+    ne = [B, stride * C, 2, ceil(C_out / B)]. ``pre``: the weight and bias of a causal conv of
+    one input channel (K0 taps, K0 - 1 zero rows in front, packed) that makes ``h`` from the
+    node's ``h`` [1, T] (the encoder's first conv over the waveform). Every value is bit for
+    bit that of the separate nodes (that conv, ``seanet_unit`` with ``elu_out``, then
+    ``conv1d_tm`` on the folded rows); each slice of the unit's input and output is made and
+    convolved while it is in the cache."""
+    _seanet_unit_checks("seanet_stage", h, w3, b3, w1, b1, dilation, library,
+                        None if pre is None else 1)
     if stride < 1 or stride >= 1 << (63 - int(lib.QTTS_SEANET_STRIDE_SHIFT)):
         raise ValueError(f"seanet_stage: stride must be >= 1, got {stride}")
-    c, c_out = int(h.ne[0]), int(bs.ne[0])
+    c, c_out = int(b1.ne[0]), int(bs.ne[0])
     _check_packed("seanet_stage", "ws", ws, stride * c, c_out, 2, library)
     _check_vector(bs, c_out, "seanet_stage: bs")
+    srcs = [h, w3, b3, w1, b1, ws, bs]
+    if pre is not None:
+        _check_packed("seanet_stage", "pre weight", pre[0], 1, c, None, library)
+        _check_vector(pre[1], c, "seanet_stage: pre bias")
+        srcs += list(pre)
     fn = _fn(library, "qtts_seanet_stage_op", "ggml_custom_op_t")
-    args = ffi.new("struct ggml_tensor *[7]", [h, w3, b3, w1, b1, ws, bs])
+    args = ffi.new(f"struct ggml_tensor *[{len(srcs)}]", srcs)
     flags = dilation | (stride << int(lib.QTTS_SEANET_STRIDE_SHIFT))
     return lib.ggml_custom_4d(ctx, lib.GGML_TYPE_F32, c_out, -(-int(h.ne[1]) // stride), 1, 1,
-                              args, 7, fn, GGML_N_TASKS_MAX, ffi.cast("void *", flags))
+                              args, len(srcs), fn, GGML_N_TASKS_MAX, ffi.cast("void *", flags))
 
 
 # ---------------------------------------------------------------------------------------------

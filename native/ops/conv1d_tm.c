@@ -510,7 +510,7 @@ static seanet_unit seanet_unit_get(const struct ggml_tensor * dst, int64_t flags
     seanet_unit u = {
         .h = (const float *)h->data, .w3 = (const float *)w3->data,
         .b3 = (const float *)b3->data, .w1 = (const float *)w1->data,
-        .b1 = (const float *)b1->data, .C = h->ne[0], .R = b3->ne[0], .T = h->ne[1],
+        .b1 = (const float *)b1->data, .C = b1->ne[0], .R = b3->ne[0], .T = h->ne[1],
         .d = flags & QTTS_CONV_DILATION_MASK, .K = (int)w3->ne[2],
         .elu_out = (flags & QTTS_SEANET_ELU_OUT) != 0,
     };
@@ -523,6 +523,7 @@ static seanet_unit seanet_unit_get(const struct ggml_tensor * dst, int64_t flags
     GGML_ASSERT(w1->ne[1] == u.R && w1->ne[2] == 1 && w1->ne[3] == (u.C + OB - 1) / OB);
     GGML_ASSERT(b3->type == GGML_TYPE_F32 && ggml_is_contiguous(b3) && ggml_nelements(b3) == u.R);
     GGML_ASSERT(b1->type == GGML_TYPE_F32 && ggml_is_contiguous(b1) && ggml_nelements(b1) == u.C);
+    GGML_ASSERT(dst->src[7] != NULL || h->ne[0] == u.C); /* else h is the pre-conv's input */
     return u;
 }
 
@@ -532,19 +533,18 @@ static int64_t unit_slice_rows(const seanet_unit * u, int64_t bytes) {
     return S < NT_MAIN ? NT_MAIN : S / NT_MAIN * NT_MAIN;
 }
 
-/* Rows t0 .. t0+n-1 of the unit's output into y (row stride C); e and r: scratch of
- * (P + n) * C and n * R floats. */
-static void unit_rows(const seanet_unit * u, float * y, int64_t t0, int64_t n, float * e,
-                      float * r) {
+/* Rows t0 .. t0+n-1 of the unit's output into y (row stride C), from hs: h's row t0 (and the
+ * min(P, t0) rows before it); e and r: scratch of (P + n) * C and n * R floats. */
+static void unit_rows(const seanet_unit * u, float * y, const float * hs, int64_t t0, int64_t n,
+                      float * e, float * r) {
     const int64_t C = u->C, P = u->P;
     /* e = ELU(h) over rows t0 - P .. t0 + n - 1; rows before 0 are the conv's zero padding */
     const int64_t zr = P - t0 > 0 ? P - t0 : 0;
     memset(e, 0, (size_t)(zr * C) * sizeof(float));
-    qtts_elu_span(e + zr * C, u->h + (t0 - P + zr) * C, (P + n - zr) * C);
+    qtts_elu_span(e + zr * C, hs - (P - zr) * C, (P + n - zr) * C);
     conv_rows(r, u->R, e, C, u->w3, u->b3, C, u->R, u->K, u->d, n);
     qtts_elu_span(r, r, n * u->R);
     conv_rows(y, C, r, u->R, u->w1, u->b1, u->R, C, 1, 1, n);
-    const float * hs = u->h + t0 * C;
     for (int64_t i = 0; i < n * C; i++) y[i] = hs[i] + y[i];
     if (u->elu_out) qtts_elu_span(y, y, n * C);
 }
@@ -559,8 +559,28 @@ void qtts_seanet_unit_op(struct ggml_tensor * dst, int ith, int nth, void * user
                                           (size_t)((u.P + S) * u.C + S * u.R) * sizeof(float));
     for (int64_t s0 = t0; s0 < t1; s0 += S) {
         const int64_t n = t1 - s0 < S ? t1 - s0 : S;
-        unit_rows(&u, (float *)dst->data + s0 * u.C, s0, n, e, e + (u.P + S) * u.C);
+        unit_rows(&u, (float *)dst->data + s0 * u.C, u.h + s0 * u.C, s0, n, e,
+                  e + (u.P + S) * u.C);
     }
+}
+
+/* The stage's h rows t0 - back .. t0 + n - 1 (back <= t0) into H (row stride C): rows of h
+ * itself, or the pre-conv's output over the input x (one channel, its K0 - 1 rows of zero
+ * padding in front; xs: scratch of n + back + K0 - 1 floats). Returns h's row t0. */
+typedef struct {
+    const float * x;  /* the pre-conv's input [T] (one channel), or NULL: h is in u.h */
+    const float * w0; /* its packed weight (1 -> C, K0 taps) and bias */
+    const float * b0;
+    int K0;
+} seanet_preconv;
+
+static const float * stage_h_rows(const seanet_unit * u, const seanet_preconv * pc, float * H,
+                                  float * xs, int64_t t0, int64_t back, int64_t n) {
+    if (pc->x == NULL) return u->h + t0 * u->C;
+    const int64_t P0 = pc->K0 - 1, first = t0 - back - P0, rows = back + n + P0;
+    for (int64_t i = 0; i < rows; i++) xs[i] = first + i < 0 ? 0.0f : pc->x[first + i];
+    conv_rows(H, u->C, xs, 1, pc->w0, pc->b0, 1, u->C, pc->K0, 1, back + n);
+    return H + back * u->C;
 }
 
 void qtts_seanet_stage_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
@@ -568,6 +588,18 @@ void qtts_seanet_stage_op(struct ggml_tensor * dst, int ith, int nth, void * use
     seanet_unit u = seanet_unit_get(dst, flags | QTTS_SEANET_ELU_OUT);
     const struct ggml_tensor * ws = dst->src[5];
     const struct ggml_tensor * bs = dst->src[6];
+    const struct ggml_tensor * w0 = dst->src[7];
+    const struct ggml_tensor * b0 = dst->src[8];
+    seanet_preconv pc = {0};
+    if (w0 != NULL) {
+        const struct ggml_tensor * x = dst->src[0];
+        GGML_ASSERT(x->ne[0] == 1 && b0 != NULL && b0->type == GGML_TYPE_F32);
+        GGML_ASSERT(ggml_is_contiguous(b0) && ggml_nelements(b0) == u.C);
+        GGML_ASSERT(w0->type == GGML_TYPE_F32 && ggml_is_contiguous(w0) && w0->ne[0] == OB);
+        GGML_ASSERT(w0->ne[1] == 1 && w0->ne[3] == (u.C + OB - 1) / OB);
+        pc = (seanet_preconv){.x = (const float *)x->data, .w0 = (const float *)w0->data,
+                              .b0 = (const float *)b0->data, .K0 = (int)w0->ne[2]};
+    }
     const int64_t st = flags >> QTTS_SEANET_STRIDE_SHIFT, C = u.C, T = u.T;
     const int64_t Ci = st * C, O = bs->ne[0], T_out = (T + st - 1) / st;
     GGML_ASSERT(st >= 1 && dst->ne[0] == O && dst->ne[1] == T_out);
@@ -581,11 +613,14 @@ void qtts_seanet_stage_op(struct ggml_tensor * dst, int ith, int nth, void * use
     const int64_t f0 = T_out * ith / nth, f1 = T_out * (ith + 1) / nth;
     if (f0 >= f1) return;
     const int64_t n_max = F * st; /* unit rows a slice computes at most */
+    const int64_t h_rows = pc.x != NULL ? u.P + n_max : 0, x_rows = pc.x ? h_rows + pc.K0 : 0;
     float * e = (float *)qtts_scratch_get(
-        QTTS_SCRATCH_SEANET,
-        (size_t)((u.P + n_max) * C + n_max * u.R + (F + 1) * Ci) * sizeof(float));
+        QTTS_SCRATCH_SEANET, (size_t)((u.P + n_max) * C + n_max * u.R + (F + 1) * Ci +
+                                      h_rows * C + x_rows) * sizeof(float));
     float * r = e + (u.P + n_max) * C;
     float * U = r + n_max * u.R; /* folded rows: the one before the slice, then the slice's */
+    float * H = U + (F + 1) * Ci; /* the pre-conv's rows */
+    float * xs = H + h_rows * C;
     const float * w = (const float *)ws->data;
     const float * b = (const float *)bs->data;
     float * y = (float *)dst->data;
@@ -593,12 +628,14 @@ void qtts_seanet_stage_op(struct ggml_tensor * dst, int ith, int nth, void * use
     if (f0 == 0) {
         memset(U, 0, (size_t)Ci * sizeof(float));
     } else {
-        unit_rows(&u, U, (f0 - 1) * st, st, e, r);
+        const int64_t a = (f0 - 1) * st, back = a < u.P ? a : u.P;
+        unit_rows(&u, U, stage_h_rows(&u, &pc, H, xs, a, back, st), a, st, e, r);
     }
     for (int64_t s0 = f0; s0 < f1; s0 += F) {
         const int64_t nf = f1 - s0 < F ? f1 - s0 : F;
         const int64_t a = s0 * st, n = (s0 + nf) * st < T ? nf * st : T - a;
-        unit_rows(&u, U + Ci, a, n, e, r);
+        const int64_t back = a < u.P ? a : u.P;
+        unit_rows(&u, U + Ci, stage_h_rows(&u, &pc, H, xs, a, back, n), a, n, e, r);
         /* past the input's end: the zeros that complete the last window */
         memset(U + Ci + n * C, 0, (size_t)((nf * st - n) * C) * sizeof(float));
         conv_rows(y + s0 * O, O, U, Ci, w, b, Ci, O, 2, 1, nf);

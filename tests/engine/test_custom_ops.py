@@ -964,24 +964,38 @@ def test_seanet_unit_equals_separate_nodes(cpu1: BackendSet, cpu2: BackendSet, c
 
 def run_seanet_stage(be: BackendSet, data: tuple[np.ndarray[Any, Any], ...],
                      strided: tuple[np.ndarray[Any, Any], ...], stride: int, d: int, fused: bool,
-                     library: Any = None) -> np.ndarray[Any, Any]:  # fmt: skip
+                     library: Any = None,
+                     pre: tuple[np.ndarray[Any, Any], ...] | None = None
+                     ) -> np.ndarray[Any, Any]:  # fmt: skip
     """A unit and the strided conv after it: one ``seanet_stage`` node, or ``seanet_unit``
     (``elu_out``) then ``conv1d_tm`` on the folded rows, with the zero rows in front and at
-    the end as the graph builds them."""
+    the end as the graph builds them. ``pre``: (x [T, 1], w0, b0): h is that conv of x."""
     h, w3, b3, w1, b1 = data
     ws, bs = strided
     t, c = h.shape
     t_out = -(-t // stride)
     g = Graph()
-    th, tb3, tb1, tbs = (g.input(n, a.shape) for n, a in (("h", h), ("b3", b3), ("b1", b1),
+    src = h if pre is None else pre[0]
+    th, tb3, tb1, tbs = (g.input(n, a.shape) for n, a in (("h", src), ("b3", b3), ("b1", b1),
                                                           ("bs", bs)))
     p3, p1 = (co.pack_conv_weight(w, library=library) for w in (w3, w1))
     ps = co.pack_conv_weight(fold_weight(ws, stride), library=library)
     tw3, tw1, tws = g.input("w3", p3.shape), g.input("w1", p1.shape), g.input("ws", ps.shape)
-    feed = {"h": h, "w3": p3, "b3": b3, "w1": p1, "b1": b1, "ws": ps, "bs": bs}
+    feed = {"h": src, "w3": p3, "b3": b3, "w1": p1, "b1": b1, "ws": ps, "bs": bs}
+    tpre = None
+    if pre is not None:
+        p0 = co.pack_conv_weight(pre[1], library=library)
+        tpre = (g.input("w0", p0.shape), g.input("b0", pre[2].shape))
+        feed["w0"], feed["b0"] = p0, pre[2]
     if fused:
-        y = co.seanet_stage(g.ctx, th, tw3, tb3, tw1, tb1, tws, tbs, stride, d, library=library)
+        y = co.seanet_stage(g.ctx, th, tw3, tb3, tw1, tb1, tws, tbs, stride, d, pre=tpre,
+                            library=library)
     else:
+        if tpre is not None:
+            k0 = pre[1].shape[2] if pre is not None else 1
+            th = co.conv1d_tm(g.ctx, th, tpre[0], tpre[1], hist=g.input("z0", (k0 - 1, 1)),
+                              library=library)
+            feed["z0"] = np.zeros((k0 - 1, 1), np.float32)
         u = co.seanet_unit(g.ctx, th, tw3, tb3, tw1, tb1, d, elu_out=True, library=library)
         u = pad_zero(g.ctx, u, 0, t_out * stride - t)
         folded = lib.ggml_reshape_2d(g.ctx, u, stride * c, t_out)
@@ -992,27 +1006,46 @@ def run_seanet_stage(be: BackendSet, data: tuple[np.ndarray[Any, Any], ...],
     return be.execute(g, feed)["y"].reshape(t_out, bs.shape[0])
 
 
-SEANET_STAGE_CASES = [  # (C, T, d, stride): a length not a multiple of the stride, shorter
-    (64, 4000, 1, 4),  # than one, masked blocks, several slices per thread
-    (128, 1001, 1, 5),
-    (40, 37, 2, 6),
-    (32, 3, 1, 8),
-    (256, 300, 1, 2),
+SEANET_STAGE_CASES = [  # (C, T, d, stride, pre): a length not a multiple of the stride,
+    (64, 4000, 1, 4, True),  # shorter than one, masked blocks, several slices per thread, the
+    (64, 4000, 1, 4, False),  # first conv inside
+    (128, 1001, 1, 5, False),
+    (40, 37, 2, 6, True),
+    (32, 3, 1, 8, True),
+    (256, 300, 1, 2, False),
 ]
 
 
-@needs_ops
-@pytest.mark.parametrize(("c", "t", "d", "stride"), SEANET_STAGE_CASES)
-def test_seanet_stage_equals_separate_nodes(cpu1: BackendSet, cpu2: BackendSet, c: int, t: int,
-                                            d: int, stride: int) -> None:
+def seanet_stage_data(c: int, t: int, stride: int, pre: bool
+                      ) -> tuple[tuple[np.ndarray[Any, Any], ...], tuple[np.ndarray[Any, Any], ...],
+                                 tuple[np.ndarray[Any, Any], ...] | None]:  # fmt: skip
+    """A unit's data, the strided conv and (``pre``) a 7-tap conv of one channel making h."""
     rng = np.random.default_rng(c * t)
     data = seanet_unit_data(rng, c, t, 3)
     ws = (rng.standard_normal((2 * c, c, 2 * stride)) / np.sqrt(2 * c * stride)).astype(
         np.float32)
     strided = (ws, rng.standard_normal(2 * c).astype(np.float32))
-    y = run_seanet_stage(cpu2, data, strided, stride, d, fused=True)
-    assert np.array_equal(y, run_seanet_stage(cpu2, data, strided, stride, d, fused=False))
-    assert np.array_equal(y, run_seanet_stage(cpu1, data, strided, stride, d, fused=True))
+    if not pre:
+        return data, strided, None
+    x = (rng.standard_normal((t, 1)) * 0.5).astype(np.float32)
+    w0 = rng.standard_normal((c, 1, 7)).astype(np.float32)
+    b0 = rng.standard_normal(c).astype(np.float32)
+    xp = np.concatenate([np.zeros((6, 1), np.float32), x])
+    h = conv_ref(xp, w0, b0, 1).astype(np.float32)  # for the float64 check only
+    return (h, *data[1:]), strided, (x, w0, b0)
+
+
+@needs_ops
+@pytest.mark.parametrize(("c", "t", "d", "stride", "pre"), SEANET_STAGE_CASES)
+def test_seanet_stage_equals_separate_nodes(cpu1: BackendSet, cpu2: BackendSet, c: int, t: int,
+                                            d: int, stride: int, pre: bool) -> None:
+    data, strided, pre_data = seanet_stage_data(c, t, stride, pre)
+    y = run_seanet_stage(cpu2, data, strided, stride, d, True, pre=pre_data)
+    assert np.array_equal(y, run_seanet_stage(cpu2, data, strided, stride, d, False,
+                                              pre=pre_data))  # fmt: skip
+    assert np.array_equal(y, run_seanet_stage(cpu1, data, strided, stride, d, True,
+                                              pre=pre_data))  # fmt: skip
+    ws = strided[0]
     u = seanet_unit_ref(data, d, True)  # float64: zero rows, folded, conv
     u = np.concatenate([np.zeros((stride, c)), u, np.zeros((-t % stride, c))])
     ref = conv_ref(u.reshape(-1, stride * c), fold_weight(ws, stride).astype(np.float64),
@@ -1034,7 +1067,7 @@ def test_seanet_unit_rejects_what_the_kernel_cannot_take() -> None:
         co.seanet_unit(g.ctx, h, g.input("w3b", (1, 3, 48, blk)), b3, w1, b1)
     with pytest.raises(ValueError, match="w1 has ne"):
         co.seanet_unit(g.ctx, h, w3, b3, g.input("w1b", (1, 2, 32, blk)), b1)
-    with pytest.raises(ValueError, match="b1"):
+    with pytest.raises(ValueError, match="h has 64 channels, expected 63"):
         co.seanet_unit(g.ctx, h, w3, b3, w1, g.input("b1b", (63,)))
     with pytest.raises(ValueError, match="dilation"):
         co.seanet_unit(g.ctx, h, w3, b3, w1, b1, 0)
@@ -1044,6 +1077,13 @@ def test_seanet_unit_rejects_what_the_kernel_cannot_take() -> None:
         co.seanet_stage(g.ctx, h, w3, b3, w1, b1, ws, bs, 2)
     with pytest.raises(ValueError, match="stride"):
         co.seanet_stage(g.ctx, h, w3, b3, w1, b1, ws, bs, 0)
+    with pytest.raises(ValueError, match="h has 64 channels, expected 1"):
+        co.seanet_stage(g.ctx, h, w3, b3, w1, b1, ws, bs, 4, pre=(g.input("w0", (2, 7, 1, blk)),
+                                                                  b1))
+    x = g.input("x", (10, 1))
+    with pytest.raises(ValueError, match="pre weight has ne"):
+        co.seanet_stage(g.ctx, x, w3, b3, w1, b1, ws, bs, 4, pre=(g.input("w0b", (1, 7, 1, blk)),
+                                                                  b1))
     with pytest.raises(TypeError, match="bs"):
         co.seanet_stage(g.ctx, h, w3, b3, w1, b1, ws, g.input("bs2", (128,), dtype=np.int32), 4)
 
@@ -1094,14 +1134,12 @@ def test_other_isa_paths(cpu1: BackendSet, cpu2: BackendSet, tmp_path: Path,
         y = run_seanet_unit(cpu2, data, d, elu_out, fused=True, library=library)
         assert np.array_equal(y, run_seanet_unit(cpu2, data, d, elu_out, False, library))
         assert np.array_equal(y, run_seanet_unit(cpu1, data, d, elu_out, True, library))
-    for c, t, d, stride in SEANET_STAGE_CASES:
-        rng = np.random.default_rng(c)
-        data = seanet_unit_data(rng, c, t, 3)
-        ws = rng.standard_normal((2 * c, c, 2 * stride)).astype(np.float32) / (4 * c)
-        strided = (ws, rng.standard_normal(2 * c).astype(np.float32))
-        y = run_seanet_stage(cpu2, data, strided, stride, d, True, library)
-        assert np.array_equal(y, run_seanet_stage(cpu2, data, strided, stride, d, False, library))
-        assert np.array_equal(y, run_seanet_stage(cpu1, data, strided, stride, d, True, library))
+    for c, t, d, stride, pre in SEANET_STAGE_CASES:
+        data, strided, pre_data = seanet_stage_data(c, t, stride, pre)
+        y = run_seanet_stage(cpu2, data, strided, stride, d, True, library, pre_data)
+        for be, fused in ((cpu2, False), (cpu1, True)):
+            z = run_seanet_stage(be, data, strided, stride, d, fused, library, pre_data)
+            assert np.array_equal(y, z)
     rng = np.random.default_rng(21)
     for c, t in [(96, 300), (100, 3)]:
         ea, ib = snake_params(rng, c)
