@@ -16,6 +16,7 @@ import numpy.typing as npt
 
 from engine.codec_encoder.schema import CodecEncoderConfig
 from engine.ggml import NULL, Tensor, lib
+from engine.ggml import custom_ops as co
 from engine.ggml.ops1d import ConvForm, pad_zero
 
 LINEARS = ("attn_q", "attn_k", "attn_v", "attn_out", "ffn_up", "ffn_down")
@@ -68,6 +69,8 @@ def _attention(ctx: Any, W: Callable[[str], Tensor], form: ConvForm, zb: Callabl
     q = heads(g + "attn_q.weight", nh, True)
     k = heads(g + "attn_k.weight", nkv, True)
     v = heads(g + "attn_v.weight", nkv, False)
+    if form.direct:  # one node on the conv kernel's tiles
+        return lin(g + "attn_out.weight", co.attn_full(ctx, q, k, v), c.hidden_size)
     # contiguous per-head copies (small) let ggml_mul_mat take its fast GEMM path
     qp = lib.ggml_cont(ctx, lib.ggml_permute(ctx, q, 0, 2, 1, 3))  # [d, T, H]
     kp = lib.ggml_cont(ctx, lib.ggml_permute(ctx, k, 0, 2, 1, 3))  # [d, Tk, Hkv]; GQA broadcasts

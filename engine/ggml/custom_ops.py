@@ -23,7 +23,8 @@ prefill's V rows into the channel-major cache); ``pool_stats`` (per-channel mean
 over time); ``argmax`` (rows over every thread); ``attn_causal`` (a prefill's attention over
 the talker cache, fused); ``attn_step`` (the attention of decoding steps, several sessions'
 caches and their K/V writes in one node); ``attn_window`` (the decoder pre-transformer's
-sliding-window attention, chunking-invariant); ``conv1d_tm`` (exact F32 direct conv, weights from
+sliding-window attention, chunking-invariant); ``attn_full`` (causal attention over a whole
+input on the conv tiles); ``conv1d_tm`` (exact F32 direct conv, weights from
 ``pack_conv_weight``), ``seanet_unit`` and ``seanet_stage`` (a residual unit of the codec
 encoder on it, and a unit with the strided conv after it, fused);
 ``conv1d_tm_bf16`` (its fast-mode twin: BF16 weights from ``pack_conv_weight_bf16`` and
@@ -351,6 +352,32 @@ def attn_window(ctx: Any, q: Tensor, k: Tensor, v: Tensor, pos: Tensor, window: 
     args = ffi.new("struct ggml_tensor *[4]", [q, k, v, pos])
     return lib.ggml_custom_4d(ctx, lib.GGML_TYPE_F32, d * n_head, t, 1, 1, args, 4, fn,
                               GGML_N_TASKS_MAX, ffi.cast("void *", window))
+
+
+def attn_full(ctx: Any, q: Tensor, k: Tensor, v: Tensor, *,
+              library: Any | None = None) -> Tensor:  # fmt: skip
+    """Causal attention over a whole input in one node: ``softmax(k q / sqrt(d)) v`` per query
+    head, the query at position ``t`` seeing keys ``0 .. t``; the heads merged, ``[d * H, T]``
+    (F32). ``q``: ``[d, H, T]`` with each position's heads contiguous; ``k``, ``v``: ``[d, H_kv,
+    T]``, rows of ``d`` contiguous. The products run on ``conv1d_tm``'s register tiles (each
+    sum in key or channel order); the result does not depend on the thread count."""
+    for x, name in ((q, "q"), (k, "k"), (v, "v")):
+        _check_f32(x, f"attn_full: {name}")
+        if int(x.nb[0]) != 4 or int(x.ne[3]) != 1:
+            raise ValueError(f"attn_full: {name} must be 3-D with contiguous rows")
+    d, n_head, t = int(q.ne[0]), int(q.ne[1]), int(q.ne[2])
+    if int(q.nb[1]) != 4 * d:
+        raise ValueError("attn_full: q must hold each position's heads contiguously")
+    shape = [int(k.ne[i]) for i in range(3)]
+    if shape != [int(v.ne[i]) for i in range(3)] or shape[0] != d or shape[2] != t:
+        raise ValueError(f"attn_full: k and v must both be [{d}, H_kv, {t}], got {shape} and "
+                         f"{[int(v.ne[i]) for i in range(3)]}")
+    if shape[1] < 1 or n_head % shape[1]:
+        raise ValueError(f"attn_full: {n_head} query heads over {shape[1]} KV heads")
+    fn = _fn(library, "qtts_attn_full_op", "ggml_custom_op_t")
+    args = ffi.new("struct ggml_tensor *[3]", [q, k, v])
+    return lib.ggml_custom_4d(ctx, lib.GGML_TYPE_F32, d * n_head, t, 1, 1, args, 3, fn,
+                              GGML_N_TASKS_MAX, ffi.NULL)
 
 
 @dataclass(frozen=True)

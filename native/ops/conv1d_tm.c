@@ -19,6 +19,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "qtts_conv_rows.h"
 #include "qtts_elu.h"
 #include "qtts_ops.h"
 #include "qtts_scratch.h"
@@ -450,10 +451,10 @@ void qtts_conv1d_tm_op(struct ggml_tensor * dst, int ith, int nth, void * userda
     }
 }
 
-/* y rows 0 .. n-1 (row stride ys) of a conv over xp (row stride xs, its (K-1)*d history rows
- * in front), every output block: the tiles and the summation order of qtts_conv1d_tm_op. */
-static void conv_rows(float * y, int64_t ys, const float * xp, int64_t xs, const float * w,
-                      const float * bias, int64_t Ci, int64_t O, int K, int64_t d, int64_t n) {
+void qtts_conv_rows(float * y, int64_t ys, const float * xp, int64_t xs, const float * w,
+                    int64_t wbs, const float * bias, int64_t Ci, int64_t O, int K, int64_t d,
+                    int64_t n) {
+    wbs = wbs ? wbs : (int64_t)K * Ci * OB;
     const int64_t kc = chunk_width(Ci);
     for (int64_t o0 = 0; o0 < O; o0 += OB) {
         const int width = (int)(O - o0 < OB ? O - o0 : OB);
@@ -461,7 +462,7 @@ static void conv_rows(float * y, int64_t ys, const float * xp, int64_t xs, const
         for (int64_t c0 = 0; c0 < Ci; c0 += kc) {
             const int64_t nc = Ci - c0 < kc ? Ci - c0 : kc;
             const conv_args base = {
-                .xp = xp + c0, .xs = xs, .w = w + (o0 / OB * K * Ci + c0) * OB, .wks = Ci * OB,
+                .xp = xp + c0, .xs = xs, .w = w + o0 / OB * wbs + c0 * OB, .wks = Ci * OB,
                 .d = d, .nc = nc, .K = K,
             };
             for (int64_t t = 0; t < n; t += NT_MAIN) {
@@ -542,9 +543,9 @@ static void unit_rows(const seanet_unit * u, float * y, const float * hs, int64_
     const int64_t zr = P - t0 > 0 ? P - t0 : 0;
     memset(e, 0, (size_t)(zr * C) * sizeof(float));
     qtts_elu_span(e + zr * C, hs - (P - zr) * C, (P + n - zr) * C);
-    conv_rows(r, u->R, e, C, u->w3, u->b3, C, u->R, u->K, u->d, n);
+    qtts_conv_rows(r, u->R, e, C, u->w3, 0, u->b3, C, u->R, u->K, u->d, n);
     qtts_elu_span(r, r, n * u->R);
-    conv_rows(y, C, r, u->R, u->w1, u->b1, u->R, C, 1, 1, n);
+    qtts_conv_rows(y, C, r, u->R, u->w1, 0, u->b1, u->R, C, 1, 1, n);
     for (int64_t i = 0; i < n * C; i++) y[i] = hs[i] + y[i];
     if (u->elu_out) qtts_elu_span(y, y, n * C);
 }
@@ -579,7 +580,7 @@ static const float * stage_h_rows(const seanet_unit * u, const seanet_preconv * 
     if (pc->x == NULL) return u->h + t0 * u->C;
     const int64_t P0 = pc->K0 - 1, first = t0 - back - P0, rows = back + n + P0;
     for (int64_t i = 0; i < rows; i++) xs[i] = first + i < 0 ? 0.0f : pc->x[first + i];
-    conv_rows(H, u->C, xs, 1, pc->w0, pc->b0, 1, u->C, pc->K0, 1, back + n);
+    qtts_conv_rows(H, u->C, xs, 1, pc->w0, 0, pc->b0, 1, u->C, pc->K0, 1, back + n);
     return H + back * u->C;
 }
 
@@ -638,7 +639,7 @@ void qtts_seanet_stage_op(struct ggml_tensor * dst, int ith, int nth, void * use
         unit_rows(&u, U + Ci, stage_h_rows(&u, &pc, H, xs, a, back, n), a, n, e, r);
         /* past the input's end: the zeros that complete the last window */
         memset(U + Ci + n * C, 0, (size_t)((nf * st - n) * C) * sizeof(float));
-        conv_rows(y + s0 * O, O, U, Ci, w, b, Ci, O, 2, 1, nf);
+        qtts_conv_rows(y + s0 * O, O, U, Ci, w, 0, b, Ci, O, 2, 1, nf);
         memcpy(U, U + nf * Ci, (size_t)Ci * sizeof(float));
     }
 }

@@ -122,6 +122,17 @@ void qtts_gelu_erf_op(struct ggml_tensor * dst, const struct ggml_tensor * a, in
  * x: F32 ne = [n, rows], contiguous rows (any row stride); 2-D. */
 void qtts_argmax_op(struct ggml_tensor * dst, int ith, int nth, void * userdata);
 
+/* Causal attention over a whole input (the codec encoder's transformer), as a
+ * ggml_custom_op_t for ggml_custom_4d(ctx, F32, d * H, T, 1, 1, {q, k, v}, 3,
+ * qtts_attn_full_op, n, NULL):
+ *   dst[t, h*d + c] = sum_{j <= t} softmax_j(k[j, hk] . q[t, h] / sqrt(d)) v[j, hk, c],
+ *   hk = h / (H / H_kv)
+ * q: F32 ne = [d, H, T]; k, v: F32 ne = [d, H_kv, T]; rows of d contiguous, any other strides.
+ * The products run on qtts_conv1d_tm_op's tiles (scores as a 1x1 conv of q by the keys, the
+ * output as one of the probabilities by the values): every sum in key or channel order, the
+ * result independent of the thread count. */
+void qtts_attn_full_op(struct ggml_tensor * dst, int ith, int nth, void * userdata);
+
 /* Causal dilated conv1d, time-major, as a ggml_custom_op_t for
  * ggml_custom_4d(ctx, F32, C_out, T, 1, 1, {xp, w, bias}, 3, qtts_conv1d_tm_op, n, (void*)d)
  * or, with the history in a tensor of its own (no concat),

@@ -25,6 +25,7 @@
 #define qtts_attn_causal_fast QTTS_V(qtts_attn_causal_fast)
 #define qtts_attn_step_op QTTS_V(qtts_attn_step_op)
 #define qtts_attn_window_op QTTS_V(qtts_attn_window_op)
+#define qtts_attn_full_op QTTS_V(qtts_attn_full_op)
 #define qtts_channel_join_op QTTS_V(qtts_channel_join_op)
 #define qtts_pool_stats_op QTTS_V(qtts_pool_stats_op)
 #define qtts_argmax_op QTTS_V(qtts_argmax_op)
@@ -53,3 +54,4 @@
 #define qtts_conv_stage_rows QTTS_V(qtts_conv_stage_rows)
 #define qtts_snake_row QTTS_V(qtts_snake_row)
 #define qtts_elu_span QTTS_V(qtts_elu_span)
+#define qtts_conv_rows QTTS_V(qtts_conv_rows)

@@ -1121,6 +1121,12 @@ def test_other_isa_paths(cpu1: BackendSet, cpu2: BackendSet, tmp_path: Path,
     assert co.conv_block(library) == {"avx2": 16, "scalar": 64}[isa]
     x = elu_input()
     check_elu(run_elu(cpu2, x, library), x)
+    for d, h, hkv, t, scale in ATTN_FULL_CASES:
+        q, k, v = _attn_full_data(d, h, hkv, t, scale)
+        want, mag = _window_reference(q, k, v, 0, t)
+        got = _attn_full(cpu2, q, k, v, library)
+        assert np.all(np.abs(got - want) <= 1e-6 * mag + 1e-30), np.abs(got - want).max()
+        assert np.array_equal(got, _attn_full(cpu1, q, k, v, library))
     x = gelu_input()
     if isa == "avx2":
         check_gelu(run_gelu(cpu2, x, library), x)
@@ -1813,6 +1819,64 @@ def test_attn_window_matches_float64(cpu1: BackendSet, cpu2: BackendSet, d: int,
     for be in (cpu1, cpu2):
         got = _attn_window(be, q, k, v, pos0, window)
         assert np.all(np.abs(got - want) <= 1e-6 * mag + 1e-30), np.abs(got - want).max()
+
+
+def _attn_full(be: BackendSet, q: np.ndarray[Any, Any], k: np.ndarray[Any, Any],
+               v: np.ndarray[Any, Any], library: Any | None = None) -> np.ndarray[Any, Any]:
+    """The op on q [T, H, d] and k, v [T, H_kv, d]."""
+    t, h, d = q.shape
+    g = Graph()
+    tq, tk, tv = g.input("q", q.shape), g.input("k", k.shape), g.input("v", v.shape)
+    g.output(co.attn_full(g.ctx, tq, tk, tv, library=library), "out")
+    return be.execute(g, {"q": q, "k": k, "v": v})["out"].reshape(t, h * d)
+
+
+ATTN_FULL_CASES = [  # (d, H, H_kv, T, scale)
+    (64, 8, 8, 256, 1.0),  # the codec encoder's transformer (10 s: 250 frames, padded)
+    (64, 8, 8, 1, 1.0),  # one query
+    (64, 4, 2, 97, 4.0),  # 2 query heads per KV head; not a whole number of query blocks
+    (24, 8, 4, 50, 8.0),  # head size not a multiple of the conv block; a peaked softmax
+    (100, 2, 1, 130, 0.5),
+]
+
+
+def _attn_full_data(d: int, h: int, hkv: int, t: int, scale: float
+                    ) -> tuple[np.ndarray[Any, Any], ...]:  # fmt: skip
+    rng = np.random.default_rng(d * t + h)
+    q = (rng.standard_normal((t, h, d)) * scale).astype(np.float32)
+    k = (rng.standard_normal((t, hkv, d)) * scale).astype(np.float32)
+    v = (rng.standard_normal((t, hkv, d)) * 10.0 ** rng.uniform(-2, 2, (1, hkv, d))
+         ).astype(np.float32)
+    return q, k, v
+
+
+@needs_ops
+@pytest.mark.parametrize("d,h,hkv,t,scale", ATTN_FULL_CASES)
+def test_attn_full_matches_float64(cpu1: BackendSet, cpu2: BackendSet, d: int, h: int,
+                                   hkv: int, t: int, scale: float) -> None:
+    """Causal attention over the whole input (a window as long as it): within float32
+    rounding of float64, the same bits on 1 and 2 threads."""
+    q, k, v = _attn_full_data(d, h, hkv, t, scale)
+    want, mag = _window_reference(q, k, v, 0, t)
+    got = _attn_full(cpu2, q, k, v)
+    assert np.all(np.abs(got - want) <= 1e-6 * mag + 1e-30), np.abs(got - want).max()
+    assert np.array_equal(got, _attn_full(cpu1, q, k, v))
+
+
+@needs_ops
+def test_attn_full_rejects_what_the_kernel_cannot_take() -> None:
+    g = Graph()
+    q, k = g.input("q", (10, 8, 64)), g.input("k", (10, 4, 64))
+    assert int(co.attn_full(g.ctx, q, k, k).ne[0]) == 512
+    with pytest.raises(ValueError, match="heads contiguously"):
+        co.attn_full(g.ctx, lib.ggml_permute(g.ctx, g.input("p", (8, 10, 64)), 0, 2, 1, 3), k, k)
+    with pytest.raises(ValueError, match="k and v"):
+        co.attn_full(g.ctx, q, k, g.input("v", (9, 4, 64)))
+    with pytest.raises(ValueError, match="8 query heads over 3"):
+        k3 = g.input("k3", (10, 3, 64))
+        co.attn_full(g.ctx, q, k3, k3)
+    with pytest.raises(TypeError, match="F32"):
+        co.attn_full(g.ctx, q, k, g.input("vi", (10, 4, 64), dtype=np.int32))
 
 
 @needs_ops
