@@ -197,10 +197,15 @@ def elu(ctx: Any, x: Tensor, *, library: Any | None = None) -> Tensor:
     """ELU (alpha 1), ``x > 0 ? x : expm1(x)``, with a vectorised expm1 (about 1 ulp; ggml's
     own ELU calls libm once per element). ``x``: F32, contiguous, any shape; returns a new
     tensor shaped like it. Elements are split over the compute threads."""
-    _check_f32(x, "elu: x")
+    return _elementwise(ctx, x, "elu", library)
+
+
+def _elementwise(ctx: Any, x: Tensor, what: str, library: Any | None) -> Tensor:
+    """The node of the element-wise op ``qtts_<what>_op`` on ``x`` (F32, contiguous)."""
+    _check_f32(x, f"{what}: x")
     if not lib.ggml_is_contiguous(x):
-        raise ValueError("elu: x must be contiguous (ggml_cont it first)")
-    fn = _fn(library, "qtts_elu_op", "ggml_custom1_op_t")
+        raise ValueError(f"{what}: x must be contiguous (ggml_cont it first)")
+    fn = _fn(library, f"qtts_{what}_op", "ggml_custom1_op_t")
     return lib.ggml_map_custom1(ctx, x, fn, GGML_N_TASKS_MAX, ffi.NULL)
 
 
@@ -209,11 +214,7 @@ def gelu_erf(ctx: Any, x: Tensor, *, library: Any | None = None) -> Tensor:
     GELU from x = -5 up and 11 below (ggml calls libm's erff once per element, and its
     ``1 + erf`` cancels below x = -1: 100 ulp at -3, every digit lost below -5). ``x``: F32,
     contiguous, any shape; returns a new tensor shaped like it."""
-    _check_f32(x, "gelu_erf: x")
-    if not lib.ggml_is_contiguous(x):
-        raise ValueError("gelu_erf: x must be contiguous (ggml_cont it first)")
-    fn = _fn(library, "qtts_gelu_erf_op", "ggml_custom1_op_t")
-    return lib.ggml_map_custom1(ctx, x, fn, GGML_N_TASKS_MAX, ffi.NULL)
+    return _elementwise(ctx, x, "gelu_erf", library)
 
 
 def argmax(ctx: Any, x: Tensor, *, library: Any | None = None) -> Tensor:

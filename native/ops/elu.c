@@ -114,13 +114,5 @@ void qtts_elu_span(float * y, const float * x, int64_t n) {
 void qtts_elu_op(struct ggml_tensor * dst, const struct ggml_tensor * a, int ith, int nth,
                  void * userdata) {
     (void)userdata;
-    GGML_ASSERT(a->type == GGML_TYPE_F32 && dst->type == GGML_TYPE_F32);
-    GGML_ASSERT(ggml_is_contiguous(a) && ggml_is_contiguous(dst));
-    const int64_t n = ggml_nelements(a);
-    GGML_ASSERT(ggml_nelements(dst) == n);
-    /* chunks of whole cache lines per thread */
-    const int64_t per = ((n + nth - 1) / nth + 15) / 16 * 16;
-    const int64_t i0 = per * ith;
-    const int64_t i1 = i0 + per < n ? i0 + per : n;
-    if (i0 < i1) qtts_elu_span((float *)dst->data + i0, (const float *)a->data + i0, i1 - i0);
+    qtts_elementwise(dst, a, ith, nth, qtts_elu_span);
 }

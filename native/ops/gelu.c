@@ -19,6 +19,7 @@
 #include <stdint.h>
 
 #include "qtts_attn_simd.h"
+#include "qtts_elu.h"
 #include "qtts_ops.h"
 
 #define GELU_INV_SQRT2 0.70710678118654752f
@@ -176,12 +177,5 @@ static void gelu_span(float * y, const float * x, int64_t n) {
 void qtts_gelu_erf_op(struct ggml_tensor * dst, const struct ggml_tensor * a, int ith, int nth,
                       void * userdata) {
     (void)userdata;
-    GGML_ASSERT(a->type == GGML_TYPE_F32 && dst->type == GGML_TYPE_F32);
-    GGML_ASSERT(ggml_is_contiguous(a) && ggml_is_contiguous(dst));
-    const int64_t n = ggml_nelements(a);
-    GGML_ASSERT(ggml_nelements(dst) == n);
-    const int64_t per = ((n + nth - 1) / nth + 15) / 16 * 16; /* whole cache lines per thread */
-    const int64_t i0 = per * ith;
-    const int64_t i1 = i0 + per < n ? i0 + per : n;
-    if (i0 < i1) gelu_span((float *)dst->data + i0, (const float *)a->data + i0, i1 - i0);
+    qtts_elementwise(dst, a, ith, nth, gelu_span);
 }
