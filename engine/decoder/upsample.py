@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from engine.decoder.blocks import StageGraph, causal_tconv, linear, rows, with_history
 from engine.decoder.weights import ConvNeXt, DecoderWeights
-from engine.ggml import Tensor, lib
+from engine.ggml import Tensor, custom_ops, lib
 
 
 def depthwise_conv(g: StageGraph, key: str, x: Tensor, blk: ConvNeXt) -> Tensor:
@@ -27,7 +27,10 @@ def convnext(g: StageGraph, key: str, x: Tensor, blk: ConvNeXt, eps: float) -> T
     ctx = g.ctx
     y = depthwise_conv(g, key, x, blk)
     y = lib.ggml_add(ctx, lib.ggml_mul(ctx, lib.ggml_norm(ctx, y, eps), blk.norm_w), blk.norm_b)
-    y = linear(g, lib.ggml_gelu_erf(ctx, linear(g, y, blk.pw1)), blk.pw2)
+    h = linear(g, y, blk.pw1)
+    # the native op: vectorised (ggml's calls libm's erff per element)
+    h = custom_ops.gelu_erf(ctx, h) if g.use_custom_ops else lib.ggml_gelu_erf(ctx, h)
+    y = linear(g, h, blk.pw2)
     return lib.ggml_add(ctx, x, lib.ggml_mul(ctx, y, blk.gamma))
 
 
