@@ -115,8 +115,10 @@ def seanet(ctx: Any, W: Callable[[str], Tensor], form: ConvForm, c: CodecEncoder
                                W(f"{q}.bias"), W(f"{s}.weight"), W(f"{s}.bias"), stride,
                                convs[n][5], pre=pw)  # fmt: skip
 
-    # the first conv runs inside the first stage's node where that stage is one unit
-    one_unit = c.num_residual_layers == 1 and bool(c.upsampling_ratios)
+    # the first conv (one input channel, stride and dilation 1) runs inside the first stage's
+    # node where that stage is one unit
+    one_unit = (c.num_residual_layers == 1 and bool(c.upsampling_ratios)
+                and convs[0][1] == 1 and convs[0][4:] == (1, 1))
     h = wav if one_unit else cv(0, wav)
     n = 1
     for _ratio in c.upsampling_ratios:

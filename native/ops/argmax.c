@@ -1,7 +1,7 @@
 /* Row argmax for the codec encoder's vector quantizer (see qtts_ops.h).
  *
- * ggml's ARGMAX runs on one thread (its n_tasks is 1) with a scalar compare per element: ~11 ms
- * of a 10 s reference's encode, the other thread idle. Here rows are shared out over the
+ * ggml's ARGMAX runs on one thread (its n_tasks is 1) with a scalar compare per element, the
+ * other thread idle: 16 of them per encode. Here rows are shared out over the
  * threads and each is read twice in vector lanes: its maximum, then the first index holding
  * it. Ties go to the first index, as in the reference's argmin over codebook distances (torch
  * returns the first; ggml's ARGMAX the last, which differs where a codebook holds an entry

@@ -1,12 +1,12 @@
 /* Causal attention over a whole input for the codec encoder's transformer (see qtts_ops.h).
  *
  * As ggml nodes (per-head copies, two MUL_MATs whose F32 path takes one dot product per output,
- * the masked softmax) a 10 s reference's eight layers took ~25 ms of a ~230 ms encode for ~1
- * GFLOP. Here each (head, block of queries) is one work item: the scores are a 1x1 conv of the
- * queries by the head's keys (packed once per head as a conv weight: keys are the output
- * channels), the masked softmax runs in vector lanes, and the output is a 1x1 conv of the
- * probabilities by the values over the keys the block can see, all on qtts_conv1d_tm_op's
- * register tiles. */
+ * the masked softmax) the eight layers took a tenth of the encode for a fiftieth of its work
+ * (docs/performance.md, Session 22). Here each (head, block of queries) is one work item: the
+ * scores are a 1x1 conv of the queries by the head's keys (packed once per head as a conv
+ * weight: keys are the output channels), the masked softmax runs in vector lanes, and the
+ * output is a 1x1 conv of the probabilities by the values over the keys the block can see, all
+ * on qtts_conv1d_tm_op's register tiles. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>

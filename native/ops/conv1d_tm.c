@@ -565,9 +565,7 @@ void qtts_seanet_unit_op(struct ggml_tensor * dst, int ith, int nth, void * user
     }
 }
 
-/* The stage's h rows t0 - back .. t0 + n - 1 (back <= t0) into H (row stride C): rows of h
- * itself, or the pre-conv's output over the input x (one channel, its K0 - 1 rows of zero
- * padding in front; xs: scratch of n + back + K0 - 1 floats). Returns h's row t0. */
+/* A stage's first conv, when the node makes h itself (src[7], src[8]). */
 typedef struct {
     const float * x;  /* the pre-conv's input [T] (one channel), or NULL: h is in u.h */
     const float * w0; /* its packed weight (1 -> C, K0 taps) and bias */
@@ -575,6 +573,9 @@ typedef struct {
     int K0;
 } seanet_preconv;
 
+/* The stage's h rows t0 - back .. t0 + n - 1 (back <= t0) into H (row stride C): rows of h
+ * itself, or the pre-conv's output over the input x (one channel, its K0 - 1 rows of zero
+ * padding in front; xs: scratch of n + back + K0 - 1 floats). Returns h's row t0. */
 static const float * stage_h_rows(const seanet_unit * u, const seanet_preconv * pc, float * H,
                                   float * xs, int64_t t0, int64_t back, int64_t n) {
     if (pc->x == NULL) return u->h + t0 * u->C;

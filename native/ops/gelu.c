@@ -1,7 +1,7 @@
 /* GELU with the exact erf, y = x/2 * (1 + erf(x / sqrt 2)), for the codec encoder's
  * transformer (see qtts_ops.h).
  *
- * ggml's GELU_ERF calls libm erff once per element: ~7 ms of a 10 s reference's encode. Here in
+ * ggml's GELU_ERF calls libm erff once per element (docs/performance.md, Session 22). Here in
  * vector lanes, with 1 + erf(z) = erfc(-z):
  *   |z| < 1/2:  1 + z * E(z^2), E the Taylor series of erf(z)/z to z^14 (truncation < 3e-10);
  *   otherwise:  erfc(a), a = |z|, as t * exp(-a^2 + g(t)), t = 1 / (1 + a/2), g a polynomial of

@@ -15,6 +15,3 @@ __attribute__((visibility("hidden"))) void qtts_conv_rows(float * y, int64_t ys,
                                                           int64_t wbs, const float * bias,
                                                           int64_t Ci, int64_t O, int K,
                                                           int64_t d, int64_t n);
-
-/* Output channels per packed weight block of the build (qtts_conv1d_tm_block). */
-int qtts_conv1d_tm_block(void);
