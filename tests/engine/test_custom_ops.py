@@ -1007,8 +1007,9 @@ def run_seanet_stage(be: BackendSet, data: tuple[np.ndarray[Any, Any], ...],
 
 
 SEANET_STAGE_CASES = [  # (C, T, d, stride, pre): a length not a multiple of the stride,
-    (64, 4000, 1, 4, True),  # shorter than one, masked blocks, several slices per thread, the
-    (64, 4000, 1, 4, False),  # first conv inside
+    (64, 4000, 1, 4, True),  # shorter than one, masked blocks, the
+    (64, 4000, 1, 4, False),  # first conv inside; several slices a thread
+    (32, 12000, 1, 2, True),
     (128, 1001, 1, 5, False),
     (40, 37, 2, 6, True),
     (32, 3, 1, 8, True),
