@@ -1,12 +1,13 @@
 /* GELU with the exact erf, y = x/2 * (1 + erf(x / sqrt 2)), for the codec encoder's
- * transformer (see qtts_ops.h).
+ * transformer and the decoder's upsampler (see qtts_ops.h).
  *
  * ggml's GELU_ERF calls libm erff once per element (docs/performance.md, Session 22). Here in
  * vector lanes, with 1 + erf(z) = erfc(-z):
  *   |z| < 1/2:  1 + z * E(z^2), E the Taylor series of erf(z)/z to z^14 (truncation < 3e-10);
  *   otherwise:  erfc(a), a = |z|, as t * exp(-a^2 + g(t)), t = 1 / (1 + a/2), g a polynomial of
  *               degree 9 in u = (t - 7/12) * 12/5 (t over [1/6, 1] for a up to 10), fitted to
- *               log(erfc(a) / t) + a^2 in float64 (weighted least squares, max error 5e-8);
+ *               log(erfc(a) / t) + a^2 in float64 (weighted least squares, max error 5e-8:
+ *               native/fit_gelu.py prints the coefficients);
  *               a^2 enters as its rounded square and a remainder (exp(-hi) (1 - lo)) that holds
  *               the square's rounding and z's (x / sqrt 2 rounded), which erfc would otherwise
  *               amplify 2 a^2 times, and so does the rounding of g - hi; z > 0 takes

@@ -815,6 +815,19 @@ def test_gelu_erf_matches_float64(cpu1: BackendSet, cpu2: BackendSet) -> None:
     assert err[xd < -5].max() > 1e6
 
 
+def test_gelu_erf_coefficients_are_the_fit() -> None:
+    """native/ops/gelu.c's g is what native/fit_gelu.py fits (to the printed digits)."""
+    spec = importlib.util.spec_from_file_location("qtts_fit_gelu", REPO / "native" / "fit_gelu.py")
+    assert spec is not None and spec.loader is not None
+    fit_gelu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fit_gelu)
+    coef, err = fit_gelu.fit()
+    source = (REPO / "native" / "ops" / "gelu.c").read_text()
+    in_c = [float(v) for v in re.findall(r"#define GELU_G\d+ (\S+)f", source)]
+    assert len(in_c) == len(coef) and err < 5e-8
+    np.testing.assert_allclose(in_c, coef, rtol=1e-9, atol=0)
+
+
 @needs_ops
 def test_gelu_erf_rejects_what_the_kernel_cannot_take() -> None:
     g = Graph()
