@@ -749,13 +749,14 @@ def test_elu_matches_float64(cpu1: BackendSet, cpu2: BackendSet) -> None:
 
 
 @needs_ops
-def test_elu_rejects_what_the_kernel_cannot_take() -> None:
+@pytest.mark.parametrize("op", [co.elu, co.gelu_erf])
+def test_elementwise_ops_reject_what_the_kernel_cannot_take(op: Any) -> None:
     g = Graph()
     x = g.input("x", (4, 6))
     with pytest.raises(ValueError, match="contiguous"):
-        co.elu(g.ctx, lib.ggml_transpose(g.ctx, x))
+        op(g.ctx, lib.ggml_transpose(g.ctx, x))
     with pytest.raises(TypeError, match="F32"):
-        co.elu(g.ctx, g.input("i", (4,), dtype=np.int32))
+        op(g.ctx, g.input("i", (4,), dtype=np.int32))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -816,7 +817,8 @@ def test_gelu_erf_matches_float64(cpu1: BackendSet, cpu2: BackendSet) -> None:
 
 
 def test_gelu_erf_coefficients_are_the_fit() -> None:
-    """native/ops/gelu.c's g is what native/fit_gelu.py fits (to the printed digits)."""
+    """native/ops/gelu.c's g is what native/fit_gelu.py fits: the same polynomial to well below
+    its fit error (the least squares move the last printed digits with the BLAS's threads)."""
     spec = importlib.util.spec_from_file_location("qtts_fit_gelu", REPO / "native" / "fit_gelu.py")
     assert spec is not None and spec.loader is not None
     fit_gelu = importlib.util.module_from_spec(spec)
@@ -825,17 +827,9 @@ def test_gelu_erf_coefficients_are_the_fit() -> None:
     source = (REPO / "native" / "ops" / "gelu.c").read_text()
     in_c = [float(v) for v in re.findall(r"#define GELU_G\d+ (\S+)f", source)]
     assert len(in_c) == len(coef) and err < 5e-8
-    np.testing.assert_allclose(in_c, coef, rtol=1e-9, atol=0)
-
-
-@needs_ops
-def test_gelu_erf_rejects_what_the_kernel_cannot_take() -> None:
-    g = Graph()
-    x = g.input("x", (4, 6))
-    with pytest.raises(ValueError, match="contiguous"):
-        co.gelu_erf(g.ctx, lib.ggml_transpose(g.ctx, x))
-    with pytest.raises(TypeError, match="F32"):
-        co.gelu_erf(g.ctx, g.input("i", (4,), dtype=np.int32))
+    u = np.linspace(-1.0, 1.0, 2001)
+    gap = np.polynomial.polynomial.polyval(u, in_c) - np.polynomial.polynomial.polyval(u, coef)
+    assert np.abs(gap).max() < 1e-9
 
 
 # ---------------------------------------------------------------------------------------------
