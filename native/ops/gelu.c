@@ -49,17 +49,44 @@
 #define GELU_G8 7.310249795e-05f
 #define GELU_G9 5.383271671e-05f
 
+/* One vector GELU for both SIMD paths: the operations it needs, per ISA (SEL(CMP(..), a, b)
+ * is a where the comparison holds, else b). */
 #if defined(__AVX512F__)
-
 #define V __m512
 #define SET1 _mm512_set1_ps
 #define FMA _mm512_fmadd_ps
+#define FMSUB _mm512_fmsub_ps
 #define MUL _mm512_mul_ps
-#define EXPV exp16
+#define ADD _mm512_add_ps
+#define SUB _mm512_sub_ps
+#define DIV _mm512_div_ps
+#define MIN _mm512_min_ps
+#define ABS _mm512_abs_ps
+#define CMP(a, b, op) _mm512_cmp_ps_mask(a, b, op)
+#define SEL(m, a, b) _mm512_mask_blend_ps(m, b, a)
+#define EXPV exp16 /* subnormal results kept */
+#elif ATTN_AVX2
+#define V __m256
+#define SET1 _mm256_set1_ps
+#define FMA _mm256_fmadd_ps
+#define FMSUB _mm256_fmsub_ps
+#define MUL _mm256_mul_ps
+#define ADD _mm256_add_ps
+#define SUB _mm256_sub_ps
+#define DIV _mm256_div_ps
+#define MIN _mm256_min_ps
+#define ABS(x) _mm256_andnot_ps(SET1(-0.0f), x)
+#define CMP(a, b, op) _mm256_cmp_ps(a, b, op)
+#define SEL(m, a, b) _mm256_blendv_ps(b, a, m)
+#define EXPV exp8 /* flushes below -87 to 0: erfc(a) is below 1e-38 there */
+#endif
+
+#if defined(__AVX512F__) || ATTN_AVX2
 
 static inline V gelu_v(V x) {
     const V z = MUL(x, SET1(GELU_INV_SQRT2));
-    const V a = _mm512_min_ps(_mm512_abs_ps(z), SET1(GELU_A_MAX));
+    const V az = ABS(z);
+    const V a = MIN(az, SET1(GELU_A_MAX));
     const V w = MUL(z, z);
     V e = FMA(SET1(GELU_E7), w, SET1(GELU_E6));
     e = FMA(e, w, SET1(GELU_E5));
@@ -69,8 +96,8 @@ static inline V gelu_v(V x) {
     e = FMA(e, w, SET1(GELU_E1));
     e = FMA(e, w, SET1(GELU_E0));
     const V s_small = FMA(z, e, SET1(1.0f));
-    const V t = _mm512_div_ps(SET1(1.0f), FMA(a, SET1(0.5f), SET1(1.0f)));
-    const V u = MUL(_mm512_sub_ps(t, SET1(GELU_U_MID)), SET1(GELU_U_SCALE));
+    const V t = DIV(SET1(1.0f), FMA(a, SET1(0.5f), SET1(1.0f)));
+    const V u = MUL(SUB(t, SET1(GELU_U_MID)), SET1(GELU_U_SCALE));
     V g = FMA(SET1(GELU_G9), u, SET1(GELU_G8));
     g = FMA(g, u, SET1(GELU_G7));
     g = FMA(g, u, SET1(GELU_G6));
@@ -81,23 +108,25 @@ static inline V gelu_v(V x) {
     g = FMA(g, u, SET1(GELU_G1));
     g = FMA(g, u, SET1(GELU_G0));
     /* a^2 = hi + lo: z's own rounding (x/sqrt 2 = z + dz) counts too, as 2 z dz */
-    const V dz = FMA(x, SET1(GELU_INV_SQRT2_LO), _mm512_fmsub_ps(x, SET1(GELU_INV_SQRT2), z));
+    const V dz = FMA(x, SET1(GELU_INV_SQRT2_LO), FMSUB(x, SET1(GELU_INV_SQRT2), z));
     const V hi = MUL(a, a);
-    const V lo = FMA(MUL(z, SET1(2.0f)), dz, _mm512_fmsub_ps(a, a, hi));
+    const V lo = FMA(MUL(z, SET1(2.0f)), dz, FMSUB(a, a, hi));
     /* g - hi rounded, and what the rounding dropped (TwoSum): exp(arg) (1 + err - lo) */
-    const V arg = _mm512_sub_ps(g, hi);
-    const V bv = _mm512_sub_ps(arg, g);
-    const V err = _mm512_sub_ps(_mm512_sub_ps(g, _mm512_sub_ps(arg, bv)), _mm512_add_ps(hi, bv));
-    V c = MUL(MUL(t, EXPV(arg)), _mm512_add_ps(SET1(1.0f), _mm512_sub_ps(err, lo)));
-    c = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(a, SET1(GELU_A_MAX), _CMP_LT_OQ), c);
-    const __mmask16 pos = _mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_GT_OQ);
-    V s = _mm512_mask_sub_ps(c, pos, SET1(2.0f), c);
-    const __mmask16 small = _mm512_cmp_ps_mask(_mm512_abs_ps(z), SET1(0.5f), _CMP_LT_OQ);
-    s = _mm512_mask_mov_ps(s, small, s_small);
+    const V arg = SUB(g, hi);
+    const V bv = SUB(arg, g);
+    const V err = SUB(SUB(g, SUB(arg, bv)), ADD(hi, bv));
+    V c = MUL(MUL(t, EXPV(arg)), ADD(SET1(1.0f), SUB(err, lo)));
+    c = SEL(CMP(a, SET1(GELU_A_MAX), _CMP_LT_OQ), c, SET1(0.0f));
+    V s = SEL(CMP(z, SET1(0.0f), _CMP_GT_OQ), SUB(SET1(2.0f), c), c);
+    s = SEL(CMP(az, SET1(0.5f), _CMP_LT_OQ), s_small, s);
     /* NaN: z is NaN, so is s_small; a = min(NaN, 10) is 10 there: keep NaN */
-    s = _mm512_mask_mov_ps(s, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x);
+    s = SEL(CMP(x, x, _CMP_UNORD_Q), x, s);
     return MUL(MUL(x, SET1(0.5f)), s);
 }
+
+#endif
+
+#if defined(__AVX512F__)
 
 static void gelu_span(float * y, const float * x, int64_t n) {
     int64_t i = 0;
@@ -109,52 +138,6 @@ static void gelu_span(float * y, const float * x, int64_t n) {
 }
 
 #elif ATTN_AVX2
-
-#define V __m256
-#define SET1 _mm256_set1_ps
-#define FMA _mm256_fmadd_ps
-#define MUL _mm256_mul_ps
-
-static inline V gelu_v(V x) {
-    const V sign = SET1(-0.0f);
-    const V z = MUL(x, SET1(GELU_INV_SQRT2));
-    const V az = _mm256_andnot_ps(sign, z);
-    const V a = _mm256_min_ps(az, SET1(GELU_A_MAX));
-    const V w = MUL(z, z);
-    V e = FMA(SET1(GELU_E7), w, SET1(GELU_E6));
-    e = FMA(e, w, SET1(GELU_E5));
-    e = FMA(e, w, SET1(GELU_E4));
-    e = FMA(e, w, SET1(GELU_E3));
-    e = FMA(e, w, SET1(GELU_E2));
-    e = FMA(e, w, SET1(GELU_E1));
-    e = FMA(e, w, SET1(GELU_E0));
-    const V s_small = FMA(z, e, SET1(1.0f));
-    const V t = _mm256_div_ps(SET1(1.0f), FMA(a, SET1(0.5f), SET1(1.0f)));
-    const V u = MUL(_mm256_sub_ps(t, SET1(GELU_U_MID)), SET1(GELU_U_SCALE));
-    V g = FMA(SET1(GELU_G9), u, SET1(GELU_G8));
-    g = FMA(g, u, SET1(GELU_G7));
-    g = FMA(g, u, SET1(GELU_G6));
-    g = FMA(g, u, SET1(GELU_G5));
-    g = FMA(g, u, SET1(GELU_G4));
-    g = FMA(g, u, SET1(GELU_G3));
-    g = FMA(g, u, SET1(GELU_G2));
-    g = FMA(g, u, SET1(GELU_G1));
-    g = FMA(g, u, SET1(GELU_G0));
-    const V dz = FMA(x, SET1(GELU_INV_SQRT2_LO), _mm256_fmsub_ps(x, SET1(GELU_INV_SQRT2), z));
-    const V hi = MUL(a, a);
-    const V lo = FMA(MUL(z, SET1(2.0f)), dz, _mm256_fmsub_ps(a, a, hi));
-    /* exp8 flushes below -87 to 0: erfc(a) is below 1e-38 there */
-    const V arg = _mm256_sub_ps(g, hi);
-    const V bv = _mm256_sub_ps(arg, g);
-    const V err = _mm256_sub_ps(_mm256_sub_ps(g, _mm256_sub_ps(arg, bv)), _mm256_add_ps(hi, bv));
-    V c = MUL(MUL(t, exp8(arg)), _mm256_add_ps(SET1(1.0f), _mm256_sub_ps(err, lo)));
-    c = _mm256_and_ps(c, _mm256_cmp_ps(a, SET1(GELU_A_MAX), _CMP_LT_OQ));
-    V s = _mm256_blendv_ps(c, _mm256_sub_ps(SET1(2.0f), c),
-                           _mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_GT_OQ));
-    s = _mm256_blendv_ps(s, s_small, _mm256_cmp_ps(az, SET1(0.5f), _CMP_LT_OQ));
-    s = _mm256_blendv_ps(s, x, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-    return MUL(MUL(x, SET1(0.5f)), s);
-}
 
 static void gelu_span(float * y, const float * x, int64_t n) {
     int64_t i = 0;
