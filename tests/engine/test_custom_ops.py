@@ -738,14 +738,20 @@ def check_elu(y: np.ndarray[Any, Any], x: np.ndarray[Any, Any]) -> None:
     assert np.all(err <= ulp), f"max error {np.max(err / ulp):.2f} ulp"
 
 
+def check_elementwise(cpu1: BackendSet, cpu2: BackendSet, x: np.ndarray[Any, Any],
+                      run: Any, check: Any) -> None:
+    """An element-wise op: ``check(y, x)`` on 2 threads, the same bits on 1, and the masked
+    tails of short inputs."""
+    y = run(cpu2, x)
+    check(y, x)
+    assert np.array_equal(y, run(cpu1, x), equal_nan=True)
+    for n in (1, 15, 17, 33):
+        check(run(cpu2, x[-n:]), x[-n:])
+
+
 @needs_ops
 def test_elu_matches_float64(cpu1: BackendSet, cpu2: BackendSet) -> None:
-    x = elu_input()
-    y = run_elu(cpu2, x)
-    check_elu(y, x)
-    assert np.array_equal(y, run_elu(cpu1, x), equal_nan=True)
-    for n in (1, 15, 17, 33):  # masked tails
-        check_elu(run_elu(cpu2, x[-n:]), x[-n:])
+    check_elementwise(cpu1, cpu2, elu_input(), run_elu, check_elu)
 
 
 @needs_ops
@@ -806,11 +812,7 @@ def check_gelu(y: np.ndarray[Any, Any], x: np.ndarray[Any, Any]) -> None:
 @needs_ops
 def test_gelu_erf_matches_float64(cpu1: BackendSet, cpu2: BackendSet) -> None:
     x = gelu_input()
-    y = run_gelu(cpu2, x)
-    check_gelu(y, x)
-    assert np.array_equal(y, run_gelu(cpu1, x), equal_nan=True)
-    for n in (1, 15, 17, 33):  # masked tails
-        check_gelu(run_gelu(cpu2, x[-n:]), x[-n:])
+    check_elementwise(cpu1, cpu2, x, run_gelu, check_gelu)
     # ggml's (libm erff per element) loses every digit where 1 + erf cancels; ours does not
     xd, err = gelu_errors(run_gelu(cpu2, x, native=False), x)
     assert err[xd < -5].max() > 1e6
