@@ -362,6 +362,7 @@ class BatchRunner:
             by_stream.setdefault(ev.uid, []).append(ev)
         now = time.perf_counter()
         order = sorted(by_stream, key=lambda uid: self._urgency(uid, now))
+        order = self._push_filled(order, by_stream, out)
         for ev in (ev for uid in order for ev in by_stream[uid]):
             st = self._by_uid.get(ev.uid)
             if st is None:
@@ -382,6 +383,40 @@ class BatchRunner:
             else:
                 self._segment_ended(st, ev, out)
 
+    def _push_filled(self, order: list[int], by_stream: dict[int, list[Emitted | Ended | Paused]],
+                     out: list[Event]) -> list[int]:
+        """The streams whose one event this round is a frame that fills their chunk push
+        together (``Pipeline._push_together``: short chunks in one graph, so the decoder's
+        weights are read once for all); returns the streams left for ``_handle``."""
+        filled: list[_Stream] = []
+        for uid in order:
+            st = self._by_uid.get(uid)
+            evs = by_stream[uid]
+            if (st is None or st.plan is None or len(evs) != 1 or not isinstance(evs[0], Emitted)
+                    or len(st.pending) + 1 < st.plan.ramp.target):
+                continue
+            if is_cancelled(st.cancel):
+                continue  # left for _handle, which ends it
+            filled.append(st)
+        if len(filled) < 2:
+            return order
+        for st in filled:
+            ev = by_stream[st.uid][0]
+            assert isinstance(ev, Emitted)
+            st.pending.append(ev.frame.codes)
+            st.acc = st.acc + ev.frame.timings
+        for st, chunk in zip(filled, self._push_many(filled), strict=True):
+            self._emit(st, chunk, out)
+        shared = len(self._streams) > 1
+        for st in filled:
+            assert st.plan is not None
+            st.plan.ramp.advance(shared=shared)
+        if self._pump is not None and any(st.live is not None and st.live.held for st in filled):
+            self._pump()
+            self._settle(out)
+        pushed = {st.uid for st in filled}
+        return [uid for uid in order if uid not in pushed]
+
     def _push_due(self, st: _Stream, out: list[Event]) -> bool:
         # the frames held go out, unless the stream was cancelled meanwhile (False: it ended)
         if is_cancelled(st.cancel):
@@ -395,16 +430,24 @@ class BatchRunner:
         return np.inf if st is None else st.ahead(now)
 
     def _push(self, st: _Stream, extra: StageTimings) -> AudioChunk:
-        assert st.plan is not None
+        st.acc = st.acc + extra
+        return self._push_many([st])[0]
+
+    def _push_many(self, streams: list[_Stream]) -> list[AudioChunk]:
         t0 = time.perf_counter()
-        chunk = self.pipeline._push(st.plan.decoder, st.pending, st.acc + extra, st.info)
+        pushes = []
+        for st in streams:
+            assert st.plan is not None
+            pushes.append((st.plan.decoder, st.pending, st.acc, st.info))
+        chunks = self.pipeline._push_together(pushes)
         t1 = time.perf_counter()
         self.decoder_s += t1 - t0
-        st.pending, st.acc = [], StageTimings()
-        if st.first_t is None:
-            st.first_t = t1
-        st.audio_s += chunk.audio.shape[0] / self.pipeline.decoder.sample_rate
-        return chunk
+        for st, chunk in zip(streams, chunks, strict=True):
+            st.pending, st.acc = [], StageTimings()
+            if st.first_t is None:
+                st.first_t = t1
+            st.audio_s += chunk.audio.shape[0] / self.pipeline.decoder.sample_rate
+        return chunks
 
     def _segment_ended(self, st: _Stream, ev: Ended, out: list[Event]) -> None:
         self._by_uid.pop(ev.uid, None)

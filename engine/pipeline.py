@@ -40,7 +40,7 @@ import numpy.typing as npt
 
 from engine.backend import BackendSet
 from engine.clone.prompt import VoicePrompt, build_clone_prompt, live_start_tokens
-from engine.decoder import DecoderModel, StreamingDecoder, validate_codes
+from engine.decoder import DecoderModel, StreamingDecoder, push_together, validate_codes
 from engine.errors import InputError
 from engine.talker.generate import (
     DEFAULT_MAX_FRAMES_CAP,
@@ -433,11 +433,24 @@ class Pipeline:
 
     def _push(self, sd: StreamingDecoder, codes: list[npt.NDArray[np.int32]],
               timings: StageTimings, info: StreamInfo) -> AudioChunk:
-        block = np.stack(codes, axis=1) if codes[0].ndim == 1 else np.concatenate(codes, axis=1)
-        audio, dec = sd.push(block)
-        info.codes.append(block)
-        info.frames += block.shape[1]
-        return AudioChunk(np.asarray(audio, dtype=np.float32), timings + dec, int(block.shape[1]))
+        return self._push_together([(sd, codes, timings, info)])[0]
+
+    def _push_together(self, pushes: Sequence[tuple[StreamingDecoder, list[npt.NDArray[np.int32]],
+                                                     StageTimings, StreamInfo]]
+                       ) -> list[AudioChunk]:
+        """Each stream's frames held as one chunk, the streams' pushes joined where
+        ``push_together`` joins them."""
+        blocks = [np.stack(codes, axis=1) if codes[0].ndim == 1
+                  else np.concatenate(codes, axis=1) for _sd, codes, _tm, _info in pushes]
+        decoded = push_together([sd for sd, *_ in pushes], blocks)
+        chunks = []
+        for (_sd, _codes, timings, info), block, (audio, dec) in zip(pushes, blocks, decoded,
+                                                                    strict=True):
+            info.codes.append(block)
+            info.frames += block.shape[1]
+            chunks.append(AudioChunk(np.asarray(audio, dtype=np.float32), timings + dec,
+                                     int(block.shape[1])))
+        return chunks
 
     def _stream_codes(self, req: CodesRequest, cancel: Callable[[], bool] | None,
                       info: StreamInfo) -> Generator[AudioChunk, None, str]:

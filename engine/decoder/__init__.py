@@ -6,7 +6,8 @@ state. The math of each stage: docs/architecture.md, Decoder stages.
 """
 
 from engine.decoder.model import DecoderModel
-from engine.decoder.streaming import StreamingDecoder, decode, validate_codes
+from engine.decoder.streaming import StreamingDecoder, decode, push_together, validate_codes
 from engine.timings import StageTimings
 
-__all__ = ["DecoderModel", "StageTimings", "StreamingDecoder", "decode", "validate_codes"]
+__all__ = ["DecoderModel", "StageTimings", "StreamingDecoder", "decode", "push_together",
+           "validate_codes"]

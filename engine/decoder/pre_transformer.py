@@ -29,7 +29,7 @@ def attention_mask(pos0: int, n_new: int, window: int) -> np.ndarray[Any, np.dty
 
 
 def self_attention(g: StageGraph, w: DecoderWeights, il: int, x: Tensor, pos: Tensor,
-                   mask: Tensor) -> Tensor:
+                   mask: Tensor | None) -> Tensor:
     """Multi-head attention over [carried window ; new rows] with NeoX RoPE, scale 1/sqrt(d)."""
     ctx, cfg, lw = g.ctx, w.cfg, w.layers[il]
     n_head, d_head, t = cfg.num_attention_heads, cfg.head_dim, int(x.ne[1])
@@ -39,27 +39,54 @@ def self_attention(g: StageGraph, w: DecoderWeights, il: int, x: Tensor, pos: Te
         return lib.ggml_reshape_3d(ctx, linear(g, x, proj), d_head, n_head, t)
 
     q = rope(ctx, heads(lw.q), pos, d_head, cfg.rope_theta)
-    k_all = _windowed(g, f"pretr.{il}.k", rope(ctx, heads(lw.k), pos, d_head, cfg.rope_theta),
-                      n_cache)
-    v_all = _windowed(g, f"pretr.{il}.v", heads(lw.v), n_cache)
+    k = rope(ctx, heads(lw.k), pos, d_head, cfg.rope_theta)
+    v = heads(lw.v)
     if g.use_custom_ops:  # chunking-invariant: a stream's bits do not depend on its chunks
-        return linear(g, custom_ops.attn_window(ctx, q, k_all, v_all, pos, cfg.sliding_window),
-                      lw.o)
+        # each stream attends to its own window (one stream: the whole of q, k, v)
+        def attend_window(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, stream: int) -> Tensor:
+            k_all = _windowed(g, f"pretr.{il}.k", k, n_cache, stream)
+            v_all = _windowed(g, f"pretr.{il}.v", v, n_cache, stream)
+            return custom_ops.attn_window(ctx, q, k_all, v_all, pos, cfg.sliding_window)
+
+        if not g.joint:
+            return linear(g, attend_window(q, k, v, pos, 0), lw.o)
+        parts = zip(*(_split_heads(g, h) for h in (q, k, v)), _split_positions(g, pos))
+        return linear(g, g.join([attend_window(*p, s) for s, p in enumerate(parts)]), lw.o)
+    assert mask is not None and not g.joint
+    k_all = _windowed(g, f"pretr.{il}.k", k, n_cache)
+    v_all = _windowed(g, f"pretr.{il}.v", v, n_cache)
     kp = lib.ggml_permute(ctx, k_all, 0, 2, 1, 3)  # [d, Tk, H]
     vt = lib.ggml_cont(ctx, lib.ggml_permute(ctx, v_all, 1, 2, 0, 3))  # [Tk, d, H]
     return linear(g, attend(ctx, q, kp, vt, mask), lw.o)
 
 
-def _windowed(g: StageGraph, key: str, h: Tensor, n_cache: int) -> Tensor:
+def _windowed(g: StageGraph, key: str, h: Tensor, n_cache: int, stream: int = 0) -> Tensor:
     """[d, H, T] new heads after the carried [d, H, n_cache] ones; carries the last n_cache."""
     ctx = g.ctx
     d, n_head, t = int(h.ne[0]), int(h.ne[1]), int(h.ne[2])
-    prev = g.carried(key, (n_cache, n_head, d))
+    prev = g.carried(key, (n_cache, n_head, d), stream)
     full = lib.ggml_concat(ctx, prev, h, 2)
     tail = lib.ggml_view_3d(ctx, full, d, n_head, n_cache, full.nb[1], full.nb[2],
                             t * full.nb[2])
-    g.carry(key, tail)
+    g.carry(key, tail, stream)
     return full
+
+
+def _split_heads(g: StageGraph, h: Tensor) -> list[Tensor]:
+    """Each stream's positions of joined [d, H, T] heads, as views."""
+    d, n_head = int(h.ne[0]), int(h.ne[1])
+    flat = lib.ggml_reshape_2d(g.ctx, h, d * n_head, int(h.ne[2]))
+    return [lib.ggml_reshape_3d(g.ctx, part, d, n_head, int(part.ne[1]))
+            for part in g.split(flat)]
+
+
+def _split_positions(g: StageGraph, pos: Tensor) -> list[Tensor]:
+    """Each stream's part of the joined positions, as views."""
+    parts, start = [], 0
+    for n in g.segments(int(pos.ne[0])):
+        parts.append(lib.ggml_view_1d(g.ctx, pos, n, start * pos.nb[0]))
+        start += n
+    return parts
 
 
 def mlp(g: StageGraph, x: Tensor, lw: PreTransformerLayer) -> Tensor:
@@ -67,8 +94,8 @@ def mlp(g: StageGraph, x: Tensor, lw: PreTransformerLayer) -> Tensor:
     return linear(g, swiglu(g.ctx, linear(g, x, lw.gate), linear(g, x, lw.up)), lw.down)
 
 
-def layer(g: StageGraph, w: DecoderWeights, il: int, h: Tensor, pos: Tensor, mask: Tensor
-          ) -> Tensor:
+def layer(g: StageGraph, w: DecoderWeights, il: int, h: Tensor, pos: Tensor,
+          mask: Tensor | None) -> Tensor:
     """``h += s_attn * Attn(RMSNorm(h)); h += s_mlp * MLP(RMSNorm(h))``."""
     ctx, lw, eps = g.ctx, w.layers[il], w.cfg.rms_norm_eps
     a = self_attention(g, w, il, rms_norm(ctx, h, lw.attn_norm, eps), pos, mask)
@@ -78,11 +105,12 @@ def layer(g: StageGraph, w: DecoderWeights, il: int, h: Tensor, pos: Tensor, mas
 
 
 def build(g: StageGraph, w: DecoderWeights, x: Tensor) -> Tensor:
-    """[T, latent] -> [T, latent]; inputs ``pos`` (int32 [T]) and ``mask`` come from the driver."""
+    """[T, latent] -> [T, latent]; inputs ``pos`` (int32 [T]) and, with ggml's attention,
+    ``mask`` come from the driver."""
     t = int(x.ne[1])
     n_keys = w.cfg.sliding_window - 1 + t
     pos = g.input("pos", (t,), dtype=np.int32)
-    mask = g.input("mask", (t, n_keys))
+    mask = None if g.use_custom_ops else g.input("mask", (t, n_keys))
     h = linear(g, x, w.in_proj)
     for il in range(len(w.layers)):
         h = layer(g, w, il, h, pos, mask)

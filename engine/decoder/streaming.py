@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -23,6 +23,10 @@ from engine.ggml import Tensor
 from engine.timings import StageTimings
 
 DEFAULT_OFFLINE_CHUNK = 50  # frames per push in decode(): 4 s of audio, bounded memory
+# Chunks up to this many frames join other streams' pushes: a short push mostly reads weights,
+# which a joint push reads once; a long one is compute, and the joins then cost more than the
+# shared reads save (docs/performance.md, Session 23).
+JOIN_MAX_FRAMES = 8
 CONV_KERNEL = 7  # the upsampler's depthwise convs and every causal conv of the wave generator
 
 
@@ -86,13 +90,7 @@ class StreamingDecoder:
 
     def push(self, codes: Any) -> tuple[np.ndarray[Any, np.dtype[np.float32]], StageTimings]:
         """Decode the next frames: codes [16, n] -> float32 audio [n * 1920] in [-1, 1]."""
-        tm = StageTimings()
-        c = self._codes(codes)
-        wav = self._wave(tm, self._features(tm, c))
-        self.frames += c.shape[1]
-        if self.model.backends.options.profile:
-            tm.report(f"push {c.shape[1]} frame(s)")
-        return wav.reshape(-1), tm
+        return push_together([self], [codes])[0]
 
     def prime(self, codes: Any) -> StageTimings:
         """On a fresh decoder, take codes for context only (their audio is not wanted, as an
@@ -105,8 +103,8 @@ class StreamingDecoder:
         if self.frames or self.state or c.shape[1] <= keep:
             return self.push(c)[1]
         tm = StageTimings()
-        x = self._features(tm, c)
-        self._wave(tm, np.ascontiguousarray(x[-keep:]))
+        x = _features([self], tm, [c])
+        _wave([self], tm, np.ascontiguousarray(x[-keep:]), [keep])
         self.frames += c.shape[1]
         return tm
 
@@ -114,43 +112,100 @@ class StreamingDecoder:
         cfg = self.model.cfg
         return validate_codes(codes, cfg.num_quantizers, cfg.codebook_size)
 
-    def _features(self, tm: StageTimings, c: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-        # quantizer, pre-conv and pre-transformer: [n, C] at the frame rate
-        w, n = self.model.weights, c.shape[1]
-        pos = np.arange(self.frames, self.frames + n, dtype=np.int32)
-        mask = pre_transformer.attention_mask(self.frames, n, self.model.cfg.sliding_window)
-        x = self._stage(tm, "quant", lambda g: rvq.build(g, w, n), codes=c)
-        x = self._stage(tm, "preconv", lambda g: pre_conv.build(g, w, g.input("x", x.shape)), x=x)
-        return self._stage(tm, "pretr",
-                           lambda g: pre_transformer.build(g, w, g.input("x", x.shape)),
-                           x=x, pos=pos, mask=mask)
 
-    def _wave(self, tm: StageTimings, x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-        # upsampler and wave generator: the frames' audio
-        w = self.model.weights
-        x = self._stage(tm, "upsample", lambda g: upsample.build(g, w, g.input("x", x.shape)),
-                        x=x)
-        return self._stage(tm, "bigvgan", lambda g: bigvgan.build(g, w, g.input("x", x.shape)),
-                           x=x)
+def joinable(decoders: Sequence[StreamingDecoder]) -> bool:
+    """Whether these streams' pushes can run as one (``push_together`` joins them): one model
+    whose audio does not depend on how its frames are pushed (``DecoderModel.chunk_invariant``:
+    its CPU kernels, whose rows are summed in an order of their own), no captured taps."""
+    model = decoders[0].model
+    return (len(decoders) > 1 and model.chunk_invariant
+            and len({id(d) for d in decoders}) == len(decoders)
+            and all(d.model is model and not d.capture for d in decoders))
 
-    def _stage(self, tm: StageTimings, name: str, build: Callable[[StageGraph], Tensor],
-               **inputs: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-        started = time.perf_counter()
-        g = StageGraph(self.state, self.model.use_custom_ops, self.capture,
-                       self.model.backends.max_matmul_rows)
-        try:
-            g.output(build(g), "y")
-            out = self.model.backends.execute(g, g.uploads(**inputs))
-            g.update_state(out)
-        finally:
-            g.close()
-        for key, arr in out.items():
-            if key.startswith("tap."):
-                # one time step comes back 1-D (ggml drops a trailing 1): [1, C]
-                rows = arr.reshape(1, -1) if arr.ndim == 1 else arr.reshape(arr.shape[0], -1)
-                self._taps.setdefault(key[4:], []).append(rows)
-        setattr(tm, name, getattr(tm, name) + time.perf_counter() - started)
-        return out["y"]
+
+def push_together(decoders: Sequence[StreamingDecoder], codes: Sequence[Any]
+                  ) -> list[tuple[np.ndarray[Any, np.dtype[np.float32]], StageTimings]]:
+    """``push`` of each decoder's next frames. The streams whose chunks are short
+    (``JOIN_MAX_FRAMES``) run in one graph per stage when they are ``joinable``: each stream's
+    audio and carried state are its own push's bit for bit, and the weights are read once for
+    all of them. Each stream's timings are then the joint stages' wall times (what it waited
+    for)."""
+    cs = [d._codes(c) for d, c in zip(decoders, codes, strict=True)]
+    short = [i for i, c in enumerate(cs) if c.shape[1] <= JOIN_MAX_FRAMES]
+    if len(short) < 2 or not joinable([decoders[i] for i in short]):
+        short = []
+    joint = iter(_push_joint([decoders[i] for i in short], [cs[i] for i in short]) if short
+                 else [])
+    return [next(joint) if i in short else _push_joint([d], [c])[0]
+            for i, (d, c) in enumerate(zip(decoders, cs, strict=True))]
+
+
+def _push_joint(decoders: Sequence[StreamingDecoder], cs: Sequence[np.ndarray[Any, Any]]
+                ) -> list[tuple[np.ndarray[Any, np.dtype[np.float32]], StageTimings]]:
+    frames = [int(c.shape[1]) for c in cs]
+    tm = StageTimings()
+    wav = _wave(decoders, tm, _features(decoders, tm, cs), frames)
+    model = decoders[0].model
+    if model.backends.options.profile:
+        tm.report(f"push {'+'.join(map(str, frames))} frame(s)")
+    out, start = [], 0
+    for d, n in zip(decoders, frames, strict=True):
+        d.frames += n
+        n_samples = n * model.samples_per_frame
+        out.append((wav[start : start + n_samples], tm))
+        start += n_samples
+    return out
+
+
+def _features(decoders: Sequence[StreamingDecoder], tm: StageTimings,
+              codes: Sequence[np.ndarray[Any, Any]]) -> np.ndarray[Any, Any]:
+    # quantizer, pre-conv and pre-transformer: [n, C] at the frame rate, the streams joined
+    model = decoders[0].model
+    w, frames = model.weights, [int(c.shape[1]) for c in codes]
+    c = np.ascontiguousarray(np.concatenate(codes, axis=1)) if len(codes) > 1 else codes[0]
+    pos = np.concatenate([np.arange(d.frames, d.frames + n, dtype=np.int32)
+                          for d, n in zip(decoders, frames, strict=True)])
+    x = _stage(decoders, frames, tm, "quant", lambda g: rvq.build(g, w, c.shape[1]), codes=c)
+    x = _stage(decoders, frames, tm, "preconv",
+               lambda g: pre_conv.build(g, w, g.input("x", x.shape)), x=x)
+    inputs = {"x": x, "pos": pos}
+    if not model.use_custom_ops:  # ggml's attention reads a mask (one stream: not joinable)
+        inputs["mask"] = pre_transformer.attention_mask(decoders[0].frames, frames[0],
+                                                        model.cfg.sliding_window)
+    return _stage(decoders, frames, tm, "pretr",
+                  lambda g: pre_transformer.build(g, w, g.input("x", x.shape)), **inputs)
+
+
+def _wave(decoders: Sequence[StreamingDecoder], tm: StageTimings, x: np.ndarray[Any, Any],
+          frames: Sequence[int]) -> np.ndarray[Any, Any]:
+    # upsampler and wave generator: the frames' audio, the streams joined
+    w = decoders[0].model.weights
+    x = _stage(decoders, frames, tm, "upsample",
+               lambda g: upsample.build(g, w, g.input("x", x.shape)), x=x)
+    return _stage(decoders, frames, tm, "bigvgan",
+                  lambda g: bigvgan.build(g, w, g.input("x", x.shape)), x=x).reshape(-1)
+
+
+def _stage(decoders: Sequence[StreamingDecoder], frames: Sequence[int], tm: StageTimings,
+           name: str, build: Callable[[StageGraph], Tensor], **inputs: np.ndarray[Any, Any]
+           ) -> np.ndarray[Any, Any]:
+    started = time.perf_counter()
+    model, first = decoders[0].model, decoders[0]
+    g = StageGraph([d.state for d in decoders], model.use_custom_ops, first.capture,
+                   model.backends.max_matmul_rows, frames=frames)
+    try:
+        g.output(build(g), "y")
+        out = model.backends.execute(g, g.uploads(**inputs))
+        g.update_state(out)
+    finally:
+        g.close()
+    for key, arr in out.items():
+        if key.startswith("tap."):
+            # one time step comes back 1-D (ggml drops a trailing 1): [1, C]
+            rows = arr.reshape(1, -1) if arr.ndim == 1 else arr.reshape(arr.shape[0], -1)
+            first._taps.setdefault(key[4:], []).append(rows)
+    setattr(tm, name, getattr(tm, name) + time.perf_counter() - started)
+    return out["y"]
 
 
 def decode(model: DecoderModel, codes: Any, chunk: int = DEFAULT_OFFLINE_CHUNK

@@ -5,7 +5,7 @@ Math: docs/architecture.md, Upsampler.
 
 from __future__ import annotations
 
-from engine.decoder.blocks import StageGraph, causal_tconv, linear, rows, with_history
+from engine.decoder.blocks import StageGraph, causal_tconv, history_rows, linear, rows
 from engine.decoder.weights import ConvNeXt, DecoderWeights
 from engine.ggml import Tensor, custom_ops, lib
 
@@ -13,13 +13,15 @@ from engine.ggml import Tensor, custom_ops, lib
 def depthwise_conv(g: StageGraph, key: str, x: Tensor, blk: ConvNeXt) -> Tensor:
     """Causal depthwise conv k7: per-channel taps on shifted rows (exact F32, elementwise)."""
     ctx = g.ctx
-    k, t = len(blk.dw_taps), int(x.ne[1])
-    xp = with_history(g, key, x, k - 1)
-    y = None
-    for j, tap in enumerate(blk.dw_taps):
-        part = lib.ggml_mul(ctx, rows(ctx, xp, j, t), tap)
-        y = part if y is None else lib.ggml_add(ctx, y, part)
-    return lib.ggml_add(ctx, y, blk.dw_bias)
+
+    def taps(xp: Tensor, n: int) -> Tensor:
+        y = None
+        for j, tap in enumerate(blk.dw_taps):
+            part = lib.ggml_mul(ctx, rows(ctx, xp, j, n), tap)
+            y = part if y is None else lib.ggml_add(ctx, y, part)
+        return y
+
+    return lib.ggml_add(ctx, history_rows(g, key, x, len(blk.dw_taps) - 1, taps), blk.dw_bias)
 
 
 def convnext(g: StageGraph, key: str, x: Tensor, blk: ConvNeXt, eps: float) -> Tensor:

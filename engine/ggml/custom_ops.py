@@ -38,6 +38,7 @@ graph a concat of the whole activation; the results are the same bit for bit.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from math import prod
@@ -52,6 +53,8 @@ from engine.ggml.native import ffi, lib, ops
 
 # ggml.h spells it "(-1)", which the binding's integer-macro filter does not pick up.
 GGML_N_TASKS_MAX = -1
+# ggml_custom_4d takes fewer sources than GGML_MAX_SRC (it asserts n_args < GGML_MAX_SRC)
+MAX_CUSTOM_SOURCES = int(lib.GGML_MAX_SRC) - 1
 
 ISA_NAMES = {0: "scalar", 2: "avx2", 5: "avx512"}
 
@@ -252,10 +255,10 @@ def kv_write_transposed(ctx: Any, dst: Tensor, v: Tensor, *,
 
 def channel_join(ctx: Any, parts: list[Tensor], *, library: Any | None = None) -> Tensor:
     """``[T, C_0 + C_1 + ...]`` from time-major parts ``[T, C_i]`` (F32, contiguous rows, any
-    row stride: channel-range views too), up to ``GGML_MAX_SRC`` of them, in one node: a
+    row stride: channel-range views too), up to ``MAX_CUSTOM_SOURCES`` of them, in one node: a
     memcpy per part and row, where ggml's CONCAT joins two at a time element by element."""
-    if not 1 <= len(parts) <= int(lib.GGML_MAX_SRC):
-        raise ValueError(f"channel_join: 1 to {int(lib.GGML_MAX_SRC)} parts, got {len(parts)}")
+    if not 1 <= len(parts) <= MAX_CUSTOM_SOURCES:
+        raise ValueError(f"channel_join: 1 to {MAX_CUSTOM_SOURCES} parts, got {len(parts)}")
     t = int(parts[0].ne[1])
     for i, p in enumerate(parts):
         _check_f32(p, f"channel_join: part {i}")
@@ -264,6 +267,24 @@ def channel_join(ctx: Any, parts: list[Tensor], *, library: Any | None = None) -
     fn = _fn(library, "qtts_channel_join_op", "ggml_custom_op_t")
     args = ffi.new(f"struct ggml_tensor *[{len(parts)}]", parts)
     return lib.ggml_custom_4d(ctx, lib.GGML_TYPE_F32, sum(int(p.ne[0]) for p in parts), t, 1, 1,
+                              args, len(parts), fn, GGML_N_TASKS_MAX, ffi.NULL)
+
+
+def time_join(ctx: Any, parts: Sequence[Tensor], *, library: Any | None = None) -> Tensor:
+    """``[T_0 + T_1 + ..., C]`` from time-major parts ``[T_i >= 1, C]`` (F32, contiguous rows,
+    any row stride: row-range views too), up to ``MAX_CUSTOM_SOURCES`` of them, in one node: a
+    memcpy per row, where ggml's CONCAT joins two at a time element by element."""
+    if not 1 <= len(parts) <= MAX_CUSTOM_SOURCES:
+        raise ValueError(f"time_join: 1 to {MAX_CUSTOM_SOURCES} parts, got {len(parts)}")
+    c = int(parts[0].ne[0])
+    for i, p in enumerate(parts):
+        _check_f32(p, f"time_join: part {i}")
+        if (int(p.nb[0]) != 4 or int(p.ne[0]) != c or int(p.ne[1]) < 1 or int(p.ne[2]) != 1
+                or int(p.ne[3]) != 1):
+            raise ValueError(f"time_join: part {i} must be [T >= 1, {c}] with contiguous rows")
+    fn = _fn(library, "qtts_time_join_op", "ggml_custom_op_t")
+    args = ffi.new(f"struct ggml_tensor *[{len(parts)}]", list(parts))
+    return lib.ggml_custom_4d(ctx, lib.GGML_TYPE_F32, c, sum(int(p.ne[1]) for p in parts), 1, 1,
                               args, len(parts), fn, GGML_N_TASKS_MAX, ffi.NULL)
 
 

@@ -99,7 +99,7 @@ class ConvForm:
     def join(self, ctx: Any, parts: list[Tensor]) -> Tensor:
         """``[T, C_0 + C_1 + ...]`` from time-major parts (channel-range views too): the native
         join (a memcpy per part and row), or ggml's CONCAT two at a time."""
-        if self.direct and len(parts) <= int(lib.GGML_MAX_SRC):
+        if self.direct and len(parts) <= co.MAX_CUSTOM_SOURCES:
             return co.channel_join(ctx, parts)
         out = parts[0] if lib.ggml_is_contiguous(parts[0]) else lib.ggml_cont(ctx, parts[0])
         for p in parts[1:]:

@@ -54,6 +54,7 @@ volatile int qtts_amx_on;
     X(v, void, qtts_attn_window_op, QTTS_OP_ARGS, (dst, ith, nth, userdata))                     \
     X(v, void, qtts_attn_full_op, QTTS_OP_ARGS, (dst, ith, nth, userdata))                       \
     X(v, void, qtts_channel_join_op, QTTS_OP_ARGS, (dst, ith, nth, userdata))                    \
+    X(v, void, qtts_time_join_op, QTTS_OP_ARGS, (dst, ith, nth, userdata))                       \
     X(v, void, qtts_pool_stats_op, QTTS_OP_ARGS, (dst, ith, nth, userdata))                      \
     X(v, void, qtts_argmax_op, QTTS_OP_ARGS, (dst, ith, nth, userdata))                          \
     X(v, void, qtts_conv1d_tm_op, QTTS_OP_ARGS, (dst, ith, nth, userdata))                       \

@@ -59,6 +59,13 @@ void qtts_kv_write_transposed_op(struct ggml_tensor * dst, const struct ggml_ten
  * ranges too); dst: contiguous. Rows are split across the nth threads. */
 void qtts_channel_join_op(struct ggml_tensor * dst, int ith, int nth, void * userdata);
 
+/* Time join of time-major activations as a ggml_custom_op_t for
+ * ggml_custom_4d(ctx, F32, C, T_0 + ... + T_{n-1}, 1, 1, parts, n, qtts_time_join_op, n, NULL):
+ *   dst = [part0 rows | part1 rows | ...]   (n <= GGML_MAX_SRC parts)
+ * parts: F32 ne = [C, T_i], contiguous rows (nb[0] = 4), any row stride; dst: contiguous.
+ * Rows are split across the nth threads. */
+void qtts_time_join_op(struct ggml_tensor * dst, int ith, int nth, void * userdata);
+
 /* Per-channel mean and variance over time (the speaker encoder's pooling) as a ggml_custom_op_t
  * for ggml_custom_4d(ctx, F32, 2 * C, 1, 1, 1, {x}, 1, qtts_pool_stats_op, n, NULL), or with
  * weights, {x, w} and 2 sources:

@@ -27,6 +27,7 @@
 #define qtts_attn_window_op QTTS_V(qtts_attn_window_op)
 #define qtts_attn_full_op QTTS_V(qtts_attn_full_op)
 #define qtts_channel_join_op QTTS_V(qtts_channel_join_op)
+#define qtts_time_join_op QTTS_V(qtts_time_join_op)
 #define qtts_pool_stats_op QTTS_V(qtts_pool_stats_op)
 #define qtts_argmax_op QTTS_V(qtts_argmax_op)
 #define qtts_conv1d_tm_op QTTS_V(qtts_conv1d_tm_op)

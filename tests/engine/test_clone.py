@@ -24,7 +24,7 @@ from engine.backend import BackendSet
 from engine.clone import voice_file
 from engine.clone.audio import decode, load_reference, resample
 from engine.clone.prompt import build_clone_prompt, live_start_tokens
-from engine.decoder import StreamingDecoder
+from engine.decoder import StreamingDecoder, streaming
 from engine.errors import InputError
 from engine.gguf_model import open_model
 from engine.pipeline import Pipeline, StreamInfo, SynthesisRequest, synthesize
@@ -276,16 +276,17 @@ def test_a_cloned_voice_defaults_to_streaming_text(pipe: Pipeline, speech: Path,
 @contextlib.contextmanager
 def decoded_frames() -> Iterator[list[int]]:
     """The frames every decoder push or priming takes while the block runs (both go through
-    ``StreamingDecoder._features``), one entry a call."""
+    ``streaming._features``), one entry a stream and call."""
     frames: list[int] = []
-    real = StreamingDecoder._features
+    real = streaming._features
 
-    def counting(self: StreamingDecoder, tm: object, c: np.ndarray) -> np.ndarray:
-        frames.append(c.shape[1])
-        return real(self, tm, c)
+    def counting(decoders: list[StreamingDecoder], tm: object, codes: list[np.ndarray]
+                 ) -> np.ndarray:
+        frames.extend(c.shape[1] for c in codes)
+        return real(decoders, tm, codes)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(StreamingDecoder, "_features", counting)
+        mp.setattr(streaming, "_features", counting)
         yield frames
 
 

@@ -1943,7 +1943,7 @@ def test_attn_window_rejects_what_the_kernel_cannot_take() -> None:
 
 
 @needs_ops
-@pytest.mark.parametrize("widths", [[64] * 8, [512, 512, 512], [3, 1, 17], [40]])
+@pytest.mark.parametrize("widths", [[64] * 9, [512, 512, 512], [3, 1, 17], [40]])
 def test_channel_join_is_numpys_concatenate(cpu1: BackendSet, cpu2: BackendSet,
                                             widths: list[int]) -> None:
     """Parts side by side in every row, the first one a channel-range view of a wider tensor
@@ -1969,10 +1969,46 @@ def test_channel_join_rejects_what_the_kernel_cannot_take() -> None:
     a, b = g.input("a", (5, 8)), g.input("b", (6, 8))
     with pytest.raises(ValueError, match="part 1"):
         co.channel_join(g.ctx, [a, b])
-    with pytest.raises(ValueError, match="1 to 10 parts"):
-        co.channel_join(g.ctx, [a] * 11)
+    with pytest.raises(ValueError, match="1 to 9 parts"):  # ggml's custom node takes 9
+        co.channel_join(g.ctx, [a] * 10)
     with pytest.raises(ValueError, match="contiguous rows"):
         co.channel_join(g.ctx, [a, lib.ggml_transpose(g.ctx, g.input("c", (8, 5)))])
+
+
+@needs_ops
+@pytest.mark.parametrize("lengths", [[3] * 9, [1, 200, 7], [5, 1, 1, 2], [40]])
+def test_time_join_is_numpys_concatenate(cpu1: BackendSet, cpu2: BackendSet,
+                                         lengths: list[int]) -> None:
+    """Parts one after another in time, the first a row-range view of a longer tensor, on 1
+    and 2 threads (rows split across them, some threads' rows in one part, some across
+    several); as many parts as ggml allows a node."""
+    rng = np.random.default_rng(sum(lengths))
+    c = 24
+    long = rng.standard_normal((lengths[0] + 6, c)).astype(np.float32)
+    rest = [rng.standard_normal((n, c)).astype(np.float32) for n in lengths[1:]]
+    for be in (cpu1, cpu2):
+        g = Graph()
+        tl = g.input("long", long.shape)
+        parts = [lib.ggml_view_2d(g.ctx, tl, c, lengths[0], tl.nb[1], 4 * tl.nb[1])]
+        parts += [g.input(f"p{i}", r.shape) for i, r in enumerate(rest)]
+        g.output(co.time_join(g.ctx, parts), "out")
+        got = be.execute(g, {"long": long, **{f"p{i}": r for i, r in enumerate(rest)}})["out"]
+        want = np.concatenate([long[4 : 4 + lengths[0]], *rest], axis=0)
+        assert np.array_equal(got.reshape(want.shape), want)
+
+
+@needs_ops
+def test_time_join_rejects_what_the_kernel_cannot_take() -> None:
+    g = Graph()
+    a, b = g.input("a", (5, 8)), g.input("b", (5, 6))
+    with pytest.raises(ValueError, match="part 1"):
+        co.time_join(g.ctx, [a, b])
+    with pytest.raises(ValueError, match="1 to 9 parts"):
+        co.time_join(g.ctx, [a] * 10)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        co.time_join(g.ctx, [a, lib.ggml_transpose(g.ctx, g.input("c", (8, 5)))])
+    with pytest.raises(ValueError, match="part 1 must be"):
+        co.time_join(g.ctx, [a, lib.ggml_view_2d(g.ctx, a, 8, 0, a.nb[1], 0)])
 
 
 @needs_ops

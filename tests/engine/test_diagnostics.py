@@ -107,7 +107,7 @@ def test_row_limited_matmuls_equal_unsplit(tiny_gguf: Path) -> None:
     bs = BackendSet.from_env(_env(backend="cpu", max_matmul_rows="64"))
     from engine.decoder.blocks import StageGraph
 
-    g = StageGraph({}, max_matmul_rows=bs.max_matmul_rows)
+    g = StageGraph([{}], max_matmul_rows=bs.max_matmul_rows)
     w = g.input("w", (8, 16))
     g.output(g.mul_mat(w, g.input("x", (200, 16))), "y")
     ops = [n for n in g.nodes() if lib.ggml_op_desc(n) and n.op == lib.GGML_OP_MUL_MAT]

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from engine.backend import BackendSet
-from engine.decoder import DecoderModel, StreamingDecoder, decode
+from engine.decoder import DecoderModel, StreamingDecoder, decode, push_together, streaming
 from engine.gguf_model import open_model
 from engine.tools.convert import convert
 from tests.parity import reference as ref
@@ -143,6 +143,63 @@ def test_streaming_equals_offline(case: Case, precision: str, chunking: str) -> 
         assert snr_db(offline, streamed) >= 35.0
 
 
+@pytest.mark.consistency
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_joint_pushes_equal_each_streams_own(case: Case, precision: str,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Four streams pushed together (``push_together``), joining at different frames, each in
+    chunks of its own (1 to 10 frames: some past ``JOIN_MAX_FRAMES``, pushed alone), give each
+    stream its offline decode and the carried state of its own pushes: the same bits where the
+    decoder is chunking-invariant (then the short chunks of a round run as one graph), else
+    within the rounding of other chunkings (then every push runs alone)."""
+    dec = case.decoder("f32", precision)
+    t = case.codes.shape[1]
+    codes = [case.codes] + [ref.random_codes(t, seed=20 + i) for i in range(3)]
+    offline = [decode(dec, c, chunk=10_000)[0] for c in codes]
+    joins = [0, 0, 1, 1]  # the round at which each stream starts
+    rng = np.random.default_rng(11)
+    sds = [StreamingDecoder(dec) for _ in codes]
+    pieces: list[list[np.ndarray]] = [[] for _ in codes]  # type: ignore[type-arg]
+    starts = [0] * len(codes)
+    graphs: list[int] = []  # the streams of each push's graphs
+    real = streaming._push_joint
+
+    def counted(decoders: list[StreamingDecoder], cs: list[np.ndarray]) -> Any:  # type: ignore[type-arg]
+        graphs.append(len(decoders))
+        return real(decoders, cs)
+
+    monkeypatch.setattr(streaming, "_push_joint", counted)
+    for rnd in range(10 * t):
+        live = [i for i, at in enumerate(joins) if at <= rnd and starts[i] < t]
+        if not live and rnd > max(joins):
+            break
+        # round 1: all four live, with short chunks (one graph for four streams)
+        sizes = [min(int(rng.integers(1, 11)) if rnd != 1 else 1 + i, t - starts[i])
+                 for i in live]
+        outs = push_together([sds[i] for i in live],
+                             [codes[i][:, starts[i] : starts[i] + n]
+                              for i, n in zip(live, sizes, strict=True)])
+        for i, n, (audio, _tm) in zip(live, sizes, outs, strict=True):
+            assert audio.shape == (n * 1920,)
+            pieces[i].append(audio)
+            starts[i] += n
+    for i, (sd, want) in enumerate(zip(sds, offline, strict=True)):
+        got = np.concatenate(pieces[i])
+        own = StreamingDecoder(dec)
+        own.push(codes[i])
+        assert sd.frames == own.frames == t and sd.state.keys() == own.state.keys()
+        if dec.chunk_invariant:
+            np.testing.assert_array_equal(got, want, err_msg=f"stream {i}")
+            for key, arr in own.state.items():
+                np.testing.assert_array_equal(sd.state[key], arr, err_msg=f"{i}: {key}")
+        elif precision == "exact":
+            assert np.abs(got - want).max() <= 1e-5
+        else:
+            assert snr_db(want, got) >= 35.0
+    assert max(graphs) == (4 if dec.chunk_invariant else 1)
+    assert 1 in graphs  # (chunks past JOIN_MAX_FRAMES, or a stream's last few, went alone)
+
+
 def test_prefix_is_causal(case: Case) -> None:
     dec = case.decoder("f32", "exact")
     k = FRAMES[case.size] // 2
@@ -192,8 +249,10 @@ def test_priming_is_a_push_whose_audio_is_dropped(case: Case, precision: str) ->
         for key, arr in pushed.state.items():
             np.testing.assert_array_equal(primed.state[key], arr, err_msg=key)
         short = StreamingDecoder(dec)
-        x = short._features(streaming.StageTimings(), short._codes(case.codes[:, :n]))
-        short._wave(streaming.StageTimings(), np.ascontiguousarray(x[-(keep - 1):]))
+        x = streaming._features([short], streaming.StageTimings(),
+                                [short._codes(case.codes[:, :n])])
+        streaming._wave([short], streaming.StageTimings(), np.ascontiguousarray(x[-(keep - 1):]),
+                        [keep - 1])
         assert _state_gap(short.state, pushed.state) > 0
     else:  # (the bound's tightness is the exact case's: here rounding hides the last frame)
         assert _state_gap(primed.state, pushed.state) <= 1e-4
