@@ -43,15 +43,18 @@ def self_attention(g: StageGraph, w: DecoderWeights, il: int, x: Tensor, pos: Te
     v = heads(lw.v)
     if g.use_custom_ops:  # chunking-invariant: a stream's bits do not depend on its chunks
         # each stream attends to its own window (one stream: the whole of q, k, v)
-        def attend_window(q: Tensor, k: Tensor, v: Tensor, pos: Tensor, stream: int) -> Tensor:
-            k_all = _windowed(g, f"pretr.{il}.k", k, n_cache, stream)
-            v_all = _windowed(g, f"pretr.{il}.v", v, n_cache, stream)
-            return custom_ops.attn_window(ctx, q, k_all, v_all, pos, cfg.sliding_window)
+        def attend_window(qs: Tensor, ks: Tensor, vs: Tensor, ps: Tensor, stream: int
+                          ) -> Tensor:
+            k_all = _windowed(g, f"pretr.{il}.k", ks, n_cache, stream)
+            v_all = _windowed(g, f"pretr.{il}.v", vs, n_cache, stream)
+            return custom_ops.attn_window(ctx, qs, k_all, v_all, ps, cfg.sliding_window)
 
         if not g.joint:
             return linear(g, attend_window(q, k, v, pos, 0), lw.o)
-        parts = zip(*(_split_heads(g, h) for h in (q, k, v)), _split_positions(g, pos))
-        return linear(g, g.join([attend_window(*p, s) for s, p in enumerate(parts)]), lw.o)
+        streams = zip(_split_heads(g, q), _split_heads(g, k), _split_heads(g, v),
+                      _split_positions(g, pos), strict=True)
+        return linear(g, g.join([attend_window(qs, ks, vs, ps, s)
+                                 for s, (qs, ks, vs, ps) in enumerate(streams)]), lw.o)
     assert mask is not None and not g.joint
     k_all = _windowed(g, f"pretr.{il}.k", k, n_cache)
     v_all = _windowed(g, f"pretr.{il}.v", v, n_cache)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Iterator
 from dataclasses import replace
@@ -12,6 +13,7 @@ import pytest
 
 from engine.backend import BackendSet
 from engine.batching import WARM_FRAMES, WARM_INSTRUCT, BatchRunner, Finished, Rejected
+from engine.decoder import StreamingDecoder, streaming
 from engine.decoder.precision import snr_db
 from engine.errors import InputError
 from engine.gguf_model import open_model
@@ -80,6 +82,21 @@ def _run(p: Pipeline, reqs: list[SynthesisRequest], joins: list[int], max_batch:
     return chunks, infos, ends
 
 
+@contextlib.contextmanager
+def joint_pushes() -> Iterator[list[int]]:
+    """The streams of every decoder push graph made while the block runs, in order."""
+    seen: list[int] = []
+    real = streaming._push_joint
+
+    def counting(decoders: list[StreamingDecoder], cs: list[Any]) -> Any:
+        seen.append(len(decoders))
+        return real(decoders, cs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(streaming, "_push_joint", counting)
+        yield seen
+
+
 def test_streams_batched_equal_alone(pipeline: Pipeline) -> None:
     alone = [_alone(pipeline, r) for r in REQUESTS]
     assert len(alone[1][1].codes) > 1  # (several segments, several chunks)
@@ -110,7 +127,11 @@ def test_auto_ramp_doubles_in_company_and_keeps_each_streams_audio(pipeline: Pip
                                        "And a third one."))]
         alone = [_alone(auto, r) for r in reqs]
         assert [c.frames for c in alone[0][0]][:5] == [1, 1, 1, 2, 2]
-        chunks, infos, _ = _run(auto, reqs, [0, 0, 0], max_batch=3)
+        with joint_pushes() as joint:
+            chunks, infos, _ = _run(auto, reqs, [0, 0, 0], max_batch=3)
+        # the two that prefill together push in the same rounds: as one graph (chunks up to
+        # JOIN_MAX_FRAMES) where the decoder's audio does not depend on how it is pushed
+        assert joint[:4] == ([2, 1] * 2 if pipeline.decoder.chunk_invariant else [1] * 4)
         for (a_chunks, a_info), b_chunks, b_info in zip(alone, chunks, infos, strict=True):
             assert [c.frames for c in b_chunks][:4] == [1, 2, 4, 8]
             np.testing.assert_array_equal(np.concatenate(b_info.codes, 1),
