@@ -385,36 +385,41 @@ class BatchRunner:
 
     def _push_filled(self, order: list[int], by_stream: dict[int, list[Emitted | Ended | Paused]],
                      out: list[Event]) -> list[int]:
-        """The streams whose one event this round is a frame that fills their chunk push
-        together (``Pipeline._push_together``: short chunks in one graph, so the decoder's
-        weights are read once for all); returns the streams left for ``_handle``."""
-        filled: list[_Stream] = []
+        """The streams whose chunk goes out this round (a frame fills it, or a pause for text
+        flushes it) and that have nothing else this round push together
+        (``Pipeline._push_together``: short chunks in one graph, so the decoder's weights are
+        read once for all), each as ``_handle`` would push it; returns the streams left for
+        ``_handle``."""
+        due: list[tuple[_Stream, bool]] = []  # (stream, paused)
         for uid in order:
             st = self._by_uid.get(uid)
-            evs = by_stream[uid]
-            if (st is None or st.plan is None or len(evs) != 1 or not isinstance(evs[0], Emitted)
-                    or len(st.pending) + 1 < st.plan.ramp.target):
-                continue
-            if is_cancelled(st.cancel):
-                continue  # left for _handle, which ends it
-            filled.append(st)
-        if len(filled) < 2:
+            if st is None or st.plan is None or is_cancelled(st.cancel):
+                continue  # (a cancelled one is left for _handle, which ends it)
+            kinds = [type(ev) for ev in by_stream[uid]]
+            if kinds == [Emitted]:
+                if len(st.pending) + 1 >= st.plan.ramp.target:
+                    due.append((st, False))
+            elif kinds == [Emitted, Paused] or (kinds == [Paused] and st.pending):
+                due.append((st, True))
+        if len(due) < 2:
             return order
-        for st in filled:
+        for st, _paused in due:
             ev = by_stream[st.uid][0]
-            assert isinstance(ev, Emitted)
-            st.pending.append(ev.frame.codes)
-            st.acc = st.acc + ev.frame.timings
-        for st, chunk in zip(filled, self._push_many(filled), strict=True):
+            if isinstance(ev, Emitted):
+                st.pending.append(ev.frame.codes)
+                st.acc = st.acc + ev.frame.timings
+        streams = [st for st, _paused in due]
+        for st, chunk in zip(streams, self._push_many(streams), strict=True):
             self._emit(st, chunk, out)
         shared = len(self._streams) > 1
-        for st in filled:
+        for st, paused in due:
             assert st.plan is not None
-            st.plan.ramp.advance(shared=shared)
-        if self._pump is not None and any(st.live is not None and st.live.held for st in filled):
+            # as _handle: a pause restarts the ramp, a filled chunk advances it
+            st.plan.ramp.advance(restart=paused, shared=shared)
+        if self._pump is not None and any(st.live is not None and st.live.held for st in streams):
             self._pump()
             self._settle(out)
-        pushed = {st.uid for st in filled}
+        pushed = {st.uid for st in streams}
         return [uid for uid in order if uid not in pushed]
 
     def _push_due(self, st: _Stream, out: list[Event]) -> bool:
