@@ -14,6 +14,7 @@ import pytest
 from engine.backend import BackendSet
 from engine.batching import WARM_FRAMES, WARM_INSTRUCT, BatchRunner, Finished, Rejected
 from engine.decoder import StreamingDecoder, streaming
+from engine.decoder.streaming import JOIN_MAX_FRAMES
 from engine.decoder.precision import snr_db
 from engine.errors import InputError
 from engine.gguf_model import open_model
@@ -361,6 +362,38 @@ def _live_alone(p: Pipeline, text: str, seed: int, info: StreamInfo) -> list[Aud
         chunks.append(c)
     return chunks
 
+
+def test_live_streams_that_pause_together_push_together(pipeline: Pipeline) -> None:
+    """Two live texts written at the same pace start, run dry and resume in the same rounds:
+    each round's chunks of both, those a pause for text flushes included, are one decoder
+    graph where the decoder's audio does not depend on how it is pushed; each stream's codes
+    and audio are those it gets alone."""
+    n = len(LIVE_TEXT.split(" "))
+    at = [0, 0, 0] + [6 + 9 * i for i in range(n - 3)]  # dry for ~9 frames at a time
+    feeds = {10: StepFeed(LIVE_TEXT, at), 11: StepFeed(LIVE_TEXT, at)}
+    with joint_pushes() as joint:
+        chunks, infos, ends = _run_live(pipeline, feeds, {}, max_batch=2)
+    sizes = [c.frames for c in chunks[10]]
+    assert sizes == [c.frames for c in chunks[11]]  # (the same pace: the same chunks)
+    short = next(i for i, n in enumerate(sizes) if n > JOIN_MAX_FRAMES)
+    assert short >= 10 and any(b < a for a, b in zip(sizes, sizes[1:short], strict=False)), (
+        "no pause flushed a chunk")
+    if pipeline.decoder.chunk_invariant:
+        assert joint[:short] == [2] * short
+    else:
+        assert set(joint) == {1}
+    for k in feeds:
+        ref = StreamInfo()
+        ref_chunks = _live_alone(pipeline, LIVE_TEXT, 5 + k, ref)
+        assert isinstance(ends[k], Finished)
+        np.testing.assert_array_equal(np.concatenate(infos[k].codes, 1),
+                                      np.concatenate(ref.codes, 1))
+        got = np.concatenate([c.audio for c in chunks[k]])
+        want = np.concatenate([c.audio for c in ref_chunks])
+        if pipeline.decoder.chunk_invariant:
+            np.testing.assert_array_equal(got, want)
+        else:
+            assert snr_db(want, got) >= 35.0
 
 @pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
 def test_live_streams_share_the_batch(pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch,
