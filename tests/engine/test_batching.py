@@ -14,8 +14,8 @@ import pytest
 from engine.backend import BackendSet
 from engine.batching import WARM_FRAMES, WARM_INSTRUCT, BatchRunner, Finished, Rejected
 from engine.decoder import StreamingDecoder, streaming
-from engine.decoder.streaming import JOIN_MAX_FRAMES
 from engine.decoder.precision import snr_db
+from engine.decoder.streaming import JOIN_MAX_FRAMES
 from engine.errors import InputError
 from engine.gguf_model import open_model
 from engine.pipeline import AudioChunk, CodesRequest, Pipeline, StreamInfo, SynthesisRequest
