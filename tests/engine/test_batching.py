@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from collections.abc import Iterator
 from dataclasses import replace
@@ -376,7 +377,7 @@ def test_live_streams_that_pause_together_push_together(pipeline: Pipeline) -> N
     sizes = [c.frames for c in chunks[10]]
     assert sizes == [c.frames for c in chunks[11]]  # (the same pace: the same chunks)
     short = next(i for i, n in enumerate(sizes) if n > JOIN_MAX_FRAMES)
-    assert short >= 10 and any(b < a for a, b in zip(sizes, sizes[1:short], strict=False)), (
+    assert short >= 10 and any(b < a for a, b in itertools.pairwise(sizes[:short])), (
         "no pause flushed a chunk")
     if pipeline.decoder.chunk_invariant:
         assert joint[:short] == [2] * short
