@@ -16,6 +16,13 @@ compute-bound (docs/performance.md keeps the table).
     python bench/batch.py --backend cuda --model ... --batch 1 2 4 8 16   # on a GPU
     python bench/batch.py --model ... --memory --batch 1 4 --positions 1024
 
+``--pushes N ...``: the decoder pushes of B streams at once, N frames each, one after another
+(``StreamingDecoder.push``) against together (``push_together``, one graph per stage, here at
+any N: the service joins chunks up to ``JOIN_MAX_FRAMES``), the median of ``--steps`` pushes
+after three warm-up ones, alternating:
+
+    python bench/batch.py --model ... --batch 2 3 4 --pushes 1 2 4 8 16 --steps 8
+
 ``--memory``: the resident set of this process with B live sessions of the real batch loop
 (``BatchRunner``), each with a talker cache of ``--positions`` positions (the first session
 borrows the model's own cache, as in a worker), after a few rounds; then again after they were
@@ -41,13 +48,39 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.backend import BackendSet
-from engine.decoder import StreamingDecoder
+from engine.decoder import StreamingDecoder, push_together, streaming
 from engine.gguf_model import open_model
 from engine.pipeline import Pipeline
 from engine.talker.batch import BatchedTalker, StepRow
 
 FRAME_S = 0.08
 TEXT = "Hello there! This is a short test of the streaming speech engine."
+
+
+def pushes(pipe: Pipeline, batch: int, frames: int, reps: int) -> tuple[float, float]:
+    """Median ms of ``batch`` streams' pushes of ``frames`` frames: one after another, and
+    together in one graph (``JOIN_MAX_FRAMES`` lifted for it); random codes, the two
+    alternating."""
+    rng = np.random.default_rng(0)
+    cfg = pipe.decoder.cfg
+    apart = [StreamingDecoder(pipe.decoder) for _ in range(batch)]
+    joint = [StreamingDecoder(pipe.decoder) for _ in range(batch)]
+    times: dict[str, list[float]] = {"apart": [], "together": []}
+    for rep in range(reps + 3):
+        codes = [rng.integers(0, cfg.codebook_size, (cfg.num_quantizers, frames))
+                 for _ in range(batch)]
+        t0 = time.perf_counter()
+        for sd, c in zip(apart, codes, strict=True):
+            sd.push(c)
+        limit, streaming.JOIN_MAX_FRAMES = streaming.JOIN_MAX_FRAMES, frames
+        t1 = time.perf_counter()
+        push_together(joint, codes)
+        t2 = time.perf_counter()
+        streaming.JOIN_MAX_FRAMES = limit
+        if rep >= 3:
+            times["apart"].append(t1 - t0)
+            times["together"].append(t2 - t1)
+    return (1e3 * float(np.median(times["apart"])), 1e3 * float(np.median(times["together"])))
 
 
 def measure(pipe: Pipeline, batch: int, steps: int, chunk: int) -> dict[str, float]:
@@ -152,6 +185,8 @@ def main() -> int:
     ap.add_argument("--memory", action="store_true", help="resident set per session instead")
     ap.add_argument("--positions", type=int, default=1024,
                     help="--memory: talker cache positions per session")
+    ap.add_argument("--pushes", type=int, nargs="+", default=None, metavar="N",
+                    help="decoder pushes of N frames per stream: apart vs together instead")
     args = ap.parse_args()
     if args.model is None:
         from engine.tools.make_model import make_model
@@ -165,6 +200,16 @@ def main() -> int:
     pipe.warm_up(pin_prefixes=True)
     print(f"model {args.model}  backend {args.backend}  threads {args.threads}  "
           f"load {os.getloadavg()[0]:.2f}")
+    if args.pushes:
+        print(f"{'B':>3} {'frames':>7} {'one after another ms':>21} {'together ms':>12} "
+              f"{'ratio':>6}   (the service joins up to {streaming.JOIN_MAX_FRAMES} frames)")
+        for b in args.batch:
+            for n in args.pushes:
+                apart, together = pushes(pipe, b, n, max(args.steps, 3))
+                print(f"{b:>3} {n:>7} {apart:>21.1f} {together:>12.1f} "
+                      f"{apart / together:>6.2f}")
+        pipe.close()
+        return 0
     if args.memory:
         mem = {b: memory(pipe, b, args.positions, 4) for b in args.batch}
         print(f"{'B':>3} {'RSS before MB':>14} {'live MB':>9} {'after MB':>9}")
