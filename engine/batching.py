@@ -242,7 +242,7 @@ class BatchRunner:
                 continue
             lv.plan.poll(lv.feed, 0)
             start = lv.plan.start()
-            if start is None:
+            if start is None or lv.plan.holds(time.perf_counter()):
                 continue
             self._starting.remove(st)
             live = lv.plan.live

@@ -68,6 +68,9 @@ from engine.timings import StageTimings
 DEFAULT_MAX_TEXT_TOKENS = 2048
 DEFAULT_MAX_INSTRUCT_TOKENS = 256
 DEFAULT_SEGMENT_TOKENS = 200
+# How long a live text that would be several segments waits for its end before it starts live
+# (``LivePlan.holds``): a client's "end" right after its text comes within a few ms.
+END_GRACE_S = 0.05
 # 16: the ramp then costs little more than an offline decode (docs/performance.md, Decoder)
 DEFAULT_CHUNK_MAX_FRAMES = 16
 # Decoder states after an in-context voice's reference codes, kept for the most recent voices:
@@ -190,6 +193,22 @@ class LivePlan:
     opening: Callable[[list[int]], Any]  # the prompt for the stable ids known at the start
     need: int  # stable ids an in-context voice needs before it starts
     min_tokens: int  # the start policy: stable ids before speech starts
+    # whether a text would be spoken as several segments (``Pipeline._segments``)
+    several_segments: Callable[[str], bool] = lambda _text: False
+    startable_at: float | None = None  # when ``holds`` first saw a start allowed
+
+    def holds(self, now: float) -> bool:
+        """Whether a start the policy allows waits (up to ``END_GRACE_S`` from when it was
+        first allowed) for the end of the text: while the text so far would be several
+        segments. A client that sends a long text and then its end (two messages) means one
+        request whose whole text is known: spoken as several segments, as ``stream`` speaks
+        it. Started live before the end came, it would be one utterance with the live budget
+        (other audio). A text of one segment is spoken alike either way: no wait."""
+        if self.live.ended:
+            return False
+        if self.startable_at is None:
+            self.startable_at = now
+        return now - self.startable_at < END_GRACE_S and self.several_segments(self.live.text)
 
     def ready(self) -> bool:
         """Whether generation may start: the start policy met (and an in-context voice's
@@ -696,7 +715,14 @@ class Pipeline:
             opening = opening_prompt(self.prompts, req.voice, req.language, req.instruct)
             need = 1
         live.add(TextUpdate(req.text, end=False))
-        return LivePlan(req, live, opening, need, min_tokens)
+
+        def several_segments(text: str) -> bool:
+            try:
+                return len(self._segments(replace(req, text=text))) > 1
+            except InputError:  # over the token cap: the end, if it comes, is refused anyway
+                return False
+
+        return LivePlan(req, live, opening, need, min_tokens, several_segments)
 
     def _sampling(self, req: SynthesisRequest) -> SamplingParams:
         # the model's generation defaults with the request's overrides
@@ -737,11 +763,11 @@ class Pipeline:
         live = plan.live
         start = plan.start()
         while True:
-            while start is None:
+            while start is None or plan.holds(time.perf_counter()):
                 if is_cancelled(check):
                     info.outcome = "cancelled"
                     return "cancelled"
-                plan.poll(feed, 0.02)
+                plan.poll(feed, 0.02 if start is None else END_GRACE_S / 5)
                 start = plan.start()
             if plan.ready() and not live.ids:
                 raise InputError("text", "is empty")

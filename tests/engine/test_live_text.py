@@ -212,3 +212,58 @@ def test_cancel_while_a_guess_waits_for_the_text(pipe: Pipeline) -> None:
     threading.Timer(0.5, stop.set).start()
     assert list(gen) == []  # the guess was never confirmed: no audio
     assert info.outcome == "cancelled" and info.guessed == 1
+
+
+LONG = "One sentence comes first here. Then another one follows it. And a third ends it."
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["alone", "batched"])
+def test_a_long_text_then_its_end_is_the_whole_text_request(pipe: Pipeline,
+                                                            batched: bool) -> None:
+    """A text of several segments sent at once, its end a moment later (two messages, as a
+    client's text and end): the start waits for the end (``LivePlan.holds``), so the request
+    is the whole text's, segments and budget alike, both unbatched (``stream_live``) and in a
+    batching worker's runner."""
+    from engine.batching import BatchRunner, Finished
+
+    seg = Pipeline(pipe.model, pipe.backends, pipe.decoder, kv_type="f32", chunk_max_frames=4,
+                   segment_tokens=24)
+    assert seg.prompts is not None and len(seg._segments(SynthesisRequest(LONG))) > 1
+    ref = StreamInfo()
+    list(seg.stream(SynthesisRequest(LONG, "ryan", seed=3, text_mode="stream"), None, ref))
+    feed = QueueFeed()
+    feed.q.put(TextUpdate(LONG))
+    threading.Timer(0.01, lambda: feed.q.put(TextUpdate("", end=True))).start()
+    info = StreamInfo()
+    req = SynthesisRequest("", voice="ryan", seed=3)
+    if batched:
+        runner = BatchRunner(seg, 2)
+        try:
+            runner.submit_live(req, feed, info=info)
+            ends = []
+            while not ends:
+                ends = [item for _sid, item in runner.step() if isinstance(item, Finished)]
+                time.sleep(0.001)
+        finally:
+            runner.close()
+    else:
+        list(seg.stream_live(req, feed, info=info))
+    assert info.outcome == ref.outcome
+    np.testing.assert_array_equal(np.concatenate(info.codes, 1), np.concatenate(ref.codes, 1))
+
+
+def test_only_a_text_of_several_segments_holds_its_start(pipe: Pipeline) -> None:
+    """One segment: a live start goes at once (the live and whole-text requests are alike);
+    several: it waits for the end up to ``END_GRACE_S`` from when it was first allowed."""
+    from engine.pipeline import END_GRACE_S
+
+    seg = Pipeline(pipe.model, pipe.backends, pipe.decoder, kv_type="f32", segment_tokens=24)
+    short = seg.plan_live(SynthesisRequest("Hello there, you.", "ryan"))
+    assert short.start() is not None and not short.holds(0.0)
+    long = seg.plan_live(SynthesisRequest(LONG, "ryan"))
+    assert long.start() is not None
+    assert long.holds(10.0) and long.holds(10.0 + END_GRACE_S / 2)
+    assert not long.holds(10.0 + END_GRACE_S)
+    ended = seg.plan_live(SynthesisRequest(LONG, "ryan"))
+    ended.live.add(TextUpdate("", end=True))
+    assert not ended.holds(0.0)

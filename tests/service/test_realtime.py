@@ -490,3 +490,31 @@ def test_an_opening_guess_waits_for_the_text_and_a_refuted_one_sends_nothing(
         assert events[-1]["usage"]["outcome"] in ("ok", "truncated_no_eos")
         assert len(audio) == 2 * 1920 * events[-1]["usage"]["frames"] > 0
     assert (guesses("made") - made, guesses("refuted") - refuted) == (2, 1)
+
+
+
+def test_identity_with_post_tts_for_a_text_of_several_segments(rt_server: Server) -> None:
+    """A long text and then its end, two messages as most clients send them: the same samples
+    and outcome as POST /tts (the start waits a moment for the end of a text that the whole-text
+    request splits into segments; started live before the end came, it was one utterance with
+    the live budget: other audio, three times in four). Twice, as that race is timing."""
+    long = " ".join([SENTENCE] * 6)
+
+    async def go() -> tuple[bytes, str]:
+        async with connect(ws_url(rt_server)) as ws:
+            await ws.recv()
+            await send(ws, type="session", voice="ryan", seed=11)
+            await ws.recv()
+            await ws.send(json.dumps({"type": "text", "text": long}))
+            await send(ws, type="end")
+            events, audio = await collect(ws)
+            return audio, events[-1]["usage"]["outcome"]
+
+    r = httpx.post(rt_server.url + "/tts", json={"text": long, "seed": 11, "format": "pcm",
+                                                 "voice": "ryan", "text_mode": "stream"},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    for _ in range(2):
+        got, outcome = run(go())
+        assert outcome in ("ok", "truncated_no_eos")
+        assert len(got) == len(r.content) and got == r.content
