@@ -442,8 +442,8 @@ def test_a_client_that_stops_reading_is_cut_off(make_server: Any) -> None:
     # the worker is free, and a client that reads is never cut, though one chunk of the ramp
     # (16 frames, 1.28 s) is larger than the cap
     events, pcm = run(again())
-    # (a batching worker may start the utterance on its text before the end message comes:
-    # then it speaks it as live text, whose 30 sentences outrun the server's audio cap)
+    # (its 30 sentences, spoken as the whole-text request speaks them: the random model ends
+    # them or runs into the server's audio cap)
     assert events[-1]["type"] == "done"
     assert events[-1]["usage"]["outcome"] in ("ok", "truncated_no_eos")
     assert max(e["frames"] for e in events if e["type"] == "audio") == 16
