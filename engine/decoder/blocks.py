@@ -91,17 +91,19 @@ class StageGraph(Graph):
     def join(self, parts: Sequence[Tensor]) -> Tensor:
         """Time-major [C, T_i] tensors one after another in time: [C, sum T_i].
 
-        The parts are written into one full-size tensor by a chain of SET_ROWS (each writes
-        into the result of the previous one), so every row is copied once; the full-size
-        tensor itself comes from a REPEAT of one row (its values are all overwritten), the
-        cheapest stock op that makes one (a PAD of the first part costs more on the CPU). A
-        tree of concats copied each row log2(parts) times (docs/performance.md, Figures behind
-        the code). REPEAT and SET_ROWS are ops every backend with a row limit has, unlike SET.
+        With qtts's CPU ops: the native ``time_join`` (one memcpy a row, on every thread).
+        Elsewhere the parts are written into one full-size tensor by a chain of SET_ROWS (each
+        writes into the result of the previous one), so every row is copied once; the
+        full-size tensor itself comes from a REPEAT of one row (its values are all
+        overwritten), the cheapest stock op that makes one (a PAD of the first part costs more
+        on the CPU). A tree of concats copied each row log2(parts) times (docs/performance.md,
+        Figures behind the code). REPEAT and SET_ROWS are ops every backend with a row limit
+        has, unlike SET.
         """
         parts = [p for p in parts if int(p.ne[1])] or parts[:1]
         if len(parts) == 1:
             return parts[0]
-        if self.use_custom_ops:  # the CPU's own join: one memcpy a row, on every thread
+        if self.use_custom_ops:
             most = custom_ops.MAX_CUSTOM_SOURCES
             while len(parts) > most:
                 parts = [custom_ops.time_join(self.ctx, parts[i : i + most])

@@ -134,14 +134,15 @@ def push_together(decoders: Sequence[StreamingDecoder], codes: Sequence[Any]
     short = [i for i, c in enumerate(cs) if c.shape[1] <= JOIN_MAX_FRAMES]
     if len(short) < 2 or not joinable([decoders[i] for i in short]):
         short = []
-    joint = iter(_push_joint([decoders[i] for i in short], [cs[i] for i in short]) if short
+    joint = iter(_push_group([decoders[i] for i in short], [cs[i] for i in short]) if short
                  else [])
-    return [next(joint) if i in short else _push_joint([d], [c])[0]
+    return [next(joint) if i in short else _push_group([d], [c])[0]
             for i, (d, c) in enumerate(zip(decoders, cs, strict=True))]
 
 
-def _push_joint(decoders: Sequence[StreamingDecoder], cs: Sequence[np.ndarray[Any, Any]]
+def _push_group(decoders: Sequence[StreamingDecoder], cs: Sequence[np.ndarray[Any, Any]]
                 ) -> list[tuple[np.ndarray[Any, np.dtype[np.float32]], StageTimings]]:
+    # one stream's push, or several streams' in one graph per stage (checked codes)
     frames = [int(c.shape[1]) for c in cs]
     tm = StageTimings()
     wav = _wave(decoders, tm, _features(decoders, tm, cs), frames)

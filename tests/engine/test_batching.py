@@ -88,14 +88,14 @@ def _run(p: Pipeline, reqs: list[SynthesisRequest], joins: list[int], max_batch:
 def joint_pushes() -> Iterator[list[int]]:
     """The streams of every decoder push graph made while the block runs, in order."""
     seen: list[int] = []
-    real = streaming._push_joint
+    real = streaming._push_group
 
     def counting(decoders: list[StreamingDecoder], cs: list[Any]) -> Any:
         seen.append(len(decoders))
         return real(decoders, cs)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(streaming, "_push_joint", counting)
+        mp.setattr(streaming, "_push_group", counting)
         yield seen
 
 

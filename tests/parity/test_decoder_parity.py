@@ -162,13 +162,13 @@ def test_joint_pushes_equal_each_streams_own(case: Case, precision: str,
     pieces: list[list[np.ndarray]] = [[] for _ in codes]  # type: ignore[type-arg]
     starts = [0] * len(codes)
     graphs: list[int] = []  # the streams of each push's graphs
-    real = streaming._push_joint
+    real = streaming._push_group
 
     def counted(decoders: list[StreamingDecoder], cs: list[np.ndarray]) -> Any:  # type: ignore[type-arg]
         graphs.append(len(decoders))
         return real(decoders, cs)
 
-    monkeypatch.setattr(streaming, "_push_joint", counted)
+    monkeypatch.setattr(streaming, "_push_group", counted)
     for rnd in range(10 * t):
         live = [i for i, at in enumerate(joins) if at <= rnd and starts[i] < t]
         if not live and rnd > max(joins):
