@@ -117,33 +117,41 @@ def test_a_late_chunk_after_the_text_is_a_stream_gap(make_server: Any) -> None:
     assert metric(s.metrics(), "qtts_stream_gaps_total") - before == gaps
 
 
-def test_identity_with_post_tts_stream(rt_server: Server) -> None:
-    """All text at once: the same samples as POST /tts with text_mode stream and the seed, in
-    the chunks of the gentle ramp (a stream alone in its worker: QTTS_CHUNK_RAMP auto)."""
-    sizes: list[int] = []
-
-    async def go() -> bytes:
-        async with connect(ws_url(rt_server)) as ws:
+def _all_at_once(server: Server, text: str) -> tuple[list[dict[str, Any]], bytes]:
+    """One utterance: the whole text in one delta, then its end (seed 11): events and audio."""
+    async def go() -> tuple[list[dict[str, Any]], bytes]:
+        async with connect(ws_url(server)) as ws:
             await ws.recv()
             await send(ws, type="session", voice="ryan", seed=11)
             await ws.recv()
-            await ws.send(json.dumps({"type": "text", "text": SENTENCE}))
+            await ws.send(json.dumps({"type": "text", "text": text}))
             await send(ws, type="end")
-            events, audio = await collect(ws)
-            assert events[-1]["usage"]["outcome"] != "error"
-            sizes.extend(e["frames"] for e in events if e["type"] == "audio")
-            return audio
+            return await collect(ws)
 
-    got = run(go())
+    result: tuple[list[dict[str, Any]], bytes] = run(go())
+    return result
+
+
+def _post_stream(server: Server, text: str) -> bytes:
+    """POST /tts of the same text in streaming-text mode with the same seed: its PCM."""
+    r = httpx.post(server.url + "/tts", json={"text": text, "seed": 11, "format": "pcm",
+                                              "voice": "ryan", "text_mode": "stream"},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    return r.content
+
+
+def test_identity_with_post_tts_stream(rt_server: Server) -> None:
+    """All text at once: the same samples as POST /tts with text_mode stream and the seed, in
+    the chunks of the gentle ramp (a stream alone in its worker: QTTS_CHUNK_RAMP auto)."""
+    events, got = _all_at_once(rt_server, SENTENCE)
+    assert events[-1]["usage"]["outcome"] != "error"
+    sizes = [e["frames"] for e in events if e["type"] == "audio"]
     ramp = chunk_sizes(16, "gentle")
     want = [next(ramp) for _ in sizes]
     assert len(sizes) > 6 and sizes[:-1] == want[:-1] and sizes[-1] <= want[-1]
-    r = httpx.post(rt_server.url + "/tts", json={"text": SENTENCE, "seed": 11, "format": "pcm",
-                                                 "voice": "ryan", "text_mode": "stream"},
-                   timeout=120)
-    assert r.status_code == 200, r.text
     assert len(got) > 0
-    assert got == r.content
+    assert got == _post_stream(rt_server, SENTENCE)
 
 
 def test_several_utterances_and_cancel(rt_server: Server) -> None:
@@ -492,29 +500,14 @@ def test_an_opening_guess_waits_for_the_text_and_a_refuted_one_sends_nothing(
     assert (guesses("made") - made, guesses("refuted") - refuted) == (2, 1)
 
 
-
 def test_identity_with_post_tts_for_a_text_of_several_segments(rt_server: Server) -> None:
     """A long text and then its end, two messages as most clients send them: the same samples
-    and outcome as POST /tts (the start waits a moment for the end of a text that the whole-text
-    request splits into segments; started live before the end came, it was one utterance with
-    the live budget: other audio, three times in four). Twice, as that race is timing."""
+    as POST /tts (the start waits a moment for the end of a text that the whole-text request
+    splits into segments; started live before the end came, it was one utterance with the live
+    budget: other audio, three times in four). Twice, as that race is timing."""
     long = " ".join([SENTENCE] * 6)
-
-    async def go() -> tuple[bytes, str]:
-        async with connect(ws_url(rt_server)) as ws:
-            await ws.recv()
-            await send(ws, type="session", voice="ryan", seed=11)
-            await ws.recv()
-            await ws.send(json.dumps({"type": "text", "text": long}))
-            await send(ws, type="end")
-            events, audio = await collect(ws)
-            return audio, events[-1]["usage"]["outcome"]
-
-    r = httpx.post(rt_server.url + "/tts", json={"text": long, "seed": 11, "format": "pcm",
-                                                 "voice": "ryan", "text_mode": "stream"},
-                   timeout=120)
-    assert r.status_code == 200, r.text
+    want = _post_stream(rt_server, long)
     for _ in range(2):
-        got, outcome = run(go())
-        assert outcome in ("ok", "truncated_no_eos")
-        assert len(got) == len(r.content) and got == r.content
+        events, got = _all_at_once(rt_server, long)
+        assert events[-1]["usage"]["outcome"] in ("ok", "truncated_no_eos")
+        assert len(got) == len(want) and got == want
