@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from engine import pipeline as pipeline_module
 from engine.backend import BackendSet
 from engine.batching import WARM_FRAMES, WARM_INSTRUCT, BatchRunner, Finished, Rejected
 from engine.decoder import StreamingDecoder, streaming
@@ -317,7 +318,19 @@ def _run_live(p: Pipeline, feeds: dict[int, StepFeed], reqs: dict[int, Synthesis
               ) -> tuple[dict[int, list[AudioChunk]], dict[int, StreamInfo], dict[int, object]]:
     """Live streams (``feeds``, submitted at step 0) and whole-text ones (``reqs``: submitted
     at the step given) in one batch; their chunks, infos and last events by key. ``warm``:
-    the runner warmed up first, as the worker's (its caches reserved)."""
+    the runner warmed up first, as the worker's (its caches reserved). The feeds deliver by
+    step, not in time, so a start does not wait in time for their end (``LivePlan.holds``,
+    tested in test_live_text.py): with this fixture's short segments it would, and the steps
+    meanwhile would bring more text."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pipeline_module, "END_GRACE_S", 0.0)
+        return _run_live_steps(p, feeds, reqs, max_batch, cancel_at, warm)
+
+
+def _run_live_steps(p: Pipeline, feeds: dict[int, StepFeed], reqs: dict[int, SynthesisRequest],
+                    max_batch: int, cancel_at: dict[int, int] | None, warm: bool,
+                    ) -> tuple[dict[int, list[AudioChunk]], dict[int, StreamInfo],
+                               dict[int, object]]:
     runner = BatchRunner(p, max_batch)
     if warm:
         runner.warm_up()
