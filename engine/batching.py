@@ -91,6 +91,11 @@ class _Stream:
     first_t: float | None = None  # when its first chunk was made
     audio_s: float = 0.0  # audio made so far
 
+    def take(self, ev: Emitted) -> None:
+        """Hold the frame ``ev`` brings for the stream's next chunk."""
+        self.pending.append(ev.frame.codes)
+        self.acc = self.acc + ev.frame.timings
+
     def ahead(self, now: float) -> float:
         """Seconds of audio made beyond what a listener who started at the first chunk has
         heard by ``now`` (-inf before the first chunk: nothing to play yet)."""
@@ -369,13 +374,10 @@ class BatchRunner:
                 continue
             assert st.plan is not None
             if isinstance(ev, Emitted):
-                st.pending.append(ev.frame.codes)
-                st.acc = st.acc + ev.frame.timings
+                st.take(ev)
                 if len(st.pending) >= st.plan.ramp.target and self._push_due(st, out):
                     st.plan.ramp.advance(shared=len(self._streams) > 1)
-                    if self._pump is not None and st.live is not None and st.live.held:
-                        self._pump()
-                        self._settle(out)
+                    self._pump_held([st], out)
             elif isinstance(ev, Paused):
                 # as Pipeline._chunks on a pause: the frames held go out, the ramp restarts
                 if not st.pending or self._push_due(st, out):
@@ -406,8 +408,7 @@ class BatchRunner:
         for st, _paused in due:
             ev = by_stream[st.uid][0]
             if isinstance(ev, Emitted):
-                st.pending.append(ev.frame.codes)
-                st.acc = st.acc + ev.frame.timings
+                st.take(ev)
         streams = [st for st, _paused in due]
         for st, chunk in zip(streams, self._push_many(streams), strict=True):
             self._emit(st, chunk, out)
@@ -416,11 +417,16 @@ class BatchRunner:
             assert st.plan is not None
             # as _handle: a pause restarts the ramp, a filled chunk advances it
             st.plan.ramp.advance(restart=paused, shared=shared)
+        self._pump_held(streams, out)
+        pushed = {st.uid for st in streams}
+        return [uid for uid in order if uid not in pushed]
+
+    def _pump_held(self, streams: list[_Stream], out: list[Event]) -> None:
+        # after a push whose chunk waits for the text to confirm a guess: read the text that
+        # has come, so the chunk goes out now, not after the round's other pushes and its step
         if self._pump is not None and any(st.live is not None and st.live.held for st in streams):
             self._pump()
             self._settle(out)
-        pushed = {st.uid for st in streams}
-        return [uid for uid in order if uid not in pushed]
 
     def _push_due(self, st: _Stream, out: list[Event]) -> bool:
         # the frames held go out, unless the stream was cancelled meanwhile (False: it ended)

@@ -100,7 +100,6 @@ class StageGraph(Graph):
         Figures behind the code). REPEAT and SET_ROWS are ops every backend with a row limit
         has, unlike SET.
         """
-        parts = [p for p in parts if int(p.ne[1])] or parts[:1]
         if len(parts) == 1:
             return parts[0]
         if self.use_custom_ops:

@@ -85,11 +85,8 @@ def _split_heads(g: StageGraph, h: Tensor) -> list[Tensor]:
 
 def _split_positions(g: StageGraph, pos: Tensor) -> list[Tensor]:
     """Each stream's part of the joined positions, as views."""
-    parts, start = [], 0
-    for n in g.segments(int(pos.ne[0])):
-        parts.append(lib.ggml_view_1d(g.ctx, pos, n, start * pos.nb[0]))
-        start += n
-    return parts
+    column = lib.ggml_reshape_2d(g.ctx, pos, 1, int(pos.ne[0]))
+    return [lib.ggml_reshape_1d(g.ctx, part, int(part.ne[1])) for part in g.split(column)]
 
 
 def mlp(g: StageGraph, x: Tensor, lw: PreTransformerLayer) -> Tensor:
