@@ -1,9 +1,11 @@
 """Reference audio as users have it: any container/codec PyAV decodes, any rate, any channels.
 
-Decoded with PyAV (FFmpeg) to float32, mixed to mono by the channel mean (as the reference
-does), resampled to 24 kHz with soxr at high quality -- the resampler and length rule of the
-reference's ``librosa.resample`` (``res_type="soxr_hq"``, output ``ceil(n * 24000 / sr)``
-samples). Problems are ``InputError`` on field ``ref_audio`` with one line that names them.
+Decoded as the reference decodes it: with libsndfile where it reads the file (wav, flac, ogg,
+mp3, aiff, ...), else with PyAV (FFmpeg: m4a, webm, ...), to float32, mixed to mono by the
+channel mean (as the reference does), resampled to 24 kHz with soxr at high quality -- the
+resampler and length rule of the reference's ``librosa.resample`` (``res_type="soxr_hq"``,
+output ``ceil(n * 24000 / sr)`` samples). Problems are ``InputError`` on field ``ref_audio``
+with one line that names them.
 """
 
 from __future__ import annotations
@@ -44,9 +46,69 @@ def decode(src: bytes | str | os.PathLike[str], max_seconds: float | None = None
     compressed file's size says little about its length (a megabyte of FLAC silence decodes to
     hours, gigabytes of samples), so the cap must hold while decoding, not after.
     """
+    name = "the audio" if isinstance(src, bytes) else str(src)
+    if not isinstance(src, bytes) and not os.path.exists(src):
+        raise InputError(FIELD, f"{name}: file not found")
+    decoded = _decode_sndfile(src, name, max_seconds)
+    return decoded if decoded is not None else _decode_av(src, name, max_seconds)
+
+
+class _Mono:
+    """Mono pieces as they are decoded, refused once past the cap."""
+
+    def __init__(self, max_seconds: float | None) -> None:
+        self.max_seconds = max_seconds
+        self.pieces: list[F32] = []
+        self.total = 0
+
+    def add(self, mono: F32, rate: int) -> None:
+        self.pieces.append(np.ascontiguousarray(mono, dtype=np.float32))
+        self.total += mono.shape[0]
+        if self.max_seconds is not None and self.total > self.max_seconds * rate:
+            raise InputError(FIELD, _too_long(f"is over {self.max_seconds:g} s long",
+                                              self.max_seconds))
+
+    def audio(self, name: str, rate: int) -> DecodedAudio:
+        if not self.total or rate <= 0:
+            raise InputError(FIELD, f"{name} holds no audio samples")
+        return DecodedAudio(np.concatenate(self.pieces), rate)
+
+
+# frames per libsndfile read: a few reads for a typical reference, and what one read holds
+# stays small whatever the file's channels (the cap bounds the mono samples kept)
+_SNDFILE_BLOCK = 1 << 16
+
+
+def _decode_sndfile(src: bytes | str | os.PathLike[str], name: str,
+                    max_seconds: float | None) -> DecodedAudio | None:
+    """libsndfile's reading (None: it does not read this format; PyAV is asked next). It
+    reads a WAV in one call where PyAV hands over a thousand-sample frame at a time."""
+    import soundfile as sf
+
+    try:
+        f = sf.SoundFile(io.BytesIO(src) if isinstance(src, bytes) else os.fspath(src))
+    except (sf.LibsndfileError, RuntimeError, TypeError, ValueError):
+        return None
+    mono = _Mono(max_seconds)
+    with f:
+        rate = int(f.samplerate)
+        try:
+            # from a seek to the start, as ``soundfile.read`` reads: libsndfile's Opus reader
+            # asked for a large block first thing, unseeked, starts ~250 samples late
+            if f.seekable():
+                f.seek(0)
+            while (block := f.read(_SNDFILE_BLOCK, dtype="float32", always_2d=True)).size:
+                mono.add(block[:, 0] if block.shape[1] == 1 else
+                         block.mean(axis=1, dtype=np.float32), rate)
+        except (sf.LibsndfileError, RuntimeError) as exc:
+            raise InputError(FIELD, f"{name} cannot be decoded as audio ({exc})") from None
+    return mono.audio(name, rate)
+
+
+def _decode_av(src: bytes | str | os.PathLike[str], name: str,
+               max_seconds: float | None) -> DecodedAudio:
     import av
 
-    name = "the audio" if isinstance(src, bytes) else str(src)
     try:
         container = av.open(io.BytesIO(src) if isinstance(src, bytes) else os.fspath(src),
                             mode="r")
@@ -54,36 +116,28 @@ def decode(src: bytes | str | os.PathLike[str], max_seconds: float | None = None
         raise InputError(FIELD, f"{name}: file not found") from None
     except (av.FFmpegError, OSError, ValueError) as exc:
         raise InputError(FIELD, f"{name} cannot be decoded as audio ({exc})") from None
+    mono = _Mono(max_seconds)
+    rate = 0
     try:
         streams = [s for s in container.streams if s.type == "audio"]
         if not streams:
             raise InputError(FIELD, f"{name} has no audio stream")
-        stream = streams[0]
-        pieces: list[F32] = []
-        rate, total = 0, 0
-        for frame in container.decode(stream):
+        for frame in container.decode(streams[0]):
             assert isinstance(frame, av.AudioFrame)
-            arr: npt.NDArray[Any] = frame.to_ndarray()
+            arr: npt.NDArray[Any] = _as_float(frame.to_ndarray())
             rate = int(frame.sample_rate)
             n_ch = len(frame.layout.channels)
-            arr = _as_float(arr)
             if frame.format.is_planar:
-                mono = arr.reshape(n_ch, -1).mean(axis=0, dtype=np.float32)
+                mono.add(arr.reshape(n_ch, -1).mean(axis=0, dtype=np.float32), rate)
             else:
-                mono = arr.reshape(-1, n_ch).mean(axis=1, dtype=np.float32)
-            pieces.append(np.ascontiguousarray(mono, dtype=np.float32))
-            total += mono.shape[0]
-            if max_seconds is not None and total > max_seconds * rate:
-                raise InputError(FIELD, _too_long(f"is over {max_seconds:g} s long", max_seconds))
+                mono.add(arr.reshape(-1, n_ch).mean(axis=1, dtype=np.float32), rate)
     except InputError:
         raise
     except (av.FFmpegError, OSError, ValueError) as exc:
         raise InputError(FIELD, f"{name} cannot be decoded as audio ({exc})") from None
     finally:
         container.close()
-    if not pieces or rate <= 0:
-        raise InputError(FIELD, f"{name} holds no audio samples")
-    return DecodedAudio(np.concatenate(pieces), rate)
+    return mono.audio(name, rate)
 
 
 def _as_float(arr: npt.NDArray[Any]) -> F32:

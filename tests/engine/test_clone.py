@@ -98,6 +98,32 @@ def test_reference_audio_formats(speech: Path, tmp_path: Path, suffix: str, code
     assert 0.01 < float(np.abs(wav).max()) <= 1.5
 
 
+@pytest.mark.parametrize(("suffix", "codec", "rate", "layout"), [
+    (".flac", "flac", 48000, "stereo"),
+    (".ogg", "libopus", 48000, "stereo"),
+    (".mp3", "mp3", 16000, "mono"),
+    (".wav", "pcm_s16le", 22050, "stereo"),
+])  # fmt: skip
+def test_reference_audio_decodes_as_the_references_loader(
+        speech: Path, tmp_path: Path, suffix: str, codec: str, rate: int, layout: str) -> None:
+    """The reference reads a voice's audio with libsndfile: ``soundfile.read`` for bytes (what
+    an upload is), ``librosa.load(path, sr=None, mono=True)`` for a path. A lossy file decodes
+    to those samples, not to another decoder's: ``soundfile.read``'s bit for bit; librosa's
+    within a float32 step (mpg123 rounds a little differently unseeked; for Opus, libsndfile's
+    one large first read unseeked, librosa's way, starts ~250 samples late)."""
+    import librosa
+
+    f = _encode(speech, tmp_path / f"ref{suffix}", codec, rate, layout)
+    want = sf.read(f, dtype="float32", always_2d=True)[0].mean(axis=1, dtype=np.float32)
+    if codec != "libopus":
+        np.testing.assert_allclose(librosa.load(f, sr=None, mono=True)[0], want, rtol=0,
+                                   atol=2.0**-23)
+    for src in (f, f.read_bytes()):
+        d = decode(src)
+        assert d.sample_rate == rate
+        np.testing.assert_array_equal(d.samples, want)
+
+
 def test_stereo_is_the_channel_mean(tmp_path: Path) -> None:
     t = np.arange(48000) / 48000
     left, right = np.sin(2 * np.pi * 220 * t), 0.2 * np.sin(2 * np.pi * 330 * t)
