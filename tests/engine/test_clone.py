@@ -82,6 +82,7 @@ def _encode(src: Path, dst: Path, codec: str, rate: int, layout: str) -> Path:
     (".ogg", "libopus", 48000, "stereo"),
     (".m4a", "aac", 16000, "mono"),
     (".mp3", "mp3", 22050, "mono"),
+    (".wav", "pcm_s16le", 16000, "stereo"),
 ])  # fmt: skip
 def test_reference_audio_formats(speech: Path, tmp_path: Path, suffix: str, codec: str,
                                  rate: int, layout: str) -> None:  # fmt: skip
@@ -96,16 +97,11 @@ def test_reference_audio_formats(speech: Path, tmp_path: Path, suffix: str, code
     corr = np.corrcoef(ref[:n], wav[:n])[0, 1]
     assert corr > 0.5 or suffix in (".ogg", ".m4a", ".mp3")  # lossy codecs shift phase
     assert 0.01 < float(np.abs(wav).max()) <= 1.5
+    if suffix != ".m4a":  # (libsndfile does not read AAC: FFmpeg decodes it)
+        _decodes_as_the_reference(f, codec)
 
 
-@pytest.mark.parametrize(("suffix", "codec", "rate", "layout"), [
-    (".flac", "flac", 48000, "stereo"),
-    (".ogg", "libopus", 48000, "stereo"),
-    (".mp3", "mp3", 16000, "mono"),
-    (".wav", "pcm_s16le", 22050, "stereo"),
-])  # fmt: skip
-def test_reference_audio_decodes_as_the_references_loader(
-        speech: Path, tmp_path: Path, suffix: str, codec: str, rate: int, layout: str) -> None:
+def _decodes_as_the_reference(f: Path, codec: str) -> None:
     """The reference reads a voice's audio with libsndfile: ``soundfile.read`` for bytes (what
     an upload is), ``librosa.load(path, sr=None, mono=True)`` for a path. A lossy file decodes
     to those samples, not to another decoder's: ``soundfile.read``'s bit for bit; librosa's
@@ -113,15 +109,12 @@ def test_reference_audio_decodes_as_the_references_loader(
     one large first read unseeked, librosa's way, starts ~250 samples late)."""
     import librosa
 
-    f = _encode(speech, tmp_path / f"ref{suffix}", codec, rate, layout)
     want = sf.read(f, dtype="float32", always_2d=True)[0].mean(axis=1, dtype=np.float32)
     if codec != "libopus":
         np.testing.assert_allclose(librosa.load(f, sr=None, mono=True)[0], want, rtol=0,
                                    atol=2.0**-23)
     for src in (f, f.read_bytes()):
-        d = decode(src)
-        assert d.sample_rate == rate
-        np.testing.assert_array_equal(d.samples, want)
+        np.testing.assert_array_equal(decode(src).samples, want)
 
 
 def test_stereo_is_the_channel_mean(tmp_path: Path) -> None:
