@@ -74,9 +74,10 @@ class _Mono:
         return DecodedAudio(np.concatenate(self.pieces), rate)
 
 
-# frames per libsndfile read: a few reads for a typical reference, and what one read holds
-# stays small whatever the file's channels (the cap bounds the mono samples kept)
-_SNDFILE_BLOCK = 1 << 16
+# samples (frames x channels) per libsndfile read: a few reads for a typical reference, and
+# what one read holds stays ~0.5 MB whatever the file's channels (a compressed file of
+# hundreds of channels of silence is small); the cap bounds the mono samples kept
+_SNDFILE_READ_SAMPLES = 1 << 17
 
 
 def _decode_sndfile(src: bytes | str | os.PathLike[str], name: str,
@@ -97,7 +98,8 @@ def _decode_sndfile(src: bytes | str | os.PathLike[str], name: str,
             # asked for a large block first thing, unseeked, starts ~250 samples late
             if f.seekable():
                 f.seek(0)
-            while (block := f.read(_SNDFILE_BLOCK, dtype="float32", always_2d=True)).size:
+            frames = max(1, _SNDFILE_READ_SAMPLES // max(1, f.channels))
+            while (block := f.read(frames, dtype="float32", always_2d=True)).size:
                 mono.add(block[:, 0] if block.shape[1] == 1 else
                          block.mean(axis=1, dtype=np.float32), rate)
         except (sf.LibsndfileError, RuntimeError) as exc:

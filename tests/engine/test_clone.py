@@ -142,16 +142,16 @@ def test_bad_reference_audio(tmp_path: Path, make: object, problem: str) -> None
     assert info.value.field == "ref_audio" and "\n" not in str(info.value)
 
 
-def _silent_flac(path: Path, seconds: int, rate: int = 8000) -> Path:
+def _silent_flac(path: Path, seconds: int, rate: int = 8000, layout: str = "mono") -> Path:
     """A FLAC of digital silence: a few bytes per block, so hours fit in a small upload."""
     import av
 
     with av.open(str(path), mode="w") as out:
         stream = out.add_stream("flac", rate=rate)
-        stream.layout = "mono"  # type: ignore[attr-defined]
-        block = np.zeros((1, rate), np.int16)
+        stream.layout = layout  # type: ignore[attr-defined]
+        block = np.zeros((1, rate * len(av.AudioLayout(layout).channels)), np.int16)
         for i in range(seconds):
-            frame = av.AudioFrame.from_ndarray(block, format="s16", layout="mono")
+            frame = av.AudioFrame.from_ndarray(block, format="s16", layout=layout)
             frame.sample_rate, frame.pts = rate, i * rate
             for packet in stream.encode(frame):  # type: ignore[attr-defined]
                 out.mux(packet)
@@ -180,6 +180,23 @@ def test_a_decompression_bomb_is_refused_while_decoding(tmp_path: Path) -> None:
     with pytest.raises(InputError, match="is over 5 s long"):
         decode(bomb, max_seconds=5)
     assert decode(_silent_flac(tmp_path / "short.flac", 2)).samples.size == 16000
+
+
+def test_what_one_read_holds_does_not_grow_with_the_channels(tmp_path: Path) -> None:
+    """Eight channels of silence: each read holds a bounded number of samples, not of frames
+    (a frame is eight samples here), so decoding to the cap holds ~the mono samples kept."""
+    import tracemalloc
+
+    bomb = _silent_flac(tmp_path / "bomb8.flac", 600, layout="7.1")
+    tracemalloc.start()
+    try:
+        with pytest.raises(InputError, match=r"is over 30 s long"):
+            load_reference(bomb)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    # 30 s of mono at 8 kHz is ~1 MB; reads of 65536 frames of 8 channels held 4.8 MB
+    assert peak < 2 << 20, f"decoding held {peak / 2**20:.1f} MB"
 
 
 @pytest.mark.parametrize(("subtype", "fmt"), [("PCM_U8", "WAV"), ("PCM_S8", "AIFF"),
