@@ -252,18 +252,19 @@ class Ramp:
     True)``): alone, a stream at RTF ~0.6 cannot double its chunks without running dry; in a
     batch, every small push holds up the other streams' frames (docs/performance.md, Session
     19). A doubled size skips the gentle sizes below it, so a stream left alone again goes on
-    gently from where it is."""
+    gently from where it is. ``first``: the first chunk's frames (again after a restart)."""
 
-    def __init__(self, chunk_max_frames: int, ramp: str = "double") -> None:
+    def __init__(self, chunk_max_frames: int, ramp: str = "double", first: int = 1) -> None:
         self.chunk_max = max(1, chunk_max_frames)
         self.ramp = ramp
+        self.first = first
         self.advance(restart=True)
 
     def advance(self, restart: bool = False, shared: bool = False) -> None:
         """The next size after a push (1 again after ``restart``: a pause for text);
         ``shared``: other streams share the worker's steps now (``auto`` doubles then)."""
         if restart:
-            self._sizes = chunk_sizes(self.chunk_max, self.ramp)
+            self._sizes = chunk_sizes(self.chunk_max, self.ramp, self.first)
             self._doubled = False
             self.target = next(self._sizes)
         elif self.ramp != "auto":
@@ -279,10 +280,14 @@ class Ramp:
 RAMPS = ("auto", "double", "gentle")
 
 
-def chunk_sizes(chunk_max_frames: int, ramp: str = "double") -> Generator[int, None, None]:
+def chunk_sizes(chunk_max_frames: int, ramp: str = "double", first: int = 1
+                ) -> Generator[int, None, None]:
     """The chunk ramp capped at ``chunk_max_frames`` (forever): ``double`` 1, 2, 4, 8, ...;
     ``gentle`` 1, 1, 1, 2, 2, 3, 4, 6, 8, 12, 16, 24, ... (x1.5 a step); ``auto`` is gentle
-    here (a stream alone: ``Ramp`` doubles it while the stream shares a batch).
+    here (a stream alone: ``Ramp`` doubles it while the stream shares a batch). ``first``:
+    the first chunk's frames, the ramp going on after it as after a first chunk of one frame
+    (``gentle`` 2, 1, 1, 2, 2, 3, ...): what a listener holds before the second chunk, for
+    that much more time to first audio.
 
     A chunk of n frames must be made while the audio before it plays. Doubling asks for 2n
     frames in the time n play, which a stream whose frames take more than ~half their audio's
@@ -291,12 +296,15 @@ def chunk_sizes(chunk_max_frames: int, ramp: str = "double") -> Generator[int, N
     pushes (docs/performance.md, Session 19: one client's stalls 44 -> 11 in 11 requests)."""
     if ramp not in RAMPS:
         raise ValueError(f"ramp must be one of {RAMPS}, got {ramp!r}")
+    if first < 1:
+        raise ValueError(f"the first chunk must be >= 1 frame, got {first}")
     cap = max(1, chunk_max_frames)
+    yield min(first, cap)
     gentle = ramp != "double"
     if gentle:
-        for size in (1, 1, 1, 2):
+        for size in (1, 1, 2):
             yield min(size, cap)
-    size = 2 if gentle else 1
+    size = 2
     while True:
         yield min(size, cap)
         size = _grow(size, cap) if gentle else min(size * 2, cap)
@@ -319,7 +327,8 @@ class Pipeline:
     it). ``segment_tokens``: a longer text is spoken segment by segment, each at most this
     many tokens of whole sentences (``engine.talker.segment``), with its own frame budget.
     ``prefill_chunk``: prompt positions per prefill graph (``TalkerModel``). ``chunk_ramp``:
-    how the decoder's chunks grow to ``chunk_max_frames`` (``chunk_sizes``).
+    how the decoder's chunks grow to ``chunk_max_frames`` from ``first_chunk_frames``
+    (``chunk_sizes``).
     """
 
     def __init__(self, model: Any, backends: BackendSet, decoder: DecoderModel | None = None,
@@ -330,10 +339,14 @@ class Pipeline:
                  max_text_tokens: int = DEFAULT_MAX_TEXT_TOKENS,
                  max_instruct_tokens: int = DEFAULT_MAX_INSTRUCT_TOKENS,
                  segment_tokens: int = DEFAULT_SEGMENT_TOKENS,
-                 prefill_chunk: int = PREFILL_CHUNK, chunk_ramp: str = "double") -> None:
+                 prefill_chunk: int = PREFILL_CHUNK, chunk_ramp: str = "double",
+                 first_chunk_frames: int = 1) -> None:
         if chunk_ramp not in RAMPS:
             raise ValueError(f"chunk_ramp must be one of {RAMPS}, got {chunk_ramp!r}")
+        if first_chunk_frames < 1:
+            raise ValueError(f"first_chunk_frames must be >= 1, got {first_chunk_frames}")
         self.chunk_ramp = chunk_ramp
+        self.first_chunk_frames = int(first_chunk_frames)
         self.model = model
         self.backends = backends
         self._own_decoder = decoder is None
@@ -450,6 +463,9 @@ class Pipeline:
             raise InputError("chunk_max_frames", f"must be >= 1, got {n}")
         return int(n)
 
+    def _ramp(self, chunk_max: int) -> Ramp:
+        return Ramp(chunk_max, self.chunk_ramp, self.first_chunk_frames)
+
     def _push(self, sd: StreamingDecoder, codes: list[npt.NDArray[np.int32]],
               timings: StageTimings, info: StreamInfo) -> AudioChunk:
         return self._push_together([(sd, codes, timings, info)])[0]
@@ -477,7 +493,7 @@ class Pipeline:
         codes = validate_codes(req.codes, cfg.num_quantizers, cfg.codebook_size)
         if req.max_frames:
             codes = codes[:, : int(req.max_frames)]
-        sizes = chunk_sizes(self._chunk_max(req), self.chunk_ramp)
+        sizes = chunk_sizes(self._chunk_max(req), self.chunk_ramp, self.first_chunk_frames)
         sd = StreamingDecoder(self.decoder)
         pos, total = 0, codes.shape[1]
         info.budget = total
@@ -530,7 +546,7 @@ class Pipeline:
         chunk_max = self._chunk_max(req)
         rng, seed = make_rng(req.seed)
         return TextPlan(prompts, params, total, rng, seed, self._primed_decoder(req.voice_prompt),
-                        Ramp(chunk_max, self.chunk_ramp))
+                        self._ramp(chunk_max))
 
     def _primed_decoder(self, voice: VoicePrompt | None) -> StreamingDecoder:
         """A streaming decoder; for an in-context voice, primed with its reference codes
@@ -745,7 +761,7 @@ class Pipeline:
         rng, seed = make_rng(req.seed)
         return TextPlan([], params, budget(1 << 20), rng, seed,
                         self._primed_decoder(req.voice_prompt),
-                        Ramp(self._chunk_max(req), self.chunk_ramp)), budget
+                        self._ramp(self._chunk_max(req))), budget
 
     def stream_live(self, request: Any, feed: TextFeed, cancel: Cancel = None,
                     info: StreamInfo | None = None, min_tokens: int = 1
@@ -754,7 +770,7 @@ class Pipeline:
         start, ``feed`` delivers the rest (engine/talker/live.py). Generation starts once
         ``min_tokens`` stable tokens, a flush or the end of the text are there. When the whole
         text (and its end) is known at the start this is exactly ``stream`` with
-        ``text_mode="stream"``. After a pause for text the chunk ramp restarts at one frame.
+        ``text_mode="stream"``. After a pause for text the chunk ramp restarts at its first chunk.
         An in-context cloned voice starts once the text covers its reference frames
         (``live_start_tokens``) or ends."""
         check = _cancel_fn(cancel)

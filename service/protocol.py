@@ -98,6 +98,7 @@ class WorkerOptions:
     prefill_chunk: int | None = None
     max_batch: int = 1  # text jobs spoken at once (>1: the batch loop of service/worker.py)
     chunk_ramp: Literal["auto", "double", "gentle"] = "auto"  # engine.pipeline.Ramp
+    first_chunk_frames: int = 1  # the ramp's first chunk
 
 
 # ---- front end -> worker -------------------------------------------------------------------

@@ -153,6 +153,17 @@ class Settings(BaseSettings):
             "small push holds up the other streams)"
         ),
     )
+    first_chunk_frames: int = Field(
+        default=1,
+        ge=1,
+        le=16,
+        description=(
+            "frames in a stream's first chunk (and again after a realtime pause for text), "
+            "before the ramp goes on; 2: no stalls at the start of a stream whose frames take "
+            "about two thirds of their audio's time to make, for one more frame's time to first "
+            "audio (docs/performance.md, Session 24)"
+        ),
+    )
     drain_seconds: float = Field(
         default=30.0, ge=0, description="on SIGTERM, how long in-flight requests may finish"
     )
@@ -269,7 +280,7 @@ class Settings(BaseSettings):
             pin_prefixes=self.pin_prefixes, max_text_tokens=self.max_text_tokens,
             max_instruct_tokens=self.max_instruct_tokens, segment_tokens=self.segment_tokens,
             prefill_chunk=self.prefill_chunk, max_batch=self.max_batch,
-            chunk_ramp=self.chunk_ramp,
+            chunk_ramp=self.chunk_ramp, first_chunk_frames=self.first_chunk_frames,
         )
 
     def worker_env(self) -> dict[str, str]:

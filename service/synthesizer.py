@@ -50,7 +50,7 @@ class Synthesizer:
         self.pipeline = Pipeline(
             self.model, self.backends, self.decoder, max_frames_cap=opts.max_frames_cap,
             chunk_max_frames=opts.chunk_max_frames or DEFAULT_CHUNK_MAX_FRAMES,
-            chunk_ramp=opts.chunk_ramp, **caps)
+            chunk_ramp=opts.chunk_ramp, first_chunk_frames=opts.first_chunk_frames, **caps)
         self._voices: OrderedDict[str, Any] = OrderedDict()
 
     def _cached(self, key: str, make: Callable[[], Any]) -> Any:

@@ -71,6 +71,14 @@ def test_chunk_ramp() -> None:
     assert [next(g) for _ in range(11)] == [1, 1, 1, 2, 2, 3, 4, 6, 8, 10, 10]
     with pytest.raises(ValueError, match="ramp"):
         next(chunk_sizes(8, "steep"))
+    # a first chunk of more frames, the ramp going on as after one frame; capped like the rest
+    g = chunk_sizes(16, "gentle", 2)
+    assert [next(g) for _ in range(8)] == [2, 1, 1, 2, 2, 3, 4, 6]
+    g = chunk_sizes(8, "double", 3)
+    assert [next(g) for _ in range(5)] == [3, 2, 4, 8, 8]
+    assert next(chunk_sizes(2, "gentle", 5)) == 2
+    with pytest.raises(ValueError, match="first chunk"):
+        next(chunk_sizes(8, "gentle", 0))
 
 
 def test_auto_ramp_is_gentle_alone_and_doubles_in_a_batch() -> None:
@@ -99,6 +107,11 @@ def test_auto_ramp_is_gentle_alone_and_doubles_in_a_batch() -> None:
         1, 2, 4, 8, 12, 16, 16]
     with pytest.raises(ValueError, match="ramp"):
         Ramp(8, "steep")
+    # a first chunk of two frames: alone, in a batch, and again after a restart
+    r = Ramp(16, "auto", first=2)
+    assert walk(r, [False] * 4) == [2, 1, 1, 2, 2]
+    r.advance(restart=True)
+    assert walk(r, [True] * 3) == [2, 4, 8, 16]
 
 
 def test_gentle_ramp_streams_the_same_audio_in_other_chunks(pipe: Pipeline) -> None:
@@ -122,6 +135,28 @@ def test_gentle_ramp_streams_the_same_audio_in_other_chunks(pipe: Pipeline) -> N
         gentle.close()
     with pytest.raises(ValueError, match="chunk_ramp"):
         Pipeline(pipe.model, pipe.backends, pipe.decoder, chunk_ramp="steep")
+
+
+def test_a_first_chunk_of_two_frames(pipe: Pipeline) -> None:
+    """``first_chunk_frames``: text and codes requests open with that many frames, then the
+    ramp goes on; the codes and audio are the one-frame opening's."""
+    two = Pipeline(pipe.model, pipe.backends, pipe.decoder, kv_type="f32", chunk_max_frames=4,
+                   chunk_ramp="gentle", first_chunk_frames=2)
+    try:
+        req = SynthesisRequest("Hello world.", "ryan", "english", seed=5, max_frames=12)
+        chunks, _, info = collect(two, req)
+        assert [c.frames for c in chunks] == [2, 1, 1, 2, 2, 3, 1]
+        ref, _, ref_info = collect(pipe, req)
+        np.testing.assert_array_equal(np.concatenate(info.codes, 1),
+                                      np.concatenate(ref_info.codes, 1))
+        np.testing.assert_allclose(np.concatenate([c.audio for c in chunks]),
+                                   np.concatenate([c.audio for c in ref]), atol=1e-4)
+        codes_chunks, _, _ = collect(two, CodesRequest(np.concatenate(info.codes, 1)))
+        assert [c.frames for c in codes_chunks] == [2, 1, 1, 2, 2, 3, 1]
+    finally:
+        two.close()
+    with pytest.raises(ValueError, match="first_chunk_frames"):
+        Pipeline(pipe.model, pipe.backends, pipe.decoder, first_chunk_frames=0)
 
 
 def test_text_stream_chunks_timings_and_outcome(pipe: Pipeline) -> None:

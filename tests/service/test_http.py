@@ -156,6 +156,25 @@ def test_openai_sse_stream_format(server: Server) -> None:
     assert len(pcm) == n * FRAME_SAMPLES * 2
 
 
+def test_a_first_chunk_of_two_frames_on_the_wire(service_model: Path,
+                                                tmp_path_factory: pytest.TempPathFactory) -> None:
+    """``QTTS_FIRST_CHUNK_FRAMES=2``: the first audio event carries two frames, then the
+    ramp goes on (one SSE delta per decoder chunk)."""
+    s = Server(service_model, tmp_path_factory.mktemp("first2"), first_chunk_frames=2)
+    try:
+        s.wait_ready()
+        with httpx.stream("POST", s.url + "/v1/audio/speech", timeout=60, json={
+            "model": "qtts", "voice": "ryan", "input": "", "response_format": "pcm",
+            "stream_format": "sse", "codes": codes(9, seed=5),
+        }) as r:
+            deltas = [json.loads(line[6:]) for line in r.iter_lines()
+                      if line.startswith("data: ") and "speech.audio.delta" in line]
+    finally:
+        s.stop()
+    frames = [len(base64.b64decode(e["audio"])) // (2 * FRAME_SAMPLES) for e in deltas]
+    assert frames == [2, 1, 1, 2, 2, 1]
+
+
 def test_openai_sse_usage_counts_text_tokens(server: Server, service_model: Path) -> None:
     """``usage.input_tokens`` is the text's tokens under the model's tokenizer (as OpenAI
     counts them), not its characters."""

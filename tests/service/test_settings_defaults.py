@@ -33,3 +33,13 @@ def test_workers_batch_and_ramp_by_default(monkeypatch: pytest.MonkeyPatch) -> N
     assert (opts.max_batch, opts.chunk_ramp) == (4, "auto")
     assert Settings(max_batch=1, chunk_ramp="double").worker_options(0, 100).chunk_ramp == "double"
     assert Settings(chunk_ramp="gentle").worker_options(0, 100).chunk_ramp == "gentle"
+
+
+def test_the_first_chunk_reaches_the_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("QTTS_FIRST_CHUNK_FRAMES", raising=False)
+    assert Settings().worker_options(0, 100).first_chunk_frames == 1
+    monkeypatch.setenv("QTTS_FIRST_CHUNK_FRAMES", "2")
+    assert Settings().worker_options(0, 100).first_chunk_frames == 2
+    monkeypatch.setenv("QTTS_FIRST_CHUNK_FRAMES", "0")
+    with pytest.raises(ValueError, match="first_chunk_frames"):
+        Settings()
