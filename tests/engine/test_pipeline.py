@@ -114,16 +114,20 @@ def test_auto_ramp_is_gentle_alone_and_doubles_in_a_batch() -> None:
     assert walk(r, [True] * 3) == [2, 4, 8, 16]
 
 
-def test_gentle_ramp_streams_the_same_audio_in_other_chunks(pipe: Pipeline) -> None:
-    """A pipeline with the gentle ramp streams its chunks at those sizes: the same audio as
-    the doubling ramp's, in other chunks (fast mode on this CPU's kernels: to rounding where a
-    Winograd kernel starts its tiles where a chunk starts)."""
+@pytest.mark.parametrize(("first", "sizes"), [(1, [1, 1, 1, 2, 2, 3, 2]),
+                                              (2, [2, 1, 1, 2, 2, 3, 1])])
+def test_gentle_ramp_streams_the_same_audio_in_other_chunks(pipe: Pipeline, first: int,
+                                                            sizes: list[int]) -> None:
+    """A pipeline with the gentle ramp (opening with ``first_chunk_frames``) streams text and
+    codes requests in those chunks: the same codes and audio as the doubling ramp's (fast mode
+    on this CPU's kernels: to rounding where a Winograd kernel starts its tiles where a chunk
+    starts)."""
     gentle = Pipeline(pipe.model, pipe.backends, pipe.decoder, kv_type="f32", chunk_max_frames=4,
-                      chunk_ramp="gentle")
+                      chunk_ramp="gentle", first_chunk_frames=first)
     try:
         req = SynthesisRequest("Hello world.", "ryan", "english", seed=5, max_frames=12)
         chunks, _, info = collect(gentle, req)
-        assert [c.frames for c in chunks] == [1, 1, 1, 2, 2, 3, 2]
+        assert [c.frames for c in chunks] == sizes
         ref, _, ref_info = collect(pipe, req)
         np.testing.assert_array_equal(np.concatenate(info.codes, 1),
                                       np.concatenate(ref_info.codes, 1))
@@ -131,30 +135,12 @@ def test_gentle_ramp_streams_the_same_audio_in_other_chunks(pipe: Pipeline) -> N
         b = np.concatenate([c.audio for c in ref])
         assert a.shape == b.shape
         np.testing.assert_allclose(a, b, atol=1e-4)
+        codes_chunks, _, _ = collect(gentle, CodesRequest(np.concatenate(info.codes, 1)))
+        assert [c.frames for c in codes_chunks] == sizes
     finally:
         gentle.close()
     with pytest.raises(ValueError, match="chunk_ramp"):
         Pipeline(pipe.model, pipe.backends, pipe.decoder, chunk_ramp="steep")
-
-
-def test_a_first_chunk_of_two_frames(pipe: Pipeline) -> None:
-    """``first_chunk_frames``: text and codes requests open with that many frames, then the
-    ramp goes on; the codes and audio are the one-frame opening's."""
-    two = Pipeline(pipe.model, pipe.backends, pipe.decoder, kv_type="f32", chunk_max_frames=4,
-                   chunk_ramp="gentle", first_chunk_frames=2)
-    try:
-        req = SynthesisRequest("Hello world.", "ryan", "english", seed=5, max_frames=12)
-        chunks, _, info = collect(two, req)
-        assert [c.frames for c in chunks] == [2, 1, 1, 2, 2, 3, 1]
-        ref, _, ref_info = collect(pipe, req)
-        np.testing.assert_array_equal(np.concatenate(info.codes, 1),
-                                      np.concatenate(ref_info.codes, 1))
-        np.testing.assert_allclose(np.concatenate([c.audio for c in chunks]),
-                                   np.concatenate([c.audio for c in ref]), atol=1e-4)
-        codes_chunks, _, _ = collect(two, CodesRequest(np.concatenate(info.codes, 1)))
-        assert [c.frames for c in codes_chunks] == [2, 1, 1, 2, 2, 3, 1]
-    finally:
-        two.close()
     with pytest.raises(ValueError, match="first_chunk_frames"):
         Pipeline(pipe.model, pipe.backends, pipe.decoder, first_chunk_frames=0)
 
