@@ -261,7 +261,7 @@ class Ramp:
         self.advance(restart=True)
 
     def advance(self, restart: bool = False, shared: bool = False) -> None:
-        """The next size after a push (1 again after ``restart``: a pause for text);
+        """The next size after a push (the first chunk again after ``restart``: a pause for text);
         ``shared``: other streams share the worker's steps now (``auto`` doubles then)."""
         if restart:
             self._sizes = chunk_sizes(self.chunk_max, self.ramp, self.first)
