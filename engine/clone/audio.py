@@ -47,8 +47,6 @@ def decode(src: bytes | str | os.PathLike[str], max_seconds: float | None = None
     hours, gigabytes of samples), so the cap must hold while decoding, not after.
     """
     name = "the audio" if isinstance(src, bytes) else str(src)
-    if not isinstance(src, bytes) and not os.path.exists(src):
-        raise InputError(FIELD, f"{name}: file not found")
     decoded = _decode_sndfile(src, name, max_seconds)
     return decoded if decoded is not None else _decode_av(src, name, max_seconds)
 
@@ -88,8 +86,8 @@ def _decode_sndfile(src: bytes | str | os.PathLike[str], name: str,
 
     try:
         f = sf.SoundFile(io.BytesIO(src) if isinstance(src, bytes) else os.fspath(src))
-    except (sf.LibsndfileError, RuntimeError, TypeError, ValueError):
-        return None
+    except (RuntimeError, TypeError, ValueError):  # (sf.LibsndfileError is a RuntimeError;
+        return None  # a missing file too: PyAV's open then says "file not found")
     mono = _Mono(max_seconds)
     with f:
         rate = int(f.samplerate)
@@ -102,7 +100,7 @@ def _decode_sndfile(src: bytes | str | os.PathLike[str], name: str,
             while (block := f.read(frames, dtype="float32", always_2d=True)).size:
                 mono.add(block[:, 0] if block.shape[1] == 1 else
                          block.mean(axis=1, dtype=np.float32), rate)
-        except (sf.LibsndfileError, RuntimeError) as exc:
+        except RuntimeError as exc:  # sf.LibsndfileError
             raise InputError(FIELD, f"{name} cannot be decoded as audio ({exc})") from None
     return mono.audio(name, rate)
 
