@@ -76,7 +76,7 @@ class TTSRequest(Sampling):
     # one-shot cloning (Base models): a reference that is not stored
     ref_audio: str | None = Field(
         default=None, description="one-shot cloning: reference audio, base64 (any format "
-        "FFmpeg decodes); instead of `voice`")
+        "libsndfile or FFmpeg decodes); instead of `voice`")
     ref_text: Text | None = Field(
         default=None, description="transcript of `ref_audio` (in-context cloning; without it "
         "the voice is x-vector only)")

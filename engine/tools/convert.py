@@ -9,6 +9,9 @@ Input layouts (docs/architecture.md, The model file):
 * a speech-tokenizer folder on its own (``model_type = "qwen3_tts_tokenizer_12hz"``): a
   decoder-only GGUF (usable for ``qtts decode`` and ``codes`` requests, not for text).
 
+Either ``model.safetensors`` may be shards with ``model.safetensors.index.json`` instead
+(``CheckpointTensors``).
+
 Voice cloning needs two more parts, kept by default for Base checkpoints (``tts_model_type =
 "base"``): ``speaker_encoder`` (``speaker_encoder.*``, ECAPA-TDNN) and ``codec_encoder`` (the Mimi
 ``encoder.*`` tensors of ``speech_tokenizer/``, its first 16 codebooks). ``--parts`` leaves them
@@ -265,6 +268,73 @@ class SafetensorsFile:
         if arr.size != count:
             raise self._err("file ends early (truncated?)")
         return arr
+
+
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+class CheckpointTensors:
+    """A folder's tensors: ``model.safetensors``, or else the shards that
+    ``model.safetensors.index.json`` lists (``save_pretrained`` with a ``max_shard_size`` below
+    the model's size, as fine-tuning scripts and F32 saves of the 1.7B model do). The single
+    file wins when both are there, as in ``transformers``. Raises ``ConversionError``."""
+
+    def __init__(self, folder: Path, label: str = "") -> None:
+        single, index = folder / SAFETENSORS_FILE, folder / SAFETENSORS_INDEX
+        weight_map: dict[str, str] = {}
+        if single.is_file() or not index.is_file():
+            self.display = f"{label}{SAFETENSORS_FILE}"
+            self.files = [SafetensorsFile(single, self.display)]
+        else:
+            self.display = f"{label}{SAFETENSORS_INDEX}"
+            weight_map = self._weight_map(index)
+            self.files = [SafetensorsFile(folder / shard, f"{label}{shard}")
+                          for shard in dict.fromkeys(weight_map.values())]
+        self._file_of: dict[str, SafetensorsFile] = {}
+        for st in self.files:
+            for name in st.names():
+                other = self._file_of.setdefault(name, st)
+                if other is not st:
+                    raise ConversionError(
+                        self.display, f"tensor {name} is in both {other.display} and {st.display}")
+        # with shards: every tensor where the index says it is, none that it leaves out
+        for name, shard in weight_map.items():
+            held = self._file_of.get(name)
+            if held is None or held.display != f"{label}{shard}":
+                raise ConversionError(self.display, f"tensor {name} is not in {shard}")
+        if weight_map and len(weight_map) != len(self._file_of):
+            name = next(n for n in self._file_of if n not in weight_map)
+            raise ConversionError(self._file_of[name].display,
+                                  f"tensor {name} is not in {SAFETENSORS_INDEX}")
+
+    def _weight_map(self, index: Path) -> dict[str, str]:
+        weight_map = _load_json(index, self.display).get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+            raise ConversionError(self.display, "weight_map is missing, empty or not names "
+                                  "to file names")
+        for shard in weight_map.values():
+            # a file beside the index, never a path that leads elsewhere
+            if Path(shard).name != shard or shard.startswith(".") or "\\" in shard:
+                raise ConversionError(self.display, f"shard {shard!r} is not a file name")
+        return weight_map
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._file_of
+
+    def names(self) -> list[str]:
+        """Tensor names, file by file in header order."""
+        return list(self._file_of)
+
+    def file_of(self, name: str) -> SafetensorsFile | None:
+        """The file holding tensor ``name``."""
+        return self._file_of.get(name)
+
+    def display_of(self, name: str) -> str:
+        """The file an error about tensor ``name`` names: its own, else the checkpoint's."""
+        st = self._file_of.get(name)
+        return self.display if st is None else st.display
 
 
 class SafetensorsWriter:
@@ -638,21 +708,23 @@ def _parse_parts(parts: str | Sequence[str] | None) -> tuple[str, ...] | None:
 
 
 def _match_tensors(
-    st: SafetensorsFile, specs: Sequence[TensorSpec], skip: Callable[[str], bool]
+    ck: CheckpointTensors, specs: Sequence[TensorSpec], skip: Callable[[str], bool]
 ) -> list[tuple[TensorSpec, SafetensorsFile]]:
-    """Check the file holds exactly ``specs`` (plus skippable names) with the right shapes."""
+    """Check the files hold exactly ``specs`` (plus skippable names) with the right shapes;
+    each spec with the file that holds it."""
     want = {s.hf_name: s for s in specs}
-    for name in st.names():
+    for name in ck.names():
         if name not in want and not skip(name):
             raise ConversionError(
-                st.display,
+                ck.display_of(name),
                 f"unexpected tensor {name} (not in the Qwen3-TTS layout for this config)",
             )
     out = []
     for s in specs:
-        e = st.entries.get(s.hf_name)
-        if e is None:
-            raise ConversionError(st.display, f"tensor {s.hf_name} is missing")
+        st = ck.file_of(s.hf_name)
+        if st is None:
+            raise ConversionError(ck.display_of(s.hf_name), f"tensor {s.hf_name} is missing")
+        e = st.entries[s.hf_name]
         if e.shape != s.hf_shape:
             raise ConversionError(
                 st.display,
@@ -683,11 +755,11 @@ def _read_decoder(folder: Path, label: str, src: _Source) -> None:
     except SchemaError as exc:
         raise ConversionError(f"{label}config.json", str(exc)) from None
     src.synthetic |= top.get(SYNTHETIC_MARKER) is True
-    st = SafetensorsFile(folder / "model.safetensors", f"{label}model.safetensors")
-    enc_names = [n for n in st.names() if n.startswith(ENCODER_HF_PREFIX)]
+    ck = CheckpointTensors(folder, label)
+    enc_names = [n for n in ck.names() if n.startswith(ENCODER_HF_PREFIX)]
     if want_enc and not enc_names:
         raise ConversionError(
-            f"{label}model.safetensors",
+            ck.display,
             "has no encoder.* tensors (the Mimi encoder that voice cloning needs); leave "
             "codec_encoder out of --parts",
         )
@@ -703,7 +775,7 @@ def _read_decoder(folder: Path, label: str, src: _Source) -> None:
             return enc is None or skipped_encoder_tensor(name, enc)
         return name in DECODER_SKIPPED_HF or (not want_dec and name.startswith("decoder."))
 
-    src.tensors += _match_tensors(st, specs, skip)
+    src.tensors += _match_tensors(ck, specs, skip)
     if enc is None and enc_names:
         src.notes.append(
             f"skipped {len(enc_names)} encoder.* tensors (Mimi encoder: needed only for "
@@ -714,8 +786,8 @@ def _read_decoder(folder: Path, label: str, src: _Source) -> None:
 
 
 def _read_talker(folder: Path, src: _Source, root: dict[str, Any]) -> None:
-    st = SafetensorsFile(folder / "model.safetensors", "model.safetensors")
-    has_mtp = "talker.code_predictor.small_to_mtp_projection.weight" in st
+    ck = CheckpointTensors(folder)
+    has_mtp = "talker.code_predictor.small_to_mtp_projection.weight" in ck
     try:
         talker, cp, special, voices = parse_talker_config(root, has_mtp)
         check_talker_config(talker, cp, special, voices, src.decoder)
@@ -739,12 +811,12 @@ def _read_talker(folder: Path, src: _Source, root: dict[str, Any]) -> None:
         if src.tokenizer.tokens[idx].startswith("[PAD"):
             raise ConversionError("config.json", f"{name} = {idx} is not a token of the tokenizer")
     src.talker, src.cp, src.special, src.voices = talker, cp, special, voices
-    n_spk = [n for n in st.names() if n.startswith(SPEAKER_ENCODER_HF_PREFIX)]
+    n_spk = [n for n in ck.names() if n.startswith(SPEAKER_ENCODER_HF_PREFIX)]
     specs = talker_tensor_specs(talker, cp)
     if PART_SPEAKER in src.parts:
         if not n_spk:
             raise ConversionError(
-                "model.safetensors",
+                ck.display,
                 "has no speaker_encoder.* tensors (only Base models have the speaker encoder); "
                 "leave speaker_encoder out of --parts",
             )
@@ -758,7 +830,7 @@ def _read_talker(folder: Path, src: _Source, root: dict[str, Any]) -> None:
     def skip(name: str) -> bool:
         return src.speaker is None and name.startswith(SPEAKER_ENCODER_HF_PREFIX)
 
-    src.tensors += _match_tensors(st, specs, skip)
+    src.tensors += _match_tensors(ck, specs, skip)
     if n_spk and src.speaker is None:
         src.notes.append(
             f"skipped {len(n_spk)} speaker_encoder.* tensors (speaker encoder: needed only "

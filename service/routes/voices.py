@@ -33,8 +33,9 @@ router = APIRouter(tags=["voices"])
 StateDep = Annotated[State, Depends(get_state)]
 FILE_FIELDS = ("audio_sample", "file", "files", "files[]")  # OpenAI's, ours, ElevenLabs'
 TEXT_FIELDS = ("name", "transcript", "ref_text", "x_vector_only", "consent", "type")
-# what a reference may be sent as (the part's Content-Type); the worker decodes whatever FFmpeg
-# reads, so this refuses only what is plainly not audio (a JSON, text or image part)
+# what a reference may be sent as (the part's Content-Type); the worker decodes whatever
+# libsndfile or FFmpeg reads, so this refuses only what is plainly not audio (a JSON, text or
+# image part)
 AUDIO_TYPES = re.compile(r"^(audio/[\w.+-]+|video/(mp4|webm|ogg)|application/(ogg|octet-stream))$")
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 ERRORS_CREATE: Responses = {

@@ -70,6 +70,32 @@ def source_tensor(folder: Path, spec: Any) -> np.ndarray:
     return st.read_f32(spec.hf_name, 0, math.prod(spec.hf_shape)).reshape(spec.shape)
 
 
+def shard_st(folder: Path, n_shards: int) -> dict[str, str]:
+    """Split ``folder/model.safetensors`` into ``n_shards`` files plus the index
+    ``save_pretrained`` writes (tensors in header order, dtypes kept); returns the weight map."""
+    path = folder / "model.safetensors"
+    st = SafetensorsFile(path)
+    names = st.names()
+    weight_map: dict[str, str] = {}
+    per = math.ceil(len(names) / n_shards)
+    for i in range(n_shards):
+        shard = f"model-{i + 1:05d}-of-{n_shards:05d}.safetensors"
+        part = names[i * per : (i + 1) * per]
+        w = SafetensorsWriter(folder / shard,
+                              [(n, st.entries[n].dtype, st.entries[n].shape) for n in part])
+        for n in part:
+            count = math.prod(st.entries[n].shape)
+            w.write(st.read_bf16_bits(n, 0, count) if st.entries[n].dtype == "BF16"
+                    else st.read_f32(n, 0, count))
+            weight_map[n] = shard
+        w.close()
+    path.unlink()
+    total = sum(e.end - e.begin for e in st.entries.values())
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return weight_map
+
+
 # -- round trips --------------------------------------------------------------------------------
 
 
@@ -268,6 +294,100 @@ def test_cli_convert(
         assert m.synthetic
 
 
+def test_sharded_checkpoint_converts_as_one_file(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Shards and ``model.safetensors.index.json`` (the talker's BF16 and the speech
+    tokenizer's F32 alike) give the same GGUF, byte for byte, as the single files."""
+    ck = copy_ckpt(tiny_model_dir, tmp_path / "ck")
+    shard_st(ck, 3)
+    shard_st(ck / "speech_tokenizer", 2)
+    assert not (ck / "model.safetensors").exists()
+    a, b = tmp_path / "one.gguf", tmp_path / "shards.gguf"
+    convert(tiny_model_dir, a, dtype="q4_0", progress=False)
+    convert(ck, b, dtype="q4_0", progress=False)
+    assert a.read_bytes() == b.read_bytes()
+    # a single file beside an index wins, as in transformers
+    shutil.copy(tiny_model_dir / "model.safetensors", ck / "model.safetensors")
+    (ck / "model-00002-of-00003.safetensors").unlink()
+    convert(ck, b, dtype="q4_0", progress=False)
+    assert a.read_bytes() == b.read_bytes()
+
+
+def _index_edit(fn: Callable[[dict[str, str]], object]) -> Callable[[Path], None]:
+    def edit(ck: Path) -> None:
+        shard_st(ck, 2)
+        edit_json(ck / "model.safetensors.index.json", lambda obj: fn(obj["weight_map"]))
+    return edit
+
+
+NORM = "talker.model.norm.weight"
+
+
+def _move_norm(weight_map: dict[str, str]) -> None:
+    # the index says the tensor is in the shard that does not hold it
+    other = {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"}
+    weight_map[NORM] = (other - {weight_map[NORM]}).pop()
+
+
+def _shard_of(ck: Path, name: str) -> Path:
+    weight_map = shard_st(ck, 2)
+    return ck / weight_map[name]
+
+
+def _drop_from_shard(ck: Path, name: str) -> None:
+    rewrite_st(_shard_of(ck, name), lambda t: t.pop(name))
+    edit_json(ck / "model.safetensors.index.json", lambda obj: obj["weight_map"].pop(name))
+
+
+def _reshape_in_shard(ck: Path, name: str) -> None:
+    rewrite_st(_shard_of(ck, name), lambda t: t.__setitem__(name, np.ones(3, np.float32)))
+
+
+SHARD_REFUSALS: list[tuple[str, Callable[[Path], object], str]] = [
+    ("shard missing", lambda ck: (shard_st(ck, 2),
+                                  (ck / "model-00002-of-00002.safetensors").unlink()),
+     "model-00002-of-00002.safetensors: file is missing"),
+    ("index not json", lambda ck: (shard_st(ck, 2),
+                                   (ck / "model.safetensors.index.json").write_text("{")),
+     "model.safetensors.index.json: is not valid JSON"),
+    ("no weight map", lambda ck: (shard_st(ck, 2), edit_json(
+        ck / "model.safetensors.index.json", lambda obj: obj.pop("weight_map"))),
+     "model.safetensors.index.json: weight_map is missing, empty or not names to file names"),
+    ("a path for a shard", _index_edit(lambda wm: wm.__setitem__(
+        next(iter(wm)), "../model.safetensors")),
+     "model.safetensors.index.json: shard '../model.safetensors' is not a file name"),
+    ("tensor elsewhere", _index_edit(_move_norm),
+     "model.safetensors.index.json: tensor talker.model.norm.weight is not in model-0000"),
+    ("tensor not listed", _index_edit(lambda wm: wm.pop(NORM)),
+     ".safetensors: tensor talker.model.norm.weight is not in model.safetensors.index.json"),
+    ("tensor listed, in no shard", _index_edit(lambda wm: wm.__setitem__(
+        "talker.model.extra.weight", "model-00001-of-00002.safetensors")),
+     "model.safetensors.index.json: tensor talker.model.extra.weight is not in "
+     "model-00001-of-00002.safetensors"),
+    ("tensor in two shards", lambda ck: (shard_st(ck, 2), rewrite_st(
+        ck / "model-00002-of-00002.safetensors", lambda t: t.__setitem__(
+            "talker.code_predictor.lm_head.0.weight", np.zeros(2, np.float32)))),
+     "model.safetensors.index.json: tensor talker.code_predictor.lm_head.0.weight is in both "
+     "model-00001-of-00002.safetensors and model-00002-of-00002.safetensors"),
+    ("a shard's tensor missing", lambda ck: _drop_from_shard(ck, NORM),
+     "model.safetensors.index.json: tensor talker.model.norm.weight is missing"),
+    ("a shard's bad shape", lambda ck: _reshape_in_shard(ck, NORM),
+     ".safetensors: tensor talker.model.norm.weight has shape [3]"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("case", "mutate", "message"), SHARD_REFUSALS,
+                         ids=[r[0] for r in SHARD_REFUSALS])
+def test_sharded_checkpoint_refusals(tiny_model_dir: Path, tmp_path: Path, case: str,
+                                     mutate: Callable[[Path], object], message: str) -> None:
+    ck = copy_ckpt(tiny_model_dir, tmp_path / "ck")
+    mutate(ck)
+    with pytest.raises(ConversionError) as info:
+        convert(ck, tmp_path / "out.gguf", progress=False)
+    text = str(info.value)
+    assert message in text, text
+    assert "\n" not in text
+
+
 # -- refusals -----------------------------------------------------------------------------------
 
 
@@ -428,3 +548,24 @@ def test_converts_a_folder_saved_by_the_official_code(tmp_path: Path) -> None:
         for s in decoder_tensor_specs(m.decoder_config):
             ref_arr = st.read_f32(s.hf_name, 0, math.prod(s.hf_shape)).reshape(s.shape)
             np.testing.assert_array_equal(m.tensor(s.name), ref_arr, err_msg=s.name)
+
+
+def test_converts_shards_saved_by_the_official_code(tmp_path: Path) -> None:
+    """``save_pretrained(max_shard_size=...)``'s shards and index convert as the single file."""
+    pytest.importorskip("torch")
+    from tests.parity import reference as ref
+
+    ok, why = ref.reference_available()
+    if not ok:
+        pytest.skip(why)
+    folder = ref.make_reference_tokenizer_dir(ref.default_cache_dir(), "tiny", 0)
+    sharded = tmp_path / "speech_tokenizer"
+    ref.build_reference_model("tiny", 0).save_pretrained(
+        sharded, safe_serialization=True, max_shard_size="200KB")
+    shards = sorted(p.name for p in sharded.glob("model-*.safetensors"))
+    assert len(shards) > 2 and not (sharded / "model.safetensors").exists()
+    assert (sharded / "model.safetensors.index.json").is_file()
+    a, b = tmp_path / "one.gguf", tmp_path / "shards.gguf"
+    convert(folder, a, dtype="f32", progress=False)
+    convert(sharded, b, dtype="f32", progress=False)
+    assert a.read_bytes() == b.read_bytes()
