@@ -39,6 +39,9 @@ async def validation_error(request: Request, exc: Exception) -> JSONResponse:
     # UTF-8 answer; the log formats quote and escape it)
     loc = [str(x).encode("utf-8", "backslashreplace").decode("utf-8")
            for x in e.get("loc", ()) if x != "body"]
+    # past the field's name, the parts a reader knows: list indices and nested fields, not
+    # pydantic's names for a union's members ("function-after[_unicode(), str]", "VoiceRef")
+    loc = loc[:1] + [x for x in loc[1:] if (x.isidentifier() and x.islower()) or x.isdigit()]
     field_name = loc[0] if loc else "body"
     where = ".".join(loc) or "body"
     msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")
@@ -52,8 +55,17 @@ async def validation_error(request: Request, exc: Exception) -> JSONResponse:
     return await api_error(request, err)
 
 
+# FastAPI's answer to a body its JSON reader raised on (bytes that are not UTF-8, nesting too
+# deep for the parser), where pydantic's json_invalid names no field
+BODY_UNREADABLE = "There was an error parsing the body"
+
+
 async def http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
+    if exc.status_code == 400 and exc.detail == BODY_UNREADABLE:
+        err = ApiError(400, "body: is not valid JSON (not UTF-8 text, or nested too deep)",
+                       field="body", code="invalid_value")
+        return await api_error(request, err)
     return JSONResponse(error_body(exc.status_code, str(exc.detail)),
                         status_code=exc.status_code, headers=exc.headers)
 

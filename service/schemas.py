@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StrictInt
 
 FORMATS = ("wav", "pcm", "flac", "mp3", "opus", "aac")
 AudioFormat = Literal["wav", "pcm", "flac", "mp3", "opus", "aac"]
@@ -50,6 +50,20 @@ class VoiceRef(BaseModel):
     id: Text
 
 
+def _voice_form(v: object) -> object:
+    # one error that names both forms (a union reports only its first member's complaint), and
+    # the id's own Unicode check here for the same reason
+    if isinstance(v, dict) and set(v) == {"id"} and isinstance(v["id"], str):
+        _unicode(v["id"])
+        return v
+    if v is None or isinstance(v, str):
+        return v
+    raise ValueError('must be a voice name or {"id": "<voice id>"}')
+
+
+Voice = Annotated[Text | VoiceRef | None, BeforeValidator(_voice_form)]
+
+
 class TTSRequest(Sampling):
     """``POST /tts``: synthesize ``text``, or decode ``codes`` [codebooks, T] (decoder-only use)."""
 
@@ -60,7 +74,7 @@ class TTSRequest(Sampling):
         default=None, description="codec frames [codebooks][T] (16 rows of ids 0..2047 for "
         "Qwen3-TTS), instead of text"
     )
-    voice: Text | VoiceRef | None = Field(
+    voice: Voice = Field(
         default=None, description="speaker name or cloned voice id (GET /v1/audio/voices)")
     language: Text | None = Field(default=None, description="language name, e.g. english")
     instruct: Text | None = Field(default=None, description="style instruction (text requests)")
@@ -94,7 +108,7 @@ class SpeechRequest(Sampling):
 
     model: Text = Field(description="model id (GET /v1/models); one model is served")
     input: Text = Field(description="text to speak; empty when `codes` is sent")
-    voice: Text | VoiceRef | None = Field(
+    voice: Voice = Field(
         default=None, description="voice name or cloned voice id (GET /v1/audio/voices); "
         "required unless `ref_audio` is sent")
     instructions: Text | None = Field(default=None, description="style instruction")

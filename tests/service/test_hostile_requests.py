@@ -68,6 +68,43 @@ def test_former_500s_are_400s_on_one_kept_alive_connection(server: Any) -> None:
     assert "Traceback" not in server.log()
 
 
+VOICE_FORMS = 'voice: must be a voice name or {"id": "<voice id>"}'
+MESSAGES: list[tuple[str, bytes | dict[str, Any], str]] = [
+    ("/tts", {"text": "hi", "voice": ["ryan"]}, VOICE_FORMS),
+    ("/tts", {"text": "hi", "voice": {"id": 5}}, VOICE_FORMS),
+    ("/v1/audio/speech", {"model": "m", "input": "hi", "voice": {"id": "ryan", "x": 1}},
+     VOICE_FORMS),
+    ("/v1/audio/speech", {"model": "m", "input": "hi", "voice": 7}, VOICE_FORMS),
+    ("/tts", {"text": "hi", "voice": SURROGATE},
+     "voice: has a lone surrogate U+D800 at character 1: not valid Unicode text"),
+    ("/tts", {"text": "hi", "voice": {"id": SURROGATE}},
+     "voice: has a lone surrogate U+D800 at character 1: not valid Unicode text"),
+    ("/tts", {"codes": [[1.5]] * 16}, "codes.0.0: Input should be a valid integer"),
+    ("/tts", b'{"text": "\xff\xfe", "voice": "ryan"}', "body: is not valid JSON ("),
+    ("/tts", b"[" * 100_000 + b"]" * 100_000, "body: is not valid JSON ("),
+    ("/tts", b'{"text": "hi",', "body: is not valid JSON"),
+]
+
+
+def test_messages_name_the_field_as_the_client_wrote_it(server: Any) -> None:
+    """A value of neither accepted form, or a body no JSON reader takes: one message naming
+    the field (no pydantic names for a union's members, never a field-less 400)."""
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        for route, body, message in MESSAGES:
+            content = body if isinstance(body, bytes) else json.dumps(body).encode()
+            r = client.post(route, content=content, headers={"content-type": "application/json"})
+            assert r.status_code == 400, (body, r.text)
+            err = r.json()["error"]
+            assert err["message"].startswith(message), (body, err)
+            assert err["field"] == message.split(":")[0].split(".")[0], (body, err)
+        # both forms of a voice still speak
+        for voice in ("ryan", {"id": "ryan"}):
+            r = client.post("/v1/audio/speech", json={
+                "model": "m", "input": "hi", "voice": voice, "response_format": "pcm",
+                "max_seconds": 0.2})
+            assert r.status_code == 200 and r.content, r.text
+
+
 def test_worker_errors_name_the_openai_fields(server: Any) -> None:
     """The engine says text/instruct; the OpenAI route's client sent input/instructions."""
     body = {"model": "qtts", "input": "\U0001f600" * 2100, "voice": "ryan"}  # > 2048 tokens
