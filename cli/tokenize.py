@@ -30,7 +30,9 @@ def piece(tokenizer: Any, token_id: int) -> str:
 def tokenize(model_path: str, text: str) -> tuple[list[int], list[str]]:
     """``(ids, pieces)`` of ``text`` under the model's stored tokenizer."""
     from engine.gguf_model import open_model
+    from engine.talker.prompt import check_text
 
+    check_text("text", text)  # (argv decodes bytes that are not UTF-8 to lone surrogates)
     model = open_model(model_path)
     try:
         tok = model.tokenizer()

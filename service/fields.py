@@ -1,8 +1,11 @@
 """The engine names request fields as ``SynthesisRequest`` does (``text``, ``instruct``); the
 OpenAI route names two of them differently (``input``, ``instructions``). Errors a worker
-reports are renamed here so that a 400 names the field the client sent."""
+reports are renamed here so that a 400 names the field the client sent; pydantic's error
+locations are cut down here to the path the client wrote."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 _SPEECH = {"text": "input", "instruct": "instructions"}
 ROUTE_FIELDS: dict[str, dict[str, str]] = {"/v1/audio/speech": _SPEECH}
@@ -18,3 +21,14 @@ def api_field(route: str, field: str | None, message: str) -> tuple[str | None, 
     if message.startswith(field + ":"):
         message = new + message[len(field):]
     return new, message
+
+
+def field_path(loc: Sequence[int | str]) -> list[str]:
+    """A pydantic error location as the client wrote it: the field, then list indices and
+    nested fields, without pydantic's names for a union's members (``function-after[...]``,
+    ``literal['a','b']``, ``VoiceRef``) or the ``body`` root. Text is escaped so that a lone
+    surrogate in an unknown field's name cannot break a UTF-8 answer."""
+    parts = [str(x).encode("utf-8", "backslashreplace").decode("utf-8")
+             for x in loc if x != "body"]
+    return parts[:1] + [x for x in parts[1:]
+                        if (x.isidentifier() and x.islower()) or x.isdigit()]

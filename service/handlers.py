@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from service.errors import ApiError, error_body
+from service.fields import field_path
 from service.metrics import ROUTES
 from service.request_log import log_rejected
 
@@ -35,13 +36,7 @@ async def validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     errs = exc.errors()
     e: dict[str, Any] = dict(errs[0]) if errs else {"loc": ("body",), "msg": "invalid"}
-    # (an unknown field's name is the client's text: a lone surrogate in it would break the
-    # UTF-8 answer; the log formats quote and escape it)
-    loc = [str(x).encode("utf-8", "backslashreplace").decode("utf-8")
-           for x in e.get("loc", ()) if x != "body"]
-    # past the field's name, the parts a reader knows: list indices and nested fields, not
-    # pydantic's names for a union's members ("function-after[_unicode(), str]", "VoiceRef")
-    loc = loc[:1] + [x for x in loc[1:] if (x.isidentifier() and x.islower()) or x.isdigit()]
+    loc = field_path(e.get("loc", ()))  # (the log formats quote and escape it too)
     field_name = loc[0] if loc else "body"
     where = ".".join(loc) or "body"
     msg = str(e.get("msg", "invalid")).removeprefix("Value error, ")

@@ -20,17 +20,19 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from service.fields import field_path
 from service.playback import PlaybackClock
-from service.schemas import Sampling
+from service.schemas import Sampling, Text
 
 CLOSE_UNSUPPORTED = 1003  # a binary message: the protocol is JSON text
 CLOSE_POLICY = 1008  # a malformed or unknown message, a bad key, a limit
 CLOSE_TRY_AGAIN = 1013  # every worker busy and the queue full
 ENCODING = {"encoding": "pcm_s16le", "sample_rate": 24000, "channels": 1}
+MAX_START_TOKENS = 2048  # a start later than a whole text's tokens would wait for its end
 
 
 class ProtocolError(Exception):
@@ -51,21 +53,22 @@ class SessionSettings(Sampling):
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["session"]
-    voice: str | None = None
-    language: str | None = None
-    instruct: str | None = None
+    voice: Text | None = None
+    language: Text | None = None
+    instruct: Text | None = None
     format: Literal["pcm", "opus"] = Field(
         default="pcm", description="pcm: s16le 24 kHz mono; opus: one Ogg Opus stream per "
         "utterance, its pages as they are encoded")
-    start: Literal["immediate", "auto"] | int = Field(
+    start: Literal["immediate", "auto"] | Annotated[int, Field(ge=1, le=MAX_START_TOKENS)] = Field(
         default="auto", description="immediate: speak from the first stable token; auto: the "
-        "server's default (N tokens or a punctuation mark); N: after N tokens")
+        f"server's default (N tokens or a punctuation mark); N (1..{MAX_START_TOKENS}): after "
+        "N tokens")
 
 
 class TextDelta(BaseModel):
     model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class Control(BaseModel):
@@ -86,6 +89,8 @@ def parse(raw: str) -> Message:
         obj = json.loads(raw)
     except ValueError as e:
         raise ProtocolError("invalid_json", None, f"not JSON: {e}") from None
+    except RecursionError:
+        raise ProtocolError("invalid_json", None, "not JSON: nested too deep") from None
     if not isinstance(obj, dict):
         raise ProtocolError("invalid_message", None, "a message must be a JSON object")
     kind = obj.get("type")
@@ -97,8 +102,9 @@ def parse(raw: str) -> Message:
         return model.model_validate(obj)  # type: ignore[return-value]
     except ValidationError as e:
         err = e.errors()[0]
-        where = ".".join(str(x) for x in err["loc"] if not isinstance(x, int)) or None
-        raise ProtocolError("invalid_value", where, f"{where}: {err['msg']}") from None
+        where = ".".join(field_path(err["loc"])) or None
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        raise ProtocolError("invalid_value", where, f"{where}: {msg}") from None
 
 
 def min_tokens(start: Literal["immediate", "auto"] | int, default: int) -> int:

@@ -69,3 +69,14 @@ def test_errors_are_one_line(tiny_model_dir: Path, tmp_path: Path,
     assert main(["tokenize", "--model", str(dec_only), "x"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "decoder-only" in err
+
+
+def test_bytes_that_are_not_utf8_on_the_command_line(tiny_gguf: Path) -> None:
+    """A shell hands over bytes; Python makes lone surrogates of those that are not UTF-8,
+    which the tokenizer cannot take: one line naming the text, not a traceback."""
+    done = subprocess.run([sys.executable.encode(), b"-m", b"cli", b"tokenize", b"--model",
+                           str(tiny_gguf).encode(), b"a\xffb"], capture_output=True, check=False)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.decode().splitlines()[-1] == (
+        "qtts: text: has a lone surrogate U+DCFF at character 1: not valid Unicode text")
+    assert b"Traceback" not in done.stderr

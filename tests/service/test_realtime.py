@@ -213,18 +213,29 @@ def test_disconnect_frees_the_worker(rt_server: Server) -> None:
     assert metric(ms, "qtts_realtime_sessions") == 0
 
 
-@pytest.mark.parametrize(("message", "code", "close"), [
-    ("not json", "invalid_json", 1008),
-    (json.dumps({"type": "sing"}), "unknown_type", 1008),
-    (json.dumps({"type": "text"}), "invalid_value", 1008),
-    (json.dumps({"type": "session", "voice": "nobody-at-all"}), None, 1008),
-    (json.dumps({"type": "text", "text": "no voice was set"}), None, 1008),
-    (json.dumps({"type": "session", "temperature": -1}), "invalid_value", 1008),
-    (json.dumps([1, 2]), "invalid_message", 1008),
-    (b"\x00\x01", "binary_message", 1003),
+LONE_SURROGATE = "has a lone surrogate U+D800 at character 1: not valid Unicode text"
+
+
+@pytest.mark.parametrize(("message", "code", "close", "says"), [
+    ("not json", "invalid_json", 1008, "not JSON"),
+    ("[" * 100_000 + "]" * 100_000, "invalid_json", 1008, "not JSON: nested too deep"),
+    (json.dumps({"type": "sing"}), "unknown_type", 1008, "unknown message type"),
+    (json.dumps({"type": "text"}), "invalid_value", 1008, "text: Field required"),
+    (json.dumps({"type": "text", "text": "a\ud800b"}), "invalid_value", 1008,
+     "text: " + LONE_SURROGATE),
+    (json.dumps({"type": "session", "voice": "a\ud800b"}), "invalid_value", 1008,
+     "voice: " + LONE_SURROGATE),
+    (json.dumps({"type": "session", "voice": "nobody-at-all"}), None, 1008, "voice: "),
+    (json.dumps({"type": "text", "text": "no voice was set"}), None, 1008, "voice: "),
+    (json.dumps({"type": "session", "temperature": -1}), "invalid_value", 1008, "temperature: "),
+    (json.dumps({"type": "session", "start": 0}), "invalid_value", 1008, "start: "),
+    (json.dumps({"type": "session", "start": 10**6}), "invalid_value", 1008, "start: "),
+    (json.dumps({"type": "session", "start": 1.5}), "invalid_value", 1008, "start: "),
+    (json.dumps([1, 2]), "invalid_message", 1008, "a message must be a JSON object"),
+    (b"\x00\x01", "binary_message", 1003, "messages are JSON text"),
 ])
 def test_bad_messages_error_then_close(rt_server: Server, message: str | bytes,
-                                       code: str | None, close: int) -> None:
+                                       code: str | None, close: int, says: str) -> None:
     async def go() -> tuple[dict[str, Any], int | None]:
         async with connect(ws_url(rt_server)) as ws:
             await ws.recv()
@@ -240,7 +251,51 @@ def test_bad_messages_error_then_close(rt_server: Server, message: str | bytes,
         assert ev["code"] == code
     else:
         assert ev["field"] == "voice", ev
+    assert ev["message"].startswith(says), ev
+    assert "[" not in ev["message"].split(":")[0]  # no pydantic names in the field's path
     assert got == close
+
+
+def test_a_bad_delta_leaves_the_sessions_sharing_its_worker_speaking(make_server: Any) -> None:
+    """Text the tokenizer cannot take is refused at the door: it never reaches the batch
+    where it would fail every session sharing the worker."""
+    server = make_server(workers=1, realtime_min_tokens=3)
+
+    async def go() -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        async with connect(ws_url(server)) as speaking, connect(ws_url(server)) as hostile:
+            for ws in (speaking, hostile):
+                await ws.recv()
+                await send(ws, type="session", voice="ryan")
+                await ws.recv()
+            await send(speaking, type="text", text=SENTENCE)
+            await send(hostile, type="text", text="Hello there, ")
+            await send(hostile, type="flush")
+            await ws_first_audio(hostile)
+            # (more words after it: the text with the surrogate becomes stable, to be tokenized)
+            await hostile.send(json.dumps({"type": "text", "text": "a\ud800b and more words "}))
+            refused = await ws_error(hostile)
+            await send(speaking, type="end")
+            events, _ = await collect(speaking)
+            return events, refused
+
+    events, refused = run(asyncio.wait_for(go(), 60))
+    assert refused["field"] == "text"
+    assert events[-1]["type"] == "done"
+    assert events[-1]["usage"]["outcome"] in ("ok", "truncated_no_eos"), events[-1]
+    assert "Traceback" not in server.log()
+
+
+async def ws_first_audio(ws: Any) -> None:
+    async for msg in ws:
+        if isinstance(msg, bytes):
+            return
+
+
+async def ws_error(ws: Any) -> dict[str, Any]:
+    async for msg in ws:
+        if isinstance(msg, str) and json.loads(msg)["type"] == "error":
+            return dict(json.loads(msg))
+    raise AssertionError("closed without an error event")
 
 
 def test_auth_header_or_subprotocol_never_url(make_server: Any) -> None:
