@@ -89,8 +89,8 @@ class TTSRequest(Sampling):
     max_seconds: float | None = Field(default=None, gt=0, description="cap on audio length")
     # one-shot cloning (Base models): a reference that is not stored
     ref_audio: str | None = Field(
-        default=None, description="one-shot cloning: reference audio, base64 (any format "
-        "libsndfile or FFmpeg decodes); instead of `voice`")
+        default=None, description="one-shot cloning: reference audio, base64 or a data: URL "
+        "of base64 (any format libsndfile or FFmpeg decodes); instead of `voice`")
     ref_text: Text | None = Field(
         default=None, description="transcript of `ref_audio` (in-context cloning; without it "
         "the voice is x-vector only)")
@@ -123,7 +123,8 @@ class SpeechRequest(Sampling):
     max_seconds: float | None = Field(default=None, gt=0, description="qtts: cap on audio")
     ref_audio: str | None = Field(
         default=None, description="qtts, one-shot cloning (Base models): reference audio, "
-        "base64, instead of `voice` (the openai client, which needs a voice: `voice=\"\"`)")
+        "base64 or a data: URL of base64, instead of `voice` (the openai client, which needs "
+        "a voice: `voice=\"\"`)")
     ref_text: Text | None = Field(default=None, description="qtts: transcript of `ref_audio`")
     x_vector_only: bool = Field(default=False, description="qtts: ignore `ref_text`")
 

@@ -10,6 +10,7 @@ import base64
 import binascii
 import hashlib
 import logging
+import re
 import secrets
 import time
 from collections.abc import Callable
@@ -212,6 +213,15 @@ class CloneUse:
     x_vector_only: bool = False
 
 
+_DATA_URL = re.compile(r"data:[\w.+/-]*(;[\w.+-]+=[\w.+-]+)*;base64,", re.ASCII)
+
+
+def _base64_payload(ref_audio: str) -> str:
+    # a browser's FileReader.readAsDataURL gives "data:audio/wav;base64,...": take its payload
+    m = _DATA_URL.match(ref_audio)
+    return ref_audio[m.end():] if m else ref_audio
+
+
 async def clone_use(st: State, owner: str, voice: str | None, ref_audio: str | None = None,
                     ref_text: str | None = None, x_vector_only: bool = False
                     ) -> CloneUse | None:  # fmt: skip
@@ -226,10 +236,10 @@ async def clone_use(st: State, owner: str, voice: str | None, ref_audio: str | N
                            " does not clone voices; serve a Base model", field="ref_audio",
                            code="cloning_unavailable")
         try:
-            audio = base64.b64decode(ref_audio, validate=True)
+            audio = base64.b64decode(_base64_payload(ref_audio), validate=True)
         except (binascii.Error, ValueError):
-            raise ApiError(400, "ref_audio: is not base64", field="ref_audio",
-                           code="invalid_value") from None
+            raise ApiError(400, "ref_audio: is not base64 (or a data: URL of base64)",
+                           field="ref_audio", code="invalid_value") from None
         cap = st.settings.max_reference_bytes
         if len(audio) > cap:
             raise ApiError(413, f"ref_audio: the reference is larger than {cap} bytes "

@@ -137,6 +137,13 @@ def test_one_shot_reference_json_and_form(base: Server, ref: bytes) -> None:
     for _ in range(2):  # the second pays no encoding: the worker keeps it by the audio's hash
         assert_speech(speak(base, None, ref_audio=b64, ref_text=REF_TEXT))
     assert encoded() == before + 1
+    # a browser's data: URL of the same file: the same reference (the cache's), the same audio
+    via_url = speak(base, None, ref_audio="data:audio/wav;base64," + b64, ref_text=REF_TEXT)
+    assert_speech(via_url)
+    assert via_url.content == speak(base, None, ref_audio=b64, ref_text=REF_TEXT).content
+    assert encoded() == before + 1
+    not_url = speak(base, None, ref_audio="data:audio/wav," + b64)  # not base64: refused
+    assert not_url.status_code == 400 and not_url.json()["error"]["field"] == "ref_audio"
     r = httpx.post(base.url + "/tts", timeout=120, data={
         "text": "Hello there.", "ref_text": REF_TEXT, "max_seconds": "0.5", "stream": "false",
         "seed": "1"}, files={"ref_audio": ("ref.wav", ref, "audio/wav")})
