@@ -289,7 +289,10 @@ class Session:
 
     def _job(self, m: SessionSettings, text: str, clone: CloneUse | None) -> Any:
         inp = SynthesisInput(
-            route="/v1/tts/realtime", request_id="", arrival=time.monotonic(), text=text or "x",
+            # (the first delta is only the start of the text: a model's answer often opens with
+            # whitespace; whether the utterance has anything to say is known at its end)
+            route="/v1/tts/realtime", request_id="", arrival=time.monotonic(),
+            text=text if text.strip() else "x",
             text_field="text", codes=None, voice=m.voice, language=m.language,
             instruct=m.instruct, fmt="pcm", stream=True, sse=False, speed=1.0, max_seconds=None,
             sampling=m, text_mode="stream", clone=clone)

@@ -189,6 +189,34 @@ def test_several_utterances_and_cancel(rt_server: Server) -> None:
     assert len({u[0]["id"] for u in (first, *middle, third)}) == 2 + len(middle)
 
 
+def test_an_answer_that_opens_with_whitespace_and_one_with_nothing_to_say(
+        rt_server: Server) -> None:
+    """A model's answer often opens with a newline: that first delta starts the utterance as
+    any other does. An utterance with nothing to say ends in an error event and its done, and
+    the session goes on."""
+    async def go() -> list[list[dict[str, Any]]]:
+        async with connect(ws_url(rt_server)) as ws:
+            await ws.recv()
+            await send(ws, type="session", voice="ryan")
+            await ws.recv()
+            utterances = []
+            for deltas in (["\n\n", "Hello there."], ["  \n\t "], ["Still here."]):
+                for d in deltas:
+                    await send(ws, type="text", text=d)
+                await send(ws, type="end")
+                events, audio = await collect(ws)
+                assert (len(audio) > 0) == (deltas != ["  \n\t "])
+                utterances.append(events)
+            return utterances
+
+    spoken, empty, after = run(asyncio.wait_for(go(), 120))
+    assert spoken[-1]["usage"]["outcome"] in ("ok", "truncated_no_eos")
+    (err,) = [ev for ev in empty if ev["type"] == "error"]
+    assert err["field"] == "text" and "empty" in err["message"]
+    assert empty[-1]["type"] == "done"
+    assert after[-1]["usage"]["outcome"] in ("ok", "truncated_no_eos")
+
+
 def test_disconnect_frees_the_worker(rt_server: Server) -> None:
     async def go() -> None:
         for _ in range(3):  # more sessions than workers: each disconnect must free its worker
