@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from service.fields import field_path
 from service.playback import PlaybackClock
@@ -47,6 +47,14 @@ class ProtocolError(Exception):
         return {"type": "error", "code": self.code, "field": self.field, "message": self.message}
 
 
+def _start_form(v: object) -> object:
+    # one error that names every form (a union reports only its first member's complaint)
+    if v in ("immediate", "auto") or (
+            type(v) is int and 1 <= v <= MAX_START_TOKENS):  # (not a bool: True == 1)
+        return v
+    raise ValueError(f'must be "immediate", "auto" or a number of tokens 1..{MAX_START_TOKENS}')
+
+
 class SessionSettings(Sampling):
     """A ``session`` message: the settings of the utterances that follow it."""
 
@@ -59,7 +67,8 @@ class SessionSettings(Sampling):
     format: Literal["pcm", "opus"] = Field(
         default="pcm", description="pcm: s16le 24 kHz mono; opus: one Ogg Opus stream per "
         "utterance, its pages as they are encoded")
-    start: Literal["immediate", "auto"] | Annotated[int, Field(ge=1, le=MAX_START_TOKENS)] = Field(
+    start: Annotated[Literal["immediate", "auto"] | Annotated[int, Field(
+        ge=1, le=MAX_START_TOKENS)], BeforeValidator(_start_form)] = Field(
         default="auto", description="immediate: speak from the first stable token; auto: the "
         f"server's default (N tokens or a punctuation mark); N (1..{MAX_START_TOKENS}): after "
         "N tokens")

@@ -241,6 +241,7 @@ def test_disconnect_frees_the_worker(rt_server: Server) -> None:
     assert metric(ms, "qtts_realtime_sessions") == 0
 
 
+START_FORMS = 'start: must be "immediate", "auto" or a number of tokens 1..2048'
 LONE_SURROGATE = "has a lone surrogate U+D800 at character 1: not valid Unicode text"
 
 
@@ -256,9 +257,11 @@ LONE_SURROGATE = "has a lone surrogate U+D800 at character 1: not valid Unicode 
     (json.dumps({"type": "session", "voice": "nobody-at-all"}), None, 1008, "voice: "),
     (json.dumps({"type": "text", "text": "no voice was set"}), None, 1008, "voice: "),
     (json.dumps({"type": "session", "temperature": -1}), "invalid_value", 1008, "temperature: "),
-    (json.dumps({"type": "session", "start": 0}), "invalid_value", 1008, "start: "),
-    (json.dumps({"type": "session", "start": 10**6}), "invalid_value", 1008, "start: "),
-    (json.dumps({"type": "session", "start": 1.5}), "invalid_value", 1008, "start: "),
+    (json.dumps({"type": "session", "start": 0}), "invalid_value", 1008, START_FORMS),
+    (json.dumps({"type": "session", "start": 10**6}), "invalid_value", 1008, START_FORMS),
+    (json.dumps({"type": "session", "start": 1.5}), "invalid_value", 1008, START_FORMS),
+    (json.dumps({"type": "session", "start": True}), "invalid_value", 1008, START_FORMS),
+    (json.dumps({"type": "session", "start": "soon"}), "invalid_value", 1008, START_FORMS),
     (json.dumps([1, 2]), "invalid_message", 1008, "a message must be a JSON object"),
     (b"\x00\x01", "binary_message", 1003, "messages are JSON text"),
 ])
@@ -282,6 +285,17 @@ def test_bad_messages_error_then_close(rt_server: Server, message: str | bytes,
     assert ev["message"].startswith(says), ev
     assert "[" not in ev["message"].split(":")[0]  # no pydantic names in the field's path
     assert got == close
+
+
+def test_start_policy_forms() -> None:
+    """Every accepted form of ``start`` and what the engine makes of it."""
+    from service.realtime import SessionSettings, min_tokens, parse
+
+    for raw, tokens in (("immediate", 1), ("auto", 5), (1, 1), (7, 7), (2048, 2048)):
+        m = parse(json.dumps({"type": "session", "start": raw}))
+        assert isinstance(m, SessionSettings) and m.start == raw
+        assert min_tokens(m.start, 5) == tokens
+    assert parse(json.dumps({"type": "session"})).start == "auto"  # type: ignore[union-attr]
 
 
 def test_a_bad_delta_leaves_the_sessions_sharing_its_worker_speaking(make_server: Any) -> None:
