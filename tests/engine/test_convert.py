@@ -530,14 +530,20 @@ def test_cli_refusal_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert err == f"qtts: {tmp_path / 'nope'}: is not a folder\n"
 
 
-def test_converts_a_folder_saved_by_the_official_code(tmp_path: Path) -> None:
-    """The reference's own save_pretrained layout (Mimi encoder included) converts exactly."""
+def _official_code() -> Any:
+    """``tests.parity.reference`` (the official classes), or a skip where it cannot run."""
     pytest.importorskip("torch")
     from tests.parity import reference as ref
 
     ok, why = ref.reference_available()
     if not ok:
         pytest.skip(why)
+    return ref
+
+
+def test_converts_a_folder_saved_by_the_official_code(tmp_path: Path) -> None:
+    """The reference's own save_pretrained layout (Mimi encoder included) converts exactly."""
+    ref = _official_code()
     folder = ref.make_reference_tokenizer_dir(ref.default_cache_dir(), "tiny", 0)
     out = tmp_path / "ref.gguf"
     report = convert(folder, out, dtype="f32", progress=False)
@@ -552,12 +558,7 @@ def test_converts_a_folder_saved_by_the_official_code(tmp_path: Path) -> None:
 
 def test_converts_shards_saved_by_the_official_code(tmp_path: Path) -> None:
     """``save_pretrained(max_shard_size=...)``'s shards and index convert as the single file."""
-    pytest.importorskip("torch")
-    from tests.parity import reference as ref
-
-    ok, why = ref.reference_available()
-    if not ok:
-        pytest.skip(why)
+    ref = _official_code()
     folder = ref.make_reference_tokenizer_dir(ref.default_cache_dir(), "tiny", 0)
     sharded = tmp_path / "speech_tokenizer"
     ref.build_reference_model("tiny", 0).save_pretrained(
