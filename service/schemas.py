@@ -56,7 +56,7 @@ def _voice_form(v: object) -> object:
     if isinstance(v, dict) and set(v) == {"id"} and isinstance(v["id"], str):
         _unicode(v["id"])
         return v
-    if v is None or isinstance(v, str):
+    if v is None or isinstance(v, str | VoiceRef):
         return v
     raise ValueError('must be a voice name or {"id": "<voice id>"}')
 
