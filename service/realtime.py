@@ -67,8 +67,7 @@ class SessionSettings(Sampling):
     format: Literal["pcm", "opus"] = Field(
         default="pcm", description="pcm: s16le 24 kHz mono; opus: one Ogg Opus stream per "
         "utterance, its pages as they are encoded")
-    start: Annotated[Literal["immediate", "auto"] | Annotated[int, Field(
-        ge=1, le=MAX_START_TOKENS)], BeforeValidator(_start_form)] = Field(
+    start: Annotated[Literal["immediate", "auto"] | int, BeforeValidator(_start_form)] = Field(
         default="auto", description="immediate: speak from the first stable token; auto: the "
         f"server's default (N tokens or a punctuation mark); N (1..{MAX_START_TOKENS}): after "
         "N tokens")

@@ -285,14 +285,14 @@ class CheckpointTensors:
         weight_map: dict[str, str] = {}
         if single.is_file() or not index.is_file():
             self.display = f"{label}{SAFETENSORS_FILE}"
-            self.files = [SafetensorsFile(single, self.display)]
+            files = [SafetensorsFile(single, self.display)]
         else:
             self.display = f"{label}{SAFETENSORS_INDEX}"
             weight_map = self._weight_map(index)
-            self.files = [SafetensorsFile(folder / shard, f"{label}{shard}")
-                          for shard in dict.fromkeys(weight_map.values())]
+            files = [SafetensorsFile(folder / shard, f"{label}{shard}")
+                     for shard in dict.fromkeys(weight_map.values())]
         self._file_of: dict[str, SafetensorsFile] = {}
-        for st in self.files:
+        for st in files:
             for name in st.names():
                 other = self._file_of.setdefault(name, st)
                 if other is not st:

@@ -31,6 +31,21 @@ async def collect(ws: ClientConnection) -> tuple[list[dict[str, Any]], bytes]:
     return events, audio
 
 
+async def first_audio(ws: ClientConnection) -> None:
+    """Read up to the first audio message."""
+    async for msg in ws:
+        if isinstance(msg, bytes):
+            return
+
+
+async def error_event(ws: ClientConnection) -> dict[str, Any]:
+    """Read up to the next error event and return it."""
+    async for msg in ws:
+        if isinstance(msg, str) and json.loads(msg)["type"] == "error":
+            return dict(json.loads(msg))
+    raise AssertionError("closed without an error event")
+
+
 async def send(ws: ClientConnection, **msg: Any) -> None:
     await ws.send(json.dumps(msg))
 

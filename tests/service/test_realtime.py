@@ -20,7 +20,15 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from engine.pipeline import chunk_sizes
 from tests.service.helpers import Server, decoded_seconds, metric
-from tests.service.realtime_helpers import collect, run, send, words, ws_url
+from tests.service.realtime_helpers import (
+    collect,
+    error_event,
+    first_audio,
+    run,
+    send,
+    words,
+    ws_url,
+)
 
 SENTENCE = "The quick brown fox jumps over the lazy dog, then rests in the sun."
 KEY = "s3cret-key"
@@ -312,10 +320,10 @@ def test_a_bad_delta_leaves_the_sessions_sharing_its_worker_speaking(make_server
             await send(speaking, type="text", text=SENTENCE)
             await send(hostile, type="text", text="Hello there, ")
             await send(hostile, type="flush")
-            await ws_first_audio(hostile)
+            await first_audio(hostile)
             # (more words after it: the text with the surrogate becomes stable, to be tokenized)
             await hostile.send(json.dumps({"type": "text", "text": "a\ud800b and more words "}))
-            refused = await ws_error(hostile)
+            refused = await error_event(hostile)
             await send(speaking, type="end")
             events, _ = await collect(speaking)
             return events, refused
@@ -326,18 +334,6 @@ def test_a_bad_delta_leaves_the_sessions_sharing_its_worker_speaking(make_server
     assert events[-1]["usage"]["outcome"] in ("ok", "truncated_no_eos"), events[-1]
     assert "Traceback" not in server.log()
 
-
-async def ws_first_audio(ws: Any) -> None:
-    async for msg in ws:
-        if isinstance(msg, bytes):
-            return
-
-
-async def ws_error(ws: Any) -> dict[str, Any]:
-    async for msg in ws:
-        if isinstance(msg, str) and json.loads(msg)["type"] == "error":
-            return dict(json.loads(msg))
-    raise AssertionError("closed without an error event")
 
 
 def test_auth_header_or_subprotocol_never_url(make_server: Any) -> None:
