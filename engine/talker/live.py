@@ -73,6 +73,11 @@ class LiveText:
         self._flushed_upto = 0  # a flush makes the text up to here stable
         self.ids: list[int] = []  # stable ids of the target text
         self.stable = ""  # the text those ids spell
+        # A cut in ``stable`` that every longer text keeps as a pre-token boundary: the text
+        # before it is never tokenised again, so a text of n characters costs O(n), not one
+        # whole re-tokenisation per delta (``_move_cut``).
+        self._cut = 0  # characters of ``stable`` before the cut
+        self._cut_ids = 0  # ids of ``stable[:_cut]``
 
     def _encode(self, text: str) -> list[int]:
         return self.prompts.encode(assistant_text(text))[ROLE_TOKENS:-TAIL_TOKENS]
@@ -94,20 +99,45 @@ class LiveText:
         if whole or self.ended or self._flushed_upto == len(self.text):
             stable = self.text
         else:
-            m = _LAST_SPACE.search(self.text)
+            # the last whitespace run lies past the stable text (which ends on a non-space), or
+            # there is none there and nothing new is stable: no need to scan the whole text
+            m = _LAST_SPACE.search(self.text, len(self.stable))
             cut = m.start() if m else 0
             stable = self.text[: max(cut, self._flushed_upto)]
         if not self.ended:
             stable = stable.rstrip()  # a space belongs to the word after it
         return stable
 
-    def _ids_of(self, stable: str) -> list[int]:
-        ids = self._encode(stable)
-        if ids[: len(self.ids)] != self.ids:
-            # a flush mid-word split a word the longer text merges: what was fed stays, and
-            # the new text is tokenised on its own
-            ids = self.ids + self._encode(stable[len(self.stable):])
-        return ids
+    def _ids_of(self, stable: str) -> tuple[list[int], bool]:
+        # the ids of ``stable`` (a longer text than ``self.stable``) and whether they are its
+        # own tokenisation (False: what was fed stays, and the new text is tokenised apart)
+        tail = stable[self._cut:]
+        ids = self.prompts.encode(tail) if self._cut else self._encode(tail)
+        if ids[: len(self.ids) - self._cut_ids] == self.ids[self._cut_ids:]:
+            return self.ids[: self._cut_ids] + ids, True
+        # a flush mid-word split a word the longer text merges (or a newline joined the mark
+        # before it): what was fed stays, and the new text is tokenised on its own (not after
+        # the prompt's "assistant\n", which would swallow a newline it starts with)
+        return self.ids + self.prompts.encode(stable[len(self.stable):]), False
+
+    def _move_cut(self, whole: bool) -> None:
+        # After ids that are the text's own tokenisation (``whole``), the cut moves to the last
+        # space after a non-space: the Qwen2 split never joins that space to the character
+        # before it (no rule matches a non-space then a space, and the split reads left to
+        # right with no lookbehind), nor does NFC (a space composes with nothing). After ids
+        # tokenised apart, the cut is the text's end: what comes next is tokenised on its own,
+        # as it is then in a whole re-tokenisation.
+        if not whole:
+            self._cut, self._cut_ids = len(self.stable), len(self.ids)
+            return
+        at = self.stable.rfind(" ", self._cut + 1)
+        while at > self._cut and self.stable[at - 1].isspace():
+            at = self.stable.rfind(" ", self._cut + 1, at)
+        if at <= self._cut:
+            return
+        head = self.stable[self._cut:at]
+        n = len(self.prompts.encode(head) if self._cut else self._encode(head))
+        self._cut, self._cut_ids = at, self._cut_ids + n
 
     def tentative(self) -> tuple[list[int], str]:
         """The ids and text there would be if the word being written were complete (a guess:
@@ -115,7 +145,7 @@ class LiveText:
         stable = self._stable_text(whole=True)
         if not stable.strip() or len(stable) <= len(self.stable):
             return list(self.ids), self.stable
-        return self._ids_of(stable), stable
+        return self._ids_of(stable)[0], stable
 
     def confirms(self, placed: list[int]) -> bool | None:
         """Whether the stable ids begin with ``placed`` (ids a prompt was laid out with before
@@ -134,10 +164,11 @@ class LiveText:
         stable = self._stable_text(whole=False)
         if not stable.strip() or len(stable) <= len(self.stable):
             return 0
-        ids = self._ids_of(stable)
+        ids, whole = self._ids_of(stable)
         self.stable = stable
         new = len(ids) - len(self.ids)
-        self.ids = list(ids)
+        self.ids = ids
+        self._move_cut(whole)
         return max(0, new)
 
 

@@ -4,6 +4,7 @@ streaming-text request, whatever the delta sizes and pauses."""
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 from pathlib import Path
@@ -12,11 +13,13 @@ import numpy as np
 import pytest
 
 from engine.backend import BackendSet
-from engine.errors import InputError
+from engine.errors import ConversionError, InputError
 from engine.gguf_model import open_model
 from engine.pipeline import Pipeline, StreamInfo, SynthesisRequest
 from engine.talker.live import LiveText, TextUpdate
-from engine.talker.prompt import ROLE_TOKENS, TAIL_TOKENS, assistant_text
+from engine.talker.prompt import ROLE_TOKENS, TAIL_TOKENS, PromptBuilder, assistant_text
+from engine.tokenizer_gguf import build_tokenizer, read_hf_tokenizer
+from engine.tools.make_model import write_tokenizer_files
 from tests.engine.live_feed import QueueFeed
 
 TEXT = "Hello there, how are you today? I hope the weather is fine."
@@ -58,6 +61,101 @@ def test_letters_one_by_one_give_the_whole_text_ids(pipe: Pipeline) -> None:
         assert live.ids[: len(before)] == before  # stable ids never change
     live.add(TextUpdate("", end=True))
     assert live.ids == whole_ids(pipe, TEXT)
+
+
+class WholeRetokenising(LiveText):
+    """What ``LiveText`` gives, by its definition: the whole stable text tokenised again at
+    every delta (where that keeps the ids fed so far; else the new text apart)."""
+
+    def _ids_of(self, stable: str) -> tuple[list[int], bool]:
+        ids = self._encode(stable)
+        if ids[: len(self.ids)] == self.ids:
+            return ids, True
+        return self.ids + self.prompts.encode(stable[len(self.stable):]), False
+
+    def _move_cut(self, whole: bool) -> None:
+        pass
+
+
+# pieces of text where tokenisation is delicate: spaces in runs, newlines after marks (one
+# pre-token ".\n\n"), combining accents (NFC), CJK, digits, contractions, an added token
+PIECES = ["word", "Hello", "the", "weather", "e\u0301t\u00e9", "na\u00efve", "\u4f60\u597d",
+          "\u3002", "123", "3.14", "it's", "we'll", ",", ".", "!", "...", "?!", "\u2014", "-",
+          "(quoted)", "\"q\"", "\U0001f600", "<|im_end|>", "\u0301", "\u00a0"]
+SPACES = [" ", " ", " ", " ", "  ", "\n", "\n\n", " \n", "\t", "\u3000", ""]
+
+
+def random_updates(rng: np.random.Generator, chars: int) -> list[TextUpdate]:
+    text = ""
+    while len(text) < chars:
+        text += str(rng.choice(PIECES)) + str(rng.choice(SPACES))
+    updates, at = [], 0
+    while at < len(text):
+        n = int(rng.integers(1, 40))
+        updates.append(TextUpdate(text[at:at + n], flush=bool(rng.random() < 0.08)))
+        at += n
+    return [*updates, TextUpdate("", end=True)]
+
+
+@pytest.fixture(scope="module")
+def qwen_prompts(pipe: Pipeline, tmp_path_factory: pytest.TempPathFactory) -> PromptBuilder:
+    """The tiny model's prompts with the released Qwen2 vocabulary (its merges make words
+    whole tokens, where the tiny model's few merges split them)."""
+    folder = tmp_path_factory.mktemp("qwen_vocab")
+    try:
+        write_tokenizer_files(folder, 151936)
+    except ConversionError as exc:  # offline and never fetched: say how to fetch it
+        pytest.skip(f"QWEN2 VOCABULARY NOT AVAILABLE ({exc}): run `make vocab` once online")
+    data = read_hf_tokenizer(folder, 151936)
+    prompts = copy.copy(pipe.prompts)
+    assert prompts is not None
+    prompts.tokenizer = build_tokenizer(data.tokens, data.token_types, data.merges)
+    assert prompts.encode(" Hello world") == [21927, 1879]
+    return prompts
+
+
+@pytest.mark.parametrize("vocab", ["tiny", "qwen2"])
+@pytest.mark.parametrize("seed", range(6))
+def test_deltas_give_the_ids_of_the_whole_text_tokenised_again(
+        pipe: Pipeline, request: pytest.FixtureRequest, vocab: str, seed: int) -> None:
+    """The cut that spares re-tokenising the text before it changes no id: after every delta
+    of a random text, the stable ids and the guess are those of tokenising it all again."""
+    prompts = pipe.prompts if vocab == "tiny" else request.getfixturevalue("qwen_prompts")
+    assert prompts is not None
+    live, whole = LiveText(prompts), WholeRetokenising(prompts)
+    cuts = set()
+    for u in random_updates(np.random.default_rng(seed), 1500):
+        assert live.add(u) == whole.add(u)
+        assert live.ids == whole.ids
+        assert live.tentative() == whole.tentative()
+        cuts.add(live._cut)
+    assert len(cuts) > 20  # the cut moved along the text
+
+
+def test_a_long_text_is_tokenised_about_once(pipe: Pipeline,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 20,000-character answer a word at a time: the characters tokenised stay within a few
+    times the text's length (tokenising the whole text at each delta: ~2,000 times)."""
+    prompts = pipe.prompts
+    assert prompts is not None
+    seen = [0]
+    encode = prompts.encode
+
+    def counting(s: str) -> list[int]:
+        seen[0] += len(s)
+        return encode(s)
+
+    monkeypatch.setattr(prompts, "encode", counting)
+    live = LiveText(prompts)
+    words = (TEXT + " ") * 340
+    for w in words.split(" "):
+        live.add(TextUpdate(w + " "))
+        live.tentative()
+    live.add(TextUpdate("", end=True))
+    assert len(words) > 20_000
+    assert seen[0] < 5 * len(words)
+    monkeypatch.undo()
+    assert live.ids == whole_ids(pipe, live.text)
 
 
 def test_start_policy(pipe: Pipeline) -> None:
