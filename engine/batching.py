@@ -58,9 +58,11 @@ class Finished:
 
 @dataclass
 class Rejected:
-    """A stream ended on a bad request found after its submit (live text that ended empty)."""
+    """A stream ended on an error of its own: a bad request found after its submit (live text
+    that ended empty: an ``InputError``), or its own work raised (its live text, its sampling,
+    its prefill). The other streams of the batch go on."""
 
-    error: InputError
+    error: Exception
 
 
 @dataclass
@@ -245,34 +247,45 @@ class BatchRunner:
                 self._starting.remove(st)
                 self._finish(st, "cancelled", out)
                 continue
-            lv.plan.poll(lv.feed, 0)
-            start = lv.plan.start()
-            if start is None or lv.plan.holds(time.perf_counter()):
-                continue
-            self._starting.remove(st)
-            live = lv.plan.live
             try:
-                if lv.plan.ready() and not live.ids:
-                    raise InputError("text", "is empty")
-                if live.ended:  # the whole text came first: a streaming-text request
-                    st.live = None
-                    self._start_text(st, lv.plan.whole())
-                    continue
-            except InputError as e:
-                self._streams.pop(st.sid, None)
-                st.info.outcome = "rejected"
-                out.append((st.sid, Rejected(e)))
-                continue
-            st.plan, budget = self.pipeline.live_text_plan(lv.plan)
-            st.plan.prompts = [lv.plan.opening(start)]
-            st.info.seed, st.info.budget = st.plan.seed, st.plan.total
-            assert self.pipeline.prompts is not None
-            lv.rows = LiveRows(self.talker, self.pipeline.prompts, live, lv.feed, budget,
-                               placed=len(start))
-            if live.ids[: len(start)] != start:
-                lv.guess = start
-                st.info.guessed += 1
-            self._admit(st)
+                self._try_start(st, lv)
+            except Exception as e:
+                self._reject(st, e, out)
+
+    def _try_start(self, st: _Stream, lv: _Live) -> None:
+        # a live stream joins the scheduler if its start policy is met
+        lv.plan.poll(lv.feed, 0)
+        start = lv.plan.start()
+        if start is None or lv.plan.holds(time.perf_counter()):
+            return
+        self._starting.remove(st)
+        live = lv.plan.live
+        if lv.plan.ready() and not live.ids:
+            raise InputError("text", "is empty")
+        if live.ended:  # the whole text came first: a streaming-text request
+            st.live = None
+            self._start_text(st, lv.plan.whole())
+            return
+        st.plan, budget = self.pipeline.live_text_plan(lv.plan)
+        st.plan.prompts = [lv.plan.opening(start)]
+        st.info.seed, st.info.budget = st.plan.seed, st.plan.total
+        assert self.pipeline.prompts is not None
+        lv.rows = LiveRows(self.talker, self.pipeline.prompts, live, lv.feed, budget,
+                           placed=len(start))
+        if live.ids[: len(start)] != start:
+            lv.guess = start
+            st.info.guessed += 1
+        self._admit(st)
+
+    def _reject(self, st: _Stream, e: Exception, out: list[Event]) -> None:
+        # the stream ends on its own error (``Rejected``), nothing it holds sent
+        if st in self._starting:
+            self._starting.remove(st)
+        if self._by_uid.pop(st.uid, None) is not None:
+            self.frames.cancel(st.uid)
+        self._streams.pop(st.sid, None)
+        st.info.outcome = "rejected" if isinstance(e, InputError) else "error"
+        out.append((st.sid, Rejected(e)))
 
     def _settle(self, out: list[Event]) -> None:
         # streams opened on a guess: the text confirms it (their events go out) or refutes it
@@ -284,12 +297,16 @@ class BatchRunner:
             if is_cancelled(st.cancel):
                 self._finish(st, "cancelled", out)
                 continue
-            lv.plan.poll(lv.feed, 0)
-            settled = lv.plan.live.confirms(lv.guess)
-            if settled is None:
-                continue
-            if not settled:
-                self._restart(st)
+            try:
+                lv.plan.poll(lv.feed, 0)
+                settled = lv.plan.live.confirms(lv.guess)
+                if settled is None:
+                    continue
+                if not settled:
+                    self._restart(st)
+                    continue
+            except Exception as e:
+                self._reject(st, e, out)
                 continue
             held, lv.guess, lv.held = lv.held, None, []
             for ev in held:
@@ -464,6 +481,9 @@ class BatchRunner:
         self._by_uid.pop(ev.uid, None)
         assert st.plan is not None
         r = ev.result
+        if r.error is not None:
+            self._reject(st, r.error, out)
+            return
         if r.outcome == "cancelled":
             self._finish(st, "cancelled", out)
             return

@@ -10,9 +10,11 @@ Syntax ``ACTION@POINT``:
   deaf to cancels), ``sleep=SECONDS`` (a slow worker);
 * POINT: ``start`` (while the worker loads), ``chunk=N`` (before sending chunk N of a job,
   counted from 0), ``chunk`` (before every chunk; meant for ``sleep``), ``clone`` (a clone
-  job's voice is made, before it is sent).
+  job's voice is made, before it is sent), ``text=N`` (a batching worker takes the text of
+  its live job N, counted from 0: a fault of that session's own, inside the batch).
 
-Examples: ``raise@start``, ``raise@chunk=0``, ``hang@chunk=2``, ``sleep=0.2@chunk``.
+Examples: ``raise@start``, ``raise@chunk=0``, ``hang@chunk=2``, ``sleep=0.2@chunk``,
+``raise@text=1``.
 """
 
 from __future__ import annotations
@@ -32,8 +34,8 @@ class InjectedFault(RuntimeError):
 @dataclass(frozen=True)
 class Fault:
     action: str
-    point: str  # "start", "chunk" or "clone"
-    chunk: int | None = None  # None with "chunk": every chunk
+    point: str  # "start", "chunk", "clone" or "text"
+    chunk: int | None = None  # the chunk or live job; None: every one
     seconds: float = 0.0
 
     @classmethod
@@ -47,10 +49,12 @@ class Fault:
         if action not in ACTIONS:
             raise ValueError(f"{ENV}={spec!r}: action must be one of {', '.join(ACTIONS)}")
         chunk: int | None = None
-        if point.startswith("chunk="):
-            point, chunk = "chunk", int(point.split("=", 1)[1])
-        if point not in ("start", "chunk", "clone"):
-            raise ValueError(f"{ENV}={spec!r}: point must be start, chunk, chunk=N or clone")
+        if point.startswith(("chunk=", "text=")):
+            point, n = point.split("=", 1)
+            chunk = int(n)
+        if point not in ("start", "chunk", "clone", "text"):
+            raise ValueError(
+                f"{ENV}={spec!r}: point must be start, chunk, chunk=N, clone or text=N")
         return cls(action, point, chunk, seconds)
 
     def hit(self, point: str, chunk: int | None = None) -> None:

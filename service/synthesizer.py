@@ -187,8 +187,9 @@ class BufferFeed:
     puts each of the job's ``TextIn`` here; the runner takes them between steps, merged as
     ``PipeFeed`` merges what it reads at once."""
 
-    def __init__(self) -> None:
+    def __init__(self, fault: Callable[[], None] | None = None) -> None:
         self._pending: list[TextIn] = []
+        self._fault = fault  # QTTS_TEST_FAULT's ``text=N`` (tests only)
 
     def put(self, msg: TextIn) -> None:
         self._pending.append(msg)
@@ -200,6 +201,8 @@ class BufferFeed:
         got, self._pending = self._pending, []
         if not got:
             return None
+        if self._fault is not None:
+            self._fault()
         return TextUpdate("".join(m.text for m in got), any(m.flush for m in got),
                           any(m.end for m in got))
 

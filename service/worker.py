@@ -12,6 +12,7 @@ No HTTP here, and the engine is only touched through its public names.
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import sys
@@ -20,6 +21,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -135,13 +137,15 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
     must run alone (codes, a one-shot reference; the pool sends one only to an empty worker)
     runs to its end as without batching. While every live job waits for text, the loop waits
     on its pipe instead of spinning.
-    An engine error in a step fails every job of the batch (a 500 each) and the loop goes on
-    with a fresh batch."""
+    A job whose own work raises (its live text, its sampling, its prefill: the runner's
+    ``Rejected``) fails alone; an error in a batched pass fails every job of the batch (a 500
+    each) and the loop goes on with a fresh batch."""
     from engine.batching import BatchRunner, Finished, Rejected
     from engine.errors import QttsError
     from engine.pipeline import StreamInfo, as_request
 
     max_batch = runner.max_batch
+    live_jobs = itertools.count()  # QTTS_TEST_FAULT's ``text=N`` counts them (tests only)
     running: dict[int, _Running] = {}  # stream id -> job
     stop: set[int] = set()  # ids of the jobs to cancel
     feeds: dict[int, BufferFeed] = {}  # job id -> its live text
@@ -196,7 +200,8 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
                                                                  voice_prompt=voice)
                     info = StreamInfo()
                     if job.live:
-                        feed = BufferFeed()
+                        feed = BufferFeed(None if fault is None else partial(
+                            fault.hit, "text", next(live_jobs)))
                         sid = runner.submit_live(req, feed, cancel=flag(job.id), info=info,
                                                  min_tokens=job.min_tokens)
                         feeds[job.id] = feed
@@ -282,14 +287,14 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 def _failure(job_id: int, e: Exception) -> Failed:
     """A job's exception as its ``Failed`` answer: an ``InputError`` is a 400 naming its field,
     another engine error a 500 with its message, anything else a 500 naming only its type (the
-    traceback goes to stderr, never to the client). Call it while handling ``e``."""
+    traceback goes to stderr, never to the client)."""
     from engine.errors import InputError, QttsError
 
     if isinstance(e, InputError):
         return Failed(job_id, 400, e.field, str(e), e.code)
     if isinstance(e, QttsError):
         return Failed(job_id, 500, None, str(e))
-    traceback.print_exc(file=sys.stderr)
+    traceback.print_exception(e, file=sys.stderr)
     return Failed(job_id, 500, None, f"internal error: {type(e).__name__}")
 
 

@@ -91,6 +91,8 @@ class Result:
     outcome: Outcome = "ok"
     frames: int = 0
     leftover: StageTimings = field(default_factory=StageTimings)
+    # what ended it, where a batch's utterance failed alone (its text, its sampling)
+    error: Exception | None = None
 
 
 def is_cancelled(cancel: Callable[[], bool] | None) -> bool:

@@ -18,7 +18,9 @@ and joins again once the text is there; the rest of the batch goes on meanwhile.
 
 It returns what happened: ``Frame``s, ``Paused`` (a live utterance began to wait: its caller
 decodes the frames it holds) and ``Ended`` results, per utterance. An utterance that ends
-(EOS, budget, cancel) leaves at once and its cache is freed. The per-utterance order of sampling
+(EOS, budget, cancel) leaves at once and its cache is freed; so does one whose own work raises
+(its live text, its sampling, its prefill), its ``Result.error`` saying why, while the others
+go on (an error in a batched pass goes to the caller). The per-utterance order of sampling
 decisions and checks is exactly ``generate_frames``', so an utterance's codes are those it gets
 alone (engine/talker/batch.py says why the graphs keep that true).
 """
@@ -240,34 +242,10 @@ class FrameScheduler:
         stepping: list[Utterance] = []
         go: list[tuple[Utterance, int]] = []
         for u in list(self._live.values()):
-            if u.text is not None:
-                u.text.poll()
-            if u.held is not None:  # a frame made earlier whose text row has come
-                if is_cancelled(u.cancel):
-                    u.result.outcome = "cancelled"
-                    events.append(self._end(u))
-                elif (row := self._text_row(u, events)) is not None:
-                    rows.append(self._step_row(u, u.held, row))
-                    stepping.append(u)
-                    u.held = None
-                continue
-            if u.logits is None:
-                continue
-            if u.text is not None and u.text.frame_waits(u.k):
-                if is_cancelled(u.cancel):
-                    u.result.outcome = "cancelled"
-                    events.append(self._end(u))
-                else:
-                    self._wait(u, events)
-                continue
-            c0 = decide(u.sampler, u.logits, u.at_budget(), u.cancel)
-            u.logits = None
-            u.waiting = False
-            if isinstance(c0, str):
-                u.result.outcome = c0
-                events.append(self._end(u))
-            else:
-                go.append((u, c0))
+            try:
+                self._decide(u, events, rows, stepping, go)
+            except Exception as e:  # its own text or sampling: it alone ends (``Result.error``)
+                events.append(self._fail(u, e))
         if go:
             self._predict(go, events, stats, rows, stepping)
         if before_step is not None:
@@ -283,6 +261,44 @@ class FrameScheduler:
                 u.logits, u.hidden = logits[i], hidden_out[i]
                 u.pending.talker_step += stats.talker_s
         return events
+
+    def _decide(self, u: Utterance, events: list[Event], rows: list[StepRow],
+                stepping: list[Utterance], go: list[tuple[Utterance, int]]) -> None:
+        # utterance ``u``'s part of the round before the code-predictor pass: its live text,
+        # then its step row (a frame that waited for text) or its codebook-0 decision
+        if u.text is not None:
+            u.text.poll()
+        if u.held is not None:  # a frame made earlier whose text row has come
+            if is_cancelled(u.cancel):
+                u.result.outcome = "cancelled"
+                events.append(self._end(u))
+            elif (row := self._text_row(u, events)) is not None:
+                rows.append(self._step_row(u, u.held, row))
+                stepping.append(u)
+                u.held = None
+            return
+        if u.logits is None:
+            return
+        if u.text is not None and u.text.frame_waits(u.k):
+            if is_cancelled(u.cancel):
+                u.result.outcome = "cancelled"
+                events.append(self._end(u))
+            else:
+                self._wait(u, events)
+            return
+        c0 = decide(u.sampler, u.logits, u.at_budget(), u.cancel)
+        u.logits = None
+        u.waiting = False
+        if isinstance(c0, str):
+            u.result.outcome = c0
+            events.append(self._end(u))
+        else:
+            go.append((u, c0))
+
+    def _fail(self, u: Utterance, e: Exception) -> Ended:
+        # its own work raised: it ends alone (module docstring)
+        u.result.error = e
+        return self._end(u)
 
     def _wait(self, u: Utterance, events: list[Event]) -> None:
         if not u.waiting:
@@ -341,11 +357,15 @@ class FrameScheduler:
                 u.result.outcome = "cancelled"
                 events.append(self._end(u))
                 continue
-            row = self._text_row(u, events)
-            if row is None:
-                u.held = codes  # its step waits for the text row
+            try:
+                row = self._text_row(u, events)
+                if row is None:
+                    u.held = codes  # its step waits for the text row
+                    continue
+                rows.append(self._step_row(u, codes, row))
+            except Exception as e:  # as in ``iterate``: it alone ends
+                events.append(self._fail(u, e))
                 continue
-            rows.append(self._step_row(u, codes, row))
             stepping.append(u)
 
     def _prefill_one(self, events: list[Event], stats: StepStats) -> None:
@@ -366,6 +386,8 @@ class FrameScheduler:
                 next(u.chunks)
             except StopIteration as stop:
                 self._prefilled(u, stop.value)
+            except Exception as e:  # its own prompt's prefill: it alone ends
+                events.append(self._fail(u, e))
             dt = time.perf_counter() - t0
             u.pending.prefill += dt
             stats.prefill_s = dt

@@ -472,6 +472,56 @@ def test_live_stream_start_cancel_and_empty_text(pipeline: Pipeline) -> None:
     assert isinstance(ends[0], Rejected) and ends[0].error.field == "text"
 
 
+class BrokenFeed(StepFeed):
+    """A live text whose feed raises from step ``breaks`` on: a fault of the stream's own (its
+    text, where the worker's pipe or the tokeniser could raise)."""
+
+    def __init__(self, text: str, at: list[int], breaks: int) -> None:
+        super().__init__(text, at)
+        self.breaks = breaks
+
+    def take(self, timeout: float) -> TextUpdate | None:
+        if self.step >= self.breaks:
+            raise RuntimeError("the feed broke")
+        return super().take(timeout)
+
+
+LIVE_AT = [0] + [12 + i for i in range(len(LIVE_TEXT.split(" ")) - 1)]
+
+
+def _beside(p: Pipeline, broken: BrokenFeed | None,
+            ) -> tuple[dict[int, StreamInfo], dict[int, object]]:
+    # a live stream (0) and a whole text (2), with the broken live stream (1) or without
+    feeds = {0: StepFeed(LIVE_TEXT, LIVE_AT)}
+    if broken is not None:
+        feeds[1] = broken
+    _, infos, ends = _run_live(p, feeds, {2: 0}, max_batch=3)
+    return infos, ends
+
+
+@pytest.fixture(scope="module")
+def alone_beside(pipeline: Pipeline) -> tuple[dict[int, StreamInfo], dict[int, object]]:
+    return _beside(pipeline, None)
+
+
+@pytest.mark.parametrize("breaks", [0, 6, 16], ids=["before-start", "on-a-guess", "speaking"])
+def test_a_stream_whose_own_work_fails_ends_alone(
+        pipeline: Pipeline, alone_beside: tuple[dict[int, StreamInfo], dict[int, object]],
+        breaks: int) -> None:
+    """A live stream whose text raises (before it starts, while its opening guess waits for
+    the text, while it speaks) ends alone with its error; a live and a whole-text stream
+    beside it speak the codes they speak without it."""
+    infos, ends = _beside(pipeline, BrokenFeed(LIVE_TEXT, LIVE_AT, breaks))
+    err = ends[1]
+    assert isinstance(err, Rejected) and isinstance(err.error, RuntimeError)
+    assert infos[1].outcome == "error"
+    ref_infos, ref_ends = alone_beside
+    for k in (0, 2):
+        assert isinstance(ends[k], Finished) and ends[k] == ref_ends[k]
+        np.testing.assert_array_equal(np.concatenate(infos[k].codes, 1),
+                                      np.concatenate(ref_infos[k].codes, 1))
+
+
 def test_each_chunk_is_delivered_as_made_most_urgent_first(pipeline: Pipeline) -> None:
     """``step(deliver)`` hands every event over before it returns, in the returned order, and
     before the round's talker step; a stream's first chunk is decoded before another stream's

@@ -45,7 +45,8 @@ def test_fault_syntax() -> None:
     assert Fault.parse("raise@start") == Fault("raise", "start")
     assert Fault.parse("hang@chunk=2") == Fault("hang", "chunk", 2)
     assert Fault.parse("sleep=0.5@chunk") == Fault("sleep", "chunk", None, 0.5)
-    for bad in ("raise", "boom@start", "raise@middle"):
+    assert Fault.parse("raise@text=1") == Fault("raise", "text", 1)
+    for bad in ("raise", "boom@start", "raise@middle", "raise@clone=2"):
         with pytest.raises(ValueError, match="QTTS_TEST_FAULT"):
             Fault.parse(bad)
     with pytest.raises(InjectedFault):

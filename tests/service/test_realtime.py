@@ -336,6 +336,46 @@ def test_a_bad_delta_leaves_the_sessions_sharing_its_worker_speaking(make_server
 
 
 
+def test_a_session_whose_own_text_fails_in_the_batch_fails_alone(make_server: Any) -> None:
+    """A fault inside the batch in one session's own text (``QTTS_TEST_FAULT=raise@text=1``:
+    the worker raises taking the text of its second live job) ends that utterance with an
+    error event and its done; the session sharing the worker speaks on to its own done, and
+    the failed session's next utterance speaks."""
+    server = make_server(workers=1, test_fault="raise@text=1")
+
+    async def go() -> tuple[list[dict[str, Any]], dict[str, Any], list[dict[str, Any]],
+                            list[dict[str, Any]]]:
+        async with connect(ws_url(server)) as speaking, connect(ws_url(server)) as failing:
+            for ws in (speaking, failing):
+                await ws.recv()
+                await send(ws, type="session", voice="ryan")
+                await ws.recv()
+            await send(speaking, type="text", text="Hello there, ")
+            await send(speaking, type="flush")
+            await first_audio(speaking)  # live job 0
+            await send(failing, type="text", text="Hello there, ")  # live job 1
+            await send(failing, type="flush")
+            await send(failing, type="text", text="how are you today? ")
+            failed = await error_event(failing)
+            failed_done, _ = await collect(failing)
+            await send(speaking, type="text", text=SENTENCE)
+            await send(speaking, type="end")
+            events, _ = await collect(speaking)
+            await send(failing, type="text", text="Hello again.")  # live job 2
+            await send(failing, type="end")
+            again, audio = await collect(failing)
+            assert audio
+            return events, failed, failed_done, again
+
+    events, failed, failed_done, again = run(asyncio.wait_for(go(), 90))
+    assert failed["code"] == "synthesis_failed", failed
+    assert failed["message"] == "internal error: InjectedFault"
+    assert failed_done[-1]["usage"]["outcome"] == "error"
+    for evs in (events, again):
+        assert evs[-1]["type"] == "done"
+        assert evs[-1]["usage"]["outcome"] in ("ok", "truncated_no_eos"), evs[-1]
+
+
 def test_auth_header_or_subprotocol_never_url(make_server: Any) -> None:
     s: Server = make_server(api_key=KEY)
     url = ws_url(s)
