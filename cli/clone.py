@@ -56,7 +56,10 @@ def run_clone_voice(args: argparse.Namespace, options: EngineOptions) -> int:
     check_base(model)
     builder = PromptBuilder(model)
     if not args.x_vector_only:
-        transcript_ids(builder, args.text or "")
+        try:
+            transcript_ids(builder, args.text or "")
+        except InputError as exc:  # the engine's field is ``ref_text``; here it is --text
+            raise InputError("text", exc.problem) from None
     t0 = time.perf_counter()
     wav = load_reference(args.audio, args.max_seconds)
     cloner = VoiceCloner(model, BackendSet.from_options(options), builder)

@@ -3,7 +3,9 @@ a free loopback port, trust authentication, stopped at the end. Debian's ``postg
 package provides the binaries (``make test-sysdeps``); without them the test is skipped.
 
 PostgreSQL refuses to run as root: as root, the server runs as the ``postgres`` user (the
-package creates it) through ``runuser``.
+package creates it) through ``runuser``, on a data folder of its own under the system's
+temporary folder: pytest makes its own folder private again (0700) whenever another pytest
+session starts, and the server would lose its data folder mid-run.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 import pwd
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -29,7 +32,8 @@ def _bin_dir() -> Path | None:
 
 
 class Postgres:
-    """One server in ``folder``; ``url`` is its ``postgresql://`` address."""
+    """One server with its data in ``folder`` (as root, in a folder of its own: see the module
+    docstring); ``url`` is its ``postgresql://`` address."""
 
     def __init__(self, folder: Path) -> None:
         bin_dir = _bin_dir()
@@ -42,15 +46,11 @@ class Postgres:
         self.port = free_port()
         self.url = f"postgresql://qtts@127.0.0.1:{self.port}/qtts"
         self._as: list[str] = []
-        if os.geteuid() == 0:
+        self._own_data = os.geteuid() == 0
+        if self._own_data:
             pw = pwd.getpwnam("postgres")
             self._as = ["runuser", "-u", "postgres", "--"]
-            folder.chmod(0o777)
-            for p in [folder, *folder.parents]:
-                if p == Path("/"):
-                    break
-                p.chmod(p.stat().st_mode | 0o011)  # others may traverse to the data folder
-            self.data.mkdir()
+            self.data = Path(tempfile.mkdtemp(prefix="qtts-pgdata-"))
             os.chown(self.data, pw.pw_uid, pw.pw_gid)
         self._run("initdb", "-D", str(self.data), "-U", "qtts", "--auth=trust", "-E", "UTF8",
                   "--no-sync")
@@ -79,3 +79,9 @@ class Postgres:
     def stop(self) -> None:
         subprocess.run([*self._as, str(self.bin / "pg_ctl"), "-D", str(self.data), "-m",
                         "immediate", "-w", "stop"], capture_output=True, cwd="/")
+
+    def close(self) -> None:
+        """Stop the server for good and remove a data folder of its own."""
+        self.stop()
+        if self._own_data:
+            shutil.rmtree(self.data, ignore_errors=True)

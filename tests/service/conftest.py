@@ -53,7 +53,7 @@ def postgres(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     try:
         yield pg
     finally:
-        pg.stop()
+        pg.close()
 
 
 @pytest.fixture(scope="session")

@@ -95,7 +95,7 @@ def test_database_down_is_503_and_the_rest_keeps_working(base_gguf: Path, servic
         finally:
             c.stop()
     finally:
-        pg.stop()
+        pg.close()
 
 
 def test_owners_see_use_and_delete_only_their_own_voices(base_gguf: Path, tmp_path: Path,
