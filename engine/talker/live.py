@@ -3,9 +3,12 @@
 The streaming-text prompt (``text_mode="stream"``) feeds one text token per generated frame.
 Here those tokens arrive while generation runs: a ``TextFeed`` hands over text deltas, and
 ``LiveText`` turns the growing string into *stable* token ids, ids no later text can change.
-BPE merges across a word boundary never happen with the Qwen2 pre-tokeniser (a word takes its
-leading space), so the text up to the last whitespace run is stable; the word being written is
-held back until a space, a flush or the end of the text follows it.
+BPE merges never cross a boundary of the Qwen2 pre-tokeniser, and some boundaries are sure as
+soon as the two characters around them are written (``splits``: a letter or digit run ending,
+a word's leading space, a newline run ending); the text up to the last of them is stable. The
+word being written is held back until such a boundary, a flush or the end of the text follows
+it: in English at the next space or mark, in Chinese or Japanese (no spaces) at the next
+punctuation mark.
 
 When the frame loop needs the next text token and none is stable yet, it *pauses*: it yields
 ``None`` (so the caller decodes the frames it holds) and blocks on the feed. It never feeds
@@ -22,8 +25,8 @@ fed after the opening are stable ids only.
 
 from __future__ import annotations
 
-import re
 import time
+import unicodedata
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -44,7 +47,37 @@ from engine.talker.prompt import (
 from engine.talker.sampling import SamplingParams
 from engine.timings import StageTimings
 
-_LAST_SPACE = re.compile(r"\s+\S*$")
+
+def _space(ch: str) -> bool:
+    # the split's \s, Unicode White_Space (str.isspace also takes \x1c-\x1f)
+    return ch.isspace() and ch not in "\x1c\x1d\x1e\x1f"
+
+
+def _kind(ch: str) -> str:
+    # the class the split sees (after NFC, which may decompose: a nukta letter ends on a mark)
+    return unicodedata.category(unicodedata.normalize("NFC", ch)[-1])[0]
+
+
+def splits(prev: str, ch: str) -> bool:
+    """Whether the Qwen2 tokeniser starts a pre-token at ``ch`` written after ``prev``, whatever
+    comes before and after them (NFC included), so that the text before ``ch`` has ids no later
+    text changes. Sure boundaries only, not every one there is; the split's rules
+    (engine/tokenizer_gguf.py) that make each of them sure are named below."""
+    first = unicodedata.category(unicodedata.normalize("NFC", ch)[0])[0]
+    if first == "M":
+        return False  # a combining mark may compose with ``prev`` (NFC) or join its run
+    if first == "N":
+        return True  # "\p{N}": every digit is a pre-token of its own
+    kind = _kind(prev)
+    if _space(ch):
+        # a letter or digit run ends at any space; a mark or symbol run takes the newlines
+        # after it ("." + "\n\n" is one pre-token: "[^\s\p{L}\p{N}]+[\r\n]*"), not a space
+        return not _space(prev) and (ch not in "\r\n" or kind in "LN")
+    if prev in "\r\n":
+        return True  # a newline run ends before anything else ("\s*[\r\n]+")
+    # a letter run ends at anything but a letter; a symbol or mark joins the letters after it
+    # ("," + "今天" is one pre-token: "[^\r\n\p{L}\p{N}]?\p{L}+")
+    return kind == "N" or (kind == "L" and first != "L")
 # a mark that ends a phrase: with the default start policy, speech may start there
 PUNCTUATION = frozenset(".,!?;:\u3002\uff0c\uff01\uff1f\u3001\uff1b\uff1a")
 
@@ -73,9 +106,15 @@ class LiveText:
         self._flushed_upto = 0  # a flush makes the text up to here stable
         self.ids: list[int] = []  # stable ids of the target text
         self.stable = ""  # the text those ids spell
-        # A cut in ``stable`` that every longer text keeps as a pre-token boundary: the text
-        # before it is never tokenised again, so a text of n characters costs O(n), not one
-        # whole re-tokenisation per delta (``_move_cut``).
+        # pairs of adjacent characters in an added token ("<|im_end|>"): the tokeniser takes
+        # such a token whole before the split, so no boundary between them is sure
+        self._joined = frozenset(
+            t.content[i:i + 2] for t in prompts.tokenizer.get_added_tokens_decoder().values()
+            for i in range(len(t.content) - 1))
+        self._split = 0  # the last sure pre-token boundary in ``text`` (``splits``)
+        self._scanned = 1  # ``text`` is scanned for boundaries up to here
+        # A sure boundary in ``stable``: the text before it is never tokenised again, so a
+        # text of n characters costs O(n), not one whole re-tokenisation per delta.
         self._cut = 0  # characters of ``stable`` before the cut
         self._cut_ids = 0  # ids of ``stable[:_cut]``
 
@@ -96,17 +135,16 @@ class LiveText:
 
     def _stable_text(self, whole: bool) -> str:
         # the text no later delta can change (``whole``: all of it, as a flush would make it)
-        if whole or self.ended or self._flushed_upto == len(self.text):
-            stable = self.text
-        else:
-            # the last whitespace run lies past the stable text (which ends on a non-space), or
-            # there is none there and nothing new is stable: no need to scan the whole text
-            m = _LAST_SPACE.search(self.text, len(self.stable))
-            cut = m.start() if m else 0
-            stable = self.text[: max(cut, self._flushed_upto)]
-        if not self.ended:
-            stable = stable.rstrip()  # a space belongs to the word after it
-        return stable
+        if whole or self.ended:
+            return self.text if self.ended else self.text.rstrip()
+        text = self.text
+        for i in range(self._scanned, len(text)):
+            if splits(text[i - 1], text[i]) and text[i - 1:i + 1] not in self._joined:
+                self._split = i
+        self._scanned = max(1, len(text))
+        if self._flushed_upto > self._split:
+            return text[: self._flushed_upto].rstrip()  # a space belongs to the word after it
+        return text[: self._split]
 
     def _ids_of(self, stable: str) -> tuple[list[int], bool]:
         # the ids of ``stable`` (a longer text than ``self.stable``) and whether they are its
@@ -115,29 +153,24 @@ class LiveText:
         ids = self.prompts.encode(tail) if self._cut else self._encode(tail)
         if ids[: len(self.ids) - self._cut_ids] == self.ids[self._cut_ids:]:
             return self.ids[: self._cut_ids] + ids, True
-        # a flush mid-word split a word the longer text merges (or a newline joined the mark
-        # before it): what was fed stays, and the new text is tokenised on its own (not after
-        # the prompt's "assistant\n", which would swallow a newline it starts with)
+        # a flush mid-word split a word the longer text merges: what was fed stays, and the
+        # new text is tokenised on its own (not after the prompt's "assistant\n", which would
+        # swallow a newline it starts with)
         return self.ids + self.prompts.encode(stable[len(self.stable):]), False
 
     def _move_cut(self, whole: bool) -> None:
-        # After ids that are the text's own tokenisation (``whole``), the cut moves to the last
-        # space after a non-space: the Qwen2 split never joins that space to the character
-        # before it (no rule matches a non-space then a space, and the split reads left to
-        # right with no lookbehind), nor does NFC (a space composes with nothing). After ids
-        # tokenised apart, the cut is the text's end: what comes next is tokenised on its own,
-        # as it is then in a whole re-tokenisation.
-        if not whole:
-            self._cut, self._cut_ids = len(self.stable), len(self.ids)
-            return
-        at = self.stable.rfind(" ", self._cut + 1)
-        while at > self._cut and self.stable[at - 1].isspace():
-            at = self.stable.rfind(" ", self._cut + 1, at)
+        # After ids that are the stable text's own tokenisation (``whole``), the cut moves to
+        # its last sure boundary, most often its end. After ids tokenised apart, the cut is its
+        # end: what comes next is tokenised on its own, as in a whole re-tokenisation then.
+        at = len(self.stable) if not whole else min(self._split, len(self.stable))
         if at <= self._cut:
             return
-        head = self.stable[self._cut:at]
-        n = len(self.prompts.encode(head) if self._cut else self._encode(head))
-        self._cut, self._cut_ids = at, self._cut_ids + n
+        if at == len(self.stable):
+            n = len(self.ids)
+        else:  # a flush made text past the boundary stable
+            head = self.stable[self._cut:at]
+            n = self._cut_ids + len(self.prompts.encode(head) if self._cut else self._encode(head))
+        self._cut, self._cut_ids = at, n
 
     def tentative(self) -> tuple[list[int], str]:
         """The ids and text there would be if the word being written were complete (a guess:

@@ -16,7 +16,7 @@ from engine.backend import BackendSet
 from engine.errors import ConversionError, InputError
 from engine.gguf_model import open_model
 from engine.pipeline import Pipeline, StreamInfo, SynthesisRequest
-from engine.talker.live import LiveText, TextUpdate
+from engine.talker.live import LiveText, TextUpdate, splits
 from engine.talker.prompt import ROLE_TOKENS, TAIL_TOKENS, PromptBuilder, assistant_text
 from engine.tokenizer_gguf import build_tokenizer, read_hf_tokenizer
 from engine.tools.make_model import write_tokenizer_files
@@ -79,20 +79,29 @@ class WholeRetokenising(LiveText):
 
 # pieces of text where tokenisation is delicate: spaces in runs, newlines after marks (one
 # pre-token ".\n\n"), combining accents (NFC), CJK, digits, contractions, an added token
+# pieces of text where tokenisation is delicate: spaces in runs, newlines after marks (one
+# pre-token ".\n\n"), combining accents (NFC), a letter NFC decomposes (a nukta letter ends on
+# a mark), Hangul jamo NFC composes, CJK runs with their punctuation and no spaces, digits,
+# contractions, an added token, control characters the split does not take as spaces
 PIECES = ["word", "Hello", "the", "weather", "e\u0301t\u00e9", "na\u00efve", "\u4f60\u597d",
-          "\u3002", "123", "3.14", "it's", "we'll", ",", ".", "!", "...", "?!", "\u2014", "-",
-          "(quoted)", "\"q\"", "\U0001f600", "<|im_end|>", "\u0301", "\u00a0"]
-SPACES = [" ", " ", " ", " ", "  ", "\n", "\n\n", " \n", "\t", "\u3000", ""]
+          "\u3002", "123", "3.14", "it's", "we'll", "I'M", ",", ".", "!", "...", "?!", "\u2014",
+          "-", "(quoted)", "\"q\"", "\U0001f600", "<|im_end|>", "\u0301", "\u00a0",
+          "\u4eca\u5929\u5929\u6c14\u5f88\u597d\uff0c",
+          "\u6211\u4eec\u53bb\u516c\u56ed\u5427\u3002", "\u3053\u3093\u306b\u3061\u306f\u3001",
+          "\u0958", "\u0915\u093c", "\u1100\u1161", "\u1100", "\u1161", "\x1c", "\u2126", "\u037e",
+          "\U0001d15e", "x\u20e3"]
+SPACES = [" ", " ", " ", " ", "  ", "\n", "\n\n", " \n", "\t", "\u3000", "", "", "\r\n"]
 
 
-def random_updates(rng: np.random.Generator, chars: int) -> list[TextUpdate]:
+def random_updates(rng: np.random.Generator, chars: int, flushes: float = 0.08
+                   ) -> list[TextUpdate]:
     text = ""
     while len(text) < chars:
         text += str(rng.choice(PIECES)) + str(rng.choice(SPACES))
     updates, at = [], 0
     while at < len(text):
         n = int(rng.integers(1, 40))
-        updates.append(TextUpdate(text[at:at + n], flush=bool(rng.random() < 0.08)))
+        updates.append(TextUpdate(text[at:at + n], flush=bool(rng.random() < flushes)))
         at += n
     return [*updates, TextUpdate("", end=True)]
 
@@ -130,6 +139,60 @@ def test_deltas_give_the_ids_of_the_whole_text_tokenised_again(
         assert live.tentative() == whole.tentative()
         cuts.add(live._cut)
     assert len(cuts) > 20  # the cut moved along the text
+
+
+@pytest.mark.parametrize("vocab", ["tiny", "qwen2"])
+@pytest.mark.parametrize("seed", range(6))
+def test_stable_ids_are_those_of_the_whole_text(pipe: Pipeline, request: pytest.FixtureRequest,
+                                               vocab: str, seed: int) -> None:
+    """Without flushes, the stable ids after every delta of a random text begin the whole
+    text's own ids, and are all of them at its end: what is stable never differs from the
+    tokenisation of the text it grows into (a mark before newlines, CJK, NFC)."""
+    prompts = pipe.prompts if vocab == "tiny" else request.getfixturevalue("qwen_prompts")
+    assert prompts is not None
+    updates = random_updates(np.random.default_rng(100 + seed), 600, flushes=0)
+    text = "".join(u.text for u in updates)
+    want = prompts.encode(assistant_text(text))[ROLE_TOKENS:-TAIL_TOKENS]
+    live = LiveText(prompts)
+    for u in updates:
+        live.add(u)
+        assert live.ids == want[: len(live.ids)], (live.stable, u)
+    assert live.ids == want
+
+
+@pytest.mark.parametrize(("prev", "ch", "sure"), [
+    ("o", ",", True), ("o", " ", True), ("o", "\n", True), ("1", "2", True), ("a", "1", True),
+    ("\n", "W", True), ("\u754c", "\u3002", True), (",", " ", True),
+    (",", "\u4eca", False),  # a mark leads the letters after it: one pre-token
+    (".", "\n", False),  # a mark run takes the newlines after it
+    (" ", "w", False), ("o", "r", False), ("\n", "\n", False), ("\r", "\n", False),
+    ("e", "\u0301", False),  # NFC composes them
+    ("\u1100", "\u1161", False),  # Hangul jamo: NFC composes them
+    ("\u0958", ",", False),  # NFC decomposes the letter: it ends on a nukta, a mark
+    ("\u0915", ",", True),
+])
+def test_sure_boundaries(prev: str, ch: str, sure: bool) -> None:
+    assert splits(prev, ch) is sure
+
+
+def test_chinese_is_stable_at_its_punctuation(request: pytest.FixtureRequest) -> None:
+    """A text with no spaces (Chinese) becomes stable clause by clause, one character a delta:
+    before each mark, with no flush and before the end, as the whole text tokenises it."""
+    prompts = request.getfixturevalue("qwen_prompts")
+    text = ("\u4f60\u597d\u4e16\u754c\u3002\u4eca\u5929\u5929\u6c14\u5f88\u597d\uff0c"
+            "\u6211\u4eec\u53bb\u516c\u56ed\u5427\u3002")
+    live = LiveText(prompts)
+    stable_at = {}
+    for i, ch in enumerate(text):
+        live.add(TextUpdate(ch))
+        stable_at.setdefault(live.stable, i)
+    # "\u3002" and the letters after it are one pre-token: the clause before it is stable
+    # once the mark is written
+    assert stable_at["\u4f60\u597d\u4e16\u754c"] == 4
+    assert stable_at["\u4f60\u597d\u4e16\u754c\u3002\u4eca\u5929\u5929\u6c14\u5f88\u597d"] == 11
+    assert live.ids == prompts.encode(text[:18])
+    live.add(TextUpdate("", end=True))
+    assert live.ids == prompts.encode(assistant_text(text))[ROLE_TOKENS:-TAIL_TOKENS]
 
 
 def test_a_long_text_is_tokenised_about_once(pipe: Pipeline,

@@ -225,6 +225,29 @@ def test_an_answer_that_opens_with_whitespace_and_one_with_nothing_to_say(
     assert after[-1]["usage"]["outcome"] in ("ok", "truncated_no_eos")
 
 
+def test_chinese_speaks_as_it_is_written(rt_server: Server) -> None:
+    """Text with no spaces (an LLM's Chinese answer, a character or two a delta) is spoken
+    clause by clause while it is written: audio comes before the text's end, with no flush."""
+    answer = ("\u4f60\u597d\u4e16\u754c\u3002\u4eca\u5929\u5929\u6c14\u5f88\u597d\uff0c"
+              "\u6211\u4eec\u53bb\u516c\u56ed\u5427\u3002")
+
+    async def go() -> tuple[list[dict[str, Any]], bytes]:
+        async with connect(ws_url(rt_server)) as ws:
+            await ws.recv()
+            await send(ws, type="session", voice="ryan", language="chinese")
+            await ws.recv()
+            for i in range(0, len(answer), 2):
+                await send(ws, type="text", text=answer[i:i + 2])
+                await asyncio.sleep(0.02)
+            await asyncio.wait_for(first_audio(ws), 30)  # before the end: without it, never
+            await send(ws, type="end")
+            return await collect(ws)
+
+    events, audio = run(asyncio.wait_for(go(), 120))
+    assert audio and events[-1]["type"] == "done"
+    assert events[-1]["usage"]["outcome"] in ("ok", "truncated_no_eos"), events[-1]
+
+
 def test_disconnect_frees_the_worker(rt_server: Server) -> None:
     async def go() -> None:
         for _ in range(3):  # more sessions than workers: each disconnect must free its worker
