@@ -32,6 +32,7 @@ from service.protocol import (
     Done,
     Failed,
     Fatal,
+    Finish,
     FromWorker,
     Job,
     Ready,
@@ -180,14 +181,14 @@ class WorkerPool:
         return t
 
     def cancel(self, t: Ticket) -> None:
-        """Stop a ticket's work: drop it from the queue, or tell its worker between chunks."""
+        """Stop a ticket's work: drop it from the queue (its events get a cancelled ``Done``:
+        no worker will answer it), or tell its worker between chunks."""
         if t.state is TicketState.WAITING:
-            try:
+            if t in self._waiting:
                 self._waiting.remove(t)
-            except ValueError:
-                pass
             t.state = TicketState.FINISHED
             t.finished_at = time.monotonic()
+            t.push(Done(t.job.id, Finish.CANCELLED, 0, 0.0))  # no worker will answer it
             self._update_gauges()
         elif t.state is TicketState.RUNNING and t.worker is not None:
             if t.cancel_requested_at is None:

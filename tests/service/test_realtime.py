@@ -399,6 +399,38 @@ def test_a_session_whose_own_text_fails_in_the_batch_fails_alone(make_server: An
         assert evs[-1]["usage"]["outcome"] in ("ok", "truncated_no_eos"), evs[-1]
 
 
+def test_an_utterance_cancelled_while_queued_is_done(make_server: Any) -> None:
+    """An utterance waiting for a worker (the only one is busy) and cancelled there gets its
+    done at once, and the session's next utterance speaks once the worker is free."""
+    server = make_server(workers=1, max_batch=1)
+
+    async def go() -> tuple[list[dict[str, Any]], list[dict[str, Any]], bytes]:
+        async with connect(ws_url(server)) as busy, connect(ws_url(server)) as queued:
+            for ws in (busy, queued):
+                await ws.recv()
+                await send(ws, type="session", voice="ryan")
+                await ws.recv()
+            await send(busy, type="text", text="Hello there, ")
+            await send(busy, type="flush")
+            await first_audio(busy)
+            await send(queued, type="text", text="Waiting in line. ")
+            await send(queued, type="cancel")
+            cancelled, audio = await asyncio.wait_for(collect(queued), 10)
+            assert not audio
+            await send(queued, type="text", text="Now it is my turn.")
+            await send(queued, type="end")
+            await send(busy, type="end")
+            await collect(busy)
+            later, audio = await collect(queued)
+            return cancelled, later, audio
+
+    cancelled, later, audio = run(asyncio.wait_for(go(), 90))
+    assert cancelled[-1]["type"] == "done", cancelled
+    assert cancelled[-1]["usage"]["outcome"] == "cancelled"
+    assert cancelled[-1]["usage"]["frames"] == 0
+    assert audio and later[-1]["usage"]["outcome"] in ("ok", "truncated_no_eos"), later[-1]
+
+
 def test_auth_header_or_subprotocol_never_url(make_server: Any) -> None:
     s: Server = make_server(api_key=KEY)
     url = ws_url(s)
