@@ -250,6 +250,10 @@ class Session:
             self.emit({"type": "session.updated", "settings": m.model_dump(exclude={"type"})})
             return
         if self.utt is not None and (self.utt.ended or self.utt.cancelled):
+            if isinstance(m, Control) and m.type == "cancel" and not any(
+                    isinstance(b, TextDelta) for b in self.backlog):
+                self._apply(m)  # no next utterance yet: it stops the one still speaking
+                return
             self.backlog.append(m)  # belongs to the next utterance
             return
         self._apply(m)

@@ -197,6 +197,39 @@ def test_several_utterances_and_cancel(rt_server: Server) -> None:
     assert len({u[0]["id"] for u in (first, *middle, third)}) == 2 + len(middle)
 
 
+def test_a_cancel_after_the_end_stops_the_speech(rt_server: Server) -> None:
+    """Barge-in: a voice agent sends the whole answer and its end, the listener interrupts
+    while it is spoken, and the cancel stops it (its done says cancelled). A cancel after the
+    next utterance's text is that utterance's, not the one speaking."""
+    async def go() -> list[list[dict[str, Any]]]:
+        out = []
+        async with connect(ws_url(rt_server)) as ws:
+            await ws.recv()
+            await send(ws, type="session", voice="ryan", start="immediate")
+            await ws.recv()
+            # (the random tiny model may end its speech before the cancel arrives: then again)
+            for _ in range(4):
+                await send(ws, type="text", text=SENTENCE + " " + SENTENCE)
+                await send(ws, type="end")
+                await first_audio(ws)
+                await send(ws, type="cancel")
+                out.append((await collect(ws))[0])
+                if out[-1][-1]["usage"]["outcome"] == "cancelled":
+                    break
+            await send(ws, type="text", text=SENTENCE)
+            await send(ws, type="end")
+            await send(ws, type="text", text="The next one.")
+            await send(ws, type="cancel")
+            out.append((await collect(ws))[0])
+            out.append((await collect(ws))[0])
+        return out
+
+    *interrupted, spoken, next_one = run(asyncio.wait_for(go(), 120))
+    assert interrupted[-1][-1]["usage"]["outcome"] == "cancelled", interrupted
+    assert spoken[-1]["usage"]["outcome"] in ("ok", "truncated_no_eos"), spoken[-1]
+    assert next_one[-1]["usage"]["outcome"] == "cancelled"
+
+
 def test_an_answer_that_opens_with_whitespace_and_one_with_nothing_to_say(
         rt_server: Server) -> None:
     """A model's answer often opens with a newline: that first delta starts the utterance as
