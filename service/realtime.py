@@ -115,6 +115,22 @@ def parse(raw: str) -> Message:
         raise ProtocolError("invalid_value", where, f"{where}: {msg}") from None
 
 
+@dataclass(frozen=True)
+class NextSettings:
+    """A ``session`` message sent after an utterance's ``end``, checked when it came (its
+    stored voice looked up): it applies once that utterance is done, in order with the text
+    around it, as text after an ``end`` starts the next utterance."""
+
+    settings: SessionSettings
+    clone: Any  # the stored voice it names (service.voices.api.CloneUse), or None
+
+
+def session_busy() -> ProtocolError:
+    """A ``session`` message while an utterance's text is still being written."""
+    return ProtocolError("session_busy", "type", "session settings may change only between "
+                         "utterances (after an utterance's end)")
+
+
 def min_tokens(start: Literal["immediate", "auto"] | int, default: int) -> int:
     """The start policy as the engine's ``min_tokens``."""
     if start == "immediate":

@@ -36,12 +36,14 @@ from service.realtime import (
     CLOSE_UNSUPPORTED,
     ENCODING,
     Control,
+    NextSettings,
     ProtocolError,
     SessionSettings,
     TextDelta,
     Utterance,
     min_tokens,
     parse,
+    session_busy,
 )
 from service.state import State
 from service.validation import SynthesisInput, validate
@@ -98,7 +100,7 @@ class Session:
         self.chars = 0
         self.utt: Utterance | None = None
         self.ticket: Ticket | None = None
-        self.backlog: list[TextDelta | Control] = []  # text for the next utterance
+        self.backlog: list[TextDelta | Control | NextSettings] = []  # the next utterance's
         # events, audio (with the event that announces it: dropped together) and the end
         self.out: asyncio.Queue[str | tuple[str | None, bytes] | None] = asyncio.Queue()
         self.out_bytes = 0  # audio queued for the sender, not yet handed to the socket
@@ -238,16 +240,17 @@ class Session:
                                 "sent by the server", close=CLOSE_UNSUPPORTED)
         m = parse(msg.get("text") or "")
         if isinstance(m, SessionSettings):
-            if self.utt is not None:
-                raise ProtocolError("session_busy", "type", "session settings may change only "
-                                    "between utterances (after done)")
+            if self.utt is not None and not (self.utt.ended or self.utt.cancelled):
+                raise session_busy()
             try:  # a stored voice's id: the caller's own, made for this model
                 clone = await clone_use(self.st, self.owner, m.voice)
             except ApiError as e:
                 raise ProtocolError(e.code or "invalid_value", e.field, e.message) from None
             self._job(m, "x", clone)
-            self.settings, self.clone = m, clone
-            self.emit({"type": "session.updated", "settings": m.model_dump(exclude={"type"})})
+            if self.utt is not None:  # the one before is still spoken: the next one's
+                self.backlog.append(NextSettings(m, clone))
+            else:
+                self._apply(NextSettings(m, clone))
             return
         if self.utt is not None and (self.utt.ended or self.utt.cancelled):
             if isinstance(m, Control) and m.type == "cancel" and not any(
@@ -258,9 +261,16 @@ class Session:
             return
         self._apply(m)
 
-    def _apply(self, m: TextDelta | Control) -> None:
+    def _apply(self, m: TextDelta | Control | NextSettings) -> None:
         if isinstance(m, TextDelta):
             self._text(m.text)
+            return
+        if isinstance(m, NextSettings):
+            if self.utt is not None:  # (the next utterance's text came before it)
+                raise session_busy()
+            self.settings, self.clone = m.settings, m.clone
+            self.emit({"type": "session.updated",
+                       "settings": m.settings.model_dump(exclude={"type"})})
             return
         if self.utt is None or self.ticket is None:
             # nothing to flush, end or cancel: no text yet, or the model already finished

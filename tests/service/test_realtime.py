@@ -230,6 +230,59 @@ def test_a_cancel_after_the_end_stops_the_speech(rt_server: Server) -> None:
     assert next_one[-1]["usage"]["outcome"] == "cancelled"
 
 
+def test_settings_sent_after_an_end_are_the_next_utterances(rt_server: Server) -> None:
+    """A voice agent pipelines: an answer and its end, then the next answer's settings (another
+    voice) and text, before the first is spoken. The settings wait for the first's done and the
+    second speaks with them: the audio a fresh session makes with those settings. Settings while
+    an utterance's text is still being written are refused (and the session closes)."""
+    second_text = "And now another voice speaks."
+
+    async def pipelined() -> bytes:
+        async with connect(ws_url(rt_server)) as ws:
+            await ws.recv()
+            await send(ws, type="session", voice="ryan", seed=3)
+            await ws.recv()
+            await send(ws, type="text", text=SENTENCE)
+            await send(ws, type="end")
+            await send(ws, type="session", voice="vivian", seed=4)
+            await send(ws, type="text", text=second_text)
+            await send(ws, type="end")
+            first, _ = await collect(ws)
+            assert first[-1]["usage"]["outcome"] in ("ok", "truncated_no_eos"), first[-1]
+            updated = json.loads(await ws.recv())  # after the first's done, before the second
+            assert updated["type"] == "session.updated", updated
+            assert updated["settings"]["voice"] == "vivian"
+            events, audio = await collect(ws)
+            assert events[0]["type"] == "utterance.started"
+            return audio
+
+    async def fresh() -> bytes:
+        async with connect(ws_url(rt_server)) as ws:
+            await ws.recv()
+            await send(ws, type="session", voice="vivian", seed=4)
+            await ws.recv()
+            await send(ws, type="text", text=second_text)
+            await send(ws, type="end")
+            return (await collect(ws))[1]
+
+    async def mid_text() -> tuple[dict[str, Any], int | None]:
+        async with connect(ws_url(rt_server)) as ws:
+            await ws.recv()
+            await send(ws, type="session", voice="ryan")
+            await ws.recv()
+            await send(ws, type="text", text="Still writing ")
+            await send(ws, type="session", voice="vivian")
+            refused = await error_event(ws)
+            with pytest.raises(ConnectionClosed):
+                await asyncio.wait_for(ws.recv(), 10)
+            return refused, ws.close_code
+
+    got = run(asyncio.wait_for(pipelined(), 120))
+    assert got and got == run(asyncio.wait_for(fresh(), 120))
+    refused, code = run(asyncio.wait_for(mid_text(), 60))
+    assert refused["code"] == "session_busy" and code == 1008
+
+
 def test_an_answer_that_opens_with_whitespace_and_one_with_nothing_to_say(
         rt_server: Server) -> None:
     """A model's answer often opens with a newline: that first delta starts the utterance as
