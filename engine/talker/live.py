@@ -78,6 +78,8 @@ def splits(prev: str, ch: str) -> bool:
     # a letter run ends at anything but a letter; a symbol or mark joins the letters after it
     # ("," + "今天" is one pre-token: "[^\r\n\p{L}\p{N}]?\p{L}+")
     return kind == "N" or (kind == "L" and first != "L")
+
+
 # a mark that ends a phrase: with the default start policy, speech may start there
 PUNCTUATION = frozenset(".,!?;:\u3002\uff0c\uff01\uff1f\u3001\uff1b\uff1a")
 
