@@ -50,6 +50,13 @@ async def send(ws: ClientConnection, **msg: Any) -> None:
     await ws.send(json.dumps(msg))
 
 
+async def open_session(ws: ClientConnection, **settings: Any) -> dict[str, Any]:
+    """Read the session's start, send its settings, return the ``session.updated`` event."""
+    await ws.recv()
+    await send(ws, type="session", **settings)
+    return dict(json.loads(await ws.recv()))
+
+
 def run(coro: Any) -> Any:
     return asyncio.run(coro)
 

@@ -24,6 +24,7 @@ from tests.service.realtime_helpers import (
     collect,
     error_event,
     first_audio,
+    open_session,
     run,
     send,
     words,
@@ -81,9 +82,7 @@ def test_letters_and_a_pause_longer_than_the_buffer(rt_server: Server) -> None:
     (no PAD ends the text) and resumes on the next delta, in the same utterance."""
     async def go() -> tuple[list[dict[str, Any]], bytes]:
         async with connect(ws_url(rt_server)) as ws:
-            await ws.recv()
-            await send(ws, type="session", voice="ryan", start="immediate", seed=3)
-            await ws.recv()
+            await open_session(ws, voice="ryan", start="immediate", seed=3)
             for ch in "Hello there, ":
                 await send(ws, type="text", text=ch)
                 await asyncio.sleep(0.005)
@@ -111,9 +110,7 @@ def test_a_late_chunk_after_the_text_is_a_stream_gap(make_server: Any) -> None:
 
     async def go() -> tuple[list[dict[str, Any]], bytes]:
         async with connect(ws_url(s)) as ws:
-            await ws.recv()
-            await send(ws, type="session", voice="ryan", start="immediate", seed=5)
-            await ws.recv()
+            await open_session(ws, voice="ryan", start="immediate", seed=5)
             await send(ws, type="text", text="Hello there, this is a test of the realtime route.")
             await send(ws, type="end")
             return await collect(ws)
@@ -129,9 +126,7 @@ def _all_at_once(server: Server, text: str) -> tuple[list[dict[str, Any]], bytes
     """One utterance: the whole text in one delta, then its end (seed 11): events and audio."""
     async def go() -> tuple[list[dict[str, Any]], bytes]:
         async with connect(ws_url(server)) as ws:
-            await ws.recv()
-            await send(ws, type="session", voice="ryan", seed=11)
-            await ws.recv()
+            await open_session(ws, voice="ryan", seed=11)
             await ws.send(json.dumps({"type": "text", "text": text}))
             await send(ws, type="end")
             return await collect(ws)
@@ -166,9 +161,7 @@ def test_several_utterances_and_cancel(rt_server: Server) -> None:
     async def go() -> list[list[dict[str, Any]]]:
         out = []
         async with connect(ws_url(rt_server)) as ws:
-            await ws.recv()
-            await send(ws, type="session", voice="ryan", start="immediate")
-            await ws.recv()
+            await open_session(ws, voice="ryan", start="immediate")
             await send(ws, type="text", text="A first short answer. ")
             await send(ws, type="end")
             out.append((await collect(ws))[0])
@@ -204,9 +197,7 @@ def test_a_cancel_after_the_end_stops_the_speech(rt_server: Server) -> None:
     async def go() -> list[list[dict[str, Any]]]:
         out = []
         async with connect(ws_url(rt_server)) as ws:
-            await ws.recv()
-            await send(ws, type="session", voice="ryan", start="immediate")
-            await ws.recv()
+            await open_session(ws, voice="ryan", start="immediate")
             # (the random tiny model may end its speech before the cancel arrives: then again)
             for _ in range(4):
                 await send(ws, type="text", text=SENTENCE + " " + SENTENCE)
@@ -239,9 +230,7 @@ def test_settings_sent_after_an_end_are_the_next_utterances(rt_server: Server) -
 
     async def pipelined() -> bytes:
         async with connect(ws_url(rt_server)) as ws:
-            await ws.recv()
-            await send(ws, type="session", voice="ryan", seed=3)
-            await ws.recv()
+            await open_session(ws, voice="ryan", seed=3)
             await send(ws, type="text", text=SENTENCE)
             await send(ws, type="end")
             await send(ws, type="session", voice="vivian", seed=4)
@@ -258,18 +247,14 @@ def test_settings_sent_after_an_end_are_the_next_utterances(rt_server: Server) -
 
     async def fresh() -> bytes:
         async with connect(ws_url(rt_server)) as ws:
-            await ws.recv()
-            await send(ws, type="session", voice="vivian", seed=4)
-            await ws.recv()
+            await open_session(ws, voice="vivian", seed=4)
             await send(ws, type="text", text=second_text)
             await send(ws, type="end")
             return (await collect(ws))[1]
 
     async def mid_text() -> tuple[dict[str, Any], int | None]:
         async with connect(ws_url(rt_server)) as ws:
-            await ws.recv()
-            await send(ws, type="session", voice="ryan")
-            await ws.recv()
+            await open_session(ws, voice="ryan")
             await send(ws, type="text", text="Still writing ")
             await send(ws, type="session", voice="vivian")
             refused = await error_event(ws)
@@ -290,9 +275,7 @@ def test_an_answer_that_opens_with_whitespace_and_one_with_nothing_to_say(
     the session goes on."""
     async def go() -> list[list[dict[str, Any]]]:
         async with connect(ws_url(rt_server)) as ws:
-            await ws.recv()
-            await send(ws, type="session", voice="ryan")
-            await ws.recv()
+            await open_session(ws, voice="ryan")
             utterances = []
             for deltas in (["\n\n", "Hello there."], ["  \n\t "], ["Still here."]):
                 for d in deltas:
@@ -319,9 +302,7 @@ def test_chinese_speaks_as_it_is_written(rt_server: Server) -> None:
 
     async def go() -> tuple[list[dict[str, Any]], bytes]:
         async with connect(ws_url(rt_server)) as ws:
-            await ws.recv()
-            await send(ws, type="session", voice="ryan", language="chinese")
-            await ws.recv()
+            await open_session(ws, voice="ryan", language="chinese")
             for i in range(0, len(answer), 2):
                 await send(ws, type="text", text=answer[i:i + 2])
                 await asyncio.sleep(0.02)
@@ -338,16 +319,12 @@ def test_disconnect_frees_the_worker(rt_server: Server) -> None:
     async def go() -> None:
         for _ in range(3):  # more sessions than workers: each disconnect must free its worker
             async with connect(ws_url(rt_server)) as ws:
-                await ws.recv()
-                await send(ws, type="session", voice="ryan")
-                await ws.recv()
+                await open_session(ws, voice="ryan")
                 await send(ws, type="text", text="Some words that never end, ")
                 await send(ws, type="flush")
                 await asyncio.sleep(0.1)
         async with connect(ws_url(rt_server)) as ws:
-            await ws.recv()
-            await send(ws, type="session", voice="ryan")
-            await ws.recv()
+            await open_session(ws, voice="ryan")
             await send(ws, type="text", text="Still served.")
             await send(ws, type="end")
             events, _ = await collect(ws)
@@ -423,9 +400,7 @@ def test_a_bad_delta_leaves_the_sessions_sharing_its_worker_speaking(make_server
     async def go() -> tuple[list[dict[str, Any]], dict[str, Any]]:
         async with connect(ws_url(server)) as speaking, connect(ws_url(server)) as hostile:
             for ws in (speaking, hostile):
-                await ws.recv()
-                await send(ws, type="session", voice="ryan")
-                await ws.recv()
+                await open_session(ws, voice="ryan")
             await send(speaking, type="text", text=SENTENCE)
             await send(hostile, type="text", text="Hello there, ")
             await send(hostile, type="flush")
@@ -456,9 +431,7 @@ def test_a_session_whose_own_text_fails_in_the_batch_fails_alone(make_server: An
                             list[dict[str, Any]]]:
         async with connect(ws_url(server)) as speaking, connect(ws_url(server)) as failing:
             for ws in (speaking, failing):
-                await ws.recv()
-                await send(ws, type="session", voice="ryan")
-                await ws.recv()
+                await open_session(ws, voice="ryan")
             await send(speaking, type="text", text="Hello there, ")
             await send(speaking, type="flush")
             await first_audio(speaking)  # live job 0
@@ -493,9 +466,7 @@ def test_an_utterance_cancelled_while_queued_is_done(make_server: Any) -> None:
     async def go() -> tuple[list[dict[str, Any]], list[dict[str, Any]], bytes]:
         async with connect(ws_url(server)) as busy, connect(ws_url(server)) as queued:
             for ws in (busy, queued):
-                await ws.recv()
-                await send(ws, type="session", voice="ryan")
-                await ws.recv()
+                await open_session(ws, voice="ryan")
             await send(busy, type="text", text="Hello there, ")
             await send(busy, type="flush")
             await first_audio(busy)
@@ -585,9 +556,7 @@ def test_sigterm_lets_a_speaking_session_finish(make_server: Any) -> None:
 
     async def go() -> tuple[list[dict[str, Any]], int | None]:
         async with connect(ws_url(s)) as ws:
-            await ws.recv()
-            await send(ws, type="session", voice="ryan", start="immediate", seed=3)
-            await ws.recv()
+            await open_session(ws, voice="ryan", start="immediate", seed=3)
             await send(ws, type="text", text=texts[0])
             await asyncio.sleep(0.3)
             s.proc.send_signal(signal.SIGTERM)
@@ -615,9 +584,7 @@ def test_sigterm_closes_a_session_between_utterances_at_once(make_server: Any) -
 
     async def go() -> tuple[str, int | None]:
         async with connect(ws_url(s)) as ws:
-            await ws.recv()
-            await send(ws, type="session", voice="ryan", seed=1)
-            await ws.recv()
+            await open_session(ws, voice="ryan", seed=1)
             await send(ws, type="text", text="One sentence.")
             await send(ws, type="end")
             assert (await collect(ws))[0][-1]["type"] == "done"
@@ -678,9 +645,7 @@ def test_a_client_that_stops_reading_is_cut_off(make_server: Any) -> None:
         sock.connect(("127.0.0.1", s.port))
         async with connect(ws_url(s), sock=sock, max_queue=1, compression=None,
                            max_size=None) as ws:
-            await ws.recv()
-            await send(ws, type="session", voice="ryan", start="immediate", seed=1)
-            await ws.recv()
+            await open_session(ws, voice="ryan", start="immediate", seed=1)
             # what the kernel can hold, in utterances of at least ~8 s of audio each
             for _ in range(4 + wmem_max // (8 * 48000)):
                 await send(ws, type="text", text=text)
@@ -714,9 +679,7 @@ def test_a_client_that_stops_reading_is_cut_off(make_server: Any) -> None:
 
     async def again() -> tuple[list[dict[str, Any]], bytes]:
         async with connect(ws_url(s)) as ws:
-            await ws.recv()
-            await send(ws, type="session", voice="ryan", start="immediate", seed=1)
-            await ws.recv()
+            await open_session(ws, voice="ryan", start="immediate", seed=1)
             await send(ws, type="text", text=text)
             await send(ws, type="end")
             return await collect(ws)
@@ -759,9 +722,7 @@ def test_an_opening_guess_waits_for_the_text_and_a_refuted_one_sends_nothing(
 
     async def go() -> list[tuple[list[Any], list[dict[str, Any]], bytes]]:
         async with connect(ws_url(rt_server)) as ws:
-            await ws.recv()
-            await send(ws, type="session", voice="ryan", start="immediate", seed=2)
-            await ws.recv()
+            await open_session(ws, voice="ryan", start="immediate", seed=2)
             return [await utterance(ws, "Hello", " there, how are you?"),
                     await utterance(ws, "Th", "e quick brown fox.")]
 
