@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -123,6 +124,55 @@ class NextSettings:
 
     settings: SessionSettings
     clone: Any  # the stored voice it names (service.voices.api.CloneUse), or None
+
+
+# messages a session may hold for its next utterance while one is spoken (``Backlog``)
+MAX_BACKLOG = 256
+
+
+class Backlog(list[TextDelta | Control | NextSettings]):
+    """The next utterance's messages, sent after an utterance's ``end`` while it is still
+    spoken, in order. Kept compact, so that a client cannot grow the session's memory by
+    flooding it: adjacent text is merged, a control repeating the one before it is dropped
+    (a second flush, end or cancel in a row says nothing more), and text, flush, text, flush
+    is text, flush (replayed at once, the worker takes them as one update); past
+    ``MAX_BACKLOG`` entries the session is refused."""
+
+    def add(self, m: TextDelta | Control | NextSettings) -> None:
+        last = self[-1] if self else None
+        if isinstance(m, TextDelta) and isinstance(last, TextDelta):
+            self[-1] = TextDelta.model_construct(type="text", text=last.text + m.text)
+            return
+        if isinstance(m, Control) and isinstance(last, Control) and m.type == last.type:
+            return
+        if (isinstance(m, Control) and m.type == "flush" and len(self) >= 3
+                and isinstance(last, TextDelta) and self[-2] == m
+                and isinstance(self[-3], TextDelta)):
+            self[-3:] = [TextDelta.model_construct(type="text", text=self[-3].text + last.text),
+                         m]
+            return
+        if len(self) >= MAX_BACKLOG:
+            raise ProtocolError("too_many_messages", None, f"more than {MAX_BACKLOG} messages "
+                                "wait for the utterance being spoken to end")
+        self.append(m)
+
+    def has_text(self) -> bool:
+        return any(isinstance(m, TextDelta) for m in self)
+
+
+_BEARER = "bearer."
+
+
+def bearer_token(headers: Mapping[str, str]) -> str:
+    """The API key a WebSocket handshake carries: a bearer ``Authorization`` header, or a
+    ``bearer.KEY`` entry of ``Sec-WebSocket-Protocol`` (what a browser can set); "" if none."""
+    given = headers.get("authorization", "")
+    if given[:7].lower() == "bearer " and given[7:].strip():
+        return given[7:].strip()
+    for entry in headers.get("sec-websocket-protocol", "").split(","):
+        if entry.strip().startswith(_BEARER):
+            return entry.strip()[len(_BEARER):]
+    return ""
 
 
 def session_busy() -> ProtocolError:

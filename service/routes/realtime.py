@@ -35,12 +35,14 @@ from service.realtime import (
     CLOSE_TRY_AGAIN,
     CLOSE_UNSUPPORTED,
     ENCODING,
+    Backlog,
     Control,
     NextSettings,
     ProtocolError,
     SessionSettings,
     TextDelta,
     Utterance,
+    bearer_token,
     min_tokens,
     parse,
     session_busy,
@@ -55,20 +57,11 @@ log = logging.getLogger("qtts.realtime")
 SUBPROTOCOL = "qtts.v1"
 CLOSE_RESTART = 1012  # the server is restarting: reconnect
 FLUSH_SECONDS = 5.0  # a closing session's last events, then its close frame, wait this long each
-_BEARER = "bearer."
 
 
 def _owner(st: State, ws: WebSocket) -> str | None:
     """The owner of the session's API key (header or subprotocol entry); None: refused."""
-    if not st.owners:
-        return owner_of(st.owners, "")
-    given = ws.headers.get("authorization", "")
-    token = given[7:].strip() if given[:7].lower() == "bearer " else ""
-    for entry in ws.headers.get("sec-websocket-protocol", "").split(","):
-        entry = entry.strip()
-        if not token and entry.startswith(_BEARER):
-            token = entry[len(_BEARER):]
-    return owner_of(st.owners, token)
+    return owner_of(st.owners, bearer_token(ws.headers) if st.owners else "")
 
 
 @router.websocket("/v1/tts/realtime")
@@ -100,7 +93,7 @@ class Session:
         self.chars = 0
         self.utt: Utterance | None = None
         self.ticket: Ticket | None = None
-        self.backlog: list[TextDelta | Control | NextSettings] = []  # the next utterance's
+        self.backlog = Backlog()  # the next utterance's messages
         # events, audio (with the event that announces it: dropped together) and the end
         self.out: asyncio.Queue[str | tuple[str | None, bytes] | None] = asyncio.Queue()
         self.out_bytes = 0  # audio queued for the sender, not yet handed to the socket
@@ -248,16 +241,17 @@ class Session:
                 raise ProtocolError(e.code or "invalid_value", e.field, e.message) from None
             self._job(m, "x", clone)
             if self.utt is not None:  # the one before is still spoken: the next one's
-                self.backlog.append(NextSettings(m, clone))
+                self.backlog.add(NextSettings(m, clone))
             else:
                 self._apply(NextSettings(m, clone))
             return
+        if isinstance(m, TextDelta):
+            self._count(m.text)
         if self.utt is not None and (self.utt.ended or self.utt.cancelled):
-            if isinstance(m, Control) and m.type == "cancel" and not any(
-                    isinstance(b, TextDelta) for b in self.backlog):
+            if isinstance(m, Control) and m.type == "cancel" and not self.backlog.has_text():
                 self._apply(m)  # no next utterance yet: it stops the one still speaking
                 return
-            self.backlog.append(m)  # belongs to the next utterance
+            self.backlog.add(m)  # belongs to the next utterance
             return
         self._apply(m)
 
@@ -287,12 +281,14 @@ class Session:
         self.st.pool.send_text(self.ticket, TextIn(self.utt.job_id, flush=m.type == "flush",
                                                    end=m.type == "end"))
 
-    def _text(self, text: str) -> None:
-        s = self.st.settings
+    def _count(self, text: str) -> None:
+        # the session's text cap, counted as text comes (held for a next utterance too)
         self.chars += len(text)
-        if self.chars > s.realtime_max_chars:
-            raise ProtocolError("too_long", "text", f"the session sent more than "
-                                f"{s.realtime_max_chars} characters")
+        if self.chars > (cap := self.st.settings.realtime_max_chars):
+            raise ProtocolError("too_long", "text", f"the session sent more than {cap} "
+                                "characters")
+
+    def _text(self, text: str) -> None:
         if self.ticket is None:
             self._start(text)
         else:
@@ -392,7 +388,7 @@ class Session:
         self.emit({"type": "done", "id": utt.job_id,
                    "usage": utt.usage(self.sample_rate, outcome)})
         self.utt, self.ticket = None, None
-        backlog, self.backlog = self.backlog, []
+        backlog, self.backlog = self.backlog, Backlog()
         for m in backlog:
             if self.utt is not None and (self.utt.ended or self.utt.cancelled):
                 self.backlog.append(m)

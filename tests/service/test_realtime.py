@@ -381,6 +381,89 @@ def test_bad_messages_error_then_close(rt_server: Server, message: str | bytes,
     assert got == close
 
 
+def test_the_next_utterances_messages_stay_compact() -> None:
+    """What waits for the next utterance: adjacent text merged, a repeated control dropped,
+    text-flush-text-flush as one text and its flush (the worker takes them as one update
+    when replayed at once), an utterance boundary kept; past the cap, refused."""
+    from service.realtime import MAX_BACKLOG, Backlog, Control, ProtocolError, TextDelta
+
+    def text(t: str) -> TextDelta:
+        return TextDelta(type="text", text=t)
+
+    def ctl(kind: str) -> Control:
+        return Control(type=kind)  # type: ignore[arg-type]
+
+    def shape(b: Backlog) -> list[str]:
+        return [m.text if isinstance(m, TextDelta) else m.type for m in b]  # type: ignore[union-attr]
+
+    b = Backlog()
+    for m in (text("Hel"), text("lo "), ctl("flush"), ctl("flush"), text("wor"), ctl("flush"),
+              text("ld."), ctl("end"), ctl("end"), text("Next"), ctl("flush"), text(" one")):
+        b.add(m)
+    assert shape(b) == ["Hello wor", "flush", "ld.", "end", "Next", "flush", " one"]
+    flood = Backlog()
+    for _ in range(100_000):
+        flood.add(text(""))
+        flood.add(ctl("flush"))
+    assert shape(flood) == ["", "flush"]
+    many = Backlog()
+    with pytest.raises(ProtocolError) as e:
+        for i in range(MAX_BACKLOG):
+            many.add(text(f"utterance {i}."))
+            many.add(ctl("end"))
+    assert e.value.code == "too_many_messages" and len(many) == MAX_BACKLOG
+
+
+def test_a_flood_after_the_end_costs_nothing(make_server: Any) -> None:
+    """While an utterance whose text has ended waits for the only worker, its session floods
+    (200,000 empty deltas and flushes): the front end holds a few entries, not the flood, and
+    the next utterance speaks in turn. Text held for a next utterance counts against the
+    session's text cap as it comes: past the cap it is refused at once, not when its turn
+    comes."""
+    psutil = pytest.importorskip("psutil")
+    server = make_server(workers=1, max_batch=1, realtime_max_chars=200)
+    front = psutil.Process(server.proc.pid)
+
+    async def go() -> tuple[list[dict[str, Any]], bytes, int, list[dict[str, Any]]]:
+        async with connect(ws_url(server)) as busy, \
+                connect(ws_url(server), max_queue=None) as ws, connect(ws_url(server)) as capped:
+            for c in (busy, ws, capped):
+                await open_session(c, voice="ryan")
+            await send(busy, type="text", text="Hello there, ")
+            await send(busy, type="flush")
+            await first_audio(busy)  # it holds the worker, waiting for more text
+            before = front.memory_info().rss
+            await send(ws, type="text", text=SENTENCE)
+            await send(ws, type="end")
+            empty, flush = json.dumps({"type": "text", "text": ""}), json.dumps({"type": "flush"})
+            for _ in range(100_000):
+                await ws.send(empty)
+                await ws.send(flush)
+            await send(ws, type="text", text="Then the next one.")
+            await send(ws, type="end")
+            await send(capped, type="text", text=SENTENCE)
+            await send(capped, type="end")
+            await send(capped, type="text", text="x" * 150)  # past the cap of 200 in all
+            refused: list[dict[str, Any]] = []
+            async for msg in capped:  # at once: its utterance still waits for the worker
+                if isinstance(msg, str):
+                    refused.append(json.loads(msg))
+                    if refused[-1]["type"] == "error":
+                        break
+            grown = front.memory_info().rss - before
+            await send(busy, type="end")
+            await collect(busy)
+            await collect(ws)
+            events, audio = await collect(ws)
+            return events, audio, grown, refused
+
+    events, audio, grown, refused = run(asyncio.wait_for(go(), 120))
+    assert audio and events[-1]["usage"]["outcome"] in ("ok", "truncated_no_eos"), events[-1]
+    assert grown < 30_000_000, grown  # held whole: ~100 MB
+    assert refused[-1]["code"] == "too_long"
+    assert "done" not in [ev["type"] for ev in refused]
+
+
 def test_start_policy_forms() -> None:
     """Every accepted form of ``start`` and what the engine makes of it."""
     from service.realtime import SessionSettings, min_tokens, parse
