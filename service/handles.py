@@ -40,6 +40,19 @@ class Ticket:
     def push(self, event: TicketEvent) -> None:
         self.events.put_nowait(event)
 
+    def hold(self, msg: TextIn) -> None:
+        """Keep live text sent while the job waits, merged where its worker sees no difference:
+        text joins the text before it until a flush or end, and a message that adds nothing (no
+        text, or a flush right after a flush) is dropped. A client's flood then costs at most
+        one entry per flushed piece of its text (which the session caps)."""
+        last = self.outbox[-1] if self.outbox else None
+        if not msg.text and not msg.end and (not msg.flush or (last is not None and last.flush)):
+            return
+        if last is not None and not (last.flush or last.end):
+            self.outbox[-1] = TextIn(msg.job_id, last.text + msg.text, msg.flush, msg.end)
+            return
+        self.outbox.append(msg)
+
 
 @dataclass(eq=False)
 class WorkerHandle:

@@ -203,7 +203,7 @@ class WorkerPool:
     def send_text(self, t: Ticket, msg: TextIn) -> None:
         """More text for a live job: to its worker now, or when it leaves the queue."""
         if t.state is TicketState.WAITING:
-            t.outbox.append(msg)
+            t.hold(msg)
         elif t.state is TicketState.RUNNING and t.worker is not None:
             try:
                 t.worker.conn.send(msg)

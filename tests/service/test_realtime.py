@@ -414,6 +414,25 @@ def test_the_next_utterances_messages_stay_compact() -> None:
     assert e.value.code == "too_many_messages" and len(many) == MAX_BACKLOG
 
 
+def test_text_for_a_waiting_job_stays_compact() -> None:
+    """Live text sent while its job waits in the queue is held merged where the worker sees no
+    difference: runs of text up to a flush or end joined, empty deltas and repeated flushes
+    dropped, every flush and end where it was."""
+    from service.handles import Ticket
+    from service.protocol import Job, TextIn
+
+    t = Ticket(job=Job(id=1, kind="text"))
+    for msg in (TextIn(1, "Hel"), TextIn(1, "lo "), TextIn(1, ""), TextIn(1, flush=True),
+                TextIn(1, flush=True), TextIn(1, "wor"), TextIn(1, "ld."), TextIn(1, end=True)):
+        t.hold(msg)
+    assert t.outbox == [TextIn(1, "Hello ", flush=True), TextIn(1, "world.", end=True)]
+    flood = Ticket(job=Job(id=2, kind="text"))
+    for _ in range(100_000):
+        flood.hold(TextIn(2, ""))
+        flood.hold(TextIn(2, flush=True))
+    assert flood.outbox == [TextIn(2, flush=True)]
+
+
 def test_a_flood_after_the_end_costs_nothing(make_server: Any) -> None:
     """While an utterance whose text has ended waits for the only worker, its session floods
     (200,000 empty deltas and flushes): the front end holds a few entries, not the flood, and
