@@ -279,11 +279,7 @@ class BatchRunner:
 
     def _reject(self, st: _Stream, e: Exception, out: list[Event]) -> None:
         # the stream ends on its own error (``Rejected``), nothing it holds sent
-        if st in self._starting:
-            self._starting.remove(st)
-        if self._by_uid.pop(st.uid, None) is not None:
-            self.frames.cancel(st.uid)
-        self._streams.pop(st.sid, None)
+        self.cancel(st.sid)
         st.info.outcome = "rejected" if isinstance(e, InputError) else "error"
         out.append((st.sid, Rejected(e)))
 

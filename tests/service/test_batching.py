@@ -163,7 +163,7 @@ def test_realtime_sessions_share_a_batching_worker(batch_server: Any) -> None:
 
     from websockets.asyncio.client import connect
 
-    from tests.service.realtime_helpers import collect, run, send, words, ws_url
+    from tests.service.realtime_helpers import collect, open_session, run, send, words, ws_url
 
     server = batch_server(workers=1, max_batch=3)
     text = "Batching lets several voices speak at once on one worker, step by step."
@@ -171,9 +171,7 @@ def test_realtime_sessions_share_a_batching_worker(batch_server: Any) -> None:
     async def session(i: int, t0: float) -> tuple[float, float, list[dict[str, Any]], bytes]:
         await asyncio.sleep(0.15 * i)
         async with connect(ws_url(server)) as ws:
-            await ws.recv()
-            await send(ws, type="session", voice="ryan", seed=20 + i, start="immediate")
-            await ws.recv()
+            await open_session(ws, voice="ryan", seed=20 + i, start="immediate")
             first = 0.0
 
             async def write() -> None:
@@ -211,9 +209,7 @@ def test_realtime_sessions_share_a_batching_worker(batch_server: Any) -> None:
 
     async def at_once() -> bytes:
         async with connect(ws_url(server)) as ws:
-            await ws.recv()
-            await send(ws, type="session", voice="ryan", seed=11)
-            await ws.recv()
+            await open_session(ws, voice="ryan", seed=11)
             await send(ws, type="text", text=text)
             await send(ws, type="end")
             return (await collect(ws))[1]
