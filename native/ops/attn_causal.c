@@ -252,6 +252,13 @@ static void block_output(const float * Vf, int64_t vs, const float * P, const fl
     }
 }
 
+/* A lane with no query: past the last one, or past G x QB where G does not divide the lanes
+ * (its r / QB would name the next KV group's head, and past the last query, memory past q and
+ * the output). */
+static inline int spare(int r, int64_t t, int64_t T, int64_t live) {
+    return t >= T || r >= live;
+}
+
 void qtts_attn_causal_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
     (void)userdata;
     const struct ggml_tensor * q = dst->src[0];
@@ -289,7 +296,7 @@ void qtts_attn_causal_op(struct ggml_tensor * dst, int ith, int nth, void * user
         int64_t jmax = 0;
         for (int r = 0; r < LANES; r++) {
             const int64_t t = t0 + r % QB;
-            lpos[r] = t < T ? ((const int32_t *)pos->data)[t] : 0; /* a spare lane: key 0 */
+            lpos[r] = spare(r, t, T, G * QB) ? 0 : ((const int32_t *)pos->data)[t]; /* key 0 */
             jmax = lpos[r] + 1 > jmax ? lpos[r] + 1 : jmax;
         }
         jmax = jmax < n_keys ? jmax : n_keys;
@@ -310,7 +317,7 @@ void qtts_attn_causal_op(struct ggml_tensor * dst, int ith, int nth, void * user
         }
         for (int r = 0; r < LANES; r++) {
             const int64_t t = t0 + r % QB, h = hk * G + r / QB;
-            if (t >= T) {
+            if (spare(r, t, T, G * QB)) {
                 for (int64_t c = 0; c < d; c++) QT[c * LANES + r] = 0.0f;
                 continue;
             }
@@ -334,7 +341,7 @@ void qtts_attn_causal_op(struct ggml_tensor * dst, int ith, int nth, void * user
         }
         for (int r = 0; r < LANES; r++) {
             const int64_t t = t0 + r % QB, h = hk * G + r / QB;
-            if (t >= T) {
+            if (spare(r, t, T, G * QB)) {
                 continue;
             }
             float * out = (float *)((char *)dst->data + t * dst->nb[1]) + h * d;

@@ -1546,6 +1546,12 @@ def _attn_reference(q: np.ndarray[Any, Any], k: np.ndarray[Any, Any], vt: np.nda
     (128, 16, 2, 33, 300, 352, 3.0),  # 8 query heads per KV head, keys in three blocks
     (64, 4, 4, 5, 0, 16, 1.0),  # no GQA, a block of queries mostly spare
     (24, 8, 2, 20, 3, 32, 8.0),  # head size not a multiple of 8: the tails; peaked softmax
+    # query heads per KV head that do not divide the 16 lanes: the lanes past G x (16 // G)
+    # are spare (they once took the next group's heads and wrote past the last query)
+    (16, 6, 2, 20, 3, 32, 1.0),  # G = 3
+    (16, 5, 1, 7, 0, 16, 1.0),  # G = 5
+    (32, 12, 2, 9, 4, 16, 1.0),  # G = 6, the last block's queries at the output's end
+    (16, 15, 1, 1, 10, 16, 1.0),  # G = 15, one query
 ])
 def test_attn_causal_matches_float64(cpu1: BackendSet, cpu2: BackendSet, dtype: Any, d: int,
                                      h: int, hkv: int, t: int, pos0: int, n_kv: int,

@@ -233,6 +233,30 @@ def test_voice_design_greedy(tmp_path_factory: pytest.TempPathFactory,
     np.testing.assert_array_equal(rig.greedy(prompt), want)
 
 
+# query heads per KV head that do not divide 16 (the fused prefill attention's lanes) and widths
+# that are not a multiple of the quantisation block: the talker 6 heads over 2, the code
+# predictor 5 over 1
+ODD_HEADS = {
+    "talker": {"hidden_size": 80, "intermediate_size": 136, "num_attention_heads": 6,
+               "num_key_value_heads": 2, "head_dim": 16},
+    "cp": {"hidden_size": 48, "intermediate_size": 72, "num_attention_heads": 5,
+           "num_key_value_heads": 1, "head_dim": 16},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("non_streaming", [True, False], ids=["full", "stream"])
+def test_custom_voice_greedy_with_odd_head_groups(tmp_path_factory: pytest.TempPathFactory,
+                                                  non_streaming: bool) -> None:
+    folder = tmp_path_factory.mktemp("tiny_odd_heads")
+    make_model(folder, "tiny", seed=5, variant="custom_voice", progress=False,
+               keep_checkpoint=True, overrides=ODD_HEADS)
+    rig = Rig(folder, BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "2"}))
+    prompt = rig.builder.build(TEXT, "ryan", "english", None,
+                               "full" if non_streaming else "stream")  # fmt: skip
+    want = rc.custom_codes(rig.folder, TEXT, "ryan", "english", None, non_streaming, FRAMES)
+    np.testing.assert_array_equal(rig.greedy(prompt), want)
+
+
 def test_custom_voice_17b_instruct_greedy(tmp_path_factory: pytest.TempPathFactory) -> None:
     rig = _tiny_17b(tmp_path_factory, "custom_voice")
     assert rig.builder.honours_instruct
