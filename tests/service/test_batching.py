@@ -92,7 +92,9 @@ def test_an_error_in_a_step_fails_that_batch_and_the_worker_goes_on(batch_server
 
 
 def test_kill_ends_every_job_of_that_worker_only(batch_server: Any) -> None:
-    server = batch_server(workers=2, max_batch=2, queue_size=4)
+    # each chunk waits 0.1 s in the worker: a job alone takes ~0.5 s on this model, so without
+    # it the first jobs could end before the poll below saw all three running
+    server = batch_server(workers=2, max_batch=2, queue_size=4, test_fault="sleep=0.1@chunk")
     results: list[tuple[int, bool]] = []  # (bytes received, ended as an error)
     lock = threading.Lock()
 
