@@ -32,15 +32,18 @@ def self_attention(g: StageGraph, w: DecoderWeights, il: int, x: Tensor, pos: Te
                    mask: Tensor | None) -> Tensor:
     """Multi-head attention over [carried window ; new rows] with NeoX RoPE, scale 1/sqrt(d)."""
     ctx, cfg, lw = g.ctx, w.cfg, w.layers[il]
-    n_head, d_head, t = cfg.num_attention_heads, cfg.head_dim, int(x.ne[1])
+    n_head, n_kv, d_head = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    t = int(x.ne[1])
     n_cache = cfg.sliding_window - 1
 
-    def heads(proj: Linear) -> Tensor:
-        return lib.ggml_reshape_3d(ctx, linear(g, x, proj), d_head, n_head, t)
+    def heads(proj: Linear, n: int) -> Tensor:
+        return lib.ggml_reshape_3d(ctx, linear(g, x, proj), d_head, n, t)
 
-    q = rope(ctx, heads(lw.q), pos, d_head, cfg.rope_theta)
-    k = rope(ctx, heads(lw.k), pos, d_head, cfg.rope_theta)
-    v = heads(lw.v)
+    # GQA: K and V have num_key_value_heads heads; query head h reads KV head h // (H / H_kv)
+    # (attn_window's hk = h / G, ggml's mul_mat broadcast in ``attend``), as repeat_kv does
+    q = rope(ctx, heads(lw.q, n_head), pos, d_head, cfg.rope_theta)
+    k = rope(ctx, heads(lw.k, n_kv), pos, d_head, cfg.rope_theta)
+    v = heads(lw.v, n_kv)
     if g.use_custom_ops:  # chunking-invariant: a stream's bits do not depend on its chunks
         # each stream attends to its own window (one stream: the whole of q, k, v)
         def attend_window(qs: Tensor, ks: Tensor, vs: Tensor, ps: Tensor, stream: int
@@ -66,6 +69,8 @@ def self_attention(g: StageGraph, w: DecoderWeights, il: int, x: Tensor, pos: Te
 def _windowed(g: StageGraph, key: str, h: Tensor, n_cache: int, stream: int = 0) -> Tensor:
     """[d, H, T] new heads after the carried [d, H, n_cache] ones; carries the last n_cache."""
     ctx = g.ctx
+    if n_cache == 0:  # sliding_window 1: a query sees its own key only, nothing is carried
+        return h  # (a zero-row carried tensor reads back out of bounds)
     d, n_head, t = int(h.ne[0]), int(h.ne[1]), int(h.ne[2])
     prev = g.carried(key, (n_cache, n_head, d), stream)
     full = lib.ggml_concat(ctx, prev, h, 2)

@@ -254,11 +254,12 @@ def encoder_config(size: str) -> dict[str, Any]:
     raise ValueError(f"unknown fixture size {size!r}; expected one of {SIZES}")
 
 
-def tokenizer_config(size: str) -> dict[str, Any]:
-    """Keyword arguments for ``Qwen3TTSTokenizerV2Config`` (the top level of config.json)."""
+def tokenizer_config(size: str, decoder: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Keyword arguments for ``Qwen3TTSTokenizerV2Config`` (the top level of config.json);
+    ``decoder`` overrides fields of the size's ``decoder_config``."""
     return {
         "encoder_config": encoder_config(size),
-        "decoder_config": decoder_config(size),
+        "decoder_config": {**decoder_config(size), **(decoder or {})},
         "encoder_valid_num_quantizers": 16,
         "input_sample_rate": SAMPLE_RATE,
         "output_sample_rate": SAMPLE_RATE,
@@ -435,19 +436,32 @@ def _check_recipe(recipe: str) -> None:
         raise ValueError(f"unknown weight recipe {recipe!r}; expected one of {RECIPES}")
 
 
-def build_reference_model(size: str, seed: int, recipe: str = "default") -> Any:
-    """Instantiate ``Qwen3TTSTokenizerV2Model`` for ``size`` with the seeded fixture weights.
+def build_reference_model(size: str, seed: int, recipe: str = "default",
+                          decoder: dict[str, Any] | None = None) -> Any:
+    """Instantiate ``Qwen3TTSTokenizerV2Model`` for ``size`` with the seeded fixture weights
+    (``decoder``: overrides of the decoder's config, for layouts of other checkpoints).
 
     Deterministic for a given (size, seed): every tensor is drawn from a generator seeded by
     (seed, tensor name), nothing depends on the global RNG or on construction order.
     """
     ref = import_reference()
-    config = ref.Qwen3TTSTokenizerV2Config(**tokenizer_config(size))
+    config = ref.Qwen3TTSTokenizerV2Config(**tokenizer_config(size, decoder))
     with ref.no_init_weights():
         model = ref.Qwen3TTSTokenizerV2Model(config)
     _check_recipe(recipe)
-    _fill_weights(model, decoder_config(size), seed, recipe)
+    _fill_weights(model, {**decoder_config(size), **(decoder or {})}, seed, recipe)
     return model.eval()
+
+
+def save_tokenizer_dir(model: Any, folder: Path) -> None:
+    """``model`` as a ``speech_tokenizer/`` folder in the released layout (``save_pretrained``
+    f32, and the Encodec feature extractor's config)."""
+    ref = import_reference()
+    model.save_pretrained(folder, safe_serialization=True)
+    fe = ref.EncodecFeatureExtractor(
+        feature_size=1, sampling_rate=SAMPLE_RATE, padding_value=0.0, return_attention_mask=True
+    )
+    fe.save_pretrained(folder)
 
 
 def make_reference_tokenizer_dir(out_dir: str | os.PathLike[str], size: str, seed: int,
@@ -472,13 +486,7 @@ def make_reference_tokenizer_dir(out_dir: str | os.PathLike[str], size: str, see
     with fixture_folder(out_dir, key,
                         lambda done: (done / "speech_tokenizer" / "model.safetensors").is_file()
                         ) as tmp:
-        st = tmp / "speech_tokenizer"
-        model = build_reference_model(size, seed, recipe)
-        model.save_pretrained(st, safe_serialization=True)
-        fe = ref.EncodecFeatureExtractor(
-            feature_size=1, sampling_rate=SAMPLE_RATE, padding_value=0.0, return_attention_mask=True
-        )
-        fe.save_pretrained(st)
+        save_tokenizer_dir(build_reference_model(size, seed, recipe), tmp / "speech_tokenizer")
         meta = {
             "size": size,
             "seed": seed,

@@ -262,3 +262,33 @@ def test_priming_is_a_push_whose_audio_is_dropped(case: Case, precision: str) ->
         np.testing.assert_array_equal(then, after)
     else:
         assert snr_db(after, then) >= 80.0
+
+
+# Decoder layouts the released models do not use but a checkpoint may: fewer KV heads than query
+# heads (the reference repeats each KV head), and a window of one frame (nothing carried).
+# Both once aborted the process at the first decode.
+ODD_DECODERS = {
+    "grouped_kv": {"num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 24,
+                   "hidden_size": 72, "intermediate_size": 200, "sliding_window": 5},
+    "window_1": {"num_attention_heads": 3, "num_key_value_heads": 1, "sliding_window": 1},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", sorted(ODD_DECODERS))
+def test_odd_decoder_layouts(tmp_path: Path, layout: str) -> None:
+    model = ref.build_reference_model("tiny", 4, decoder=ODD_DECODERS[layout])
+    ref.save_tokenizer_dir(model, tmp_path / "speech_tokenizer")
+    codes = ref.random_codes(24, seed=2)
+    want = ref.reference_decode(model, codes)
+    convert(tmp_path / "speech_tokenizer", tmp_path / "model.gguf", dtype="f32", progress=False)
+    gguf = open_model(tmp_path / "model.gguf")
+    for ops in ("1", "0"):  # qtts's window op, then ggml's own nodes
+        be = BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "2",
+                                  "QTTS_CUSTOM_OPS": ops})
+        dec = DecoderModel.load(gguf, be, "exact")
+        got, _ = decode(dec, codes)
+        sd = StreamingDecoder(dec)
+        streamed = np.concatenate([sd.push(codes[:, i : i + 5])[0] for i in range(0, 24, 5)])
+        assert np.abs(got - want).max() <= 1e-4, (ops, np.abs(got - want).max())
+        assert np.abs(streamed - got).max() <= 1e-5
+        dec.close()
