@@ -383,9 +383,9 @@ class WorkerPool:
     def describe(self) -> list[dict[str, Any]]:
         return [
             {"index": i, "pid": w.pid, "state": str(w.state), "jobs_done": w.jobs_done,
-             "running": len(w.tickets)}
+             "running": len(w.tickets), "decoder_snr_db": w.info and w.info.decoder_snr_db}
             if w is not None else {"index": i, "pid": None, "state": "absent", "jobs_done": 0,
-                                   "running": 0}
+                                   "running": 0, "decoder_snr_db": None}
             for i, w in enumerate(self._workers)
         ]
 

@@ -86,6 +86,10 @@ class WorkerOptions:
     index: int
     model_path: str
     precision: Literal["fast", "exact"]
+    # fast mode's SNR target against exact (0: the default F32 set, not measured) and where its
+    # calibration is kept (engine.decoder.calibration_store; None: measured at every start)
+    precision_target_db: float
+    calibration_dir: str | None
     env: dict[str, str]  # the engine's variables for this worker (threads, backends, logs)
     warmup_frames: int
     max_frames_cap: int  # the server's longest audio, in frames
@@ -146,6 +150,7 @@ class Ready:
     backend: str
     load_seconds: float
     warmup_seconds: float
+    decoder_snr_db: float | None = None  # fast mode's calibration, where it was measured
 
 
 @dataclass(frozen=True)

@@ -134,6 +134,13 @@ class Settings(BaseSettings):
         "AVX512-BF16 (an AVX2 CPU), `fast` runs the 7-tap and transposed convs by Winograd in "
         "F32 (~90-100 dB per conv against float64) and the rest as `exact`",
     )
+    precision_target_db: float = Field(
+        default=35.0, ge=0, le=120,
+        description="with `fast` precision: the SNR (dB, against `exact`) the decoder must "
+        "hold on this model; a worker measures it at load and keeps more layers in F32 until it "
+        "does (seconds on the released size, once per model file: kept in "
+        "`QTTS_DATA_DIR/calibration`); 0: the default F32 layers, not measured",
+    )
     chunk_max_frames: int | None = Field(
         default=None,
         ge=1,
@@ -275,6 +282,8 @@ class Settings(BaseSettings):
         the model's frames)."""
         return WorkerOptions(
             index=index, model_path=str(self.model), precision=self.precision,
+            precision_target_db=self.precision_target_db,
+            calibration_dir=str(self.data_dir / "calibration"),
             env=self.worker_env(), warmup_frames=self.warmup_frames,
             max_frames_cap=max_frames_cap, chunk_max_frames=self.chunk_max_frames,
             pin_prefixes=self.pin_prefixes, max_text_tokens=self.max_text_tokens,

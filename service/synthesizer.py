@@ -43,7 +43,9 @@ class Synthesizer:
         self.on_stop: Callable[[], None] = lambda: None
         self.options = options
         self.backends = BackendSet.from_options(options)
-        self.decoder = DecoderModel.load(self.model, self.backends, precision=opts.precision)
+        self.decoder_snr_db: float | None = None
+        self.decoder = DecoderModel.load(self.model, self.backends, precision=opts.precision,
+                                         f32_layers=self._fast_layers(opts))
         caps = {name: v for name in ("max_text_tokens", "max_instruct_tokens", "segment_tokens",
                                      "prefill_chunk")
                 if (v := getattr(opts, name)) is not None}  # else the engine's defaults
@@ -52,6 +54,22 @@ class Synthesizer:
             chunk_max_frames=opts.chunk_max_frames or DEFAULT_CHUNK_MAX_FRAMES,
             chunk_ramp=opts.chunk_ramp, first_chunk_frames=opts.first_chunk_frames, **caps)
         self._voices: OrderedDict[str, Any] = OrderedDict()
+
+    def _fast_layers(self, opts: WorkerOptions) -> frozenset[str] | None:
+        # fast mode's F32 layers for its SNR target on this model (None: the default set)
+        if opts.precision != "fast" or not opts.precision_target_db or (
+                "decoder" not in self.model.parts):
+            return None
+        from pathlib import Path
+
+        from engine.decoder.calibration_store import calibration_for
+
+        folder = Path(opts.calibration_dir) if opts.calibration_dir else None
+        cal, kept = calibration_for(self.model, self.backends, opts.precision_target_db, folder)
+        self.decoder_snr_db = cal.snr_db
+        log.log(logging.WARNING if not cal.met and not cal.saturated else logging.INFO,
+                "%s%s", cal.summary(), " (kept from an earlier start)" if kept else "")
+        return cal.f32_layers
 
     def _cached(self, key: str, make: Callable[[], Any]) -> Any:
         v = self._voices.get(key)

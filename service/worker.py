@@ -84,7 +84,8 @@ def worker_main(conn: Any, cancel: Any, opts: WorkerOptions) -> None:
             runner = BatchRunner(synth.pipeline, opts.max_batch)
             warm += runner.warm_up()
         conn.send(Ready(pid=os.getpid(), index=opts.index, backend=synth.backend_name,
-                        load_seconds=load, warmup_seconds=warm))
+                        load_seconds=load, warmup_seconds=warm,
+                        decoder_snr_db=synth.decoder_snr_db))
     except Exception as e:
         try:
             conn.send(Fatal(f"{type(e).__name__}: {e}"))

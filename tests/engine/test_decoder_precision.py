@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +12,7 @@ import pytest
 from cli.main import main
 from engine.backend import BackendSet
 from engine.decoder import DecoderModel, decode
+from engine.decoder.calibration_store import calibration_for
 from engine.decoder.precision import (
     bf16_layers,
     calibrate,
@@ -20,6 +23,7 @@ from engine.decoder.precision import (
 )
 from engine.decoder.weights import rounds_to_bf16, winograd_f32
 from engine.gguf_model import open_model
+from engine.tools.make_model import make_model
 
 
 @pytest.fixture(scope="module")
@@ -100,14 +104,65 @@ def test_fast_is_exact_without_winograd_where_the_bf16_kernel_is_missing(
         be.close()
 
 
-def test_calibration(model, bf16_cpu2: BackendSet) -> None:  # type: ignore[no-untyped-def]
-    easy = calibrate(model, bf16_cpu2, target_db=10.0, frames=6)
-    assert easy.met and easy.steps == 0 and easy.f32_layers == default_f32(model)
-    assert 5 < easy.snr_db < 150  # the make-model decoder clips most samples: a low SNR
-    hard = calibrate(model, bf16_cpu2, target_db=500.0, frames=6, max_steps=2)
+@pytest.fixture(scope="module")
+def stress(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """A tiny model whose decoder makes a wave (every stage O(1), nothing clipped), unlike the
+    default recipe's, which clips most samples."""
+    folder = tmp_path_factory.mktemp("stress_decoder")
+    make_model(folder, "tiny", seed=0, progress=False, recipe="stress")
+    m = open_model(folder / "model.gguf")
+    yield m
+    m.close()
+
+
+def test_calibration(stress, bf16_cpu2: BackendSet) -> None:  # type: ignore[no-untyped-def]
+    easy = calibrate(stress, bf16_cpu2, target_db=10.0, frames=6)
+    assert easy.met and easy.steps == 0 and easy.f32_layers == default_f32(stress)
+    assert 20 < easy.snr_db < 150 and easy.clipped < 0.01 and not easy.saturated
+    hard = calibrate(stress, bf16_cpu2, target_db=500.0, frames=6, max_steps=2)
     assert not hard.met and hard.steps == 2 and hard.f32_layers > easy.f32_layers
     assert hard.snr_db > easy.snr_db
     assert "NOT" not in easy.summary() and f"{easy.snr_db:.1f} dB" in easy.summary()
+    # unbounded, it promotes until the target holds (every group F32 if need be)
+    above = calibrate(stress, bf16_cpu2, target_db=easy.snr_db + 6, frames=6)
+    assert above.met and above.steps >= 1
+
+
+def test_calibration_leaves_a_saturated_decoder_alone(  # type: ignore[no-untyped-def]
+        model, bf16_cpu2: BackendSet) -> None:
+    """The make-model decoder clips most samples: its SNR is the clamp's, and promotions
+    would only cost speed; the calibration says so and keeps the default set."""
+    cal = calibrate(model, bf16_cpu2, target_db=35.0, frames=6)
+    assert cal.saturated and cal.clipped > 0.5 and not cal.met
+    assert cal.steps == 0 and cal.f32_layers == default_f32(model)
+    assert "clips" in cal.summary() and "nothing promoted" in cal.summary()
+
+
+def test_calibration_is_kept_per_model_file(  # type: ignore[no-untyped-def]
+        stress, bf16_cpu2: BackendSet, tmp_path: Path) -> None:
+    target = calibrate(stress, bf16_cpu2, target_db=0.0).snr_db + 4  # a promotion or more
+    first, kept = calibration_for(stress, bf16_cpu2, target, tmp_path)
+    assert not kept and first.met and first.steps >= 1
+    (record,) = tmp_path.glob("decoder-*.json")
+    again, kept = calibration_for(stress, bf16_cpu2, target, tmp_path)
+    assert kept and again == first  # read back, not measured
+    # another target, or arithmetic: a record of its own
+    other, kept = calibration_for(stress, bf16_cpu2, target - 10, tmp_path)
+    assert not kept and other.steps == 0 and len(list(tmp_path.glob("decoder-*.json"))) == 2
+    # a damaged record, or one naming layers the model does not have: measured again
+    for bad in ("{not json", '{"f32_layers": ["dec.nope"], "snr_db": 99, "target_db": 1, '
+                '"steps": 0, "seconds": 0, "clipped": 0}'):
+        record.write_text(bad)
+        again, kept = calibration_for(stress, bf16_cpu2, target, tmp_path)
+        assert not kept and again.f32_layers == first.f32_layers
+    # the model file changed (a new modification time): its old record no longer applies
+    os.utime(stress.path, ns=(time.time_ns(), time.time_ns()))
+    assert not calibration_for(stress, bf16_cpu2, target, tmp_path)[1]
+    # a folder that cannot be written: measured, not kept, no error
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    cal, kept = calibration_for(stress, bf16_cpu2, target, blocked / "sub")
+    assert not kept and cal.f32_layers == first.f32_layers
 
 
 def test_load_with_calibration(model, bf16_cpu2: BackendSet  # type: ignore[no-untyped-def]
