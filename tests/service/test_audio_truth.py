@@ -31,17 +31,19 @@ def service_model(stress_gguf_seeded: Path) -> Path:
 @pytest.fixture(scope="module")
 def expected_pcm(service_model: Path) -> np.ndarray[Any, Any]:
     """The engine's own decode of ``codes(N, seed=7)`` with the server's settings (fast
-    precision, one thread, the same chunk ramp), as s16 written out here, independently of
-    service/audio.py."""
+    precision with the layers its calibration keeps in F32 for the default target, one thread,
+    the same chunk ramp), as s16 written out here, independently of service/audio.py."""
     from engine.backend import BackendSet
     from engine.decoder import DecoderModel, StreamingDecoder
+    from engine.decoder.calibration_store import calibration_for
+    from engine.decoder.precision import DEFAULT_TARGET_DB
     from engine.gguf_model import open_model
     from engine.pipeline import chunk_sizes
 
     model = open_model(service_model)
-    dec = DecoderModel.load(model, BackendSet.from_env({"QTTS_BACKEND": "cpu",
-                                                        "QTTS_THREADS": "1"}),
-                            precision="fast")
+    be = BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "1"})
+    layers = calibration_for(model, be, DEFAULT_TARGET_DB, None)[0].f32_layers
+    dec = DecoderModel.load(model, be, precision="fast", f32_layers=layers)
     c = np.asarray(codes(N, seed=7), dtype=np.int32)
     sd = StreamingDecoder(dec)
     pieces, start = [], 0

@@ -62,3 +62,10 @@ def test_workers_hold_the_target_and_keep_their_calibration(
     assert again.workers()[0]["decoder_snr_db"] == w["decoder_snr_db"]
     assert np.array_equal(_pcm(again), calibrated)
     assert len(list((data / "calibration").glob("decoder-*.json"))) == 1
+
+
+def test_the_default_target_is_the_engines() -> None:
+    from engine.decoder.precision import DEFAULT_TARGET_DB
+    from service.settings import Settings
+
+    assert Settings.model_fields["precision_target_db"].default == DEFAULT_TARGET_DB
