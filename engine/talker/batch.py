@@ -25,7 +25,8 @@ the kernels the unbatched graphs run (``TalkerWeights.mul_mat`` on the stored we
 session alone has one row; the int8 GEMM only in code-predictor pass 0, whose rows it rounds one
 by one, as alone). With Q4_0 weights (what a worker serves) a row among several gets exactly what
 it gets alone (``engine.ggml.gemv_q4`` by construction, and ggml's Q4_0 kernels where that op is
-not used), so a session's logits and codes are bit for bit those it gets alone. With
+not used; a matrix the converter kept at F16 among them is multiplied one column at a time),
+so a session's logits and codes are bit for bit those it gets alone. With
 F16/F32 weights ggml multiplies one row with a dot product and several with its tiled GEMM
 (llamafile sgemm), which round differently: logits agree to float rounding, and the codes too
 unless two candidates tie within it. tests/engine/test_batch.py checks both.

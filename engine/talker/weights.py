@@ -114,6 +114,11 @@ class TalkerWeights:
         self.types: dict[str, int] = {}
         # stored matrix (its tensor's address) -> its gemv_q4 layout
         self._q4: dict[int, Tensor] = {}
+        # F16/F32 matrices of a quantised talker (the converter's fallback where a row length is
+        # not a multiple of 32): multiplied one column at a time (see ``mul_mat``)
+        self._rowwise: set[int] = set()
+        quantised = any(model.tensor_info(s.name).ggml_type in I8_TYPES
+                        for s in specs if _is_matrix(s.name))
         step_q4 = repack and gemv_q4_possible(backends)
         self.repacked = _Repacked(backends, len(specs)) if repack and not step_q4 else None
         if self.repacked is not None and self.repacked.buft is None:
@@ -123,14 +128,15 @@ class TalkerWeights:
         for spec in specs:
             info = model.tensor_info(spec.name)
             self.types[spec.name] = info.ggml_type
-            q4_matrix = info.ggml_type == GGML_Q4_0 and (
-                spec.name.endswith(_MATMUL_SUFFIXES) or spec.name.startswith(_CP_HEAD))
+            q4_matrix = info.ggml_type == GGML_Q4_0 and _is_matrix(spec.name)
             if q4_matrix and self.repacked is not None and spec.shape[0] % 8 == 0:
                 tensors[spec.name] = self.repacked.add(spec.name, info.ggml_type, spec.shape,
                                                        model.tensor(spec.name))
                 continue
             bound = tensors[spec.name] = self.store.add_mapped(spec.name, info.ggml_type,
                                                            spec.shape, mm, info.offset)
+            if quantised and info.ggml_type not in I8_TYPES and _is_matrix(spec.name):
+                self._rowwise.add(_address(bound))
             if q4_matrix and step_q4 and gemv_q4.packable(*spec.shape):
                 packed = gemv_q4.pack(model.tensor(spec.name), *spec.shape)
                 self._q4[_address(bound)] = self.store.add_array(f"{spec.name}.q4", packed)
@@ -186,6 +192,16 @@ class TalkerWeights:
         packed = self._q4.get(_address(w)) if self._q4 else None
         if packed is not None:
             return gemv_q4.gemv_q4(ctx, x, packed)
+        ncols = int(x.ne[1]) * int(x.ne[2]) * int(x.ne[3])
+        if ncols > 1 and self._rowwise and _address(w) in self._rowwise:
+            # ggml multiplies one F16/F32 column with a dot product and several with a tiled
+            # GEMM that rounds differently: one column per batch entry (ne11 = 1) gives every
+            # column the bits it gets alone, so a quantised talker's batched rows stay bit for
+            # bit their rows alone even with the converter's F16 fallbacks
+            xc = x if lib.ggml_is_contiguous(x) else lib.ggml_cont(ctx, x)
+            y = lib.ggml_mul_mat(ctx, w, lib.ggml_reshape_3d(ctx, xc, int(x.ne[0]), 1, ncols))
+            return lib.ggml_reshape_4d(ctx, y, int(w.ne[1]), int(x.ne[1]), int(x.ne[2]),
+                                       int(x.ne[3]))
         return lib.ggml_mul_mat(ctx, w, x)
 
     @property
@@ -277,6 +293,11 @@ def gemv_q4_possible(backends: BackendSet) -> bool:
     portable one gives the same bits, slower than ggml's repacked GEMV)."""
     return (backends.primary == backends.cpu and backends.custom_ops
             and gemv_q4.fast_available())
+
+
+def _is_matrix(name: str) -> bool:
+    """A weight the talker multiplies by (``TalkerWeights.mul_mat``), not a norm or a table."""
+    return name.endswith(_MATMUL_SUFFIXES) or name.startswith(_CP_HEAD)
 
 
 def _address(t: Tensor) -> int:
