@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 DEFAULT_TARGET_DB = 35.0
 CALIBRATION_FRAMES = 16  # 1.3 s of audio: enough for every layer's history to fill
 # An exact decode that clips more than this share of its samples is a saturated square wave
-# (qtts make-model's default decoder: ~95 %): the clamp decides the output, fast mode's error
+# (qtts make-model's default decoder: 93-98 %): the clamp decides the output, fast mode's error
 # there is where the wave crosses zero, and no promotion makes it speech-like; keep the default.
 SATURATED = 0.25
 
