@@ -6,7 +6,7 @@ import asyncio
 import json
 from typing import Any
 
-from websockets.asyncio.client import ClientConnection
+from websockets.asyncio.client import ClientConnection, connect
 
 from tests.service.helpers import Server
 
@@ -55,6 +55,17 @@ async def open_session(ws: ClientConnection, **settings: Any) -> dict[str, Any]:
     await ws.recv()
     await send(ws, type="session", **settings)
     return dict(json.loads(await ws.recv()))
+
+
+async def speak(server: Server, text: str, **settings: Any
+                ) -> tuple[list[dict[str, Any]], bytes]:
+    """A session of its own with ``settings`` speaks ``text`` sent whole, then its end: the
+    utterance's events and audio."""
+    async with connect(ws_url(server)) as ws:
+        await open_session(ws, **settings)
+        await send(ws, type="text", text=text)
+        await send(ws, type="end")
+        return await collect(ws)
 
 
 def run(coro: Any) -> Any:

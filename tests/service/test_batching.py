@@ -165,7 +165,14 @@ def test_realtime_sessions_share_a_batching_worker(batch_server: Any) -> None:
 
     from websockets.asyncio.client import connect
 
-    from tests.service.realtime_helpers import collect, open_session, run, send, words, ws_url
+    from tests.service.realtime_helpers import (
+        open_session,
+        run,
+        send,
+        speak,
+        words,
+        ws_url,
+    )
 
     server = batch_server(workers=1, max_batch=3)
     text = "Batching lets several voices speak at once on one worker, step by step."
@@ -209,14 +216,7 @@ def test_realtime_sessions_share_a_batching_worker(batch_server: Any) -> None:
     ms = server.metrics()
     assert metric(ms, "qtts_batch_size_bucket", le="1.0") < metric(ms, "qtts_batch_size_count")
 
-    async def at_once() -> bytes:
-        async with connect(ws_url(server)) as ws:
-            await open_session(ws, voice="ryan", seed=11)
-            await send(ws, type="text", text=text)
-            await send(ws, type="end")
-            return (await collect(ws))[1]
-
-    got = run(at_once())
+    got = run(speak(server, text, voice="ryan", seed=11))[1]
     r = httpx.post(server.url + "/tts", json={"text": text, "seed": 11, "format": "pcm",
                                               "voice": "ryan", "text_mode": "stream"},
                    timeout=120)

@@ -27,6 +27,7 @@ from tests.service.realtime_helpers import (
     open_session,
     run,
     send,
+    speak,
     words,
     ws_url,
 )
@@ -108,31 +109,12 @@ def test_a_late_chunk_after_the_text_is_a_stream_gap(make_server: Any) -> None:
     s: Server = make_server(test_fault="sleep=1.5@chunk=3")
     before = metric(s.metrics(), "qtts_stream_gaps_total")
 
-    async def go() -> tuple[list[dict[str, Any]], bytes]:
-        async with connect(ws_url(s)) as ws:
-            await open_session(ws, voice="ryan", start="immediate", seed=5)
-            await send(ws, type="text", text="Hello there, this is a test of the realtime route.")
-            await send(ws, type="end")
-            return await collect(ws)
-
-    events, _ = run(go())
+    events, _ = run(speak(s, "Hello there, this is a test of the realtime route.", voice="ryan",
+                          start="immediate", seed=5))
     assert sum(e["type"] == "audio" for e in events) >= 4, events  # the late chunk came
     gaps = events[-1]["usage"]["stream_gaps"]
     assert gaps >= 1
     assert metric(s.metrics(), "qtts_stream_gaps_total") - before == gaps
-
-
-def _all_at_once(server: Server, text: str) -> tuple[list[dict[str, Any]], bytes]:
-    """One utterance: the whole text in one delta, then its end (seed 11): events and audio."""
-    async def go() -> tuple[list[dict[str, Any]], bytes]:
-        async with connect(ws_url(server)) as ws:
-            await open_session(ws, voice="ryan", seed=11)
-            await ws.send(json.dumps({"type": "text", "text": text}))
-            await send(ws, type="end")
-            return await collect(ws)
-
-    result: tuple[list[dict[str, Any]], bytes] = run(go())
-    return result
 
 
 def _post_stream(server: Server, text: str) -> bytes:
@@ -147,7 +129,7 @@ def _post_stream(server: Server, text: str) -> bytes:
 def test_identity_with_post_tts_stream(rt_server: Server) -> None:
     """All text at once: the same samples as POST /tts with text_mode stream and the seed, in
     the chunks of the gentle ramp (a stream alone in its worker: QTTS_CHUNK_RAMP auto)."""
-    events, got = _all_at_once(rt_server, SENTENCE)
+    events, got = run(speak(rt_server, SENTENCE, voice="ryan", seed=11))
     assert events[-1]["usage"]["outcome"] != "error"
     sizes = [e["frames"] for e in events if e["type"] == "audio"]
     ramp = chunk_sizes(16, "gentle")
@@ -246,11 +228,7 @@ def test_settings_sent_after_an_end_are_the_next_utterances(rt_server: Server) -
             return audio
 
     async def fresh() -> bytes:
-        async with connect(ws_url(rt_server)) as ws:
-            await open_session(ws, voice="vivian", seed=4)
-            await send(ws, type="text", text=second_text)
-            await send(ws, type="end")
-            return (await collect(ws))[1]
+        return (await speak(rt_server, second_text, voice="vivian", seed=4))[1]
 
     async def mid_text() -> tuple[dict[str, Any], int | None]:
         async with connect(ws_url(rt_server)) as ws:
@@ -779,16 +757,9 @@ def test_a_client_that_stops_reading_is_cut_off(make_server: Any) -> None:
     assert metric(ms, "qtts_realtime_sessions") == 0
     assert metric(ms, "qtts_requests_running") == 0
 
-    async def again() -> tuple[list[dict[str, Any]], bytes]:
-        async with connect(ws_url(s)) as ws:
-            await open_session(ws, voice="ryan", start="immediate", seed=1)
-            await send(ws, type="text", text=text)
-            await send(ws, type="end")
-            return await collect(ws)
-
     # the worker is free, and a client that reads is never cut, though one chunk of the ramp
     # (16 frames, 1.28 s) is larger than the cap
-    events, pcm = run(again())
+    events, pcm = run(speak(s, text, voice="ryan", start="immediate", seed=1))
     # (its 30 sentences, spoken as the whole-text request speaks them: the random model ends
     # them or runs into the server's audio cap)
     assert events[-1]["type"] == "done"
@@ -845,6 +816,6 @@ def test_identity_with_post_tts_for_a_text_of_several_segments(rt_server: Server
     long = " ".join([SENTENCE] * 6)
     want = _post_stream(rt_server, long)
     for _ in range(2):
-        events, got = _all_at_once(rt_server, long)
+        events, got = run(speak(rt_server, long, voice="ryan", seed=11))
         assert events[-1]["usage"]["outcome"] in ("ok", "truncated_no_eos")
         assert len(got) == len(want) and got == want
