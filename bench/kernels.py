@@ -28,6 +28,10 @@
         heads: 0.6B and 1.7B) as qtts_attn_causal (native/ops/attn_causal.c, one node) against
         ggml's four nodes (K.Q, masked softmax over the padded key range, the product with V,
         the head merge), one layer.
+  attn_step: a decoding step's attention (the same heads) for 1 or 3 sessions at cache
+        positions 64 to 1024, as qtts_attn_step (one node a layer: the K/V writes, scores,
+        softmax and the product with V of every session), a 0.6B talker's 28 layers, with the
+        cache rows read per second and the error against float64.
 
 ggml timings are ``ggml_backend_sched_graph_compute`` alone (graph allocated and inputs set
 beforehand; inputs re-set before each repetition, untimed). Each repetition also records how
@@ -38,7 +42,8 @@ qtts_ms, > 1 means the qtts kernel is faster), then the same runs as min CPU tim
 which time-slicing by other processes does not inflate.
 
   .venv/bin/python bench/kernels.py [--threads 2] [--reps 7]
-                                    [--only conv|snake|bf16|hist|wino|wino_f32|gemm_i8|gemv_q4|attn]
+                                    [--only conv|snake|bf16|hist|wino|wino_f32|gemm_i8|gemv_q4|attn|
+                                           attn_step]
                                     [--extra]
 """
 
@@ -670,6 +675,66 @@ def bench_attn(cpu: BackendSet, reps: int, max_busy: float, threads: int) -> Non
               f"{busy:.0%} |", flush=True)
 
 
+# (sessions, the position each writes and attends up to)
+ATTN_STEP_CASES = [(1, 64), (1, 1024), (3, 64), (3, 256), (3, 512), (3, 1024)]
+STEP_LAYERS = 28  # a 0.6B talker step's: each layer's caches apart, so they come from memory
+
+
+def bench_attn_step(cpu: BackendSet, reps: int, max_busy: float, threads: int) -> None:
+    from engine.talker.qwen3 import KVCache
+
+    d, h, hkv = 128, 16, 8
+    kv = d * hkv
+    print(f"\n## Step attention of {STEP_LAYERS} layers ({h} heads of {d}, {hkv} KV heads, F16 "
+          f"caches: a 0.6B talker step's), {threads} threads: min ms")
+    print("| sessions, position | qtts attn_step | cache GB/s | max error / largest output | "
+          "others' load |")
+    print("|---|---:|---:|---:|---:|")
+    rng = np.random.default_rng(0)
+    for n_sess, p in ATTN_STEP_CASES:
+        n_ctx = p + 64
+        q = rng.standard_normal((n_sess, h, d)).astype(np.float32)
+        k, v = (rng.standard_normal((n_sess, kv)).astype(np.float32) for _ in range(2))
+        pos = np.full(n_sess, p, np.int32)
+        caches = [KVCache(cpu, STEP_LAYERS, kv, n_ctx, lib.GGML_TYPE_F16, "bench")
+                  for _ in range(n_sess)]
+        rows = []
+        for c in caches:
+            kc = rng.standard_normal((n_ctx, kv)).astype(np.float16)
+            vc = rng.standard_normal((kv, n_ctx)).astype(np.float16)
+            for il in range(STEP_LAYERS):
+                lib.ggml_backend_tensor_set(c.k[il], ffi.from_buffer(kc), 0, kc.nbytes)
+                lib.ggml_backend_tensor_set(c.v[il], ffi.from_buffer(vc), 0, vc.nbytes)
+            rows.append((kc, vc))
+        g = Graph()
+        tq, tk, tv = g.input("q", q.shape), g.input("k", k.shape), g.input("v", v.shape)
+        tp = g.input("pos", pos.shape, np.int32)
+        for il in range(STEP_LAYERS):
+            steps = [co.StepCache(c.k[il], c.v[il], 0, c.n_ctx) for c in caches]
+            g.output(co.attn_step(g.ctx, tq, tk, tv, tp, steps, g.keep), f"y{il}")
+        r = GraphRunner(cpu, g, {"q": q, "k": k, "v": v, "pos": pos})
+        stats = timed(r.run, reps, max_busy, None, threads)
+        y = r.output("y0").reshape(n_sess, h, d)
+        err = 0.0
+        for s, (kc, vc) in enumerate(rows):  # float64 over the rows the op wrote
+            kr = kc[:p + 1].astype(np.float64)
+            vr = vc[:, :p + 1].astype(np.float64)
+            kr[p] = k[s].astype(np.float16)
+            vr[:, p] = v[s].astype(np.float16)
+            for head in range(h):
+                kh = kr[:, (head // (h // hkv)) * d:][:, :d]
+                sc = kh @ q[s, head].astype(np.float64) / np.sqrt(d)
+                w = np.exp(sc - sc.max())
+                want = (vr[(head // (h // hkv)) * d:][:d] @ w) / w.sum()
+                err = max(err, float(np.abs(y[s, head] - want).max() / np.abs(want).max()))
+        g.close()
+        for c in caches:
+            c.close()
+        gb = STEP_LAYERS * n_sess * (p + 1) * 2 * kv * 2 / 1e9
+        print(f"| {n_sess}, {p} | {stats['min']:.2f} | {gb / stats['min'] * 1e3:.1f} | "
+              f"{err:.1e} | {stats['busy']:.0%} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
@@ -677,7 +742,7 @@ def main() -> None:
     ap.add_argument("--max-busy", type=float, default=0.05,
                     help="drop repetitions where other processes used more of the machine")
     ap.add_argument("--only", choices=["conv", "snake", "bf16", "hist", "wino", "wino_f32",
-                                       "gemm_i8", "gemv_q4", "attn"],
+                                       "gemm_i8", "gemv_q4", "attn", "attn_step"],
                     default=None)
     ap.add_argument("--extra", action="store_true",
                     help=f"also {EXTRA_CONV_CASES} (conv), {EXTRA_BF16_CASES} (bf16) and "
@@ -707,6 +772,8 @@ def main() -> None:
         bench_gemv_q4(args.reps, args.max_busy, args.threads)
     if args.only in (None, "attn"):
         bench_attn(cpu, args.reps, args.max_busy, args.threads)
+    if args.only in (None, "attn_step"):
+        bench_attn_step(cpu, args.reps, args.max_busy, args.threads)
 
 
 if __name__ == "__main__":

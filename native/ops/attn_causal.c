@@ -364,7 +364,13 @@ void qtts_attn_causal_op(struct ggml_tensor * dst, int ith, int nth, void * user
  * order, so a session's result does not depend on the other sessions or the thread count.
  *
  * Sums run in 16 lanes (lane l takes the elements l, l + 16, ...) folded by halves at the end:
- * the AVX-512, AVX2 and portable paths add in that same order. */
+ * the AVX-512, AVX2 and portable paths add in that same order.
+ *
+ * On AVX-512 with an F16 cache and head sizes a multiple of 16 (the released models), the
+ * cache rows are converted as they are read and eight sums run at once (eight keys' scores,
+ * eight channels' outputs), folded together by one shuffle network in the same order: one sum
+ * at a time waited on its own FMA chain and fold, and the F32 copies of K and V went through
+ * the cache, which at long contexts made the op a step's largest cost. */
 
 /* F32 -> the cache's type, as ggml's CPY / SET_ROWS write it (qtts_f16.h) */
 static void store_row(char * dst, const float * src, int64_t n, int f16) {
@@ -431,6 +437,144 @@ static float dot16(const float * a, const float * b, int64_t n) {
 #endif
 }
 
+/* column t's new K and V rows of KV head hk into its session's cache at position p */
+static void write_rows(const struct ggml_tensor * kn, const struct ggml_tensor * vn, int64_t t,
+                       int64_t hk, int64_t d, int64_t p, char * kc, int64_t k_nb1, char * vc,
+                       int64_t v_nb1, int f16) {
+    const int64_t es = f16 ? 2 : 4;
+    const float * kr = (const float *)((const char *)kn->data + t * kn->nb[1]) + hk * d;
+    const float * vr = (const float *)((const char *)vn->data + t * vn->nb[1]) + hk * d;
+    store_row(kc + p * k_nb1 + hk * d * es, kr, d, f16);
+    for (int64_t ch = 0; ch < d; ch++) {
+        store_one(vc + (hk * d + ch) * v_nb1 + p * es, vr[ch], f16);
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512DQ__)
+#define STEP_FAST 1
+#ifndef STEP_PF_ROWS
+#define STEP_PF_ROWS 24
+#endif
+/* the 16-lane sums of a[0..7], each folded by halves as dot16 folds one: (l, l + 8), then
+ * (l, l + 4), (l, l + 2), (0, 1); out[i] = the sum of a[i] */
+static inline void fold8x16(const __m512 * a, float * out) {
+    __m512 s[4], t[2];
+    for (int i = 0; i < 4; i++) { /* [a_2i + hi 8 | a_2i+1 + hi 8] */
+        s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+    }
+    for (int i = 0; i < 2; i++) { /* 128-bit block b: a_4i+b's l + l + 4 */
+        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xDD));
+    }
+    /* block b: [a_b: 0 + 2, 1 + 3 | a_b+4: 0 + 2, 1 + 3] */
+    const __m512 u = _mm512_add_ps(_mm512_shuffle_ps(t[0], t[1], 0x44),
+                                   _mm512_shuffle_ps(t[0], t[1], 0xEE));
+    const __m512 w = _mm512_add_ps(u, _mm512_movehdup_ps(u)); /* a_b at 4b, a_b+4 at 4b + 2 */
+    const __m512i order = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 14, 10, 6, 2, 12, 8, 4, 0);
+    _mm256_storeu_ps(out, _mm512_castps512_ps256(_mm512_permutexvar_ps(order, w)));
+}
+
+static inline __m512 f16x16(const char * p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+
+/* A query row's attention for one KV head over rows 0 .. n - 1 of an F16 cache (k: row j at
+ * k + j * k_nb1, the head's d channels; v: its channel c at v + c * v_nb1), d a multiple of 16.
+ * Q: [G][d] scaled queries; P: [G][cap] scratch; out: [G][d]. The eight sums of a block are
+ * 8 / GB keys (channels) x GB heads, so each converted K (V) vector serves GB heads. K's rows,
+ * a cache row apart, are prefetched STEP_PF_ROWS ahead, and V's lines go into L2 while the
+ * scores read K (as many lines per key row as K's), so the products with V find them there. */
+static inline __attribute__((always_inline)) void step_head_f16(
+        const char * k, int64_t k_nb1, const char * v, int64_t v_nb1, int64_t n, int64_t d,
+        int64_t G, const float * Q, float * P, int64_t cap, float * out, const int GB) {
+    const int R = 8 / GB;
+    const int64_t n16 = (n + LANES - 1) / LANES * LANES, v_row = (2 * n + 63) / 64 * 64;
+    int64_t vp_c = 0, vp_b = 0;
+    for (int64_t j = 0; j < n; j += R) {
+        for (int r = 0; r < R && j + r + STEP_PF_ROWS < n; r++) {
+            const char * ahead = k + (j + r + STEP_PF_ROWS) * k_nb1;
+            for (int64_t b = 0; b < 2 * d; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+        }
+        for (int64_t b = 0; b < R * 2 * d && vp_c < d; b += 64) {
+            _mm_prefetch(v + vp_c * v_nb1 + vp_b, _MM_HINT_T1);
+            vp_b += 64;
+            if (vp_b >= v_row) {
+                vp_b = 0;
+                vp_c++;
+            }
+        }
+        const char * kr[8];
+        for (int r = 0; r < R; r++) { /* past the last row: the last row again, dropped */
+            kr[r] = k + (j + r < n ? j + r : n - 1) * k_nb1;
+        }
+        for (int64_t h = 0; h < G; h += GB) {
+            __m512 a[8];
+            for (int r = 0; r < 8; r++) a[r] = _mm512_setzero_ps();
+            for (int64_t i = 0; i < d; i += 16) {
+                for (int r = 0; r < R; r++) {
+                    const __m512 kv = f16x16(kr[r] + 2 * i);
+                    for (int g = 0; g < GB; g++) {
+                        a[r * GB + g] = _mm512_fmadd_ps(
+                            kv, _mm512_loadu_ps(Q + (h + g) * d + i), a[r * GB + g]);
+                    }
+                }
+            }
+            float s8[8];
+            fold8x16(a, s8);
+            for (int r = 0; r < R && j + r < n; r++) {
+                for (int g = 0; g < GB; g++) P[(h + g) * cap + j + r] = s8[r * GB + g];
+            }
+        }
+    }
+    for (int64_t h = 0; h < G; h += GB) {
+        float inv[8];
+        for (int g = 0; g < GB; g++) {
+            float * Ph = P + (h + g) * cap;
+            float m = -INFINITY;
+            for (int64_t j = 0; j < n; j++) m = Ph[j] > m ? Ph[j] : m;
+            inv[g] = 1.0f / exp_sum16(Ph, n, n16, m);
+        }
+        for (int64_t c = 0; c < d; c += R) {
+            __m512 a[8];
+            for (int r = 0; r < 8; r++) a[r] = _mm512_setzero_ps();
+            for (int64_t i = 0; i < n16; i += 16) {
+                const __mmask16 live =
+                    n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+                for (int r = 0; r < R; r++) {
+                    const __m512 vv = _mm512_cvtph_ps(
+                        _mm256_maskz_loadu_epi16(live, v + (c + r) * v_nb1 + 2 * i));
+                    for (int g = 0; g < GB; g++) {
+                        a[r * GB + g] = _mm512_fmadd_ps(
+                            vv, _mm512_loadu_ps(P + (h + g) * cap + i), a[r * GB + g]);
+                    }
+                }
+            }
+            float s8[8];
+            fold8x16(a, s8);
+            for (int r = 0; r < R; r++) {
+                for (int g = 0; g < GB; g++) out[(h + g) * d + c + r] = s8[r * GB + g] * inv[g];
+            }
+        }
+    }
+}
+
+static void step_head(const char * k, int64_t k_nb1, const char * v, int64_t v_nb1, int64_t n,
+                      int64_t d, int64_t G, const float * Q, float * P, int64_t cap,
+                      float * out) {
+    if (G % 4 == 0) {
+        step_head_f16(k, k_nb1, v, v_nb1, n, d, G, Q, P, cap, out, 4);
+    } else if (G % 2 == 0) {
+        step_head_f16(k, k_nb1, v, v_nb1, n, d, G, Q, P, cap, out, 2);
+    } else {
+        step_head_f16(k, k_nb1, v, v_nb1, n, d, G, Q, P, cap, out, 1);
+    }
+}
+#else
+#define STEP_FAST 0
+#endif
+
 void qtts_attn_step_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
     const struct ggml_tensor * q = dst->src[0];
     const struct ggml_tensor * kn = dst->src[1];
@@ -447,13 +591,13 @@ void qtts_attn_step_op(struct ggml_tensor * dst, int ith, int nth, void * userda
         max_ctx = n_ctx > max_ctx ? n_ctx : max_ctx;
     }
     const int64_t cap = (max_ctx + LANES - 1) / LANES * LANES, d16 = (d + LANES - 1) / LANES * LANES;
-    float * Kf = (float *)qtts_scratch_get(
-        QTTS_SCRATCH_ATTN, (size_t)(cap * d16 + d * cap + G * cap + d16) * sizeof(float));
-    float * Vf = Kf + cap * d16; /* [d][cap]: a channel's positions */
-    float * P = Vf + d * cap;    /* [G][cap] */
-    float * Q = P + G * cap;     /* [d16] */
     const int64_t n_items = n_sess * Hkv;
     const int64_t i0 = n_items * ith / nth, i1 = n_items * (ith + 1) / nth;
+    float * Kf = (float *)qtts_scratch_get(
+        QTTS_SCRATCH_ATTN, (size_t)(cap * d16 + d * cap + G * cap + G * d16) * sizeof(float));
+    float * Vf = Kf + cap * d16; /* [d][cap]: a channel's positions */
+    float * P = Vf + d * cap;    /* [G][cap] */
+    float * Q = P + G * cap;     /* [d16]; the fast path's [G][d] */
     for (int64_t item = i0; item < i1; item++) {
         const int64_t s = item / Hkv, hk = item % Hkv;
         const int64_t * c = args + 3 + 5 * s;
@@ -467,13 +611,20 @@ void qtts_attn_step_op(struct ggml_tensor * dst, int ith, int nth, void * userda
                 memset(out, 0, (size_t)(G * d) * sizeof(float));
                 continue;
             }
-            const float * kr = (const float *)((const char *)kn->data + t * kn->nb[1]) + hk * d;
-            const float * vr = (const float *)((const char *)vn->data + t * vn->nb[1]) + hk * d;
-            store_row(kc + p * k_nb1 + hk * d * es, kr, d, (int)f16);
-            for (int64_t ch = 0; ch < d; ch++) {
-                store_one(vc + (hk * d + ch) * v_nb1 + p * es, vr[ch], (int)f16);
-            }
+            write_rows(kn, vn, t, hk, d, p, kc, k_nb1, vc, v_nb1, (int)f16);
             const int64_t n = p + 1, n16 = (n + LANES - 1) / LANES * LANES;
+#if STEP_FAST
+            if (f16 && d % LANES == 0) {
+                for (int64_t g = 0; g < G; g++) {
+                    const float * qr = (const float *)((const char *)q->data + t * q->nb[2] +
+                                                       (hk * G + g) * q->nb[1]);
+                    for (int64_t i = 0; i < d; i++) Q[g * d + i] = qr[i] * scale;
+                }
+                step_head(kc + hk * d * es, k_nb1, vc + hk * d * v_nb1, v_nb1, n, d, G, Q, P, cap,
+                          out);
+                continue;
+            }
+#endif
             for (int64_t j = 0; j < n; j++) {
                 to_f32_pad16(kc + j * k_nb1 + hk * d * es, (int)f16, d, Kf + j * d16);
             }

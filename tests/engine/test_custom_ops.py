@@ -1228,17 +1228,23 @@ def test_other_isa_paths(cpu1: BackendSet, cpu2: BackendSet, tmp_path: Path,
         want, mag = _attn_reference(q, k, vt, pos)
         got = _attn_causal(cpu2, q, k, vt, pos, pos0 + t, library)
         assert np.all(np.abs(got - want) <= 1e-6 * mag + 1e-30)
-    # the fused step attention (AVX2 intrinsics, portable C below): two sessions' caches
-    d, h, hkv, positions = 128, 16, 8, np.asarray([37, 5], dtype=np.int32)
-    q = rng.standard_normal((2, h, d)).astype(np.float32)
-    k, v = (rng.standard_normal((2, hkv * d)).astype(np.float32) for _ in range(2))
-    caches = _step_caches(cpu2, rng, [64, 64], hkv * d, np.float16)
-    got = _attn_step(cpu2, q, k, v, positions, [(c, 0, 64) for c in caches], library)
-    for i, c in enumerate(caches):
-        kr, vr = _cache_rows(c, np.float16)
-        want, mag = _attn_reference(q[i:i + 1], kr, vr, positions[i:i + 1])
-        assert np.all(np.abs(got[i:i + 1] - want) <= 1e-6 * mag + 1e-30)
-        c.close()
+    # the fused step attention (AVX2 intrinsics, portable C below): two sessions' caches; AVX2
+    # gives the same bits as this machine's own path (AVX-512's eight sums at once add in the
+    # same order and take the same exponential; the portable one is libm's expf)
+    for d, h, hkv in [(128, 16, 8), (32, 6, 2), (32, 4, 4), (48, 8, 2)]:
+        positions = np.asarray([37, 5], dtype=np.int32)
+        q = rng.standard_normal((2, h, d)).astype(np.float32)
+        k, v = (rng.standard_normal((2, hkv * d)).astype(np.float32) for _ in range(2))
+        caches = _step_caches(cpu2, rng, [64, 64], hkv * d, np.float16)
+        got = _attn_step(cpu2, q, k, v, positions, [(c, 0, 64) for c in caches], library)
+        if isa == "avx2" and co.attn_causal_fast():
+            assert np.array_equal(got, _attn_step(cpu2, q, k, v, positions,
+                                                  [(c, 0, 64) for c in caches]))
+        for i, c in enumerate(caches):
+            kr, vr = _cache_rows(c, np.float16)
+            want, mag = _attn_reference(q[i:i + 1], kr, vr, positions[i:i + 1])
+            assert np.all(np.abs(got[i:i + 1] - want) <= 1e-6 * mag + 1e-30)
+            c.close()
     # the window attention (AVX2 intrinsics, portable C below), in two chunkings: the same bits
     d, h, window, total = 24, 8, 9, 20
     q = rng.standard_normal((total, h, d)).astype(np.float32)
@@ -1642,6 +1648,8 @@ def _attn_step(be: BackendSet, q: np.ndarray[Any, Any], k: np.ndarray[Any, Any],
     (128, 16, 8, [200, 0, 63, 64], 1, 1.0),  # a talker step of four sessions
     (128, 16, 8, [0, 1, 0, 1, 0, 1], 2, 1.0),  # the code predictor's first pass, three slots
     (64, 8, 2, [15, 7], 1, 3.0),  # 4 query heads per KV head
+    (32, 6, 2, [70, 3, 16], 1, 2.0),  # 3 query heads per KV head
+    (32, 4, 4, [9, 100], 1, 1.0),  # one query head per KV head
     (24, 8, 8, [40, 2, 17], 1, 8.0),  # head size not a multiple of 16; a peaked softmax
 ])
 def test_attn_step_writes_the_rows_and_matches_float64(cpu1: BackendSet, cpu2: BackendSet,
