@@ -282,6 +282,10 @@ def _conv_kernel(g: StageGraph, x: Tensor, conv: Conv, dilation: int, prev: Tens
     """The direct conv node of ``x`` after the history ``prev`` (None: x holds it in front)."""
     ctx, packed = g.ctx, conv.packed
     assert packed is not None
+    if conv.split:
+        return custom_ops.conv1d_tm_bf16(
+            ctx, x, packed, conv.bias, dilation, hist=prev, split=True,
+            snake=(act.exp_alpha, act.inv_beta) if act is not None else None, residual=residual)
     if packed.type == lib.GGML_TYPE_BF16:
         fused = custom_ops.conv1d_wino_bf16 if conv.winograd else custom_ops.conv1d_tm_bf16
     elif conv.winograd:

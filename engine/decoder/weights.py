@@ -66,6 +66,14 @@ def winograd_f32(backends: BackendSet) -> bool:
             and custom_ops.wino_f32_available() and backends.options.winograd)
 
 
+def split_kept(backends: BackendSet) -> bool:
+    """Whether fast mode's layers kept out of BF16 run as split BF16 products here (``Conv``'s
+    ``split``): qtts's convs with the BF16 kernel on AMX tiles (QTTS_AMX on). Elsewhere they
+    run in F32."""
+    return (native_convs(backends) and custom_ops.bf16_available()
+            and custom_ops.set_amx(backends.options.amx))
+
+
 @dataclass
 class Conv:
     """A causal conv and its bias, in one of two forms.
@@ -84,6 +92,8 @@ class Conv:
     # packed for a Winograd kernel (fast mode): conv1d_wino_bf16 (K = 7 or 2; a BF16 packed
     # weight) or conv1d_wino_f32 (K = 7 or 2; an F32 one)
     winograd: bool = False
+    # packed for conv1d_tm_bf16's split products (fast mode's layers kept out of BF16, on AMX)
+    split: bool = False
 
 
 @dataclass
@@ -213,6 +223,11 @@ class DecoderWeights:
         # F(6,2) in F32: 12 (7) products per six outputs instead of 42 (12), ~90-100 dB per
         # conv (conv1d_wino_f32.c).
         self._winograd_f32 = precision == "fast" and winograd_f32(backends)
+        # On AMX tiles, fast mode's layers kept out of BF16 run as split BF16 products (hi and
+        # lo parts of weights and inputs: an error of F32's order, ~2x faster than the F32
+        # conv here; docs/performance.md, Session 28). Without AMX the split products cost
+        # more than the F32 conv.
+        self._split = precision == "fast" and split_kept(backends)
         cfg = self.cfg
         eps = cfg.codebook_eps
         self.codebooks = []
@@ -291,6 +306,11 @@ class DecoderWeights:
                         else custom_ops.pack_conv_weight_bf16)
                 packed = self.store.add_array(f"{prefix}.packed_bf16", pack(w),
                                               lib.GGML_TYPE_BF16)
+            elif wave and self._split:
+                packed = self.store.add_array(f"{prefix}.packed_split",
+                                              custom_ops.pack_conv_weight_bf16_split(w),
+                                              lib.GGML_TYPE_BF16)
+                return Conv([], packed, bias, k, i, o, split=True)
             elif (wave and self._winograd_f32 and k in (7, 2)
                   and w.size * (k + 5) // k * 4 <= WINOGRAD_F32_MAX_BYTES):
                 # F32 Winograd also on the layers kept out of BF16 (its error is F32 rounding's)

@@ -726,9 +726,22 @@ def pack_conv_weight_bf16(w: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     return round_bf16(np.ascontiguousarray(packed))
 
 
+def pack_conv_weight_bf16_split(w: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """PyTorch Conv1d weight ``[C_out, C_in, K]`` -> the packed weight of ``conv1d_tm_bf16``
+    with ``split=True``: ``pack_conv_weight_bf16`` of hi(W) = ``round_bf16(W)`` and of lo(W) =
+    ``round_bf16(W - hi(W))`` one after the other along the taps, numpy shape
+    ``[ceil(C_out / 32), 2K, ceil(C_in / 2), 64]`` (ggml ne = [64, ceil(C_in / 2), 2K, ...]);
+    upload it as BF16, like the other."""
+    w = np.asarray(w, dtype=np.float32)
+    hi = round_bf16(w)
+    return np.ascontiguousarray(np.concatenate(
+        [pack_conv_weight_bf16(hi), pack_conv_weight_bf16(w - hi)], axis=1))
+
+
 def conv1d_tm_bf16(ctx: Any, xp: Tensor, w: Tensor, bias: Tensor, dilation: int = 1, *,
                    hist: Tensor | None = None, snake: tuple[Tensor, Tensor] | None = None,
-                   residual: Tensor | None = None, library: Any | None = None) -> Tensor:
+                   residual: Tensor | None = None, split: bool = False,
+                   library: Any | None = None) -> Tensor:
     """BF16 causal dilated conv1d in the time-major layout (fast mode; F32 in and out).
 
     ``y[t, o] = bias[o] + sum_k sum_c bf16(W[o, c, k]) * bf16(xp[t + k*dilation, c])``, the
@@ -752,6 +765,10 @@ def conv1d_tm_bf16(ctx: Any, xp: Tensor, w: Tensor, bias: Tensor, dilation: int 
             ``snake_beta`` before the conv; the history to carry is then the *input* rows.
         residual: F32 [C_out, T] (rows contiguous) added to the result, bit for bit
             ``ggml_add(residual, conv)``, without a pass of its own.
+        split: ``w`` from ``pack_conv_weight_bf16_split``: each product is hi(W) hi(x) +
+            hi(W) lo(x) + lo(W) hi(x), lo(x) = bf16(x - hi(x)): ~16 significant bits of
+            each operand (an error of F32's order, ~1e-6 relative on O(1) data, where plain
+            BF16 gives ~1e-3), three times the products, twice the weight bytes.
         library: for tests only: another build of libqtts_ops to run instead.
 
     Returns:
@@ -760,7 +777,7 @@ def conv1d_tm_bf16(ctx: Any, xp: Tensor, w: Tensor, bias: Tensor, dilation: int 
         portable one.
     """
     return _bf16_conv("conv1d_tm_bf16", "qtts_conv1d_tm_bf16_op", ctx, xp, w, bias, dilation,
-                      hist, snake, residual, library)
+                      hist, snake, residual, library, split)
 
 
 def pack_conv_weight_wino_bf16(w: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
@@ -820,7 +837,7 @@ def conv1d_wino_bf16(ctx: Any, xp: Tensor, w: Tensor, bias: Tensor, dilation: in
 
 def _bf16_conv(what: str, op: str, ctx: Any, xp: Tensor, w: Tensor, bias: Tensor,
                dilation: int, hist: Tensor | None, snake: tuple[Tensor, Tensor] | None,
-               residual: Tensor | None, library: Any | None) -> Tensor:
+               residual: Tensor | None, library: Any | None, split: bool = False) -> Tensor:
     # the checks both BF16 kernels' GGML_ASSERTs need, as exceptions; then the node
     wino = op == "qtts_conv1d_wino_bf16_op"
     _check_f32(xp, f"{what}: xp")
@@ -841,8 +858,11 @@ def _bf16_conv(what: str, op: str, ctx: Any, xp: Tensor, w: Tensor, bias: Tensor
     cp, k = (int(w.ne[2]), 7 if int(w.ne[1]) == 10 else 2) if wino else (int(w.ne[1]),
                                                                          int(w.ne[2]))
     layout = f"[{2 * b}, 10 or 3, ceil(C_in/2)" if wino else f"[{2 * b}, ceil(C_in/2), K"
+    if split:
+        packer, layout = "pack_conv_weight_bf16_split", f"[{2 * b}, ceil(C_in/2), 2K"
+        k //= 2
     if (int(w.ne[0]) != 2 * b or n_blocks != -(-c_out // b)
-            or (wino and int(w.ne[1]) not in (10, 3))):
+            or (wino and int(w.ne[1]) not in (10, 3)) or (split and int(w.ne[2]) % 2)):
         raise ValueError(
             f"{what}: w has ne={[int(w.ne[i]) for i in range(4)]}; for {c_out} output "
             f"channels (the bias) it must be packed as {layout}, {-(-c_out // b)}] ({packer})"
@@ -852,14 +872,15 @@ def _bf16_conv(what: str, op: str, ctx: Any, xp: Tensor, w: Tensor, bias: Tensor
             f"{what}: {'xp' if hist is None else 'x'} has {c_in} channels, w expects "
             f"{2 * cp - 1} or {2 * cp}"
         )
-    return _fused_conv(what, op, ctx, xp, w, bias, dilation, k, hist, snake, residual, library)
+    return _fused_conv(what, op, ctx, xp, w, bias, dilation, k, hist, snake, residual, library,
+                       lib.QTTS_CONV_SPLIT if split else 0)
 
 
 def _fused_conv(what: str, op: str, ctx: Any, xp: Tensor, w: Tensor, bias: Tensor,
                 dilation: int, k: int, hist: Tensor | None, snake: tuple[Tensor, Tensor] | None,
-                residual: Tensor | None, library: Any | None) -> Tensor:
+                residual: Tensor | None, library: Any | None, mode: int = 0) -> Tensor:
     """The node of a conv with the fused sources of qtts_conv_srcs.h (its weight checked by the
-    caller): checks the rest, sets the flags."""
+    caller): checks the rest, sets the flags (``mode``: more of them, e.g. QTTS_CONV_SPLIT)."""
     c_out, c_in = int(bias.ne[0]), int(xp.ne[0])
     if dilation < 1:
         raise ValueError(f"{what}: dilation must be >= 1, got {dilation}")
@@ -867,7 +888,7 @@ def _fused_conv(what: str, op: str, ctx: Any, xp: Tensor, w: Tensor, bias: Tenso
     _check_vector(bias, c_out, f"{what}: bias")
     if dilation > lib.QTTS_CONV_DILATION_MASK:
         raise ValueError(f"{what}: dilation {dilation} > {lib.QTTS_CONV_DILATION_MASK}")
-    flags = dilation if k > 1 else 1
+    flags = (dilation if k > 1 else 1) | mode
     srcs = [xp, w, bias, *extra]
     if extra:
         flags |= lib.QTTS_CONV_HIST

@@ -69,9 +69,10 @@ typedef struct {
     float * tmp;
 } snake_args;
 
-/* rows x ci floats (row stride ss) -> rows x cp pairs (row stride cp dwords), zero-padded. */
-static void convert_rows(uint32_t * dst, int64_t cp, const float * src, int64_t ss, int64_t rows,
-                         int64_t ci, const snake_args * sn) {
+/* rows x ci floats (row stride ss) -> rows x cp pairs (row stride cp dwords), zero-padded;
+ * with lo (QTTS_CONV_SPLIT), also the BF16 rounding of each value's rest x - bf16(x) there. */
+static void convert_rows(uint32_t * dst, uint32_t * lo, int64_t cp, const float * src, int64_t ss,
+                         int64_t rows, int64_t ci, const snake_args * sn) {
     for (int64_t r = 0; r < rows; r++) {
         const float * s = src + r * ss;
         if (sn->ea) {
@@ -79,11 +80,24 @@ static void convert_rows(uint32_t * dst, int64_t cp, const float * src, int64_t 
             s = sn->tmp;
         }
         uint16_t * o = (uint16_t *)(dst + r * cp);
+        uint16_t * ol = lo ? (uint16_t *)(lo + r * cp) : NULL;
         int64_t c = 0;
 #if BF16_SIMD
+        if (ol) {
+            for (; c < ci; c += 16) {
+                const int rem = (int)(ci - c < 16 ? ci - c : 16);
+                const __m512 v = _mm512_maskz_loadu_ps((__mmask16)((1u << rem) - 1u), s + c);
+                const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+                const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+                const __m256i l = (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(v, hf));
+                const int ne = (rem + 1) & ~1; /* the pad of an odd C_in is written as 0 */
+                _mm256_mask_storeu_epi16((void *)(o + c), (__mmask16)((1u << ne) - 1u), h);
+                _mm256_mask_storeu_epi16((void *)(ol + c), (__mmask16)((1u << ne) - 1u), l);
+            }
+        }
         for (; c + 32 <= ci; c += 32) {
-            const __m512 lo = _mm512_loadu_ps(s + c), hi = _mm512_loadu_ps(s + c + 16);
-            _mm512_storeu_si512((void *)(o + c), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+            const __m512 lo16 = _mm512_loadu_ps(s + c), hi16 = _mm512_loadu_ps(s + c + 16);
+            _mm512_storeu_si512((void *)(o + c), (__m512i)_mm512_cvtne2ps_pbh(hi16, lo16));
         }
         for (; c < ci; c += 16) {
             const int rem = (int)(ci - c < 16 ? ci - c : 16);
@@ -93,27 +107,37 @@ static void convert_rows(uint32_t * dst, int64_t cp, const float * src, int64_t 
                                      (__m256i)_mm512_cvtneps_pbh(v));
         }
 #else
-        for (; c < ci; c++) o[c] = f32_to_bf16(s[c]);
-        if (ci & 1) o[ci] = 0;
+        for (; c < ci; c++) {
+            o[c] = f32_to_bf16(s[c]);
+            if (ol) ol[c] = f32_to_bf16(s[c] - bf16_to_f32(o[c]));
+        }
+        if (ci & 1) {
+            o[ci] = 0;
+            if (ol) ol[ci] = 0;
+        }
 #endif
         /* the AMX path's rows are padded to whole 16-pair tiles: zero products there */
         const int64_t used = (ci + 1) / 2;
-        if (cp > used) memset(dst + r * cp + used, 0, (size_t)(cp - used) * sizeof(uint32_t));
+        if (cp > used) {
+            memset(dst + r * cp + used, 0, (size_t)(cp - used) * sizeof(uint32_t));
+            if (lo) memset(lo + r * cp + used, 0, (size_t)(cp - used) * sizeof(uint32_t));
+        }
     }
 }
 
 /* Rows r0 .. r1 of the logical input xp = [hist rows 0 .. ph | x rows] -> dst (row stride cp
  * dwords): rows r < ph come from hist row r, the others from x row r - ph. */
-static void convert_xp_rows(uint32_t * dst, int64_t cp, const float * hist, int64_t hs,
-                            int64_t ph, const float * x, int64_t xs, int64_t r0, int64_t r1,
-                            int64_t ci, const snake_args * sn) {
+static void convert_xp_rows(uint32_t * dst, uint32_t * lo, int64_t cp, const float * hist,
+                            int64_t hs, int64_t ph, const float * x, int64_t xs, int64_t r0,
+                            int64_t r1, int64_t ci, const snake_args * sn) {
     if (r0 < ph) {
         const int64_t r = r1 < ph ? r1 : ph;
-        convert_rows(dst, cp, hist + r0 * hs, hs, r - r0, ci, sn);
+        convert_rows(dst, lo, cp, hist + r0 * hs, hs, r - r0, ci, sn);
         dst += (r - r0) * cp;
+        if (lo) lo += (r - r0) * cp;
         r0 = r;
     }
-    if (r0 < r1) convert_rows(dst, cp, x + (r0 - ph) * xs, xs, r1 - r0, ci, sn);
+    if (r0 < r1) convert_rows(dst, lo, cp, x + (r0 - ph) * xs, xs, r1 - r0, ci, sn);
 }
 
 /* ---- tiles -------------------------------------------------------------------------------- */
@@ -326,6 +350,65 @@ INLINE void amx_tile(const int NG, float * out, int64_t ys, int nt, int width, c
     }
 }
 
+/* QTTS_CONV_SPLIT: 16 steps x 32 channels, hi(W) hi(x) + hi(W) lo(x) + lo(W) hi(x) per pair
+ * group (each hi(W) tile load serves both input tiles); w: the block's hi(W) taps, wl: its
+ * lo(W) taps; xl: the lo(x) rows, laid out as x's. Then as amx_tile. */
+INLINE void amx_tile_split(float * out, int64_t ys, int nt, int width, const float * bias,
+                           const uint32_t * x, const uint32_t * xl, int64_t xs,
+                           const uint16_t * w, const uint16_t * wl, int64_t cp, int64_t d, int K,
+                           uint16_t * wtail, const float * res, int64_t rs) {
+    _tile_zero(0);
+    _tile_zero(1);
+    const int64_t xb = xs * (int64_t)sizeof(uint32_t);
+    for (int k = 0; k < K; k++) {
+        const int64_t xo = (int64_t)k * d * xs;
+        const uint16_t * wk = w + (int64_t)k * cp * 2 * OB;
+        const uint16_t * wlk = wl + (int64_t)k * cp * 2 * OB;
+        for (int64_t p0 = 0; p0 < cp; p0 += 16) {
+            const uint16_t * wp = wk + p0 * 2 * OB;
+            const uint16_t * wlp = wlk + p0 * 2 * OB;
+            const int tail = p0 + 16 > cp; /* the missing pairs' weights are zero */
+            if (tail) {
+                memcpy(wtail, wp, (size_t)(cp - p0) * 2 * OB * sizeof(uint16_t));
+                wp = wtail;
+            }
+            _tile_loadd(6, wp, 2 * OB * sizeof(uint16_t));
+            _tile_loadd(7, wp + 2 * VW, 2 * OB * sizeof(uint16_t));
+            _tile_loadd(4, x + xo + p0, xb);
+            _tile_loadd(5, xl + xo + p0, xb);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(0, 5, 6);
+            _tile_dpbf16ps(1, 5, 7);
+            if (tail) {
+                memcpy(wtail, wlp, (size_t)(cp - p0) * 2 * OB * sizeof(uint16_t));
+                wlp = wtail;
+            }
+            _tile_loadd(6, wlp, 2 * OB * sizeof(uint16_t));
+            _tile_loadd(7, wlp + 2 * VW, 2 * OB * sizeof(uint16_t));
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+    }
+    float sums[16][OB] __attribute__((aligned(64)));
+    _tile_stored(0, &sums[0][0], OB * sizeof(float));
+    _tile_stored(1, &sums[0][VW], OB * sizeof(float));
+    const __mmask16 m0 = (__mmask16)(width >= VW ? 0xFFFFu : (1u << width) - 1u);
+    const __mmask16 m1 = (__mmask16)(width >= OB ? 0xFFFFu
+                                                 : (width <= VW ? 0u : (1u << (width - VW)) - 1u));
+    const __m512 b0 = _mm512_maskz_loadu_ps(m0, bias), b1 = _mm512_maskz_loadu_ps(m1, bias + VW);
+    for (int j = 0; j < nt; j++) {
+        __m512 r0 = _mm512_add_ps(_mm512_load_ps(&sums[j][0]), b0);
+        __m512 r1 = _mm512_add_ps(_mm512_load_ps(&sums[j][VW]), b1);
+        if (res) {
+            r0 = _mm512_add_ps(r0, _mm512_maskz_loadu_ps(m0, res + j * rs));
+            r1 = _mm512_add_ps(r1, _mm512_maskz_loadu_ps(m1, res + j * rs + VW));
+        }
+        _mm512_mask_storeu_ps(out + j * ys, m0, r0);
+        _mm512_mask_storeu_ps(out + j * ys + VW, m1, r1);
+    }
+}
+
 #endif
 
 /* ---- the op ------------------------------------------------------------------------------- */
@@ -333,7 +416,10 @@ INLINE void amx_tile(const int NG, float * out, int64_t ys, int nt, int width, c
 void qtts_conv1d_tm_bf16_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
     const struct ggml_tensor * wt = dst->src[1];
     GGML_ASSERT(wt->type == GGML_TYPE_BF16);
-    const int K = (int)wt->ne[2];
+    const int split = ((intptr_t)userdata & QTTS_CONV_SPLIT) != 0;
+    GGML_ASSERT(!split || wt->ne[2] % 2 == 0);
+    const int K = (int)(split ? wt->ne[2] / 2 : wt->ne[2]);
+    const int64_t KW = wt->ne[2]; /* taps per block in the weight: 2K when split */
     qtts_conv_srcs sr;
     qtts_conv_srcs_get(&sr, dst, (intptr_t)userdata, K);
     const struct ggml_tensor * x = sr.x;
@@ -382,15 +468,18 @@ void qtts_conv1d_tm_bf16_op(struct ggml_tensor * dst, int ith, int nth, void * u
      * and 32 more rows than the chunk needs (read, their sums dropped) */
     const int64_t xst = amx ? (cp + 15) & ~(int64_t)15 : cp;
     const int64_t max_rows = (T < tch ? T : tch) + hist + (amx ? 32 : 0);
-    /* one allocation: the BF16 pairs, then (with the snake) one F32 row for it */
+    /* one allocation: the BF16 pairs (split: then the lo pairs), then (with the snake) one F32
+     * row for it */
     const size_t xb_bytes = ((size_t)(max_rows * xst) * sizeof(uint32_t) + 63) & ~(size_t)63;
+    const size_t pairs_bytes = xb_bytes * (split ? 2 : 1);
     uint8_t * scratch = (uint8_t *)qtts_scratch_get(
-        QTTS_SCRATCH_BF16_INPUT, xb_bytes + (eat ? (size_t)Ci * sizeof(float) : 0));
+        QTTS_SCRATCH_BF16_INPUT, pairs_bytes + (eat ? (size_t)Ci * sizeof(float) : 0));
     uint32_t * xb = (uint32_t *)scratch;
+    uint32_t * xl = split ? (uint32_t *)(scratch + xb_bytes) : NULL;
     const snake_args sn = {
         .ea = eat ? (const float *)eat->data : NULL,
         .ib = ibt ? (const float *)ibt->data : NULL,
-        .tmp = eat ? (float *)(scratch + xb_bytes) : NULL,
+        .tmp = eat ? (float *)(scratch + pairs_bytes) : NULL,
     };
     const float * res = rt ? (const float *)rt->data : NULL;
     const int64_t rs = rt ? (int64_t)(rt->nb[1] / sizeof(float)) : 0;
@@ -407,12 +496,22 @@ void qtts_conv1d_tm_bf16_op(struct ggml_tensor * dst, int ith, int nth, void * u
         const int64_t t0 = tc * tch;
         const int64_t t_end = t0 + tch < T ? t0 + tch : T;
         if (tc != have_tc) { /* rows t0 .. t_end + hist of xp (= [ht | x]), as BF16 pairs */
-            convert_xp_rows(xb, xst, hp, hs, ph, xp, xs, t0, t_end + hist, Ci, &sn);
+            convert_xp_rows(xb, xl, xst, hp, hs, ph, xp, xs, t0, t_end + hist, Ci, &sn);
             have_tc = tc;
         }
         const int64_t o0 = ob * OB;
         const int width = (int)(O - o0 < OB ? O - o0 : OB);
 #if AMX_BF16
+        if (amx && split) {
+            const uint16_t * wb = w + ob * KW * cp * 2 * OB;
+            for (int64_t t = t0; t < t_end; t += 16) {
+                const int nt = (int)(t_end - t < 16 ? t_end - t : 16);
+                amx_tile_split(y + t * O + o0, O, nt, width, bias + o0, xb + (t - t0) * xst,
+                               xl + (t - t0) * xst, xst, wb, wb + K * cp * 2 * OB, cp, d, K,
+                               wtail, res ? res + t * rs + o0 : NULL, rs);
+            }
+            continue;
+        }
         if (amx) {
             const uint16_t * wb = w + ob * K * cp * 2 * OB;
             for (int64_t t = t0; t < t_end; t += 32) {
@@ -431,9 +530,14 @@ void qtts_conv1d_tm_bf16_op(struct ggml_tensor * dst, int ith, int nth, void * u
         }
 #endif
         const btile_fn * fns = width == OB ? BTILE_FULL : (width <= VW ? BTILE_HALF : BTILE_MASK);
-        for (int64_t p0 = 0; p0 < cp; p0 += kc) {
+        /* split: three passes over the reduction, hi(W) hi(x), hi(W) lo(x), lo(W) hi(x) */
+        const int n_pass = split ? 3 : 1;
+        for (int64_t q = 0; q < n_pass * n_kc; q++) {
+            const int pass = (int)(q / n_kc);
+            const int64_t p0 = (q % n_kc) * kc; /* < cp: n_kc chunks of kc cover cp */
             const bconv_args a = {
-                .x = xb + p0, .xs = cp, .w = w + (ob * K * cp + p0) * 2 * OB,
+                .x = (pass == 1 ? xl : xb) + p0, .xs = cp,
+                .w = w + (ob * KW * cp + (pass == 2 ? K * cp : 0) + p0) * 2 * OB,
                 .wks = cp * 2 * OB, .d = d, .np = cp - p0 < kc ? cp - p0 : kc, .K = K,
             };
             for (int64_t t = t0; t < t_end; t += NT_MAIN) {
@@ -444,8 +548,8 @@ void qtts_conv1d_tm_bf16_op(struct ggml_tensor * dst, int ith, int nth, void * u
                     .np = a.np, .K = K,
                 };
                 /* the residual joins the sums as the last input chunk stores them */
-                const float * rt_ = res && p0 + kc >= cp ? res + t * rs + o0 : NULL;
-                if (p0 == 0) {
+                const float * rt_ = res && q + 1 == n_pass * n_kc ? res + t * rs + o0 : NULL;
+                if (q == 0) {
                     fns[nt](out, O, bias + o0, 0, &at, width, rt_, rs);
                 } else {
                     fns[nt](out, O, out, O, &at, width, rt_, rs);

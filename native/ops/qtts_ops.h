@@ -196,6 +196,11 @@ void qtts_seanet_stage_op(struct ggml_tensor * dst, int ith, int nth, void * use
 #define QTTS_CONV_HIST 65536
 #define QTTS_CONV_SNAKE 131072
 #define QTTS_CONV_RESIDUAL 262144
+/* qtts_conv1d_tm_bf16_op only: the weight holds 2K taps, W's BF16 part hi(W) in taps 0 .. K-1
+ * and the BF16 rounding of its rest lo(W) = bf16(W - hi(W)) in taps K .. 2K-1, and each
+ * product is hi(W) hi(x) + hi(W) lo(x) + lo(W) hi(x) (x likewise split): ~16 significant bits
+ * of each operand, F32-class error at BF16 speed where the AMX tiles run. */
+#define QTTS_CONV_SPLIT 524288
 
 /* BF16 causal dilated conv1d, time-major (fast mode), as a ggml_custom_op_t for
  * ggml_custom_4d(ctx, F32, C_out, T, 1, 1, {xp, w, bias}, 3, qtts_conv1d_tm_bf16_op, n, (void*)d)

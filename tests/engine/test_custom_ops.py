@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 import platform
@@ -480,6 +481,13 @@ def test_conv_bf16_rejects_what_the_kernel_cannot_take() -> None:
                               1)
         with pytest.raises(ValueError, match="2-D"):
             co.conv1d_tm_bf16(g.ctx, g.input("x4", (2, 20, 96)), w, b, 1)
+        # split: 2K taps (hi then lo); 7 cannot be
+        with pytest.raises(ValueError, match="pack_conv_weight_bf16_split"):
+            co.conv1d_tm_bf16(g.ctx, x, w, b, 1, split=True)
+        w6 = g.input("w6", (3, 6, 48, 64), ggml_type=BF16)
+        co.conv1d_tm_bf16(g.ctx, x, w6, b, 3, split=True)  # K = 3: fine
+        with pytest.raises(ValueError, match="history"):
+            co.conv1d_tm_bf16(g.ctx, x, w6, b, 10, split=True)  # 20 rows < 2*10 + 1
 
 
 def test_pack_conv_weight_bf16() -> None:
@@ -538,8 +546,9 @@ def _conv_op_inputs(g: Graph, op: str, w_oik: np.ndarray[Any, Any], library: Any
                     ) -> tuple[Any, Any, dict[str, np.ndarray[Any, Any]]]:
     """The packed weight (as the op wants it) and the bias as graph inputs, with their data."""
     b = np.random.default_rng(w_oik.shape[0]).standard_normal(w_oik.shape[0]).astype(np.float32)
-    if op in ("bf16", "wino"):
-        pack = co.pack_conv_weight_wino_bf16 if op == "wino" else co.pack_conv_weight_bf16
+    if op in ("bf16", "wino", "split"):
+        pack = {"bf16": co.pack_conv_weight_bf16, "wino": co.pack_conv_weight_wino_bf16,
+                "split": co.pack_conv_weight_bf16_split}[op]
         wp = co.bf16_bits(pack(w_oik))
         tw = g.input("w", wp.shape, ggml_type=BF16)
     elif op == "wino_f32":
@@ -553,7 +562,8 @@ def _conv_op_inputs(g: Graph, op: str, w_oik: np.ndarray[Any, Any], library: Any
 
 def _conv_op(op: str) -> Any:
     return {"bf16": co.conv1d_tm_bf16, "wino": co.conv1d_wino_bf16, "f32": co.conv1d_tm,
-            "wino_f32": co.conv1d_wino_f32}[op]
+            "wino_f32": co.conv1d_wino_f32,
+            "split": functools.partial(co.conv1d_tm_bf16, split=True)}[op]
 
 
 def run_conv_two_ways(bes: list[BackendSet], op: str, hist: np.ndarray[Any, Any],
@@ -585,7 +595,7 @@ def run_conv_two_ways(bes: list[BackendSet], op: str, hist: np.ndarray[Any, Any]
 
 
 @needs_ops
-@pytest.mark.parametrize("op", ["f32", "bf16"])
+@pytest.mark.parametrize("op", ["f32", "bf16", "split"])
 @pytest.mark.parametrize("t", [1, 2, 17, 5000])
 @pytest.mark.parametrize("c", [96, 95, 384])
 @pytest.mark.parametrize("k,d", [(1, 1), (3, 1), (3, 3), (3, 9), (7, 1), (7, 3), (7, 9)])
@@ -625,7 +635,7 @@ def test_conv_wino_hist_apart_equals_concat(cpu1: BackendSet, cpu2: BackendSet, 
 
 
 @needs_ops
-@pytest.mark.parametrize("op", ["f32", "bf16", "wino"])
+@pytest.mark.parametrize("op", ["f32", "bf16", "wino", "split"])
 @pytest.mark.parametrize("t", [3, 300])
 def test_conv_hist_apart_on_strided_views(cpu1: BackendSet, cpu2: BackendSet, op: str,
                                           t: int) -> None:
@@ -1328,6 +1338,81 @@ def test_conv_bf16_fused_snake_and_residual(cpu1: BackendSet, cpu2: BackendSet, 
     f1, a1 = run_conv_fused_and_apart(cpu1, hist, x, w, d, with_res)
     assert np.array_equal(f2, a2)
     assert np.array_equal(f1, f2) and np.array_equal(a1, a2)
+
+
+@needs_ops
+@pytest.mark.parametrize("t", [1, 17, 600])
+@pytest.mark.parametrize("c_in,c_out", [(95, 100), (384, 192)])
+@pytest.mark.parametrize("k,d,with_res", [(1, 1, True), (7, 3, False), (2, 1, True)])
+def test_conv_split_fused_snake_and_residual(cpu1: BackendSet, cpu2: BackendSet, t: int,
+                                             c_in: int, c_out: int, k: int, d: int,
+                                             with_res: bool) -> None:
+    rng = np.random.default_rng(c_in + t + 10 * k + d)
+    hist = rng.standard_normal(((k - 1) * d, c_in)).astype(np.float32)
+    x = (3 * rng.standard_normal((t, c_in))).astype(np.float32)
+    w = (rng.standard_normal((c_out, c_in, k)) / np.sqrt(c_in * k)).astype(np.float32)
+    f2, a2 = run_conv_fused_and_apart(cpu2, hist, x, w, d, with_res, "split")
+    f1, a1 = run_conv_fused_and_apart(cpu1, hist, x, w, d, with_res, "split")
+    assert np.array_equal(f2, a2)
+    assert np.array_equal(f1, f2) and np.array_equal(a1, a2)
+
+
+SPLIT_CASES = [  # (C_in, C_out, T, K, d): the decoder's kept layers (conv_in, the transposed
+    # convs' phases, the upsampler's pointwise layers) and odd shapes
+    (1024, 1536, 37, 7, 1), (1536, 6144, 9, 2, 1), (768, 1920, 70, 2, 1), (192, 288, 500, 2, 1),
+    (1024, 4096, 33, 1, 1), (95, 100, 333, 7, 3), (257, 40, 17, 2, 1), (1, 3, 20, 3, 2),
+]
+
+
+@needs_ops
+@pytest.mark.parametrize("amx", [True, False])
+@pytest.mark.parametrize("c_in,c_out,t,k,d", SPLIT_CASES)
+def test_conv_split_is_f32_class(cpu1: BackendSet, cpu2: BackendSet, amx: bool, c_in: int,
+                                 c_out: int, t: int, k: int, d: int) -> None:
+    """Split products (hi(W) hi(x) + hi(W) lo(x) + lo(W) hi(x)) are within a few F32 roundings
+    of float64 (the F32 op: ~1e-6 here; BF16 ~2e-3), on AMX tiles and on the AVX512-BF16
+    path (whose instruction rounds more: ~2e-5), the same for any thread count."""
+    rng = np.random.default_rng(c_in + 7 * c_out + 13 * t + d + 3 * k)
+    xp, w, b = conv_data(rng, c_in, c_out, t, k, d)
+    ref = conv_ref(xp, w, b, d)
+    was = co.amx()
+    co.set_amx(amx)
+    try:
+        y = run_conv_split(cpu2, xp, w, b, d)
+        assert np.array_equal(y, run_conv_split(cpu1, xp, w, b, d))
+    finally:
+        co.set_amx(was)
+    rel = np.abs(y - ref).max() / np.abs(ref).max()
+    assert rel <= (1e-5 if co.amx() and amx else 6e-5), f"max|d|/max|y| = {rel:.3g}"
+    bf16 = np.abs(run_conv_bf16(cpu2, xp, w, b, d) - ref).max() / np.abs(ref).max()
+    assert rel < bf16 / 30
+
+
+def run_conv_split(be: BackendSet, xp: np.ndarray[Any, Any], w_oik: np.ndarray[Any, Any],
+                   b: np.ndarray[Any, Any], d: int) -> np.ndarray[Any, Any]:
+    wp = co.bf16_bits(co.pack_conv_weight_bf16_split(w_oik))
+    g = Graph()
+    tx, tb = g.input("x", xp.shape), g.input("b", b.shape)
+    tw = g.input("w", wp.shape, ggml_type=BF16)
+    g.output(co.conv1d_tm_bf16(g.ctx, tx, tw, tb, d, split=True), "y")
+    t = xp.shape[0] - (w_oik.shape[2] - 1) * d
+    return be.execute(g, {"x": xp, "w": wp, "b": b})["y"].reshape(t, w_oik.shape[0])
+
+
+@needs_ops
+def test_pack_conv_weight_bf16_split() -> None:
+    """hi(W) then lo(W) along the taps, each packed as pack_conv_weight_bf16 packs; their sum
+    holds W to ~2^-17 relative."""
+    w = (np.random.default_rng(3).standard_normal((40, 7, 3)) * 10.0 ** np.arange(-3, 4)[:, None]
+         ).astype(np.float32)
+    p = co.pack_conv_weight_bf16_split(w)
+    hi = co.round_bf16(w)
+    assert p.shape == (2, 6, 4, 64) and p.dtype == np.float32 and p.flags.c_contiguous
+    assert np.array_equal(p[:, :3], co.pack_conv_weight_bf16(hi))
+    assert np.array_equal(p[:, 3:], co.pack_conv_weight_bf16(w - hi))
+    assert np.array_equal(co.round_bf16(p), p)
+    whole = hi.astype(np.float64) + co.round_bf16(w - hi)
+    assert np.all(np.abs(whole - w) <= 2.0 ** -16 * np.abs(w))
 
 
 @needs_ops

@@ -21,7 +21,7 @@ from engine.decoder.precision import (
     promotion_order,
     snr_db,
 )
-from engine.decoder.weights import rounds_to_bf16, winograd_f32
+from engine.decoder.weights import rounds_to_bf16, split_kept, winograd_f32
 from engine.gguf_model import open_model
 from engine.tools.make_model import make_model
 
@@ -44,9 +44,11 @@ def test_layer_sets(model) -> None:  # type: ignore[no-untyped-def]
     assert {f"dec.blk.{b}.tconv" for b in range(1, 5)} <= default
 
 
-def test_f32_layers_are_f32(model, bf16_cpu2: BackendSet  # type: ignore[no-untyped-def]
-                            ) -> None:
-    """A promoted layer really runs in F32: with every layer promoted, fast equals exact."""
+def test_kept_layers_are_f32_class(model, bf16_cpu2: BackendSet  # type: ignore[no-untyped-def]
+                                   ) -> None:
+    """A promoted layer really leaves BF16: with every layer promoted, fast equals exact (F32
+    layers) or comes within split products' rounding of it (AMX: > 60 dB even on this
+    saturated decoder, whose clamp turns a rounding at a zero crossing into a jump)."""
     codes = calibration_codes(model, 6)
     be = bf16_cpu2
     exact = DecoderModel.load(model, be, "exact")
@@ -59,7 +61,10 @@ def test_f32_layers_are_f32(model, bf16_cpu2: BackendSet  # type: ignore[no-unty
     finally:
         for m in (exact, everything, bf16):
             m.close()
-    assert np.abs(a - b).max() <= 1e-5
+    if split_kept(be):
+        assert snr_db(a, b) >= 60.0 and snr_db(a, c) < snr_db(a, b) - 30.0
+    else:
+        assert np.abs(a - b).max() <= 1e-5
     assert np.abs(a - c).max() > 1e-4
 
 
