@@ -41,6 +41,7 @@ import numpy.typing as npt
 from engine.backend import BackendSet
 from engine.clone.prompt import VoicePrompt, build_clone_prompt, live_start_tokens
 from engine.decoder import DecoderModel, StreamingDecoder, push_together, validate_codes
+from engine.decoder.streaming import JOIN_MAX_FRAMES
 from engine.errors import InputError
 from engine.talker.generate import (
     DEFAULT_MAX_FRAMES_CAP,
@@ -251,8 +252,11 @@ class Ramp:
     doubling one while it shares the worker's steps with other streams (``advance(shared=
     True)``): alone, a stream at RTF ~0.6 cannot double its chunks without running dry; in a
     batch, every small push holds up the other streams' frames (docs/performance.md, Session
-    19). A doubled size skips the gentle sizes below it, so a stream left alone again goes on
-    gently from where it is. ``first``: the first chunk's frames (again after a restart)."""
+    19). In a batch the chunks stop at ``JOIN_MAX_FRAMES``: a 16-frame push held every other
+    stream's frames for ~80 ms, long enough to run a younger stream's audio dry, and pushes
+    this short that fall due together are decoded in one graph (Session 28). A doubled size
+    skips the gentle sizes below it, so a stream left alone again goes on gently from where
+    it is. ``first``: the first chunk's frames (again after a restart)."""
 
     def __init__(self, chunk_max_frames: int, ramp: str = "double", first: int = 1) -> None:
         self.chunk_max = max(1, chunk_max_frames)
@@ -271,7 +275,7 @@ class Ramp:
             self.target = next(self._sizes)
         elif shared:
             self._doubled = True
-            self.target = min(self.target * 2, self.chunk_max)
+            self.target = min(self.target * 2, self.chunk_max, JOIN_MAX_FRAMES)
         else:  # alone: the gentle ramp, or after a doubling its growth from the size reached
             self.target = _grow(self.target, self.chunk_max) if self._doubled else next(
                 self._sizes)

@@ -156,8 +156,9 @@ class Settings(BaseSettings):
             "how the decoder's chunks grow to `QTTS_CHUNK_MAX_FRAMES`: `double` 1, 2, 4, 8, "
             "16; `gentle` 1, 1, 1, 2, 2, 3, 4, 6, 8, 12, 16, fewer stalls for a stream whose "
             "frames take more than half their audio's time to make; `auto`: gentle while a "
-            "stream is alone in its worker, doubling while it shares the worker's batch (each "
-            "small push holds up the other streams)"
+            "stream is alone in its worker, doubling to at most 8 frames while it shares the "
+            "worker's batch (each small push holds up the other streams, and so does each long "
+            "one)"
         ),
     )
     first_chunk_frames: int = Field(

@@ -91,7 +91,8 @@ def test_auto_ramp_is_gentle_alone_and_doubles_in_a_batch() -> None:
 
     alone = [False] * 12
     assert walk(Ramp(16, "auto"), alone) == [1, 1, 1, 2, 2, 3, 4, 6, 8, 12, 16, 16, 16]
-    assert walk(Ramp(16, "auto"), [True] * 6) == [1, 2, 4, 8, 16, 16, 16]
+    # in a batch: doubling to 8 frames, what several streams' pushes decode in one graph
+    assert walk(Ramp(16, "auto"), [True] * 6) == [1, 2, 4, 8, 8, 8, 8]
     # joined by others after two pushes, alone again at 8: on gently from there
     assert walk(Ramp(16, "auto"), [False, False, True, True, True, False, False]) == [
         1, 1, 1, 2, 4, 8, 12, 16]
@@ -104,14 +105,16 @@ def test_auto_ramp_is_gentle_alone_and_doubles_in_a_batch() -> None:
     assert walk(r, [False] * 4) == [1, 1, 1, 2, 2]
     assert walk(Ramp(3, "auto"), [True, False, False]) == [1, 2, 3, 3]
     assert walk(Ramp(16, "auto"), [True, True, True, False, True, False]) == [
-        1, 2, 4, 8, 12, 16, 16]
+        1, 2, 4, 8, 12, 8, 12]
+    assert walk(Ramp(16, "auto"), [False] * 10 + [True]) == [
+        1, 1, 1, 2, 2, 3, 4, 6, 8, 12, 16, 8]  # joined at 16: down to 8
     with pytest.raises(ValueError, match="ramp"):
         Ramp(8, "steep")
     # a first chunk of two frames: alone, in a batch, and again after a restart
     r = Ramp(16, "auto", first=2)
     assert walk(r, [False] * 4) == [2, 1, 1, 2, 2]
     r.advance(restart=True)
-    assert walk(r, [True] * 3) == [2, 4, 8, 16]
+    assert walk(r, [True] * 3) == [2, 4, 8, 8]
 
 
 @pytest.mark.parametrize(("first", "sizes"), [(1, [1, 1, 1, 2, 2, 3, 2]),
