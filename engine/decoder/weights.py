@@ -68,8 +68,8 @@ def winograd_f32(backends: BackendSet) -> bool:
 
 def split_kept(backends: BackendSet) -> bool:
     """Whether fast mode's layers kept out of BF16 run as split BF16 products here (``Conv``'s
-    ``split``): qtts's convs with the BF16 kernel on AMX tiles (QTTS_AMX on). Elsewhere they
-    run in F32."""
+    ``split``): qtts's convs with the BF16 kernel on AMX tiles (QTTS_AMX on; like loading the
+    decoder, this applies that setting to the process). Elsewhere they run in F32."""
     return (native_convs(backends) and custom_ops.bf16_available()
             and custom_ops.set_amx(backends.options.amx))
 

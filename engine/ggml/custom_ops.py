@@ -714,6 +714,11 @@ def pack_conv_weight_bf16(w: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     ne = [64, ceil(C_in / 2), K, ceil(C_out / 32)]); or ``bf16_bits(arr)`` for raw uint16 bits.
     The layout is the same for every build of libqtts_ops.
     """
+    return round_bf16(_bf16_layout(w))
+
+
+def _bf16_layout(w: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    # pack_conv_weight_bf16's layout of W, not rounded
     if w.ndim != 3:
         raise ValueError(f"conv weight must be [C_out, C_in, K], got shape {w.shape}")
     b = CONV_BF16_BLOCK
@@ -723,7 +728,7 @@ def pack_conv_weight_bf16(w: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     padded[:c_out, :c_in] = w
     # [n*B, 2*cp, K] -> [n, B, cp, 2, K] -> [n, K, cp, B, 2]
     packed = padded.reshape(n, b, cp, 2, k).transpose(0, 4, 2, 1, 3).reshape(n, k, cp, 2 * b)
-    return round_bf16(np.ascontiguousarray(packed))
+    return np.ascontiguousarray(packed)
 
 
 def pack_conv_weight_bf16_split(w: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
@@ -732,10 +737,10 @@ def pack_conv_weight_bf16_split(w: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]
     ``round_bf16(W - hi(W))`` one after the other along the taps, numpy shape
     ``[ceil(C_out / 32), 2K, ceil(C_in / 2), 64]`` (ggml ne = [64, ceil(C_in / 2), 2K, ...]);
     upload it as BF16, like the other."""
-    w = np.asarray(w, dtype=np.float32)
-    hi = round_bf16(w)
-    return np.ascontiguousarray(np.concatenate(
-        [pack_conv_weight_bf16(hi), pack_conv_weight_bf16(w - hi)], axis=1))
+    packed = _bf16_layout(np.asarray(w, dtype=np.float32))
+    hi = round_bf16(packed)
+    packed -= hi
+    return np.concatenate([hi, round_bf16(packed)], axis=1)
 
 
 def conv1d_tm_bf16(ctx: Any, xp: Tensor, w: Tensor, bias: Tensor, dilation: int = 1, *,
@@ -768,7 +773,7 @@ def conv1d_tm_bf16(ctx: Any, xp: Tensor, w: Tensor, bias: Tensor, dilation: int 
         split: ``w`` from ``pack_conv_weight_bf16_split``: each product is hi(W) hi(x) +
             hi(W) lo(x) + lo(W) hi(x), lo(x) = bf16(x - hi(x)): ~16 significant bits of
             each operand (an error of F32's order, ~1e-6 relative on O(1) data, where plain
-            BF16 gives ~1e-3), three times the products, twice the weight bytes.
+            BF16 gives ~1e-3), three times the products, twice the weight bytes (F32's).
         library: for tests only: another build of libqtts_ops to run instead.
 
     Returns:
