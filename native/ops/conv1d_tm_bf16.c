@@ -291,6 +291,25 @@ static const btile_fn BTILE_HALF[NT_MAIN + 1] = QTTS_TILE_TABLE(btile_, half);
  * block already has: pair p's 32 channels are 128 bytes, channels 0-15 first). All 16 rows x
  * 64 bytes (qtts_amx_configure). */
 
+/* A tile's sums (bias, then res, added) into the valid rows / channels of out. */
+INLINE void amx_store(float (*sums)[OB], float * out, int64_t ys, int nt, int width,
+                      const float * bias, const float * res, int64_t rs) {
+    const __mmask16 m0 = (__mmask16)(width >= VW ? 0xFFFFu : (1u << width) - 1u);
+    const __mmask16 m1 = (__mmask16)(width >= OB ? 0xFFFFu
+                                                 : (width <= VW ? 0u : (1u << (width - VW)) - 1u));
+    const __m512 b0 = _mm512_maskz_loadu_ps(m0, bias), b1 = _mm512_maskz_loadu_ps(m1, bias + VW);
+    for (int j = 0; j < nt; j++) {
+        __m512 r0 = _mm512_add_ps(_mm512_load_ps(&sums[j][0]), b0);
+        __m512 r1 = _mm512_add_ps(_mm512_load_ps(&sums[j][VW]), b1);
+        if (res) {
+            r0 = _mm512_add_ps(r0, _mm512_maskz_loadu_ps(m0, res + j * rs));
+            r1 = _mm512_add_ps(r1, _mm512_maskz_loadu_ps(m1, res + j * rs + VW));
+        }
+        _mm512_mask_storeu_ps(out + j * ys, m0, r0);
+        _mm512_mask_storeu_ps(out + j * ys + VW, m1, r1);
+    }
+}
+
 /* One 16 or 32 (NG = 1, 2) steps x 32 channels tile over the whole reduction (every tap, every
  * pair), then bias (+ res) added and the valid rows / channels stored. x: the scratch row of the
  * tile's first step (row stride xs pairs, a multiple of 16, zero past cp; rows past the chunk
@@ -334,20 +353,7 @@ INLINE void amx_tile(const int NG, float * out, int64_t ys, int nt, int width, c
         _tile_stored(2, &sums[16][0], OB * sizeof(float));
         _tile_stored(3, &sums[16][VW], OB * sizeof(float));
     }
-    const __mmask16 m0 = (__mmask16)(width >= VW ? 0xFFFFu : (1u << width) - 1u);
-    const __mmask16 m1 = (__mmask16)(width >= OB ? 0xFFFFu
-                                                 : (width <= VW ? 0u : (1u << (width - VW)) - 1u));
-    const __m512 b0 = _mm512_maskz_loadu_ps(m0, bias), b1 = _mm512_maskz_loadu_ps(m1, bias + VW);
-    for (int j = 0; j < nt; j++) {
-        __m512 r0 = _mm512_add_ps(_mm512_load_ps(&sums[j][0]), b0);
-        __m512 r1 = _mm512_add_ps(_mm512_load_ps(&sums[j][VW]), b1);
-        if (res) {
-            r0 = _mm512_add_ps(r0, _mm512_maskz_loadu_ps(m0, res + j * rs));
-            r1 = _mm512_add_ps(r1, _mm512_maskz_loadu_ps(m1, res + j * rs + VW));
-        }
-        _mm512_mask_storeu_ps(out + j * ys, m0, r0);
-        _mm512_mask_storeu_ps(out + j * ys + VW, m1, r1);
-    }
+    amx_store(sums, out, ys, nt, width, bias, res, rs);
 }
 
 /* QTTS_CONV_SPLIT: 16 steps x 32 channels, hi(W) hi(x) + hi(W) lo(x) + lo(W) hi(x) per pair
@@ -393,20 +399,7 @@ INLINE void amx_tile_split(float * out, int64_t ys, int nt, int width, const flo
     float sums[16][OB] __attribute__((aligned(64)));
     _tile_stored(0, &sums[0][0], OB * sizeof(float));
     _tile_stored(1, &sums[0][VW], OB * sizeof(float));
-    const __mmask16 m0 = (__mmask16)(width >= VW ? 0xFFFFu : (1u << width) - 1u);
-    const __mmask16 m1 = (__mmask16)(width >= OB ? 0xFFFFu
-                                                 : (width <= VW ? 0u : (1u << (width - VW)) - 1u));
-    const __m512 b0 = _mm512_maskz_loadu_ps(m0, bias), b1 = _mm512_maskz_loadu_ps(m1, bias + VW);
-    for (int j = 0; j < nt; j++) {
-        __m512 r0 = _mm512_add_ps(_mm512_load_ps(&sums[j][0]), b0);
-        __m512 r1 = _mm512_add_ps(_mm512_load_ps(&sums[j][VW]), b1);
-        if (res) {
-            r0 = _mm512_add_ps(r0, _mm512_maskz_loadu_ps(m0, res + j * rs));
-            r1 = _mm512_add_ps(r1, _mm512_maskz_loadu_ps(m1, res + j * rs + VW));
-        }
-        _mm512_mask_storeu_ps(out + j * ys, m0, r0);
-        _mm512_mask_storeu_ps(out + j * ys + VW, m1, r1);
-    }
+    amx_store(sums, out, ys, nt, width, bias, res, rs);
 }
 
 #endif
