@@ -1322,6 +1322,20 @@ def run_conv_fused_and_apart(be: BackendSet, hist: np.ndarray[Any, Any], x: np.n
     return out["fused"].reshape(t, c_out), out["apart"].reshape(t, c_out)
 
 
+def check_fused_equals_apart(cpu1: BackendSet, cpu2: BackendSet, seed: int, t: int, c_in: int,
+                             c_out: int, k: int, d: int, with_res: bool, op: str) -> None:
+    """``op`` with its snake and residual fused is bit for bit the separate ops, and neither
+    depends on the thread count (random history, input x 3 and weights from ``seed``)."""
+    rng = np.random.default_rng(seed)
+    hist = rng.standard_normal(((k - 1) * d, c_in)).astype(np.float32)
+    x = (3 * rng.standard_normal((t, c_in))).astype(np.float32)
+    w = (rng.standard_normal((c_out, c_in, k)) / np.sqrt(c_in * k)).astype(np.float32)
+    f2, a2 = run_conv_fused_and_apart(cpu2, hist, x, w, d, with_res, op)
+    f1, a1 = run_conv_fused_and_apart(cpu1, hist, x, w, d, with_res, op)
+    assert np.array_equal(f2, a2)
+    assert np.array_equal(f1, f2) and np.array_equal(a1, a2)
+
+
 @needs_ops
 @pytest.mark.parametrize("t", [1, 17, 5000])
 @pytest.mark.parametrize("c_in,c_out", [(96, 96), (95, 100), (384, 192), (1536, 40)])
@@ -1330,14 +1344,8 @@ def run_conv_fused_and_apart(be: BackendSet, hist: np.ndarray[Any, Any], x: np.n
 def test_conv_bf16_fused_snake_and_residual(cpu1: BackendSet, cpu2: BackendSet, t: int,
                                             c_in: int, c_out: int, k: int, d: int,
                                             with_res: bool) -> None:
-    rng = np.random.default_rng(c_in + t + 10 * k + d)
-    hist = rng.standard_normal(((k - 1) * d, c_in)).astype(np.float32)
-    x = (3 * rng.standard_normal((t, c_in))).astype(np.float32)
-    w = (rng.standard_normal((c_out, c_in, k)) / np.sqrt(c_in * k)).astype(np.float32)
-    f2, a2 = run_conv_fused_and_apart(cpu2, hist, x, w, d, with_res)
-    f1, a1 = run_conv_fused_and_apart(cpu1, hist, x, w, d, with_res)
-    assert np.array_equal(f2, a2)
-    assert np.array_equal(f1, f2) and np.array_equal(a1, a2)
+    check_fused_equals_apart(cpu1, cpu2, c_in + t + 10 * k + d, t, c_in, c_out, k, d,
+                             with_res, "bf16")
 
 
 @needs_ops
@@ -1347,14 +1355,8 @@ def test_conv_bf16_fused_snake_and_residual(cpu1: BackendSet, cpu2: BackendSet, 
 def test_conv_split_fused_snake_and_residual(cpu1: BackendSet, cpu2: BackendSet, t: int,
                                              c_in: int, c_out: int, k: int, d: int,
                                              with_res: bool) -> None:
-    rng = np.random.default_rng(c_in + t + 10 * k + d)
-    hist = rng.standard_normal(((k - 1) * d, c_in)).astype(np.float32)
-    x = (3 * rng.standard_normal((t, c_in))).astype(np.float32)
-    w = (rng.standard_normal((c_out, c_in, k)) / np.sqrt(c_in * k)).astype(np.float32)
-    f2, a2 = run_conv_fused_and_apart(cpu2, hist, x, w, d, with_res, "split")
-    f1, a1 = run_conv_fused_and_apart(cpu1, hist, x, w, d, with_res, "split")
-    assert np.array_equal(f2, a2)
-    assert np.array_equal(f1, f2) and np.array_equal(a1, a2)
+    check_fused_equals_apart(cpu1, cpu2, c_in + t + 10 * k + d, t, c_in, c_out, k, d,
+                             with_res, "split")
 
 
 SPLIT_CASES = [  # (C_in, C_out, T, K, d): the decoder's kept layers (conv_in, the transposed
@@ -1423,14 +1425,8 @@ def test_pack_conv_weight_bf16_split() -> None:
 def test_conv_wino_fused_snake_and_residual(cpu1: BackendSet, cpu2: BackendSet, t: int,
                                             c_in: int, c_out: int, k: int, d: int,
                                             with_res: bool) -> None:
-    rng = np.random.default_rng(c_in + t + d + k)
-    hist = rng.standard_normal(((k - 1) * d, c_in)).astype(np.float32)
-    x = (3 * rng.standard_normal((t, c_in))).astype(np.float32)
-    w = (rng.standard_normal((c_out, c_in, k)) / np.sqrt(c_in * k)).astype(np.float32)
-    f2, a2 = run_conv_fused_and_apart(cpu2, hist, x, w, d, with_res, "wino")
-    f1, a1 = run_conv_fused_and_apart(cpu1, hist, x, w, d, with_res, "wino")
-    assert np.array_equal(f2, a2)
-    assert np.array_equal(f1, f2) and np.array_equal(a1, a2)
+    check_fused_equals_apart(cpu1, cpu2, c_in + t + d + k, t, c_in, c_out, k, d,
+                             with_res, "wino")
 
 
 def run_conv_wino(be: BackendSet, xp: np.ndarray[Any, Any], w_oik: np.ndarray[Any, Any],
@@ -2256,14 +2252,8 @@ def test_conv_wino_f32_hist_apart_equals_concat(cpu1: BackendSet, cpu2: BackendS
 def test_conv_wino_f32_fused_snake_and_residual(cpu1: BackendSet, cpu2: BackendSet, t: int,
                                                 c_in: int, c_out: int, k: int, d: int,
                                                 with_res: bool) -> None:
-    rng = np.random.default_rng(c_in + t + d + k)
-    hist = rng.standard_normal(((k - 1) * d, c_in)).astype(np.float32)
-    x = (3 * rng.standard_normal((t, c_in))).astype(np.float32)
-    w = (rng.standard_normal((c_out, c_in, k)) / np.sqrt(c_in * k)).astype(np.float32)
-    f2, a2 = run_conv_fused_and_apart(cpu2, hist, x, w, d, with_res, "wino_f32")
-    f1, a1 = run_conv_fused_and_apart(cpu1, hist, x, w, d, with_res, "wino_f32")
-    assert np.array_equal(f2, a2)
-    assert np.array_equal(f1, f2) and np.array_equal(a1, a2)
+    check_fused_equals_apart(cpu1, cpu2, c_in + t + d + k, t, c_in, c_out, k, d,
+                             with_res, "wino_f32")
 
 
 @pytest.mark.parametrize("k", [7, 2])
