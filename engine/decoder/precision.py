@@ -93,7 +93,7 @@ class Calibration:
         why = (f"; the exact decode clips {100 * self.clipped:.0f} % of its samples: nothing "
                "promoted" if self.saturated else "")
         return (f"fast-mode calibration: SNR {self.snr_db:.1f} dB against exact (target "
-                f"{self.target_db:g}), {len(self.f32_layers)} layer(s) in F32 "
+                f"{self.target_db:g}), {len(self.f32_layers)} layer(s) kept out of BF16 "
                 f"({self.steps} promoted{why}), {self.seconds:.1f} s")
 
 
@@ -144,7 +144,7 @@ def calibrate(model: Any, backends: Any, target_db: float | None = None,
         finally:
             fast.close()
         snr = snr_db(ref, got)
-        log.debug("calibration: %d layer(s) in F32 -> %.1f dB", len(layers), snr)
+        log.debug("calibration: %d layer(s) kept out of BF16 -> %.1f dB", len(layers), snr)
         if snr >= target or not order or (max_steps is not None and steps >= max_steps):
             break
         layers = layers | frozenset(order.pop(0))
