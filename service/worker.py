@@ -116,6 +116,10 @@ def worker_main(conn: Any, cancel: Any, opts: WorkerOptions) -> None:
 
 
 _STATE = {"busy": False, "term": False}
+# A new job waits this long for the next one (and at most GATHER_MAX_S in all) before its
+# prefill starts, so that jobs sent at the same moment prefill and step together
+GATHER_GAP_S = 0.003
+GATHER_MAX_S = 0.010
 
 
 class _Running:
@@ -137,7 +141,8 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
     ``CancelJob`` marks a job to stop (the runner drops it before its next frame). A job that
     must run alone (codes, a one-shot reference; the pool sends one only to an empty worker)
     runs to its end as without batching. While every live job waits for text, the loop waits
-    on its pipe instead of spinning.
+    on its pipe instead of spinning. A new job waits a few ms for jobs sent with it
+    (``GATHER_GAP_S``), so that they prefill and step together.
     A job whose own work raises (its live text, its sampling, its prefill: the runner's
     ``Rejected``) fails alone; an error in a batched pass fails every job of the batch (a 500
     each) and the loop goes on with a fresh batch."""
@@ -237,6 +242,10 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
             handle(msg)
         # idle: wake now and then for SIGTERM; every live job waiting for text: for its text
         wait = 0 if left else (0.02 if runner.idle else 0) if running else 0.25
+        gather_until: float | None = None
+        if any(isinstance(m, RunJob) for m in left) and runner.free:
+            gather_until = time.perf_counter() + GATHER_MAX_S
+            wait = GATHER_GAP_S
         while conn.poll(wait):
             wait = 0
             try:
@@ -244,6 +253,13 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
             except (EOFError, OSError):
                 return  # front end gone
             handle(msg)
+            if isinstance(msg, RunJob) and runner.free:
+                # jobs sent together (sessions one event started) arrive a fraction of a
+                # millisecond apart: one that missed this poll would wait a whole round (the
+                # others' prefill, frame and push) instead of starting with them
+                now = time.perf_counter()
+                gather_until = gather_until or now + GATHER_MAX_S
+                wait = max(0.0, min(GATHER_GAP_S, gather_until - now))
         if not running:
             stop.clear()
             continue

@@ -3,6 +3,7 @@ gets exactly its audio alone; cancel, kill -9 and metrics keep their meaning."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import threading
@@ -14,6 +15,9 @@ import httpx
 import pytest
 
 from engine.tools.make_model import make_model
+from service.protocol import Job, Ready, RunJob, StepDone, StopWorker
+from service.settings import Settings
+from service.worker import worker_main
 from tests.service.helpers import FRAME_SAMPLES, Server, metric, server_starter, wait_metric
 
 FRAME_S = FRAME_SAMPLES / 24000
@@ -221,3 +225,36 @@ def test_realtime_sessions_share_a_batching_worker(batch_server: Any) -> None:
                                               "voice": "ryan", "text_mode": "stream"},
                    timeout=120)
     assert r.status_code == 200 and len(got) > 0 and got == r.content
+
+
+def test_jobs_sent_together_take_their_first_step_together(q4_model: Path,
+                                                           tmp_path: Path) -> None:
+    """Jobs that reach a batching worker a moment apart (sessions an event started at once)
+    prefill and take their first step together: the second does not wait a whole round (the
+    first one's prefill, frame and push) behind the first."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=True)
+    cancel = ctx.Value("q", 0, lock=False)
+    opts = Settings(model=q4_model, data_dir=tmp_path, max_batch=3,
+                    threads_per_worker=1).worker_options(0, max_frames_cap=250)
+    proc = ctx.Process(target=worker_main, args=(child, cancel, opts), daemon=True)
+    proc.start()
+    child.close()
+    try:
+        assert parent.poll(300) and isinstance(parent.recv(), Ready)
+        for i in range(2):
+            if i:
+                time.sleep(0.002)  # the second job's message after the first's, not with it
+            parent.send(RunJob(Job(id=i + 1, kind="text", text=TEXTS[i], voice="ryan",
+                                   frame_limit=4)))
+        while True:
+            assert parent.poll(120), "no step reported"
+            msg = parent.recv()
+            if isinstance(msg, StepDone):
+                break
+        assert msg.batch == 2
+    finally:
+        parent.send(StopWorker())
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
