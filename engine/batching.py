@@ -191,6 +191,11 @@ class BatchRunner:
             self.step()
 
     @property
+    def starting(self) -> frozenset[int]:
+        """The live streams that wait for their start policy (their text decides when)."""
+        return frozenset(st.sid for st in self._starting)
+
+    @property
     def free(self) -> int:
         """Streams that may still be submitted."""
         return self.max_batch - len(self._streams)

@@ -141,8 +141,9 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
     ``CancelJob`` marks a job to stop (the runner drops it before its next frame). A job that
     must run alone (codes, a one-shot reference; the pool sends one only to an empty worker)
     runs to its end as without batching. While every live job waits for text, the loop waits
-    on its pipe instead of spinning. A new job waits a few ms for jobs sent with it
-    (``GATHER_GAP_S``), so that they prefill and step together.
+    on its pipe instead of spinning. A new job, or text that may start a live one, waits a few
+    ms for the messages sent with it (``GATHER_GAP_S``), so that jobs started at one moment
+    prefill and step together.
     A job whose own work raises (its live text, its sampling, its prefill: the runner's
     ``Rejected``) fails alone; an error in a batched pass fails every job of the batch (a 500
     each) and the loop goes on with a fresh batch."""
@@ -154,7 +155,7 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
     live_jobs = itertools.count()  # QTTS_TEST_FAULT's ``text=N`` counts them (tests only)
     running: dict[int, _Running] = {}  # stream id -> job
     stop: set[int] = set()  # ids of the jobs to cancel
-    feeds: dict[int, BufferFeed] = {}  # job id -> its live text
+    feeds: dict[int, tuple[BufferFeed, int]] = {}  # job id -> its live text, its stream id
 
     def flag(job_id: int) -> Callable[[], bool]:
         return lambda: job_id in stop or cancel.value == job_id
@@ -188,9 +189,11 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
             case CancelJob(job_id=jid):
                 stop.add(jid)
             case TextIn(job_id=jid):
-                feed = feeds.get(jid)
-                if feed is not None:
+                if jid in feeds:
+                    feed, sid = feeds[jid]
                     feed.put(msg)
+                    # text that may start its job: others may be about to start too
+                    gather[0] = gather[0] or sid in runner.starting
             case RunJob(job=job) if not batchable(job):
                 _STATE["busy"] = True
                 try:
@@ -210,7 +213,7 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
                             fault.hit, "text", next(live_jobs)))
                         sid = runner.submit_live(req, feed, cancel=flag(job.id), info=info,
                                                  min_tokens=job.min_tokens)
-                        feeds[job.id] = feed
+                        feeds[job.id] = (feed, sid)
                     else:
                         sid = runner.submit(req, cancel=flag(job.id), info=info)
                 except QttsError as e:
@@ -218,8 +221,10 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
                     return
                 running[sid] = _Running(job, info)
                 _STATE["busy"] = True
+                gather[0] = bool(runner.free)
 
     later: list[Any] = []  # what ``pump`` read in a step and left for the loop, in order
+    gather = [False]  # a job came, or text that may start one: wait a moment for others
 
     def pump() -> None:
         # in a step (BatchRunner.step): live text and cancels at once; a message after one it
@@ -243,23 +248,23 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
         # idle: wake now and then for SIGTERM; every live job waiting for text: for its text
         wait = 0 if left else (0.02 if runner.idle else 0) if running else 0.25
         gather_until: float | None = None
-        if any(isinstance(m, RunJob) for m in left) and runner.free:
-            gather_until = time.perf_counter() + GATHER_MAX_S
-            wait = GATHER_GAP_S
-        while conn.poll(wait):
+        while True:
+            if gather[0]:
+                # jobs sent at one moment (sessions one event started), or the texts that start
+                # them, arrive a fraction of a millisecond apart: one that missed this read
+                # would wait a whole round (the others' prefill, frame and push) behind them
+                gather[0] = False
+                now = time.perf_counter()
+                gather_until = gather_until or now + GATHER_MAX_S
+                wait = max(0.0, min(GATHER_GAP_S, gather_until - now))
+            if not conn.poll(wait):
+                break
             wait = 0
             try:
                 msg = conn.recv()
             except (EOFError, OSError):
                 return  # front end gone
             handle(msg)
-            if isinstance(msg, RunJob) and runner.free:
-                # jobs sent together (sessions one event started) arrive a fraction of a
-                # millisecond apart: one that missed this poll would wait a whole round (the
-                # others' prefill, frame and push) instead of starting with them
-                now = time.perf_counter()
-                gather_until = gather_until or now + GATHER_MAX_S
-                wait = max(0.0, min(GATHER_GAP_S, gather_until - now))
         if not running:
             stop.clear()
             continue

@@ -8,6 +8,8 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,7 @@ import httpx
 import pytest
 
 from engine.tools.make_model import make_model
-from service.protocol import Job, Ready, RunJob, StepDone, StopWorker
+from service.protocol import Job, Ready, RunJob, StepDone, StopWorker, TextIn
 from service.settings import Settings
 from service.worker import worker_main
 from tests.service.helpers import FRAME_SAMPLES, Server, metric, server_starter, wait_metric
@@ -227,11 +229,11 @@ def test_realtime_sessions_share_a_batching_worker(batch_server: Any) -> None:
     assert r.status_code == 200 and len(got) > 0 and got == r.content
 
 
-def test_jobs_sent_together_take_their_first_step_together(q4_model: Path,
-                                                           tmp_path: Path) -> None:
-    """Jobs that reach a batching worker a moment apart (sessions an event started at once)
-    prefill and take their first step together: the second does not wait a whole round (the
-    first one's prefill, frame and push) behind the first."""
+
+@pytest.fixture
+def worker_pipe(q4_model: Path, tmp_path: Path) -> Iterator[Connection]:
+    """A batching worker process (B = 3) started as the pool starts one; its pipe, once the
+    worker is ready."""
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe(duplex=True)
     cancel = ctx.Value("q", 0, lock=False)
@@ -242,19 +244,46 @@ def test_jobs_sent_together_take_their_first_step_together(q4_model: Path,
     child.close()
     try:
         assert parent.poll(300) and isinstance(parent.recv(), Ready)
-        for i in range(2):
-            if i:
-                time.sleep(0.002)  # the second job's message after the first's, not with it
-            parent.send(RunJob(Job(id=i + 1, kind="text", text=TEXTS[i], voice="ryan",
-                                   frame_limit=4)))
-        while True:
-            assert parent.poll(120), "no step reported"
-            msg = parent.recv()
-            if isinstance(msg, StepDone):
-                break
-        assert msg.batch == 2
+        yield parent
     finally:
         parent.send(StopWorker())
-        proc.join(timeout=60)
+        proc.join(timeout=20)
         if proc.is_alive():
             proc.kill()
+
+
+def _first_step(conn: Connection) -> StepDone:
+    while True:
+        assert conn.poll(120), "no step reported"
+        msg = conn.recv()
+        if isinstance(msg, StepDone):
+            return msg
+
+
+def test_jobs_sent_together_take_their_first_step_together(worker_pipe: Connection) -> None:
+    """Jobs that reach a batching worker a moment apart (sessions an event started at once)
+    prefill and take their first step together: the second does not wait a whole round (the
+    first one's prefill, frame and push) behind the first."""
+    for i in range(2):
+        if i:
+            time.sleep(0.002)  # the second job's message after the first's, not with it
+        worker_pipe.send(RunJob(Job(id=i + 1, kind="text", text=TEXTS[i], voice="ryan",
+                                    frame_limit=4)))
+    assert _first_step(worker_pipe).batch == 2
+
+
+def test_live_jobs_started_by_text_together_step_together(worker_pipe: Connection) -> None:
+    """Live jobs waiting for their start policy, whose starting text comes a moment apart
+    (realtime sessions fed by one event), start in the same step."""
+    for i in range(2):
+        worker_pipe.send(RunJob(Job(id=i + 1, kind="text", text="Well", voice="ryan",
+                                    frame_limit=4, live=True, min_tokens=4)))
+    time.sleep(0.5)  # both wait for text
+    for i in range(2):
+        if i:
+            time.sleep(0.002)
+        worker_pipe.send(TextIn(i + 1, text=", here is the answer to your question. "))
+    step = _first_step(worker_pipe)
+    for i in range(2):
+        worker_pipe.send(TextIn(i + 1, end=True))
+    assert step.batch == 2
