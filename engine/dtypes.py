@@ -23,27 +23,37 @@ def bf16_to_f32(bits: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
     return (np.asarray(bits).astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
+# Elements converted at a time: the temporaries stay in the cache and are reused, where whole-
+# array temporaries cost a model's weights fresh pages at every step (docs/performance.md,
+# Session 29: most of a fast decoder's load)
+_CHUNK = 1 << 18
+
+
 def f32_to_bf16(x: npt.NDArray[Any], flush_subnormals: bool = False) -> npt.NDArray[np.uint16]:
     """Round float32 to BF16, nearest even, NaN kept quiet; the raw bit patterns (uint16)."""
     f = np.asarray(x, dtype=np.float32)
     u = np.ascontiguousarray(f).reshape(-1).view(np.uint32)
-    # in uint32, in place (a model's weights at load: a fifth of the time of uint64 temporaries);
+    out = np.empty(u.shape, np.uint16)
+    for start in range(0, u.size, _CHUNK):
+        _f32_to_bf16_into(u[start : start + _CHUNK], out[start : start + _CHUNK],
+                          flush_subnormals)
+    return out.reshape(f.shape)
+
+
+def _f32_to_bf16_into(u: npt.NDArray[np.uint32], out: npt.NDArray[np.uint16],
+                      flush_subnormals: bool) -> None:
     # only NaNs, replaced below, can carry past bit 31
     r = u >> np.uint32(16)
     r &= np.uint32(1)
     r += np.uint32(0x7FFF)
     r += u
     r >>= np.uint32(16)
-    out = r.astype(np.uint16)
-    if flush_subnormals:  # np.where, not a masked store: a weight's lo part may be all zeros
+    if flush_subnormals:  # zero and subnormals to signed zero
         tiny = (u & np.uint32(0x7F800000)) == 0
-        if tiny.any():
-            out = np.where(tiny, ((u >> np.uint32(16)) & np.uint32(0x8000)).astype(np.uint16),
-                           out)
+        np.copyto(r, (u >> np.uint32(16)) & np.uint32(0x8000), where=tiny)
     nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
-    if nan.any():
-        out[nan] = ((u[nan] >> np.uint32(16)) | np.uint32(0x40)).astype(np.uint16)
-    return out.reshape(f.shape)
+    np.copyto(r, (u >> np.uint32(16)) | np.uint32(0x40), where=nan)
+    out[...] = r
 
 
 def to_f32(raw: npt.NDArray[Any], ggml_type: int, shape: tuple[int, ...]

@@ -724,8 +724,10 @@ def _bf16_layout(w: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     b = CONV_BF16_BLOCK
     c_out, c_in, k = w.shape
     n, cp = -(-c_out // b), -(-c_in // 2)
-    padded = np.zeros((n * b, 2 * cp, k), np.float32)
-    padded[:c_out, :c_in] = w
+    padded = np.asarray(w, dtype=np.float32)
+    if padded.shape != (n * b, 2 * cp, k):  # zero rows past C_out, a zero channel past C_in
+        padded = np.zeros((n * b, 2 * cp, k), np.float32)
+        padded[:c_out, :c_in] = w
     # [n*B, 2*cp, K] -> [n, B, cp, 2, K] -> [n, K, cp, B, 2]
     packed = padded.reshape(n, b, cp, 2, k).transpose(0, 4, 2, 1, 3).reshape(n, k, cp, 2 * b)
     return np.ascontiguousarray(packed)
@@ -738,9 +740,14 @@ def pack_conv_weight_bf16_split(w: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]
     ``[ceil(C_out / 32), 2K, ceil(C_in / 2), 64]`` (ggml ne = [64, ceil(C_in / 2), 2K, ...]);
     upload it as BF16, like the other."""
     packed = _bf16_layout(np.asarray(w, dtype=np.float32))
-    hi = round_bf16(packed)
-    packed -= hi
-    return np.concatenate([hi, round_bf16(packed)], axis=1)
+    k = packed.shape[1]
+    out = np.empty((packed.shape[0], 2 * k, *packed.shape[2:]), np.float32)
+    for block, rest in zip(out, packed, strict=True):  # a block at a time: cache-sized temporaries
+        hi = block[:k]
+        hi[...] = round_bf16(rest)
+        rest -= hi
+        block[k:] = round_bf16(rest)
+    return out
 
 
 def conv1d_tm_bf16(ctx: Any, xp: Tensor, w: Tensor, bias: Tensor, dilation: int = 1, *,

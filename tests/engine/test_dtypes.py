@@ -23,16 +23,18 @@ def _hard_values() -> np.ndarray[Any, Any]:
     return np.concatenate([x, special, bits])
 
 
-def test_f32_to_bf16_is_ggmls_reference_rounding() -> None:
-    x = _hard_values()
+@pytest.mark.parametrize("copies", [1, 130])  # 130: past the chunks converted at a time
+def test_f32_to_bf16_is_ggmls_reference_rounding(copies: int) -> None:
+    x = np.tile(_hard_values(), copies)
     want = np.empty(x.size, np.uint16)
     lib.ggml_fp32_to_bf16_row_ref(ffi.cast("float *", ffi.from_buffer(x)),
                                   ffi.cast("ggml_bf16_t *", ffi.from_buffer(want)), x.size)
     assert np.array_equal(f32_to_bf16(x), want)
 
 
-def test_flushing_sends_zero_and_subnormals_to_signed_zero_only() -> None:
-    x = _hard_values()
+@pytest.mark.parametrize("copies", [1, 130])
+def test_flushing_sends_zero_and_subnormals_to_signed_zero_only(copies: int) -> None:
+    x = np.tile(_hard_values(), copies)
     plain, flushed = f32_to_bf16(x), f32_to_bf16(x, flush_subnormals=True)
     tiny = (x.view(np.uint32) & 0x7F800000) == 0
     assert np.array_equal(flushed[~tiny], plain[~tiny])
