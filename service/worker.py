@@ -116,8 +116,9 @@ def worker_main(conn: Any, cancel: Any, opts: WorkerOptions) -> None:
 
 
 _STATE = {"busy": False, "term": False}
-# A new job waits this long for the next one (and at most GATHER_MAX_S in all) before its
-# prefill starts, so that jobs sent at the same moment prefill and step together
+# A new job (or text that may start a waiting live one) waits this long for the next message,
+# and at most GATHER_MAX_S in all, before the next round: jobs sent at one moment then prefill
+# and step together
 GATHER_GAP_S = 0.003
 GATHER_MAX_S = 0.010
 
