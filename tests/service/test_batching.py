@@ -1,5 +1,6 @@
 """QTTS_MAX_BATCH > 1 on a real server: several text requests share one worker's steps, each
-gets exactly its audio alone; cancel, kill -9 and metrics keep their meaning."""
+gets exactly its audio alone; cancel, kill -9 and metrics keep their meaning. And a batching
+worker's own loop, driven through its pipe as the pool drives it."""
 
 from __future__ import annotations
 
@@ -227,7 +228,6 @@ def test_realtime_sessions_share_a_batching_worker(batch_server: Any) -> None:
                                               "voice": "ryan", "text_mode": "stream"},
                    timeout=120)
     assert r.status_code == 200 and len(got) > 0 and got == r.content
-
 
 
 @pytest.fixture
