@@ -173,8 +173,9 @@ class StageGraph(Graph):
 @functools.lru_cache(maxsize=512)
 def zero_state(shape: tuple[int, ...]) -> np.ndarray[Any, Any]:
     """A fresh stream's carried tensor: zeros, one read-only array per shape for every stream
-    (a stream's first push replaces it). Fresh arrays for three joining streams cost their
-    first push ~14 MB of new pages (the pre-transformer's windows), milliseconds on a VM."""
+    (a stream's first push replaces it). Zeros of its own would cost a joining stream's first
+    push fresh pages: the pre-transformer's windows are megabytes (docs/performance.md,
+    Session 29)."""
     zeros = np.zeros(shape, dtype=np.float32)
     zeros.flags.writeable = False
     return zeros

@@ -37,7 +37,6 @@ def test_a_long_stream_uses_no_more_memory_than_a_short_one(tiny_gguf: Path) -> 
     assert grown < 50 * 2**20, f"RSS grew {grown / 2**20:.1f} MiB over 2 minutes of audio"
 
 
-
 def test_fresh_streams_own_their_state_after_their_first_push(tiny_gguf: Path) -> None:
     """A fresh stream reads its carried tensors from zeros every fresh stream shares (a join
     allocates no state of its own before it runs); its first push gives it arrays of its own:
