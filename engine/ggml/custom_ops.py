@@ -742,11 +742,12 @@ def pack_conv_weight_bf16_split(w: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]
     packed = _bf16_layout(np.asarray(w, dtype=np.float32))
     k = packed.shape[1]
     out = np.empty((packed.shape[0], 2 * k, *packed.shape[2:]), np.float32)
-    for block, rest in zip(out, packed, strict=True):  # a block at a time: cache-sized temporaries
+    # a block at a time: cache-sized temporaries. Never in place: where the layout needs no
+    # padding or reordering, ``packed`` is the caller's own weight.
+    for block, wb in zip(out, packed, strict=True):
         hi = block[:k]
-        hi[...] = round_bf16(rest)
-        rest -= hi
-        block[k:] = round_bf16(rest)
+        hi[...] = round_bf16(wb)
+        block[k:] = round_bf16(wb - hi)
     return out
 
 

@@ -1415,6 +1415,12 @@ def test_pack_conv_weight_bf16_split() -> None:
     assert np.array_equal(co.round_bf16(p), p)
     whole = hi.astype(np.float64) + co.round_bf16(w - hi)
     assert np.all(np.abs(whole - w) <= 2.0 ** -16 * np.abs(w))
+    # a weight whose layout is itself (32 outputs, one pair of inputs, one tap) is left as it was
+    w = np.random.default_rng(4).standard_normal((64, 2, 1)).astype(np.float32)
+    kept = w.copy()
+    p = co.pack_conv_weight_bf16_split(w)
+    assert np.array_equal(w, kept)
+    assert np.array_equal(p[:, 1:], co.pack_conv_weight_bf16(w - co.round_bf16(w)))
 
 
 @needs_ops
