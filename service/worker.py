@@ -157,6 +157,7 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
     running: dict[int, _Running] = {}  # stream id -> job
     stop: set[int] = set()  # ids of the jobs to cancel
     feeds: dict[int, tuple[BufferFeed, int]] = {}  # job id -> its live text, its stream id
+    gather = False  # a job came, or text that may start one: wait a moment for others
 
     def flag(job_id: int) -> Callable[[], bool]:
         return lambda: job_id in stop or cancel.value == job_id
@@ -182,6 +183,7 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
                         stage_seconds(item.timings), int(item.frames)))
 
     def handle(msg: Any) -> None:
+        nonlocal gather
         match msg:
             case StopWorker():
                 # as the one-job loop: exit after the running jobs (the pool cancels them
@@ -194,7 +196,7 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
                     feed, sid = feeds[jid]
                     feed.put(msg)
                     # text that may start its job: others may be about to start too
-                    gather[0] = gather[0] or sid in runner.starting
+                    gather = gather or sid in runner.starting
             case RunJob(job=job) if not batchable(job):
                 _STATE["busy"] = True
                 try:
@@ -222,10 +224,9 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
                     return
                 running[sid] = _Running(job, info)
                 _STATE["busy"] = True
-                gather[0] = bool(runner.free)
+                gather = gather or bool(runner.free)
 
     later: list[Any] = []  # what ``pump`` read in a step and left for the loop, in order
-    gather = [False]  # a job came, or text that may start one: wait a moment for others
 
     def pump() -> None:
         # in a step (BatchRunner.step): live text and cancels at once; a message after one it
@@ -250,11 +251,11 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
         wait = 0 if left else (0.02 if runner.idle else 0) if running else 0.25
         gather_until: float | None = None
         while True:
-            if gather[0]:
+            if gather:
                 # jobs sent at one moment (sessions one event started), or the texts that start
                 # them, arrive a fraction of a millisecond apart: one that missed this read
                 # would wait a whole round (the others' prefill, frame and push) behind them
-                gather[0] = False
+                gather = False
                 now = time.perf_counter()
                 gather_until = gather_until or now + GATHER_MAX_S
                 wait = max(0.0, min(GATHER_GAP_S, gather_until - now))
