@@ -169,7 +169,8 @@ class DecoderConfig:
 
     @property
     def codebook_vector_dim(self) -> int:
-        """Width of one codebook vector (``codebook_dim / 2``)."""
+        """Width of one codebook vector (half of ``codebook_dim``, rounded down as the reference
+        does)."""
         return self.codebook_dim // 2
 
     def block_channels(self) -> list[tuple[int, int, int]]:
@@ -413,8 +414,8 @@ def check_decoder_config(c: DecoderConfig) -> None:
     p = "decoder_config."
     _pos(p + "codebook_size", c.codebook_size, 1 << 16)
     _pos(p + "codebook_dim", c.codebook_dim, 1 << 16)
-    if c.codebook_dim % 2:
-        raise SchemaError(f"{p}codebook_dim = {c.codebook_dim} must be even")
+    if c.codebook_dim < 2:
+        raise SchemaError(f"{p}codebook_dim = {c.codebook_dim}: a codebook vector is half of it")
     _pos(p + "num_quantizers", c.num_quantizers, 64)
     _pos(p + "num_semantic_quantizers", c.num_semantic_quantizers, c.num_quantizers)
     for name in ("latent_dim", "hidden_size", "intermediate_size", "decoder_dim"):
@@ -434,10 +435,9 @@ def check_decoder_config(c: DecoderConfig) -> None:
     for r in (*c.upsample_rates, *c.upsampling_ratios):
         _pos(p + "upsample rate", r, 64)
     n = len(c.upsample_rates)
-    if c.decoder_dim % (1 << n):
+    if c.decoder_dim >> n < 1:  # each upsampling block halves it, rounding down
         raise SchemaError(
-            f"{p}decoder_dim = {c.decoder_dim} is not divisible by 2^{n} "
-            f"({n} upsampling blocks halve it)"
+            f"{p}decoder_dim = {c.decoder_dim} leaves no channels after {n} upsampling blocks"
         )
     total = math.prod(c.upsample_rates) * math.prod(c.upsampling_ratios)
     if total != c.upsample_total:

@@ -266,8 +266,11 @@ def test_priming_is_a_push_whose_audio_is_dropped(case: Case, precision: str) ->
 
 # Decoder layouts the released models do not use but a checkpoint may: fewer KV heads than query
 # heads (the reference repeats each KV head), and a window of one frame (nothing carried).
-# Both once aborted the process at the first decode.
+# Both once aborted the process at the first decode. And widths the reference rounds down: an
+# odd codebook_dim (each codebook vector is half of it) and a decoder_dim that the upsampling
+# blocks cannot halve evenly (72 -> 36, 18, 9, 4); our schema once refused both.
 ODD_DECODERS = {
+    "odd_widths": {"codebook_dim": 33, "decoder_dim": 72},
     "grouped_kv": {"num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 24,
                    "hidden_size": 72, "intermediate_size": 200, "sliding_window": 5},
     "window_1": {"num_attention_heads": 3, "num_key_value_heads": 1, "sliding_window": 1},
@@ -292,3 +295,8 @@ def test_odd_decoder_layouts(tmp_path: Path, layout: str) -> None:
         assert np.abs(got - want).max() <= 1e-4, (ops, np.abs(got - want).max())
         assert np.abs(streamed - got).max() <= 1e-5
         dec.close()
+    fast = DecoderModel.load(gguf, BackendSet.from_env({"QTTS_BACKEND": "cpu",
+                                                        "QTTS_THREADS": "2"}), "fast")
+    got, _ = decode(fast, codes)
+    assert snr_db(want, got) >= 35.0
+    fast.close()
