@@ -515,12 +515,12 @@ class Pipeline:
         offsets = self.prompts.offsets("text", req.text)
         if len(offsets) > self.max_text_tokens:
             raise InputError("text", f"{len(offsets)} tokens; the limit is "
-                             f"{self.max_text_tokens} tokens")
+                             f"{self.max_text_tokens} tokens", code="too_long")
         if req.instruct:
             n = len(self.prompts.offsets("instruct", req.instruct))
             if n > self.max_instruct_tokens:
                 raise InputError("instruct", f"{n} tokens; the limit is "
-                                 f"{self.max_instruct_tokens} tokens")
+                                 f"{self.max_instruct_tokens} tokens", code="too_long")
         return split_segments(req.text, offsets, self.segment_tokens) or [req.text]
 
     def plan_text(self, req: SynthesisRequest) -> TextPlan:

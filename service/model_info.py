@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
+from typing import Any
 
+from engine.talker.prompt import check_text
 from engine.talker.voices import VoiceCatalog
 
 
@@ -29,6 +31,9 @@ class ModelInfo:
     text_ready: bool  # the engine has a text pipeline for this model
     # engine.clone.voice_file.model_fingerprint (Base models): what a stored voice must match
     voice_fingerprint: str | None = None
+    # the talker's text tokenizer (``tokenizers.Tokenizer``), so the token caps are checked
+    # before a request queues, as every other cap (None without a talker)
+    tokenizer: Any = None
 
     @classmethod
     def load(cls, path: str) -> ModelInfo:
@@ -56,9 +61,16 @@ class ModelInfo:
                 text_ready="talker" in parts
                 and importlib.util.find_spec("engine.pipeline") is not None,
                 voice_fingerprint=fingerprint,
+                tokenizer=m.tokenizer() if "talker" in parts else None,
             )
         finally:
             m.close()
+
+    def count_tokens(self, field: str, s: str) -> int:
+        """Text tokens of ``s``, as the worker's prompt builder counts them (``InputError`` on
+        ``field`` if ``s`` is not valid Unicode text)."""
+        check_text(field, s)
+        return len(self.tokenizer.encode(s).ids) if self.tokenizer is not None else 0
 
     @property
     def clones(self) -> bool:

@@ -171,6 +171,7 @@ def _text_job(st: State, inp: SynthesisInput, sampling: dict[str, Any]) -> Job:
         raise bad(text_field, "text synthesis is not available in this build yet (the "
                   "engine has no text pipeline); send codes", status=422,
                   code="text_unavailable")
+    _check_tokens(m, text_field, text, s.max_text_tokens)
     cat = m.catalog
     # a named voice first, then the language and instruction, and a missing voice last: the
     # error names the field the client got wrong rather than the one it left out
@@ -178,6 +179,8 @@ def _text_job(st: State, inp: SynthesisInput, sampling: dict[str, Any]) -> Job:
     voice = _known_voice(m, inp.voice) if clone is None else None
     language = _resolve(cat.resolve_language, inp.language)
     instruct = _resolve(cat.resolve_instruct, inp.instruct, inp.instruct_field)
+    if instruct:  # (one the model ignores is not spoken, so not counted)
+        _check_tokens(m, inp.instruct_field, instruct, s.max_instruct_tokens)
     if clone is None:
         voice = _resolve(cat.resolve_voice, voice)
     # the engine's text-length budget applies; a client's max_seconds can only lower it
@@ -191,6 +194,16 @@ def _text_job(st: State, inp: SynthesisInput, sampling: dict[str, Any]) -> Job:
                ref_text=clone.ref_text if clone else None,
                x_vector_only=clone.x_vector_only if clone else False,
                max_ref_seconds=s.max_reference_seconds)
+
+
+def _check_tokens(m: ModelInfo, field: str, text: str, cap: int) -> None:
+    """The worker's token cap on ``text``, here, so a text over it never waits in the queue."""
+    try:
+        n = m.count_tokens(field, text)
+    except InputError as e:
+        raise bad(e.field, e.problem, code=e.code) from None
+    if n > cap:
+        raise bad(field, f"{n} tokens; the limit is {cap} tokens", code="too_long")
 
 
 def _known_voice(m: ModelInfo, voice: str | None) -> str | None:

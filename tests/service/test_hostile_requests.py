@@ -119,6 +119,24 @@ def test_worker_errors_name_the_openai_fields(server: Any) -> None:
     assert r.status_code == 400 and r.json()["error"]["field"] == "instructions"
 
 
+def test_token_caps_are_checked_before_the_queue(server: Any) -> None:
+    """A text over its token cap is a 400 ``too_long`` from the front end, like a text over
+    the character cap: it never reaches a worker (queued behind other work it would wait for
+    its refusal, or get a 503 with a Retry-After that no retry can satisfy)."""
+    text = "\U0001f600" * 2100  # 2100 characters (under the 4096 cap), > 2048 tokens
+    before = sum(w["jobs_done"] for w in server.workers())
+    for route, body, name in (
+            ("/tts", {"text": text, "voice": "ryan"}, "text"),
+            ("/v1/audio/speech", {"model": "qtts", "input": text, "voice": "ryan"}, "input")):
+        r = httpx.post(server.url + route, json=body, timeout=60)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert (err["field"], err["code"]) == (name, "too_long"), err
+        assert err["message"].startswith(f"{name}: ")
+        assert "the limit is 2048 tokens" in err["message"]
+    assert sum(w["jobs_done"] for w in server.workers()) == before
+
+
 def test_sequential_requests_go_round_the_workers(server: Any) -> None:
     """Dispatch picks the idle worker that waited longest: every worker keeps serving."""
     before = {w["index"]: w["jobs_done"] for w in server.workers()}
