@@ -66,6 +66,17 @@ def new_id() -> str:
     return ID_PREFIX + secrets.token_hex(12)
 
 
+def _can_exist(voice_id: str) -> bool:
+    """Whether ``new_id`` could have made ``voice_id``: any other id is unknown without asking
+    the store (whose driver may refuse it outright: PostgreSQL takes no NUL in text)."""
+    return re.fullmatch(re.escape(ID_PREFIX) + "[0-9a-f]{24}", voice_id) is not None
+
+
+def _unknown(field: str, voice_id: str) -> ApiError:
+    shown = voice_id if len(voice_id) <= 64 else voice_id[:64] + "..."
+    return ApiError(404, f"{field}: no voice {shown!r}", field=field, code="voice_not_found")
+
+
 def check_model(st: State, v: StoredVoice) -> None:
     """409 when ``v`` was made for another model than the one served (naming both)."""
     mine = st.model.voice_fingerprint or ""
@@ -81,10 +92,9 @@ async def stored_voice(st: State, owner: str, voice_id: str, field: str = "voice
                        ) -> StoredVoice:  # fmt: skip
     """The owner's voice ``voice_id`` with its prompt; 404 for an unknown id or another
     owner's (the same answer: ids cannot be probed)."""
-    v = await call_store(st, lambda s: s.get(owner, voice_id))
+    v = await call_store(st, lambda s: s.get(owner, voice_id)) if _can_exist(voice_id) else None
     if v is None:
-        raise ApiError(404, f"{field}: no voice {voice_id!r}", field=field,
-                       code="voice_not_found")
+        raise _unknown(field, voice_id)
     return v
 
 
@@ -172,10 +182,10 @@ async def create_voice(st: State, owner: str, name: str, ref: Reference,
 
 
 async def delete_voice(st: State, owner: str, voice_id: str, request_id: str) -> StoredVoice:
-    gone = await call_store(st, lambda s: s.delete(owner, voice_id))
+    gone = await call_store(st, lambda s: s.delete(owner, voice_id)) if _can_exist(
+        voice_id) else None
     if gone is None:
-        raise ApiError(404, f"voice_id: no voice {voice_id!r}", field="voice_id",
-                       code="voice_not_found")
+        raise _unknown("voice_id", voice_id)
     st.metrics.voices_stored.dec()
     audit.info("voice deleted", extra={"event": "voice.delete", "owner": owner,
                                        "voice_id": gone.id, "ref_sha256": gone.ref_sha256,
