@@ -17,6 +17,7 @@ from fastapi import FastAPI
 from service import handlers
 from service.gate import GateMiddleware
 from service.guard import ErrorGuard
+from service.head import HeadAsGet
 from service.metrics import ROUTES, Metrics
 from service.model_info import ModelInfo
 from service.openapi import install as install_openapi
@@ -68,10 +69,11 @@ def create_app(settings: Settings | None = None, model: ModelInfo | None = None)
         redoc_url=None,
     )
     app.add_middleware(GateMiddleware)
-    # outermost: errors nothing answered still get our JSON 500, request id, log line, counter
+    # errors nothing answered still get our JSON 500, request id, log line, counter
     app.add_middleware(ErrorGuard, metrics=lambda: st.metrics
                        if (st := getattr(app.state, "qtts", None)) is not None else None,
                        synth_routes=ROUTES)
+    app.add_middleware(HeadAsGet)  # outermost: a HEAD is a GET to everything inside
     handlers.install(app)
     for router in ROUTERS:
         app.include_router(router)

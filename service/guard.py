@@ -1,4 +1,5 @@
-"""The outermost middleware: an error nothing else answered still gets a proper answer.
+"""The outer error middleware (only ``HeadAsGet`` wraps it): an error nothing else answered still
+gets a proper answer.
 
 Starlette answers an unhandled exception with a 500 and then re-raises it to the server, which
 logs the traceback a second time and drops the keep-alive connection; the 500 itself carries no

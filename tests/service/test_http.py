@@ -34,6 +34,20 @@ def test_health_ready_docs(server: Server) -> None:
     assert {"/tts", "/v1/audio/speech", "/v1/audio/voices", "/v1/models"} <= set(spec["paths"])
 
 
+def test_head_is_get_without_the_body(server: Server) -> None:
+    """Probes and balancers that check with HEAD see what GET answers (it was a 405)."""
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        for path in ("/healthz", "/readyz", "/metrics", "/v1/models", "/playground"):
+            got, head = client.get(path), client.head(path)
+            assert (head.status_code, head.content) == (got.status_code, b""), path
+            assert head.headers["content-type"] == got.headers["content-type"], path
+            assert "content-length" in head.headers, path
+        r = client.head("/tts")  # a POST route: 405, as GET gets
+        assert r.status_code == 405 and r.content == b""
+        assert client.head("/nowhere").status_code == 404
+        assert client.get("/healthz").json()["status"] == "ok"  # the connection serves on
+
+
 def test_models_and_voices_from_model_metadata(server: Server) -> None:
     models = httpx.get(server.url + "/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "qtts"
