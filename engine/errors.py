@@ -3,6 +3,14 @@
 from __future__ import annotations
 
 
+def quoted(value: object, limit: int = 64) -> str:
+    """``repr`` of a client's value for an error message, cut to its first ``limit``
+    characters: a megabyte-long name is not echoed back (nor logged) whole."""
+    if isinstance(value, str) and len(value) > limit:
+        return repr(value[:limit]) + "..."
+    return repr(value)
+
+
 class QttsError(Exception):
     """Base of every error the engine raises on purpose. Its message is one line for a user."""
 

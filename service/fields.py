@@ -23,12 +23,17 @@ def api_field(route: str, field: str | None, message: str) -> tuple[str | None, 
     return new, message
 
 
+def _short(name: str, limit: int = 64) -> str:
+    """A field name as an error names it: a megabyte-long key is not echoed back whole."""
+    return name if len(name) <= limit else name[:limit] + "..."
+
+
 def field_path(loc: Sequence[int | str]) -> list[str]:
     """A pydantic error location as the client wrote it: the field, then list indices and
     nested fields, without pydantic's names for a union's members (``function-after[...]``,
     ``literal['a','b']``, ``VoiceRef``) or the ``body`` root. Text is escaped so that a lone
     surrogate in an unknown field's name cannot break a UTF-8 answer."""
-    parts = [str(x).encode("utf-8", "backslashreplace").decode("utf-8")
+    parts = [_short(str(x).encode("utf-8", "backslashreplace").decode("utf-8"))
              for x in loc if x != "body"]
     return parts[:1] + [x for x in parts[1:]
                         if (x.isidentifier() and x.islower()) or x.isdigit()]

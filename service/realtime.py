@@ -25,6 +25,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
+from engine.errors import quoted
 from service.fields import field_path
 from service.playback import PlaybackClock
 from service.schemas import Sampling, Text
@@ -106,7 +107,7 @@ def parse(raw: str) -> Message:
     model = _KINDS.get(kind) if isinstance(kind, str) else None
     if model is None:
         raise ProtocolError("unknown_type", "type",
-                            f"unknown message type {kind!r}; one of {', '.join(_KINDS)}")
+                            f"unknown message type {quoted(kind)}; one of {', '.join(_KINDS)}")
     try:
         return model.model_validate(obj)  # type: ignore[return-value]
     except ValidationError as e:

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from engine.errors import InputError
+from engine.errors import InputError, quoted
 
 AUTO = "auto"
 
@@ -107,7 +107,7 @@ class VoiceCatalog:
         name = voice.strip().lower()
         if name not in self.speakers:
             raise InputError(
-                "voice", f"unknown voice {voice!r}; choose one of: {', '.join(self.voices)}",
+                "voice", f"unknown voice {quoted(voice)}; choose one of: {', '.join(self.voices)}",
                 code="unknown_voice")
         return name
 
@@ -122,10 +122,10 @@ class VoiceCatalog:
         speakers = self.dialect_languages.get(name)
         if speakers is not None:
             by = f"voice {', '.join(speakers)}" if speakers else "a dialect voice"
-            problem = (f"{language!r} is a dialect, not a language: it is spoken by {by} with "
-                       f"language chinese or auto; choose one of: {valid}")
+            problem = (f"{quoted(language)} is a dialect, not a language: it is spoken by {by} "
+                       f"with language chinese or auto; choose one of: {valid}")
         else:
-            problem = f"unknown language {language!r}; choose one of: {valid}"
+            problem = f"unknown language {quoted(language)}; choose one of: {valid}"
         raise InputError("language", problem, code="unknown_language")
 
     def resolve_instruct(self, instruct: str | None, ignore_unsupported: bool = False

@@ -15,6 +15,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from starlette.datastructures import UploadFile
 
+from engine.errors import quoted
 from service.errors import ApiError
 from service.openapi import ERRORS_GET_API, Responses, _err
 from service.routes.context import request_context
@@ -175,7 +176,7 @@ def _voice_id(request: Request, st: State) -> str:
     """The path's id; on a model that does not clone there are no stored voices to look at."""
     voice_id = str(request.path_params["voice_id"])
     if not st.model.clones:
-        raise ApiError(404, f"voice_id: no voice {voice_id!r} (this model does not clone)",
+        raise ApiError(404, f"voice_id: no voice {quoted(voice_id)} (this model does not clone)",
                        field="voice_id", code="voice_not_found")
     return voice_id
 

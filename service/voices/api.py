@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from engine.errors import quoted
 from service.errors import ApiError
 from service.pool import PoolDraining, PoolFull, PoolNotReady
 from service.protocol import Cloned, Failed, Job, TimedOut, WorkerDied
@@ -73,8 +74,8 @@ def _can_exist(voice_id: str) -> bool:
 
 
 def _unknown(field: str, voice_id: str) -> ApiError:
-    shown = voice_id if len(voice_id) <= 64 else voice_id[:64] + "..."
-    return ApiError(404, f"{field}: no voice {shown!r}", field=field, code="voice_not_found")
+    return ApiError(404, f"{field}: no voice {quoted(voice_id)}", field=field,
+                    code="voice_not_found")
 
 
 def check_model(st: State, v: StoredVoice) -> None:

@@ -119,6 +119,23 @@ def test_worker_errors_name_the_openai_fields(server: Any) -> None:
     assert r.status_code == 400 and r.json()["error"]["field"] == "instructions"
 
 
+def test_long_values_are_not_echoed_whole(server: Any) -> None:
+    """An error names a client's unknown key, voice, language or voice id by its first
+    characters only: a 200 kB one made a 600 kB answer (key, message and field) and log line."""
+    big = "x" * 200_000
+    cases = [("/tts", {"text": "hi", "voice": "ryan", big: 1}, big[:64]),
+             ("/tts", {"text": "hi", "voice": big}, "voice"),
+             ("/tts", {"text": "hi", "voice": "ryan", "language": big}, "language"),
+             ("/v1/audio/speech", {"model": "qtts", "input": "hi", "voice": "ryan",
+                                   "language": " " + big}, "language")]
+    for route, body, name in cases:
+        r = httpx.post(server.url + route, json=body, timeout=60)
+        assert r.status_code == 400, r.text[:300]
+        assert len(r.content) < 2000, r.text[:300]
+        assert r.json()["error"]["field"].startswith(name), r.text[:300]
+    assert max(len(line) for line in server.log().splitlines()) < 4000
+
+
 def test_token_caps_are_checked_before_the_queue(server: Any) -> None:
     """A text over its token cap is a 400 ``too_long`` from the front end, like a text over
     the character cap: it never reaches a worker (queued behind other work it would wait for
