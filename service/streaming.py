@@ -308,6 +308,7 @@ class SynthesisResponse(Response):
         data = await asyncio.to_thread(encode_whole, syn.fmt, audio, st.model.sample_rate)
         st.metrics.stage_seconds.labels(stage="encode").observe(time.perf_counter() - t0)
         ctype = CONTENT_TYPES[syn.fmt]
+        self._first_audio()  # (before the done event, which reports it)
         if syn.sse:
             syn.audio_seconds_out = len(audio) / st.model.sample_rate
             data = sse_delta(data) + sse_done(syn, st.model.frame_rate)
@@ -315,7 +316,6 @@ class SynthesisResponse(Response):
         await send({"type": "http.response.start", "status": 200,
                     "headers": self._head(ctype, len(data))})
         await send({"type": "http.response.body", "body": data, "more_body": False})
-        self._first_audio()
         dur = len(audio) / st.model.sample_rate
         syn.audio_seconds_out = dur
         st.metrics.audio_seconds.inc(dur)

@@ -168,6 +168,14 @@ def test_openai_sse_stream_format(server: Server) -> None:
     assert len(deltas) >= 2
     pcm = b"".join(base64.b64decode(e["audio"]) for e in deltas)
     assert len(pcm) == n * FRAME_SAMPLES * 2
+    assert events[-1]["qtts"]["ttfa_seconds"] > 0
+    # the whole file as one event (stream false): its done event reports first audio too
+    r = httpx.post(server.url + "/v1/audio/speech", timeout=60, json={
+        "model": "qtts", "voice": "ryan", "input": "", "response_format": "flac",
+        "stream_format": "sse", "stream": False, "codes": codes(n, seed=5)})
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
+    assert [e["type"] for e in events] == ["speech.audio.delta", "speech.audio.done"]
+    assert events[-1]["qtts"]["ttfa_seconds"] > 0
 
 
 def test_a_first_chunk_of_two_frames_on_the_wire(service_model: Path,
