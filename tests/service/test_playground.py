@@ -220,3 +220,61 @@ def test_the_key_prompt_keeps_the_key_in_the_session(browser: Any, keyed_server:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "playground-phone.png"), full_page=True)
     page.context.close()
+
+
+@pytest.fixture(scope="module")
+def base_server(base_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    s = Server(base_gguf, tmp_path_factory.mktemp("playground-base"), workers=1)
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop()
+
+
+def test_a_base_model_clones_a_voice_and_speaks_it(browser: Any, base_server: Server,
+                                                   tmp_path: Path) -> None:
+    """A Base model has no built-in voices: the page offers cloning (a real espeak-ng
+    reference uploaded through the form), lists the cloned voice and speaks in it. Before
+    that, synthesizing says to clone a voice first (it sent voice "default": a 400)."""
+    from tests.service.voices_helpers import REF_TEXT, reference
+
+    ref = tmp_path / "me.wav"
+    ref.write_bytes(reference(tmp_path))
+    page = _page(browser)
+    page.goto(base_server.url + "/playground")
+    page.wait_for_function(
+        "() => document.getElementById('status').textContent.includes('clone a voice')")
+    assert page.is_visible("#clone")
+    assert page.eval_on_selector_all("#voice option", "os => os.length") == 0
+    page.fill("#max-seconds", "1")
+    page.click("#go")
+    page.wait_for_selector("#error", state="visible")
+    assert "clone one first" in page.text_content("#error")
+
+    page.set_input_files("#clone-audio", str(ref))
+    page.fill("#clone-name", "me")
+    page.fill("#clone-transcript", REF_TEXT)
+    page.click("#clone-go")
+    page.wait_for_function(
+        "() => document.getElementById('status').textContent.startsWith('Cloned')")
+    assert page.is_hidden("#error")
+    assert "(icl," in page.text_content("#status")
+    vid = page.eval_on_selector("#voice", "s => s.value")
+    assert vid.startswith("voice_")
+    assert page.eval_on_selector("#voice", "s => s.selectedOptions[0].textContent") == "me (cloned)"
+    stored = httpx.get(base_server.url + "/v1/audio/voices").json()["data"]
+    assert [(v["id"], v["name"]) for v in stored] == [(vid, "me")]
+
+    page.fill("#text", "Hello in my own voice.")
+    page.click("#go")
+    s = _synthesize_and_wait(page)
+    assert s["errors"][1:] == [] and s["done"] is not None and s["nSamples"] > 0
+    assert page.evaluate("window.qttsPlayground.request.voice") == vid
+    # a second clone of the same name: the server's 409 in words, the list unchanged
+    page.click("#clone-go")
+    page.wait_for_function("() => !document.getElementById('error').hidden")
+    assert "Error 409" in page.text_content("#error")
+    assert page.eval_on_selector_all("#voice option", "os => os.length") == 1
+    assert not [m for m in page.qtts_console if "Content Security Policy" in m], page.qtts_console
+    page.context.close()

@@ -126,32 +126,97 @@ async function getJson(path) {
 
 // ---- model, voices, languages ------------------------------------------------------------------
 
+// values: strings (shown as they are) or [value, label] pairs
 function fillSelect(select, values, preferred) {
   select.textContent = "";
   for (const v of values) {
+    const [value, label] = Array.isArray(v) ? v : [v, v];
     const opt = document.createElement("option");
-    opt.value = v;
-    opt.textContent = v;
+    opt.value = value;
+    opt.textContent = label;
     select.appendChild(opt);
   }
-  if (preferred && values.includes(preferred)) select.value = preferred;
+  if (preferred && [...select.options].some((o) => o.value === preferred)) {
+    select.value = preferred;
+  }
 }
 
-async function loadModel() {
+// A Base model speaks cloned voices only; it makes them (POST /v1/audio/voices) when its file
+// keeps the two encoders. A CustomVoice model has built-in voices.
+function speaksClones(model) {
+  return model.model_type === "base";
+}
+
+function clones(model) {
+  return speaksClones(model) && model.parts.includes("speaker_encoder") &&
+    model.parts.includes("codec_encoder");
+}
+
+async function loadModel(preferredVoice) {
   try {
     const models = await getJson("/v1/models");
     state.model = models.data[0];
     const voices = await getJson("/v1/audio/voices");
-    fillSelect($("voice"), voices.voices);
+    // the built-in voices, then the caller's cloned ones (by id, shown by name)
+    const cloned = voices.data.filter((v) => v.object === "audio.voice")
+      .map((v) => [v.id, `${v.name} (cloned)`]);
+    fillSelect($("voice"), [...voices.voices, ...cloned], preferredVoice);
     fillSelect($("language"), ["auto", ...voices.languages], "auto");
+    $("clone").hidden = !clones(state.model);
     const note = state.model.synthetic ? " (synthetic test model: its audio is noise)" : "";
     setStatus(`Model ${state.model.id}${note}: ready.`);
+    if (speaksClones(state.model) && !cloned.length) {
+      setStatus(`Model ${state.model.id}${note}: clone a voice below to speak.`);
+    }
     if (!state.model.text) {
       setStatus(`Model ${state.model.id} cannot speak text in this build (decoder only).`);
     }
   } catch (e) {
     showError(e.message);
     setStatus("Could not load the model's voices.");
+  }
+}
+
+async function cloneVoice() {
+  clearError();
+  const file = $("clone-audio").files[0];
+  if (!file) {
+    showError("Choose a reference audio file to clone (field: audio_sample).");
+    return;
+  }
+  const form = new FormData();
+  form.append("audio_sample", file, file.name);
+  form.append("name", $("clone-name").value.trim() || file.name.replace(/\.[^.]*$/, ""));
+  const transcript = $("clone-transcript").value.trim();
+  if (transcript) form.append("transcript", transcript);
+  $("clone-go").disabled = true;
+  setStatus("Cloning (the server encodes the reference)…");
+  try {
+    for (;;) {
+      const resp = await api("/v1/audio/voices", { method: "POST", body: form });
+      if (resp.status === 401) {
+        const text = await describeError(resp);
+        if (await askKey(text + ". Enter the server's API key:")) continue;
+        showError(text);
+        setStatus("Not cloned.");
+        return;
+      }
+      if (!resp.ok) {
+        showError(await describeError(resp));
+        setStatus("Not cloned.");
+        return;
+      }
+      const voice = await resp.json();
+      await loadModel(voice.id);
+      setStatus(`Cloned "${voice.name}" (${voice.mode}, ${voice.reference_seconds} s of ` +
+        "reference): it is the selected voice now.");
+      return;
+    }
+  } catch (e) {
+    showError(`The request failed: ${e.message}`);
+    setStatus("Not cloned.");
+  } finally {
+    $("clone-go").disabled = false;
   }
 }
 
@@ -424,6 +489,10 @@ function handleEvent(block) {
 async function synthesize() {
   if (state.running) return;
   clearError(); // the server checks the input and says which field is wrong
+  if (state.model && speaksClones(state.model) && !$("voice").value) {
+    showError("This Base model speaks cloned voices only: clone one first (Clone a voice).");
+    return;
+  }
   await audioGraph();
   stopAudio();
   resetResult();
@@ -551,12 +620,16 @@ document.addEventListener("DOMContentLoaded", () => {
   document.addEventListener("keydown", (ev) => {
     if (ev.key === "Escape" && state.running && !$("key-dialog").open) stop();
   });
+  $("clone-form").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    cloneVoice();
+  });
   $("stop").addEventListener("click", stop);
   $("download").addEventListener("click", download);
   $("key-button").addEventListener("click", async () => {
     if (await askKey()) {
       clearError();
-      loadModel();
+      loadModel($("voice").value);
     }
   });
   $("speed").addEventListener("input", () => {
