@@ -28,6 +28,7 @@ from service.voices.api import (
     stored_voice,
     voice_object,
 )
+from service.voices.form import read_form
 from service.voices.owners import request_owner
 
 router = APIRouter(tags=["voices"])
@@ -103,12 +104,8 @@ async def create(request: Request, st: StateDep) -> dict[str, Any]:
     if "speaker_encoder" not in m.parts:
         raise ApiError(422, "file: this model file has no speaker encoder (converted without "
                        "it): it cannot clone", field="file", code="cloning_unavailable")
-    try:
-        form = await request.form(max_files=1, max_fields=len(TEXT_FIELDS) + 1,
-                                  max_part_size=max(s.max_text_chars * 4, 1024 * 64))
-    except Exception as exc:  # starlette's MultiPartException and the parser's own errors
-        raise ApiError(400, f"body: not a readable multipart form ({exc})", field="body",
-                       code="invalid_form") from None
+    form = await read_form(request, max_files=1, max_fields=len(TEXT_FIELDS) + 1,
+                           max_part_size=max(s.max_text_chars * 4, 1024 * 64))
     unknown = [k for k in form if k not in FILE_FIELDS + TEXT_FIELDS]
     if unknown:
         raise ApiError(400, f"{unknown[0]}: is not a known field", field=unknown[0],

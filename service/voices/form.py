@@ -10,7 +10,7 @@ import base64
 import json
 from typing import Any
 
-from starlette.datastructures import UploadFile
+from starlette.datastructures import FormData, UploadFile
 from starlette.requests import Request
 from starlette.types import Message, Scope
 
@@ -20,6 +20,30 @@ BOOLS = ("stream", "x_vector_only")
 FLOATS = ("speed", "max_seconds", "temperature", "top_p", "repetition_penalty")
 INTS = ("seed", "top_k")
 FILES = ("ref_audio",)
+
+
+async def read_form(request: Request, max_files: int, max_fields: int,
+                    max_part_size: int) -> FormData:
+    """The request's multipart form; a 400 naming the problem when it cannot be read, when a
+    part without a filename (a text field to the parser) is over ``max_part_size``, or when a
+    field comes twice."""
+    try:
+        form = await request.form(max_files=max_files, max_fields=max_fields,
+                                  max_part_size=max_part_size)
+    except Exception as exc:  # starlette's MultiPartException and the parser's own errors
+        if "exceeded maximum size" in str(exc):
+            raise ApiError(400, f"body: a form field is over {max_part_size // 1024} KB: text "
+                           "fields must be shorter, and a file must be sent as a file part "
+                           "(with a filename in its Content-Disposition)", field="body",
+                           code="invalid_form") from None
+        raise ApiError(400, f"body: not a readable multipart form ({exc})", field="body",
+                       code="invalid_form") from None
+    for key in form:
+        if len(form.getlist(key)) > 1:
+            await form.close()
+            raise ApiError(400, f"{key[:64]}: sent twice", field=key[:64],
+                           code="invalid_value")
+    return form
 
 
 async def form_to_json(scope: Scope, body: bytes, max_text: int) -> bytes:
@@ -32,16 +56,10 @@ async def form_to_json(scope: Scope, body: bytes, max_text: int) -> bytes:
         sent[0] = True
         return {"type": "http.request", "body": body, "more_body": False}
 
-    request = Request(scope, receive)
-    try:
-        form = await request.form(max_files=1, max_fields=32, max_part_size=max_text * 4 + 1024)
-    except Exception as exc:  # starlette's MultiPartException and the parser's own errors
-        raise ApiError(400, f"body: not a readable multipart form ({exc})", field="body",
-                       code="invalid_form") from None
+    form = await read_form(Request(scope, receive), max_files=1, max_fields=32,
+                           max_part_size=max_text * 4 + 1024)
     out: dict[str, Any] = {}
     for key, value in form.multi_items():
-        if key in out:
-            raise ApiError(400, f"{key}: sent twice", field=key, code="invalid_value")
         if isinstance(value, UploadFile):
             if key not in FILES:
                 raise ApiError(400, f"{key}: must be text, not a file", field=key,

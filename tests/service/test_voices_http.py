@@ -208,6 +208,8 @@ def _tone(seconds: float, rate: int = 24000) -> bytes:
     ("unknown_field", 400, "colour", "not a known field"),
     ("bad_flag", 400, "x_vector_only", "true or false"),
     ("empty_file", 400, "audio_sample", "empty"),
+    ("file_without_filename", 400, "body", "sent as a file part"),
+    ("name_twice", 400, "name", "sent twice"),
 ])  # fmt: skip
 def test_bad_creates_are_clear_and_store_nothing(base: Server, ref: bytes, case: str,
                                                  status: int, field: str, words: str) -> None:
@@ -236,6 +238,15 @@ def test_bad_creates_are_clear_and_store_nothing(base: Server, ref: bytes, case:
                        headers={"content-type": "multipart/form-data; boundary=b"},
                        content=b'--b\r\nContent-Disposition: form-data; name="name"\r\n\r\n'
                        b"bad-no_file\r\n--b--\r\n")
+    elif case == "file_without_filename":  # to the parser, a text field of the audio's size
+        assert len(ref) > 64 * 1024
+        r = httpx.post(url, timeout=60,
+                       headers={"content-type": "multipart/form-data; boundary=b"},
+                       content=b'--b\r\nContent-Disposition: form-data; name="audio_sample"'
+                       b"\r\n\r\n" + ref + b'\r\n--b\r\nContent-Disposition: form-data; '
+                       b'name="name"\r\n\r\n' + name.encode() + b"\r\n--b--\r\n")
+    elif case == "name_twice":
+        r = httpx.post(url, data={**data, "name": [name, "other"]}, files=files, timeout=120)
     else:
         r = httpx.post(url, data=data, files=files, timeout=120)
     assert r.status_code == status, r.text
