@@ -10,6 +10,7 @@ length, silence, transcript) is checked by the worker that clones it.
 from __future__ import annotations
 
 import re
+import unicodedata
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
@@ -39,7 +40,8 @@ TEXT_FIELDS = ("name", "transcript", "ref_text", "x_vector_only", "consent", "ty
 # libsndfile or FFmpeg reads, so this refuses only what is plainly not audio (a JSON, text or
 # image part)
 AUDIO_TYPES = re.compile(r"^(audio/[\w.+-]+|video/(mp4|webm|ogg)|application/(ogg|octet-stream))$")
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+# C0/C1 controls and the bidirectional controls (a name that reads differently than it sorts)
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
 ERRORS_CREATE: Responses = {
     400: _err("a bad form field (named in `field`): no file, empty or too long name, "
               "undecodable, silent, too short or too long reference, empty transcript"),
@@ -129,14 +131,17 @@ async def create(request: Request, st: StateDep) -> dict[str, Any]:
     if not audio:
         raise ApiError(400, f"{field}: is empty", field=field, code="empty")
     name = _text(form, "name")
-    if name is None or not name.strip():
+    # one spelling per name (NFC: "café" composed or not is one name); nothing but spaces and
+    # invisible format characters (zero-width space, ...) is no name
+    name = unicodedata.normalize("NFC", name).strip() if name is not None else ""
+    if all(unicodedata.category(c) in ("Cf", "Zs", "Zl", "Zp") for c in name):
         raise ApiError(400, "name: is empty: give the voice a name", field="name", code="empty")
-    name = name.strip()
     if len(name) > s.voice_name_max_chars:
         raise ApiError(400, f"name: {len(name)} characters; the limit is "
                        f"{s.voice_name_max_chars}", field="name", code="too_long")
     if _CONTROL.search(name):
-        raise ApiError(400, "name: has control characters", field="name", code="invalid_value")
+        raise ApiError(400, "name: has control characters (C0, C1 or bidirectional)",
+                       field="name", code="invalid_value")
     transcript = _text(form, "transcript") or _text(form, "ref_text")
     if transcript is not None and len(transcript) > s.max_text_chars:
         raise ApiError(400, f"transcript: {len(transcript)} characters; the limit is "

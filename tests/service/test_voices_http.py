@@ -210,6 +210,9 @@ def _tone(seconds: float, rate: int = 24000) -> bytes:
     ("empty_file", 400, "audio_sample", "empty"),
     ("file_without_filename", 400, "body", "sent as a file part"),
     ("name_twice", 400, "name", "sent twice"),
+    ("c1_name", 400, "name", "control characters"),
+    ("bidi_name", 400, "name", "control characters"),
+    ("invisible_name", 400, "name", "empty"),
 ])  # fmt: skip
 def test_bad_creates_are_clear_and_store_nothing(base: Server, ref: bytes, case: str,
                                                  status: int, field: str, words: str) -> None:
@@ -227,6 +230,9 @@ def test_bad_creates_are_clear_and_store_nothing(base: Server, ref: bytes, case:
         data["name"] = "   "
     elif case == "long_name":
         data["name"] = "n" * 129
+    elif case in ("c1_name", "bidi_name", "invisible_name"):
+        data["name"] = {"c1_name": "a\u0085b", "bidi_name": "evil\u202egnp.exe",
+                        "invisible_name": "\u200b \u2060"}[case]
     elif case == "unknown_field":
         data["colour"] = "blue"
     elif case == "bad_flag":
@@ -261,6 +267,10 @@ def test_duplicate_names_are_refused_per_owner(base: Server, ref: bytes) -> None
     again = create(base, ref, "twin", x_vector_only="true")
     assert again.status_code == 409 and again.json()["error"]["code"] == "duplicate_name"
     assert _names(base).count("twin") == 1
+    # one spelling per name: composed and decomposed "café" are the same name (NFC)
+    assert create(base, ref, "caf\u00e9", x_vector_only="true").status_code == 200
+    same = create(base, ref, "cafe\u0301", x_vector_only="true")
+    assert same.status_code == 409 and same.json()["error"]["code"] == "duplicate_name"
 
 
 def test_twenty_parallel_creates_and_deletes(base: Server, ref: bytes) -> None:
