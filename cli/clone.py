@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
+from cli.paths import output_file, positive_seconds
 from engine.clone.audio import DEFAULT_MAX_SECONDS
 from engine.errors import InputError
 from engine.options import EngineOptions
@@ -22,7 +22,7 @@ def add_clone_voice_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--text", default=None, help="transcript of the reference (in-context mode)")
     p.add_argument("--x-vector-only", action="store_true",
                    help="speaker embedding only (no transcript; weaker likeness)")
-    p.add_argument("--max-seconds", type=float, default=DEFAULT_MAX_SECONDS,
+    p.add_argument("--max-seconds", type=positive_seconds, default=DEFAULT_MAX_SECONDS,
                    help=f"longest reference accepted (default {DEFAULT_MAX_SECONDS:g})")
     p.add_argument("-o", "--out", required=True, help="output .qvoice file")
 
@@ -46,9 +46,7 @@ def run_clone_voice(args: argparse.Namespace, options: EngineOptions) -> int:
     from engine.gguf_model import open_model
     from engine.talker.prompt import PromptBuilder
 
-    out = Path(args.out)
-    if not out.parent.exists():
-        raise InputError("out", f"{args.out}: folder does not exist")
+    out = output_file(args.out, "--out", (".qvoice",))
     if args.x_vector_only and args.text:
         raise InputError("text", "--x-vector-only uses no transcript; drop one of them")
     model = open_model(args.model)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from cli.paths import output_file, write_wav
 from engine.errors import InputError
 from engine.options import EngineOptions
 
@@ -21,6 +21,9 @@ def load_codes(path: str, n_quantizers: int) -> np.ndarray[Any, Any]:
         raise InputError("codes", f"{path}: no such file") from None
     except (OSError, ValueError) as exc:
         raise InputError("codes", f"{path}: not a readable .npy array ({exc})") from None
+    if not isinstance(arr, np.ndarray):  # an .npz archive: several arrays, which one?
+        arr.close()
+        raise InputError("codes", f"{path}: an .npz archive; give one array saved as .npy")
     if arr.ndim == 2 and arr.shape[0] != n_quantizers and arr.shape[1] == n_quantizers:
         print(f"qtts: {path}: codes given as [T, {n_quantizers}] {list(arr.shape)}; transposed "
               f"to [{n_quantizers}, T]", file=sys.stderr)
@@ -31,20 +34,19 @@ def load_codes(path: str, n_quantizers: int) -> np.ndarray[Any, Any]:
 def run_decode(model_path: str, codes_path: str, out_path: str, stream_chunk: int,
                precision: str, options: EngineOptions) -> int:
     """Decode and write the WAV; returns the exit status."""
-    import soundfile as sf
-
     from engine.backend import BackendSet
     from engine.decoder import DecoderModel, StreamingDecoder, decode, validate_codes
     from engine.gguf_model import open_model
 
+    out = output_file(out_path, "--out", (".wav",))
+    if stream_chunk < 0:
+        raise InputError("--stream-chunk", f"{stream_chunk}: must be >= 1 (or 0: not streamed)")
     model = open_model(model_path)
     model.require("decoder")
     cfg = model.decoder_config
     assert cfg is not None
     codes = validate_codes(load_codes(codes_path, cfg.num_quantizers), cfg.num_quantizers,
                            cfg.codebook_size)
-    if not Path(out_path).parent.exists():
-        raise InputError("out", f"{out_path}: folder does not exist")
     dec = DecoderModel.load(model, BackendSet.from_options(options), precision)  # type: ignore[arg-type]
     started = time.perf_counter()
     if stream_chunk > 0:
@@ -57,7 +59,7 @@ def run_decode(model_path: str, codes_path: str, out_path: str, stream_chunk: in
         if options.profile:
             timings.report("decode")
     elapsed = time.perf_counter() - started
-    sf.write(out_path, audio, dec.sample_rate, subtype="FLOAT")
+    write_wav(out, audio, dec.sample_rate, "--out")
     seconds = audio.size / dec.sample_rate
     print(f"qtts: wrote {out_path}: {seconds:.2f} s of audio in {elapsed:.2f} s "
           f"(RTF {elapsed / seconds:.3f}, {dec.precision})", file=sys.stderr)

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from cli.paths import count
 from engine.errors import QttsError
 from engine.options import EngineOptions
 
@@ -86,7 +88,7 @@ def _add_make_model(sub: SubParsers) -> None:
         "--size", choices=SIZES, required=True,
         help="tiny (tests), 0.6b (= full) or 1.7b (released dims)",
     )
-    p.add_argument("--seed", type=int, default=0, help="random seed (0)")
+    p.add_argument("--seed", type=count(0), default=0, help="random seed (0)")
     p.add_argument(
         "--variant", choices=VARIANTS, default="custom_voice",
         help="custom_voice (named speakers), base (voice cloning) or voice_design",
@@ -337,6 +339,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return func(args)
     except QttsError as exc:
         print(f"qtts: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except BrokenPipeError:
+        # the reader went away (`qtts tokenize ... | head`): nothing more to say, and the
+        # interpreter's flush at exit must not fail on the closed pipe again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_ERROR
     except KeyboardInterrupt:
         print("qtts: interrupted", file=sys.stderr)

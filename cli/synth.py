@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from cli.clone import add_synth_voice_arguments, voice_from_args
+from cli.paths import count, output_file, write_wav
 from engine.errors import InputError
 from engine.options import EngineOptions
 
@@ -23,34 +23,31 @@ def add_synth_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--voice", default=None, help="speaker name (see `qtts voices`)")
     p.add_argument("--language", default=None, help="language name or auto (default auto)")
     p.add_argument("--instruct", default=None, help="style instruction (1.7B / VoiceDesign)")
-    p.add_argument("--seed", type=int, default=None, help="random seed (reproducible sampling)")
+    p.add_argument("--seed", type=count(0), default=None,
+                   help="random seed (reproducible sampling)")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (no sampling)")
     p.add_argument("--text-mode", choices=["full", "stream"], default=None,
                    help="full: whole text in the prompt; stream: one token per frame (default: "
                    "stream for a cloned voice, as the reference clones, else full)")
-    p.add_argument("--max-frames", type=int, default=None,
+    p.add_argument("--max-frames", type=count(1), default=None,
                    help="frame budget (default: 40 + 12 per text token)")
     p.add_argument("--save-codes", default=None, help="also write the codes [16, T] as .npy")
     p.add_argument("--precision", choices=["exact", "fast"], default="fast",
                    help="decoder precision (exact: F32 everywhere)")
     p.add_argument("--kv-type", choices=["f16", "f32"], default="f16", help="KV cache type")
-    p.add_argument("--chunk", type=int, default=8, help="largest chunk of the ramp, in frames")
+    p.add_argument("--chunk", type=count(1), default=8, help="largest chunk of the ramp, in frames")
     add_synth_voice_arguments(p)
 
 
 def run_synth(args: argparse.Namespace, options: EngineOptions) -> int:
     """Synthesize, write the WAV (and codes), print a one-line summary; returns exit status."""
-    import soundfile as sf
-
     from engine.backend import BackendSet
     from engine.gguf_model import open_model
     from engine.pipeline import Pipeline, StreamInfo, SynthesisRequest
 
-    out = Path(args.out)
-    if not out.parent.exists():
-        raise InputError("out", f"{args.out}: folder does not exist")
-    if args.save_codes and not Path(args.save_codes).parent.exists():
-        raise InputError("save_codes", f"{args.save_codes}: folder does not exist")
+    out = output_file(args.out, "--out", (".wav",))
+    if args.save_codes:
+        output_file(args.save_codes, "--save-codes", (".npy",))
     model = open_model(args.model)
     model.require("talker")
     backends = BackendSet.from_options(options)
@@ -75,7 +72,7 @@ def run_synth(args: argparse.Namespace, options: EngineOptions) -> int:
         pieces.append(chunk.audio)
     elapsed = time.perf_counter() - t0
     audio = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)
-    sf.write(str(out), audio, pipe.sample_rate, subtype="FLOAT")
+    write_wav(out, audio, pipe.sample_rate, "--out")
     if args.save_codes:
         codes = (np.concatenate(info.codes, axis=1) if info.codes
                  else np.zeros((16, 0), dtype=np.int32))

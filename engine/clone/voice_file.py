@@ -16,6 +16,7 @@ import hashlib
 import io
 import json
 import os
+import stat
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -79,11 +80,22 @@ def save(path: str | os.PathLike[str], voice: VoicePrompt) -> Path:
     return p
 
 
+def _read_file(p: Path, name: str) -> bytes:
+    """The file's bytes, once it is known to be a regular file of a voice file's size (a
+    device such as /dev/zero would be read until memory runs out)."""
+    st = p.stat()
+    if not stat.S_ISREG(st.st_mode):
+        raise InputError(FIELD, f"{name}: not a regular file")
+    if st.st_size > MAX_BYTES:
+        raise InputError(FIELD, f"{name} is {st.st_size} bytes; not a qtts voice file")
+    return p.read_bytes()
+
+
 def load(src: str | os.PathLike[str] | bytes, fingerprint: str | None = None) -> VoicePrompt:
     """Read a voice; with ``fingerprint``, refuse one made for another model."""
     name = "the voice file" if isinstance(src, bytes) else str(src)
     try:
-        raw = src if isinstance(src, bytes) else Path(src).read_bytes()
+        raw = src if isinstance(src, bytes) else _read_file(Path(src), name)
     except FileNotFoundError:
         raise InputError(FIELD, f"{name}: file not found") from None
     except OSError as exc:

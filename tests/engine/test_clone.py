@@ -579,6 +579,8 @@ def test_cli_clone_voice_then_synth(base_dir: Path, speech: Path, tmp_path: Path
           str(tmp_path / "b.qvoice")], "qtts: text: "),
         (["synth", "Hi.", "--model", model, "--voice-file", str(bad), "-o", str(out)],
          "not a qtts voice file"),
+        (["synth", "Hi.", "--model", model, "--voice-file", "/dev/zero", "-o", str(out)],
+         "not a regular file"),  # (once read until memory ran out)
         (["synth", "Hi.", "--model", model, "--ref-text", "x", "-o", str(out)],
          "--ref-text needs --ref-audio"),
     ):  # fmt: skip

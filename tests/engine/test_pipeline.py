@@ -321,3 +321,62 @@ def test_stress_model_seeds_give_different_speech(stress_pipe: Pipeline) -> None
     a, b = codes(1), codes(2)
     assert np.array_equal(a, codes(1))
     assert np.mean(a != b) > 0.5
+
+
+def test_cli_output_paths_are_checked_before_any_work(stress_gguf: Path, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]
+                                                      ) -> None:  # fmt: skip
+    """A file the command could not write is a one-line error naming the option, found before
+    the model is even opened (a synthesis used to run whole, then end in libsndfile's
+    traceback); a bad codes file or chunk size too."""
+    (tmp_path / "adir").mkdir()
+    codes = tmp_path / "c.npy"
+    np.save(codes, np.zeros((16, 2), np.int32))
+    np.savez(tmp_path / "c.npz", a=np.zeros((16, 2), np.int32))
+    nowhere = str(tmp_path / "no-such.gguf")  # checked after the output: never reached
+    synth = ["synth", "Hello.", "--model", nowhere, "--voice", "ryan"]
+    decode = ["decode", "--model", nowhere, "--codes", str(codes)]
+    for argv, words in (
+        ([*synth, "-o", str(tmp_path / "adir")], "--out: "),
+        ([*synth, "-o", str(tmp_path / "x.mp3")], "the name must end in .wav"),
+        ([*synth, "-o", str(tmp_path / "gone" / "x.wav")], "does not exist"),
+        ([*synth, "-o", "/dev/full"], "not a regular file"),
+        ([*synth, "-o", ""], "not a file name"),
+        ([*synth, "-o", str(tmp_path / "o.wav"), "--save-codes", str(tmp_path / "adir")],
+         "--save-codes: "),
+        ([*decode, "--out", str(tmp_path / "x.flac")], "the name must end in .wav"),
+        ([*decode, "--out", str(tmp_path / "o.wav"), "--stream-chunk", "-3"], "must be >= 1"),
+        (["decode", "--model", str(stress_gguf), "--codes", str(tmp_path / "c.npz"), "--out",
+          str(tmp_path / "o.wav")], "an .npz archive"),
+    ):  # fmt: skip
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert words in err and "Traceback" not in err and err.count("\n") == 1, (argv, err)
+    assert not (tmp_path / "adir.npy").exists()
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["make-model", "{tmp}/m", "--size", "tiny", "--seed", "-1"], "--seed: -1 must be >= 0"),
+    (["synth", "x", "--model", "m.gguf", "--voice", "ryan", "--max-frames", "0", "-o",
+      "{tmp}/o.wav"], "--max-frames: 0 must be >= 1"),
+    (["synth", "x", "--model", "m.gguf", "--voice", "ryan", "--seed", "-4", "-o", "{tmp}/o.wav"],
+     "--seed: -4 must be >= 0"),
+    (["clone-voice", "--model", "m.gguf", "--audio", "a.wav", "--max-seconds", "nan", "-o",
+      "{tmp}/v.qvoice"], "--max-seconds: nan must be a number of seconds above 0"),
+    (["clone-voice", "--model", "m.gguf", "--audio", "a.wav", "--max-seconds", "0", "-o",
+      "{tmp}/v.qvoice"], "--max-seconds: 0 must be a number of seconds above 0"),
+])  # fmt: skip
+def test_cli_numbers_out_of_range_are_refused_by_name(argv: list[str], words: str,
+                                                      tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]
+                                                      ) -> None:  # fmt: skip
+    """A number outside its range is argparse's usage error naming the option: it used to be
+    taken (a seed of -1 left a half-written model folder and a traceback; 0 frames meant the
+    default; 0 seconds blamed the audio for being over 0 s long)."""
+    with pytest.raises(SystemExit) as exit_:
+        main([a.replace("{tmp}", str(tmp_path)) for a in argv])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: argument {words}" in err and "Traceback" not in err, err
+    assert list(tmp_path.iterdir()) == []
+

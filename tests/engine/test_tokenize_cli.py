@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 import unicodedata
@@ -80,3 +81,14 @@ def test_bytes_that_are_not_utf8_on_the_command_line(tiny_gguf: Path) -> None:
     assert done.stderr.decode().splitlines()[-1] == (
         "qtts: text: has a lone surrogate U+DCFF at character 1: not valid Unicode text")
     assert b"Traceback" not in done.stderr
+
+
+def test_a_reader_that_stops_early_is_no_traceback(tiny_gguf: Path) -> None:
+    """``qtts tokenize ... | head``: the closed pipe ends the command quietly."""
+    text = "one two three four five " * 4000  # output far beyond the pipe's buffer
+    done = subprocess.run(
+        f"{shlex.quote(sys.executable)} -m cli tokenize --model {shlex.quote(str(tiny_gguf))} "
+        "--tokens | head -c 100", shell=True, input=text, capture_output=True, text=True,
+        timeout=120)
+    assert len(done.stdout) == 100
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
