@@ -161,7 +161,7 @@ async function loadModel(preferredVoice) {
     const cloned = voices.data.filter((v) => v.object === "audio.voice")
       .map((v) => [v.id, `${v.name} (cloned)`]);
     fillSelect($("voice"), [...voices.voices, ...cloned], preferredVoice);
-    fillSelect($("language"), ["auto", ...voices.languages], "auto");
+    fillSelect($("language"), [...new Set(["auto", ...voices.languages])], "auto");
     $("clone").hidden = !clones(state.model);
     const note = state.model.synthetic ? " (synthetic test model: its audio is noise)" : "";
     setStatus(`Model ${state.model.id}${note}: ready.`);
