@@ -165,11 +165,14 @@ _BEARER = "bearer."
 
 
 def bearer_token(headers: Mapping[str, str]) -> str:
-    """The API key a WebSocket handshake carries: a bearer ``Authorization`` header, or a
-    ``bearer.KEY`` entry of ``Sec-WebSocket-Protocol`` (what a browser can set); "" if none."""
+    """The API key a WebSocket handshake carries: a bearer ``Authorization`` header, an
+    ``X-API-Key`` header, or a ``bearer.KEY`` entry of ``Sec-WebSocket-Protocol`` (what a
+    browser can set); "" if none."""
     given = headers.get("authorization", "")
     if given[:7].lower() == "bearer " and given[7:].strip():
         return given[7:].strip()
+    if headers.get("x-api-key", "").strip():  # as the HTTP routes take it
+        return headers["x-api-key"].strip()
     for entry in headers.get("sec-websocket-protocol", "").split(","):
         if entry.strip().startswith(_BEARER):
             return entry.strip()[len(_BEARER):]

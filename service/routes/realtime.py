@@ -95,10 +95,12 @@ class Session:
         self.ticket: Ticket | None = None
         self.backlog = Backlog()  # the next utterance's messages
         # events, audio (with the event that announces it: dropped together) and the end
-        self.out: asyncio.Queue[str | tuple[str | None, bytes] | None] = asyncio.Queue()
-        self.out_bytes = 0  # audio queued for the sender, not yet handed to the socket
+        self.out: asyncio.Queue[str | tuple[str | None, bytes, float] | None] = asyncio.Queue()
+        # seconds of audio queued for the sender, not yet handed to the socket (in seconds,
+        # not bytes: an Opus byte holds ~12x the audio of a PCM one)
+        self.out_seconds = 0.0
         self.sample_rate = st.model.sample_rate
-        self.max_waiting = st.settings.realtime_max_buffered_seconds * self.sample_rate * 2
+        self.max_waiting = st.settings.realtime_max_buffered_seconds
         self.too_slow = False
         self.encoder: Encoder = make_encoder("pcm", self.sample_rate)
 
@@ -106,14 +108,15 @@ class Session:
     def emit(self, event: dict[str, Any]) -> None:
         self.out.put_nowait(json.dumps(event))
 
-    def emit_audio(self, pcm: bytes, event: dict[str, Any] | None = None) -> None:
+    def emit_audio(self, data: bytes, seconds: float, event: dict[str, Any] | None = None
+                   ) -> None:  # fmt: skip
         # Judged when more audio arrives, on what still waits behind the socket: one chunk
         # larger than the cap (16 frames are 1.28 s) is not a slow client, audio the sender
         # could not hand to the socket since the last chunk is.
-        if self.out_bytes > self.max_waiting:
+        if self.out_seconds > self.max_waiting:
             self.too_slow = True
-        self.out_bytes += len(pcm)
-        self.out.put_nowait((json.dumps(event) if event is not None else None, pcm))
+        self.out_seconds += seconds
+        self.out.put_nowait((json.dumps(event) if event is not None else None, data, seconds))
 
     async def _sender(self) -> None:
         while True:
@@ -123,11 +126,11 @@ class Session:
             if isinstance(item, tuple):
                 # handed to the socket: uvicorn's send waits while its transport buffer is
                 # full, so what a client does not read piles up in self.out
-                announce, pcm = item
-                self.out_bytes -= len(pcm)
+                announce, data, seconds = item
+                self.out_seconds -= seconds
                 if announce is not None:
                     await self.ws.send_text(announce)
-                await self.ws.send_bytes(pcm)
+                await self.ws.send_bytes(data)
             else:
                 await self.ws.send_text(item)
 
@@ -192,7 +195,7 @@ class Session:
                     self._cancel()
                     while not self.out.empty():  # what the client did not read is dropped
                         self.out.get_nowait()
-                    self.out_bytes = 0
+                    self.out_seconds = 0.0
                     self.emit({"type": "error", "code": "client_too_slow", "field": None,
                                "message": "the client did not read its audio: more than "
                                f"{s.realtime_max_buffered_seconds:g} s were waiting"})
@@ -237,8 +240,10 @@ class Session:
                 raise session_busy()
             try:  # a stored voice's id: the caller's own, made for this model
                 clone = await clone_use(self.st, self.owner, m.voice)
-            except ApiError as e:
-                raise ProtocolError(e.code or "invalid_value", e.field, e.message) from None
+            except ApiError as e:  # (a store that is down: try again later, not the client's)
+                raise ProtocolError(e.code or "invalid_value", e.field, e.message,
+                                    close=CLOSE_TRY_AGAIN if e.status >= 500 else CLOSE_POLICY
+                                    ) from None  # fmt: skip
             self._job(m, "x", clone)
             if self.utt is not None:  # the one before is still spoken: the next one's
                 self.backlog.add(NextSettings(m, clone))
@@ -356,7 +361,7 @@ class Session:
                             "timings_ms": {k: round(v * 1000, 2) for k, v in timings.items()}}
                 data = self.encoder.encode(np.asarray(audio, dtype=np.float32))
                 if data:
-                    self.emit_audio(data, announce)
+                    self.emit_audio(data, audio.shape[0] / self.sample_rate, announce)
                 else:  # an encoder that holds the audio back (Ogg pages)
                     self.emit(announce)
                 self.st.metrics.audio_seconds.inc(audio.shape[0] / self.sample_rate)
@@ -382,7 +387,7 @@ class Session:
         assert utt is not None
         tail = self.encoder.finish()
         if tail:
-            self.emit_audio(tail)
+            self.emit_audio(tail, 0.0)
         if utt.end_at is not None and utt.last_audio_at is not None and not utt.cancelled:
             self.st.metrics.realtime_behind.observe(max(0.0, utt.last_audio_at - utt.end_at))
         self.emit({"type": "done", "id": utt.job_id,

@@ -584,6 +584,11 @@ def test_auth_header_or_subprotocol_never_url(make_server: Any) -> None:
                 pass
         async with connect(url, additional_headers={"Authorization": f"Bearer {KEY}"}) as ws:
             assert json.loads(await ws.recv())["type"] == "session.started"
+        with pytest.raises(InvalidStatus):
+            async with connect(url, additional_headers={"X-API-Key": "wrong"}):
+                pass
+        async with connect(url, additional_headers={"X-API-Key": KEY}) as ws:  # as HTTP takes it
+            assert json.loads(await ws.recv())["type"] == "session.started"
         async with connect(url, subprotocols=["qtts.v1", f"bearer.{KEY}"]) as ws:  # type: ignore[list-item]
             assert ws.subprotocol == "qtts.v1"
             assert json.loads(await ws.recv())["type"] == "session.started"

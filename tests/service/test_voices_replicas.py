@@ -5,8 +5,10 @@ working), and owners from an API-keys file with their audit lines."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import itertools
+import json
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +73,24 @@ def test_two_replicas_share_one_postgresql_database(
         a.stop()
 
 
+def _realtime_voice(server: Server, voice: str) -> tuple[str, int | None]:
+    """The error code and close code of a realtime session that asks for ``voice``."""
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosed
+
+    async def go() -> tuple[str, int | None]:
+        url = server.url.replace("http://", "ws://") + "/v1/tts/realtime"
+        async with connect(url) as ws:
+            await ws.recv()  # session.started
+            await ws.send(json.dumps({"type": "session", "voice": voice}))
+            event = json.loads(await ws.recv())
+            with pytest.raises(ConnectionClosed):
+                await ws.recv()
+            return event["code"], ws.close_code
+
+    return asyncio.run(go())
+
+
 def test_database_down_is_503_and_the_rest_keeps_working(base_gguf: Path, service_model: Path,
                                                          tmp_path: Path, ref: bytes) -> None:
     pg = Postgres(tmp_path / "pg")  # its own server: this test stops it
@@ -85,6 +105,9 @@ def test_database_down_is_503_and_the_rest_keeps_working(base_gguf: Path, servic
                 assert r.status_code == 503, r.text
                 assert r.headers["retry-after"] == "3"
                 assert r.json()["error"]["code"] == "store_unavailable"
+            # a realtime session naming the voice: the same error, and a close that says
+            # "try again later" (1013), not "your fault" (1008)
+            assert _realtime_voice(s, vid) == ("store_unavailable", 1013)
             # a one-shot reference needs no store
             assert_speech(speak(s, None, ref_audio=base64.b64encode(ref).decode(),
                                 ref_text=REF_TEXT))
