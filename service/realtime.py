@@ -209,6 +209,7 @@ class Utterance:
     last_audio_at: float | None = None
     ended: bool = False  # the client sent end: later text is the next utterance's
     cancelled: bool = False
+    flushed: bool = False  # the last message to the worker was a flush (another adds nothing)
     player: PlaybackClock = field(default_factory=PlaybackClock)
     gaps: int = 0  # stalls once all the text had arrived (see ``stalled``)
 

@@ -283,6 +283,9 @@ class Session:
         if m.type == "end":
             self.utt.ended = True
             self.utt.end_at = time.monotonic()
+        elif self.utt.flushed:
+            return  # a flush after a flush: nothing new to speak (a flood stays here)
+        self.utt.flushed = m.type == "flush"
         self.st.pool.send_text(self.ticket, TextIn(self.utt.job_id, flush=m.type == "flush",
                                                    end=m.type == "end"))
 
@@ -296,8 +299,9 @@ class Session:
     def _text(self, text: str) -> None:
         if self.ticket is None:
             self._start(text)
-        else:
+        elif text:  # (an empty delta adds nothing: a flood of them stays here)
             assert self.utt is not None
+            self.utt.flushed = False
             self.st.pool.send_text(self.ticket, TextIn(self.utt.job_id, text=text))
         assert self.utt is not None
         self.utt.chars += len(text)

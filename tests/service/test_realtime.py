@@ -411,6 +411,38 @@ def test_text_for_a_waiting_job_stays_compact() -> None:
     assert flood.outbox == [TextIn(2, flush=True)]
 
 
+def test_a_flood_mid_utterance_stays_in_the_front_end(make_server: Any) -> None:
+    """While an utterance is spoken, 100,000 empty deltas and repeated flushes add nothing to
+    it: they do not reach its worker (each was a pipe message the worker read and merged,
+    slowing every stream it served), and the utterance ends as usual."""
+    server = make_server(workers=1)
+    pid = server.workers()[0]["pid"]
+
+    def worker_reads() -> int:  # bytes the worker has read through read() calls: its pipe
+        io = Path(f"/proc/{pid}/io").read_text()
+        return int(next(x for x in io.splitlines() if x.startswith("rchar:")).split()[1])
+
+    async def go() -> tuple[list[dict[str, Any]], int]:
+        async with connect(ws_url(server)) as ws:
+            await open_session(ws, voice="ryan")
+            await send(ws, type="text", text="Hello there, ")
+            await send(ws, type="flush")
+            await first_audio(ws)
+            before = worker_reads()
+            empty, flush = json.dumps({"type": "text", "text": ""}), json.dumps({"type": "flush"})
+            for _ in range(50_000):
+                await ws.send(empty)
+                await ws.send(flush)
+            await send(ws, type="text", text="and goodbye.")
+            await send(ws, type="end")
+            events, _audio = await collect(ws)
+            return events, worker_reads() - before
+
+    events, read = run(asyncio.wait_for(go(), 120))
+    assert events[-1]["type"] == "done", events[-1]
+    assert read < 1_000_000, read  # the flood as pipe messages: megabytes
+
+
 def test_a_flood_after_the_end_costs_nothing(make_server: Any) -> None:
     """While an utterance whose text has ended waits for the only worker, its session floods
     (200,000 empty deltas and flushes): the front end holds a few entries, not the flood, and
