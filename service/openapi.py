@@ -50,9 +50,12 @@ ERRORS_SYNTH: Responses = {
     408: _err("the request body did not arrive within QTTS_BODY_TIMEOUT"),
     413: _err("the body is larger than QTTS_MAX_BODY_BYTES"),
     415: _err("the content type is not application/json"),
+    404: _err("`voice` names a stored voice id that does not exist (or is another owner's)"),
+    409: _err("`voice` is a stored voice made for another model"),
     422: _err("text sent to a model without a talker (a decoder-only GGUF)"),
     **_BUG,
-    503: _err("queue full, shutting down, no worker, or the worker died (Retry-After)"),
+    503: _err("queue full, shutting down, no worker, the worker died, or the voice store is "
+              "unavailable (Retry-After)"),
     504: _err("the request timed out before any audio was sent"),
 }
 ERRORS_GET_API: Responses = {**_AUTH, **_BUG}

@@ -146,6 +146,8 @@ def _codes_job(st: State, inp: SynthesisInput) -> Job:
     voice = _known_voice(m, inp.voice)
     if inp.language is not None and m.has_talker:
         _resolve(m.catalog.resolve_language, inp.language)
+    if inp.instruct is not None and m.has_talker:
+        _resolve(m.catalog.resolve_instruct, inp.instruct, inp.instruct_field)
     arr = np.asarray(inp.codes, dtype=np.int32)
     if arr.shape[1] > m.frames(s.max_audio_seconds):
         raise bad("codes", f"{arr.shape[1]} frames ({arr.shape[1] / m.frame_rate:g} s) exceed "

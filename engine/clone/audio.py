@@ -175,8 +175,9 @@ def check(samples: F32, sr: int, max_seconds: float = DEFAULT_MAX_SECONDS) -> No
     """Refuse audio that is too short, too long, silent or not finite."""
     seconds = samples.shape[0] / sr
     if seconds < MIN_SECONDS:
-        raise InputError(FIELD, f"is {seconds:.2f} s long; a voice needs at least "
-                         f"{MIN_SECONDS:g} s of speech")  # fmt: skip
+        # (rounded down: 0.9996 s is not "1.00 s long" for a 1 s minimum)
+        raise InputError(FIELD, f"is {math.floor(seconds * 1000) / 1000:g} s long; a voice "
+                         f"needs at least {MIN_SECONDS:g} s of speech")
     if seconds > max_seconds:
         raise InputError(FIELD, _too_long(f"is {seconds:.1f} s long", max_seconds))
     if not np.isfinite(samples).all():

@@ -88,7 +88,8 @@ class VoiceCatalog:
         if self.model_type == "base":
             raise InputError(
                 "voice", "this is a Base (voice-clone) model: it has no named voices; give "
-                "reference audio (ref_audio, ref_text) or a stored voice (a .qvoice file)",
+                "reference audio (ref_audio and ref_text) or a cloned voice (its id from "
+                "POST /v1/audio/voices; on the command line a .qvoice file)",
                 code="unsupported_model")
         if self.model_type == "voice_design":
             if voice:

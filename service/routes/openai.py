@@ -8,9 +8,10 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response
 
+from engine.errors import quoted
 from service.audio import CONTENT_TYPES, stream_wanted
 from service.errors import ApiError
-from service.openapi import ERRORS_GET_API, ERRORS_SYNTH
+from service.openapi import ERRORS_GET_API, ERRORS_SYNTH, _err
 from service.routes.context import request_context
 from service.schemas import SpeechRequest
 from service.state import State, get_state
@@ -23,14 +24,31 @@ router = APIRouter(tags=["openai"])
 StateDep = Annotated[State, Depends(get_state)]
 
 
-@router.get("/v1/models", summary="The served model (OpenAI list shape)",
-            responses=ERRORS_GET_API)
-async def models(st: StateDep) -> dict[str, Any]:
-    return {"object": "list", "data": [{
+def _model_object(st: State) -> dict[str, Any]:
+    return {
         "id": st.settings.model_name, "object": "model", "created": 0, "owned_by": "qtts",
         "parts": sorted(st.model.parts), "synthetic": st.model.synthetic,
         "model_type": st.model.model_type, "text": st.model.text_ready,
-    }]}
+    }
+
+
+@router.get("/v1/models", summary="The served model (OpenAI list shape)",
+            responses=ERRORS_GET_API)
+async def models(st: StateDep) -> dict[str, Any]:
+    return {"object": "list", "data": [_model_object(st)]}
+
+
+# (the path parameter is read from the request, so FastAPI adds no 422 of its own)
+@router.get("/v1/models/{model_id}", summary="The served model by its id (OpenAI retrieve)",
+            responses={**ERRORS_GET_API, 404: _err("no model of that id is served here")},
+            openapi_extra={"parameters": [{"name": "model_id", "in": "path", "required": True,
+                                           "schema": {"type": "string"}}]})
+async def model(request: Request, st: StateDep) -> dict[str, Any]:
+    model_id = str(request.path_params["model_id"])
+    if model_id != st.settings.model_name:
+        raise ApiError(404, f"model: no model {quoted(model_id)}; this server serves "
+                       f"{st.settings.model_name!r}", field="model", code="model_not_found")
+    return _model_object(st)
 
 
 @router.post(

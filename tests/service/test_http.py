@@ -52,6 +52,12 @@ def test_models_and_voices_from_model_metadata(server: Server) -> None:
     models = httpx.get(server.url + "/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "qtts"
     assert models["data"][0]["synthetic"] is True
+    # the OpenAI client's models.retrieve: the served model by id, a clear 404 for another
+    assert httpx.get(server.url + "/v1/models/qtts").json() == models["data"][0]
+    r = httpx.get(server.url + "/v1/models/gpt-4o-mini-tts")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+    client = pytest.importorskip("openai").OpenAI(base_url=server.url + "/v1", api_key="unused")
+    assert client.models.retrieve("qtts").id == "qtts"
     v = httpx.get(server.url + "/v1/audio/voices").json()
     assert "ryan" in v["voices"] and "english" in v["languages"]
     assert {"id": "ryan", "name": "ryan", "object": "voice"} in v["data"]
@@ -269,6 +275,10 @@ def test_text_errors_from_the_pipeline_name_the_field(server: Server) -> None:
                    timeout=60)
     assert r.status_code == 400, "this CustomVoice model must refuse instruct"
     assert r.json()["error"]["field"] == "instruct"
+    # a codes request validates it too (docs: ignored, still validated)
+    r = httpx.post(server.url + "/tts", json={"codes": codes(2), "instruct": "x" * 5000},
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["field"] == "instruct", r.text[:300]
 
 
 BAD = [
