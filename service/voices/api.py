@@ -85,7 +85,8 @@ def check_model(st: State, v: StoredVoice) -> None:
         raise ApiError(409, f"voice: {v.id} was made for model {v.model!r} (fingerprint "
                        f"{v.fingerprint[:12]}); this server serves model "
                        f"{st.settings.model_name!r} (fingerprint {mine[:12] or 'none'}): "
-                       "clone the voice again with this model", field="voice",
+                       "clone the voice again with this model (under another name, or "
+                       f"delete {v.id} first: names are unique)", field="voice",
                        code="voice_model_mismatch")
 
 
