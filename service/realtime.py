@@ -26,6 +26,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from engine.errors import quoted
+from service.errors import ApiError
 from service.fields import field_path
 from service.playback import PlaybackClock
 from service.schemas import Sampling, Text
@@ -47,6 +48,13 @@ class ProtocolError(Exception):
 
     def event(self) -> dict[str, Any]:
         return {"type": "error", "code": self.code, "field": self.field, "message": self.message}
+
+    @classmethod
+    def of(cls, e: ApiError) -> ProtocolError:
+        """An HTTP route's refusal as the session's: the server's own trouble (a 5xx: a voice
+        store that is down) closes "try again later", the client's closes 1008."""
+        return cls(e.code or "invalid_value", e.field, e.message,
+                   close=CLOSE_TRY_AGAIN if e.status >= 500 else CLOSE_POLICY)
 
 
 def _start_form(v: object) -> object:

@@ -96,9 +96,7 @@ class Session:
         self.backlog = Backlog()  # the next utterance's messages
         # events, audio (with the event that announces it: dropped together) and the end
         self.out: asyncio.Queue[str | tuple[str | None, bytes, float] | None] = asyncio.Queue()
-        # seconds of audio queued for the sender, not yet handed to the socket (in seconds,
-        # not bytes: an Opus byte holds ~12x the audio of a PCM one)
-        self.out_seconds = 0.0
+        self.out_seconds = 0.0  # audio queued for the sender, not yet handed to the socket
         self.sample_rate = st.model.sample_rate
         self.max_waiting = st.settings.realtime_max_buffered_seconds
         self.too_slow = False
@@ -108,15 +106,14 @@ class Session:
     def emit(self, event: dict[str, Any]) -> None:
         self.out.put_nowait(json.dumps(event))
 
-    def emit_audio(self, data: bytes, seconds: float, event: dict[str, Any] | None = None
-                   ) -> None:  # fmt: skip
-        # Judged when more audio arrives, on what still waits behind the socket: one chunk
-        # larger than the cap (16 frames are 1.28 s) is not a slow client, audio the sender
-        # could not hand to the socket since the last chunk is.
+    def emit_audio(self, data: bytes, seconds: float, ev: dict[str, Any] | None = None) -> None:
+        # Counted in seconds (an Opus byte holds ~12x the audio of a PCM one) and judged when
+        # more audio arrives, on what still waits behind the socket: one chunk over the cap (16
+        # frames are 1.28 s) is not a slow client; audio not handed over since the last one is.
         if self.out_seconds > self.max_waiting:
             self.too_slow = True
         self.out_seconds += seconds
-        self.out.put_nowait((json.dumps(event) if event is not None else None, data, seconds))
+        self.out.put_nowait((json.dumps(ev) if ev is not None else None, data, seconds))
 
     async def _sender(self) -> None:
         while True:
@@ -240,10 +237,8 @@ class Session:
                 raise session_busy()
             try:  # a stored voice's id: the caller's own, made for this model
                 clone = await clone_use(self.st, self.owner, m.voice)
-            except ApiError as e:  # (a store that is down: try again later, not the client's)
-                raise ProtocolError(e.code or "invalid_value", e.field, e.message,
-                                    close=CLOSE_TRY_AGAIN if e.status >= 500 else CLOSE_POLICY
-                                    ) from None  # fmt: skip
+            except ApiError as e:
+                raise ProtocolError.of(e) from None
             self._job(m, "x", clone)
             if self.utt is not None:  # the one before is still spoken: the next one's
                 self.backlog.add(NextSettings(m, clone))
@@ -318,7 +313,7 @@ class Session:
         try:
             return validate(self.st, inp).job
         except ApiError as e:
-            raise ProtocolError(e.code or "invalid_value", e.field, e.message) from None
+            raise ProtocolError.of(e) from None
 
     def _start(self, text: str) -> None:
         s = self.st.settings
