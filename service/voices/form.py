@@ -1,4 +1,5 @@
-"""``POST /tts`` as a multipart form (a one-shot reference uploaded as a file): turned into the
+"""Multipart forms: ``read_form`` reads one with its errors named (both forms use it), and
+``POST /tts`` as a multipart form (a one-shot reference uploaded as a file) is turned into the
 JSON body the route takes, so one set of checks (the pydantic body, then validation) serves
 both. Form values are text; the fields that are numbers or booleans in JSON are converted
 here, and a value that is neither is a 400 naming the field.
