@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+ECHO_CHARS = 64  # the most of a client's value an error message repeats
 
-def quoted(value: object, limit: int = 64) -> str:
-    """``repr`` of a client's value for an error message, cut to its first ``limit``
-    characters: a megabyte-long name is not echoed back (nor logged) whole."""
+
+def clipped(text: str, limit: int = ECHO_CHARS) -> str:
+    """A client's text as an error names it, cut to its first ``limit`` characters: a
+    megabyte-long name is not echoed back (nor logged) whole."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def quoted(value: object, limit: int = ECHO_CHARS) -> str:
+    """``repr`` of a client's value for an error message, cut as :func:`clipped` cuts it."""
     if isinstance(value, str) and len(value) > limit:
         return repr(value[:limit]) + "..."
     return repr(value)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from engine.errors import clipped
+
 _SPEECH = {"text": "input", "instruct": "instructions"}
 ROUTE_FIELDS: dict[str, dict[str, str]] = {"/v1/audio/speech": _SPEECH}
 
@@ -23,17 +25,12 @@ def api_field(route: str, field: str | None, message: str) -> tuple[str | None, 
     return new, message
 
 
-def _short(name: str, limit: int = 64) -> str:
-    """A field name as an error names it: a megabyte-long key is not echoed back whole."""
-    return name if len(name) <= limit else name[:limit] + "..."
-
-
 def field_path(loc: Sequence[int | str]) -> list[str]:
     """A pydantic error location as the client wrote it: the field, then list indices and
     nested fields, without pydantic's names for a union's members (``function-after[...]``,
     ``literal['a','b']``, ``VoiceRef``) or the ``body`` root. Text is escaped so that a lone
     surrogate in an unknown field's name cannot break a UTF-8 answer."""
-    parts = [_short(str(x).encode("utf-8", "backslashreplace").decode("utf-8"))
+    parts = [clipped(str(x).encode("utf-8", "backslashreplace").decode("utf-8"))
              for x in loc if x != "body"]
     return parts[:1] + [x for x in parts[1:]
                         if (x.isidentifier() and x.islower()) or x.isdigit()]
