@@ -94,7 +94,9 @@ async def stored_voice(st: State, owner: str, voice_id: str, field: str = "voice
                        ) -> StoredVoice:  # fmt: skip
     """The owner's voice ``voice_id`` with its prompt; 404 for an unknown id or another
     owner's (the same answer: ids cannot be probed)."""
-    v = await call_store(st, lambda s: s.get(owner, voice_id)) if _can_exist(voice_id) else None
+    if not _can_exist(voice_id):
+        raise _unknown(field, voice_id)
+    v = await call_store(st, lambda s: s.get(owner, voice_id))
     if v is None:
         raise _unknown(field, voice_id)
     return v
@@ -184,8 +186,9 @@ async def create_voice(st: State, owner: str, name: str, ref: Reference,
 
 
 async def delete_voice(st: State, owner: str, voice_id: str, request_id: str) -> StoredVoice:
-    gone = await call_store(st, lambda s: s.delete(owner, voice_id)) if _can_exist(
-        voice_id) else None
+    if not _can_exist(voice_id):
+        raise _unknown("voice_id", voice_id)
+    gone = await call_store(st, lambda s: s.delete(owner, voice_id))
     if gone is None:
         raise _unknown("voice_id", voice_id)
     st.metrics.voices_stored.dec()
