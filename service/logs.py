@@ -95,6 +95,20 @@ class _DropIncompleteResponse(logging.Filter):
         return "returned without completing response" not in record.getMessage()
 
 
+class _ClientFrameErrors(logging.Filter):
+    """uvicorn logs a WebSocket text frame that is not UTF-8 as an error with its traceback;
+    it is the client's mistake, already answered with close code 1007: one warning line."""
+
+    MESSAGES = ("Invalid UTF-8 sequence received from client.",)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.getMessage() in self.MESSAGES:
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+            record.msg, record.args = record.getMessage() + " (closed with 1007)", None
+        return True
+
+
 def setup_logging(fmt: str = "text", level: str = "info") -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
@@ -107,6 +121,7 @@ def setup_logging(fmt: str = "text", level: str = "info") -> None:
         lg.propagate = True
     logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
     logging.getLogger("uvicorn.error").addFilter(_DropIncompleteResponse())
+    logging.getLogger("uvicorn.error").addFilter(_ClientFrameErrors())
 
 
 def round_or_none(x: float | None, nd: int = 4) -> float | None:

@@ -359,6 +359,27 @@ def test_bad_messages_error_then_close(rt_server: Server, message: str | bytes,
     assert got == close
 
 
+def test_a_text_frame_not_in_utf8_closes_1007_with_one_log_line(rt_server: Server) -> None:
+    """The WebSocket layer refuses it (1007); the server logs one warning line, not uvicorn's
+    traceback, and goes on serving."""
+    async def go() -> tuple[int | None, dict[str, Any]]:
+        async with connect(ws_url(rt_server)) as ws:
+            await ws.recv()
+            await ws.send(b'{"type": "text", "text": "\xff\xfe"}', text=True)
+            with pytest.raises(ConnectionClosed):
+                await ws.recv()
+            code = ws.close_code
+        async with connect(ws_url(rt_server)) as ws:
+            return code, json.loads(await ws.recv())
+
+    code, started = run(go())
+    assert code == 1007
+    assert started["type"] == "session.started"
+    log = rt_server.log()
+    assert "Invalid UTF-8 sequence received from client. (closed with 1007)" in log
+    assert "Traceback" not in log and "UnicodeDecodeError" not in log
+
+
 def test_the_next_utterances_messages_stay_compact() -> None:
     """What waits for the next utterance: adjacent text merged, a repeated control dropped,
     text-flush-text-flush as one text and its flush (the worker takes them as one update
