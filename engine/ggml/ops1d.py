@@ -1,4 +1,4 @@
-"""Time-major 1-D convolutions for the cloning encoders (exact F32 throughout).
+"""Time-major 1-D convolutions for the cloning encoders (exact F32, or split BF16).
 
 Layout: the decoder's: an activation of numpy shape ``[T, C]`` is a ggml tensor ``ne = [C, T]``
 (channels contiguous, one row per time step). Every conv runs on qtts's direct F32 conv kernel
@@ -13,6 +13,13 @@ copy of the input is ever made, and the bias comes with the conv.
 
 Backends other than the CPU (and ``QTTS_CUSTOM_OPS=0``) run the same graphs with stock ops: one
 ``ggml_mul_mat`` per tap over row views (:class:`ConvForm`).
+
+``split``: the convs as split BF16 products on AMX tiles (``conv1d_tm_bf16`` with ``split``:
+hi(W) hi(x) + hi(W) lo(x) + lo(W) hi(x), ~16 significant bits of each operand, an error of
+F32's order) where that kernel runs: about twice the exact kernel's speed on a CPU with AMX.
+For the speaker encoder, whose x-vector is compared within a tolerance; never for the
+speech-tokenizer encoder, whose codes come from nearest-entry decisions that F32 rounding
+already brings to ties (docs/performance.md: the code-identity study).
 """
 
 from __future__ import annotations
@@ -50,19 +57,32 @@ class ConvForm:
     """How one encoder's convs run: ``direct`` on the native kernel (weights packed for it),
     else as one ``ggml_mul_mat`` per tap over row views (stock ops, any backend)."""
 
-    def __init__(self, direct: bool) -> None:
+    def __init__(self, direct: bool, split: bool = False) -> None:
         self.direct = direct
+        self.split = direct and split
+
+    @classmethod
+    def split_where_fast(cls, direct: bool) -> ConvForm:
+        """The split form where its kernel runs on AMX tiles, else the exact one."""
+        return cls(direct, split=direct and co.amx())
+
+    @property
+    def weight_type(self) -> int:
+        """The ggml type :meth:`pack`'s arrays are stored as (they are given as float32)."""
+        return int(lib.GGML_TYPE_BF16 if self.split else lib.GGML_TYPE_F32)
 
     def pack(self, w: npt.NDArray[np.float32], stride: int = 1) -> npt.NDArray[np.float32]:
         """PyTorch conv weight ``[C_out, C_in, K]`` -> what :meth:`conv` takes (load time)."""
         f = fold_weight(w, stride)
+        if self.split:
+            return co.pack_conv_weight_bf16_split(f)
         if self.direct:
             return co.pack_conv_weight(f)
         return np.ascontiguousarray(f.transpose(2, 0, 1))  # [K, C_out, C_in]: a matrix a tap
 
     def taps(self, w: Tensor) -> int:
-        """Taps of a packed (folded) weight."""
-        return int(w.ne[2])
+        """Taps of a packed (folded) weight (the split layout holds each tap's hi and lo)."""
+        return int(w.ne[2]) // 2 if self.split else int(w.ne[2])
 
     def conv(self, ctx: Any, w: Tensor, b: Tensor, x: Tensor, *, dilation: int = 1,
              hist: Tensor | None = None) -> Tensor:  # fmt: skip
@@ -72,6 +92,8 @@ class ConvForm:
         k = self.taps(w)
         if k == 1:
             hist = None
+        if self.split:
+            return co.conv1d_tm_bf16(ctx, x, w, b, dilation, hist=hist, split=True)
         if self.direct:
             return co.conv1d_tm(ctx, x, w, b, dilation, hist=hist)
         xp = x if hist is None else lib.ggml_concat(ctx, hist, x, 1)

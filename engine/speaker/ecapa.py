@@ -47,31 +47,32 @@ def reflect_indices(c: SpeakerEncoderConfig, frames: int
 
 
 def packed_weights(c: SpeakerEncoderConfig, tensor: Callable[[str], npt.NDArray[np.float32]],
-                   form: ConvForm) -> dict[str, npt.NDArray[np.float32]]:  # fmt: skip
-    """Weights in the form the graph reads, from the schema's tensors (``tensor(name)`` with
-    its PyTorch shape): convs with a time extent packed for the direct conv kernel; the
+                   form: ConvForm) -> dict[str, tuple[npt.NDArray[np.float32], int]]:  # fmt: skip
+    """Weights in the form the graph reads and their ggml types, from the schema's tensors
+    (``tensor(name)`` with its PyTorch shape): convs with a time extent packed for the conv
+    kernel (``form.weight_type``); the
     attention TDNN split into its part on the frames and its part on the statistics (the
     reference concatenates ``[h, mean, std]`` over channels; the mean and std are constant in
     time, so their share is a per-channel bias)."""
-    out: dict[str, npt.NDArray[np.float32]] = {}
+    out: dict[str, tuple[npt.NDArray[np.float32], int]] = {}
     names = ["spk.tdnn0", "spk.mfa", "spk.asp.conv"]
     for i in range(1, len(c.enc_channels) - 1):
         g = f"spk.blk.{i}"
         names += [f"{g}.tdnn1", f"{g}.tdnn2"]
         names += [f"{g}.res2net.{j}" for j in range(c.enc_res2net_scale - 1)]
     for n in names:
-        out[f"{n}.weight"] = form.pack(tensor(f"{n}.weight"))
+        out[f"{n}.weight"] = (form.pack(tensor(f"{n}.weight")), form.weight_type)
     w = tensor("spk.asp.tdnn.weight")[:, :, 0]
     ch = c.enc_channels[-1]
-    out["spk.asp.tdnn.weight"] = form.pack(w[:, :ch, None])
-    out["spk.asp.tdnn.weight_stats"] = np.ascontiguousarray(w[:, ch:])
+    out["spk.asp.tdnn.weight"] = (form.pack(w[:, :ch, None]), form.weight_type)
+    out["spk.asp.tdnn.weight_stats"] = (np.ascontiguousarray(w[:, ch:]), lib.GGML_TYPE_F32)
     return out
 
 
 def _same_conv(ctx: Any, W: Callable[[str], Tensor], pads: Pads, form: ConvForm, name: str,
                x: Tensor, dilation: int = 1) -> Tensor:  # fmt: skip
     w = W(f"{name}.weight")
-    left, right = same_padding(int(w.ne[2]), dilation)
+    left, right = same_padding(form.taps(w), dilation)
     if left or right:
         x = gather_rows(ctx, x, pads(left, right))
     return form.conv(ctx, w, W(f"{name}.bias"), x, dilation=dilation)

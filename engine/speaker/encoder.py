@@ -32,13 +32,14 @@ class SpeakerEncoder:
             out: npt.NDArray[np.float32] = model.tensor_f32(name).reshape(shapes[name])
             return out
 
-        self._form = ConvForm(direct_available(backends))
+        # (split BF16 where AMX runs it: the x-vector is compared within a tolerance)
+        self._form = ConvForm.split_where_fast(direct_available(backends))
         packed = packed_weights(cfg, tensor, self._form)
         for name in shapes:
             if name not in packed:
                 store.add_array(name, tensor(name))
-        for name, w in packed.items():
-            store.add_array(name, w)
+        for name, (w, ggml_type) in packed.items():
+            store.add_array(name, w, ggml_type)
         self._mel = MelConstants(cfg.sample_rate, cfg.mel_dim)
         store.allocate()
         self._store = store

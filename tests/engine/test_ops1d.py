@@ -11,7 +11,8 @@ import pytest
 
 from engine.backend import BackendSet
 from engine.codec_encoder.seanet import ZERO_BUFFER, causal_conv, causal_padding
-from engine.ggml import Graph
+from engine.ggml import Graph, lib
+from engine.ggml import custom_ops as co
 from engine.ggml.ops1d import ConvForm, fold_weight, gather_rows, reflect_index
 
 needs_ops = pytest.mark.usefixtures("native_ops")
@@ -129,3 +130,48 @@ def test_causal_conv_replicate_padding_without_bias(cpu2: BackendSet, t: int,
     got = run_causal(cpu2, x, w, None, 2, 1, replicate=True, direct=direct)
     assert got.shape == want.shape == (-(-t // 2), c)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def run_conv(be: BackendSet, form: ConvForm, x: np.ndarray[Any, Any], w: np.ndarray[Any, Any],
+             b: np.ndarray[Any, Any], dilation: int) -> np.ndarray[Any, Any]:
+    """``form.conv`` of an already padded ``x`` [L, C_in] (valid rows only)."""
+    store = be.weight_store()
+    store.add_array("c.weight", form.pack(w), form.weight_type)
+    store.add_array("c.bias", b)
+    store.allocate()
+    try:
+        with Graph() as g:
+            y = form.conv(g.ctx, store["c.weight"], store["c.bias"], g.input("x", x.shape),
+                          dilation=dilation)
+            g.output(y, "y")
+            return be.execute(g, {"x": x})["y"]
+    finally:
+        store.close()
+
+
+@needs_ops
+@pytest.mark.skipif(not co.amx(), reason="split BF16 convs run where AMX does")
+@pytest.mark.parametrize("c_in,c_out,k,d,t", [(96, 64, 1, 1, 40), (32, 48, 5, 1, 37),
+                                              (16, 16, 3, 3, 50), (130, 33, 1, 1, 9)])
+def test_split_convs_have_f32_class_error(cpu2: BackendSet, c_in: int, c_out: int, k: int,
+                                          d: int, t: int) -> None:
+    """The speaker encoder's convs on AMX: within F32-class error of the float64 conv (plain
+    BF16 would be ~1e-3 off), and not the exact kernel's bits (the split kernel ran)."""
+    rng = np.random.default_rng(k * 100 + c_in)
+    x = rng.standard_normal((t + (k - 1) * d, c_in)).astype(np.float32)
+    w = (rng.standard_normal((c_out, c_in, k)) / np.sqrt(c_in * k)).astype(np.float32)
+    b = rng.standard_normal(c_out).astype(np.float32)
+    want = conv_ref(x, w, b, 1, d)
+    split = run_conv(cpu2, ConvForm(True, split=True), x, w, b, d)
+    exact = run_conv(cpu2, ConvForm(True), x, w, b, d)
+    scale = float(np.abs(want).max())
+    assert float(np.abs(split - want).max()) < 2e-5 * scale
+    assert float(np.abs(exact - want).max()) < 2e-6 * scale
+    assert not np.array_equal(split, exact)
+
+
+def test_the_speaker_encoder_splits_its_convs_where_amx_runs_them() -> None:
+    """Only there, and the speech-tokenizer encoder never (its codes must be the reference's)."""
+    assert ConvForm.split_where_fast(True).split == co.amx()
+    assert not ConvForm.split_where_fast(False).split
+    assert ConvForm(True).weight_type == lib.GGML_TYPE_F32
