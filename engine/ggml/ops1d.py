@@ -54,8 +54,9 @@ def direct_available(backends: Any) -> bool:
 
 
 class ConvForm:
-    """How one encoder's convs run: ``direct`` on the native kernel (weights packed for it),
-    else as one ``ggml_mul_mat`` per tap over row views (stock ops, any backend)."""
+    """How one encoder's convs run: ``direct`` on the native kernel (weights packed for it;
+    ``split``: the split BF16 one), else as one ``ggml_mul_mat`` per tap over row views (stock
+    ops, any backend)."""
 
     def __init__(self, direct: bool, split: bool = False) -> None:
         self.direct = direct

@@ -48,12 +48,11 @@ def reflect_indices(c: SpeakerEncoderConfig, frames: int
 
 def packed_weights(c: SpeakerEncoderConfig, tensor: Callable[[str], npt.NDArray[np.float32]],
                    form: ConvForm) -> dict[str, tuple[npt.NDArray[np.float32], int]]:  # fmt: skip
-    """Weights in the form the graph reads and their ggml types, from the schema's tensors
-    (``tensor(name)`` with its PyTorch shape): convs with a time extent packed for the conv
-    kernel (``form.weight_type``); the
-    attention TDNN split into its part on the frames and its part on the statistics (the
-    reference concatenates ``[h, mean, std]`` over channels; the mean and std are constant in
-    time, so their share is a per-channel bias)."""
+    """Weights in the form the graph reads, each with its ggml type, from the schema's tensors
+    (``tensor(name)`` with its PyTorch shape): convs with a time extent packed for ``form``'s
+    kernel (stored as ``form.weight_type``); the attention TDNN split into its part on the
+    frames and its part on the statistics (the reference concatenates ``[h, mean, std]`` over
+    channels; the mean and std are constant in time, so their share is a per-channel bias)."""
     out: dict[str, tuple[npt.NDArray[np.float32], int]] = {}
     names = ["spk.tdnn0", "spk.mfa", "spk.asp.conv"]
     for i in range(1, len(c.enc_channels) - 1):
