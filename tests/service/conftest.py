@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from tests.service.helpers import Server, server_starter
+from tests.service.helpers import Server, server_starter, serving
 
 
 @pytest.fixture(scope="session")
@@ -33,13 +33,8 @@ def make_server(service_model: Path, tmp_path: Path) -> Iterator[Any]:
 @pytest.fixture(scope="module")
 def server(service_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """A shared server: 2 workers, small body cap, JSON logs."""
-    s = Server(service_model, tmp_path_factory.mktemp("server"), workers=2,
-               max_body_bytes=300_000, queue_size=16)
-    try:
-        s.wait_ready()
-        yield s
-    finally:
-        s.stop()
+    yield from serving(service_model, tmp_path_factory.mktemp("server"), workers=2,
+                       max_body_bytes=300_000, queue_size=16)
 
 
 

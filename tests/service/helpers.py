@@ -112,6 +112,17 @@ class Server:
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$")
 
 
+def serving(model: Path, log_dir: Path, **env: Any) -> Iterator[Server]:
+    """A fixture body: yields a ready ``Server`` on ``model`` with ``env``'s settings and stops
+    it at the end (``yield from serving(...)``)."""
+    s = Server(model, log_dir, **env)
+    try:
+        s.wait_ready()
+        yield s
+    finally:
+        s.stop()
+
+
 def server_starter(model: Path, log_dir: Path) -> Iterator[Callable[..., Server]]:
     """A fixture body: yields ``start(**settings)``, which starts a ready ``Server`` on
     ``model``; every server started is stopped at the end."""

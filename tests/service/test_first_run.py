@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.service.helpers import FRAME_SAMPLES, ROOT, Server, codes, metric
+from tests.service.helpers import FRAME_SAMPLES, ROOT, Server, codes, metric, serving
 
 TEXT = "Hello from qtts."
 
@@ -24,12 +24,8 @@ TEXT = "Hello from qtts."
 @pytest.fixture(scope="module")
 def one_worker(service_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """One worker, so a long request keeps every worker busy."""
-    s = Server(service_model, tmp_path_factory.mktemp("one-worker"), workers=1, queue_size=4)
-    try:
-        s.wait_ready()
-        yield s
-    finally:
-        s.stop()
+    yield from serving(service_model, tmp_path_factory.mktemp("one-worker"), workers=1,
+                       queue_size=4)
 
 
 def _text_ready(server: Server) -> bool:

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from schemathesis import GenerationMode
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-from tests.service.helpers import Server, metric
+from tests.service.helpers import Server, metric, serving
 
 EXAMPLES = 40  # per operation and mode
 
@@ -24,13 +24,8 @@ EXAMPLES = 40  # per operation and mode
 @pytest.fixture(scope="module")
 def fuzz_server(service_model: Path, tmp_path_factory: pytest.TempPathFactory
                 ) -> Iterator[Server]:
-    s = Server(service_model, tmp_path_factory.mktemp("fuzz"), workers=1, queue_size=16,
-               max_text_chars=120, max_audio_seconds=1, request_timeout=60)
-    try:
-        s.wait_ready()
-        yield s
-    finally:
-        s.stop()
+    yield from serving(service_model, tmp_path_factory.mktemp("fuzz"), workers=1, queue_size=16,
+                       max_text_chars=120, max_audio_seconds=1, request_timeout=60)
 
 
 def test_api_against_its_openapi_document(fuzz_server: Server) -> None:

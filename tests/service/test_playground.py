@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.service.helpers import ROOT, Server
+from tests.service.helpers import ROOT, Server, serving
 
 CHROMIUM = Path(os.environ.get("QTTS_CHROMIUM", "/usr/bin/chromium"))
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -61,23 +61,14 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 @pytest.fixture(scope="module")
 def open_server(service_model: Path, tmp_path_factory: pytest.TempPathFactory
                 ) -> Iterator[Server]:
-    s = Server(service_model, tmp_path_factory.mktemp("playground"), workers=1)
-    try:
-        s.wait_ready()
-        yield s
-    finally:
-        s.stop()
+    yield from serving(service_model, tmp_path_factory.mktemp("playground"), workers=1)
 
 
 @pytest.fixture(scope="module")
 def keyed_server(service_model: Path, tmp_path_factory: pytest.TempPathFactory
                  ) -> Iterator[Server]:
-    s = Server(service_model, tmp_path_factory.mktemp("playground-key"), workers=1, api_key=KEY)
-    try:
-        s.wait_ready()
-        yield s
-    finally:
-        s.stop()
+    yield from serving(service_model, tmp_path_factory.mktemp("playground-key"), workers=1,
+                       api_key=KEY)
 
 
 def _text_ready(server: Server) -> bool:
@@ -226,12 +217,7 @@ def test_the_key_prompt_keeps_the_key_in_the_session(browser: Any, keyed_server:
 
 @pytest.fixture(scope="module")
 def base_server(base_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = Server(base_gguf, tmp_path_factory.mktemp("playground-base"), workers=1)
-    try:
-        s.wait_ready()
-        yield s
-    finally:
-        s.stop()
+    yield from serving(base_gguf, tmp_path_factory.mktemp("playground-base"), workers=1)
 
 
 def test_a_base_model_clones_a_voice_and_speaks_it(browser: Any, base_server: Server,

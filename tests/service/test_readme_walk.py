@@ -23,7 +23,7 @@ import pytest
 import soundfile as sf
 
 from tests.service.doc_examples import Example, examples
-from tests.service.helpers import ROOT, Server, decoded_seconds
+from tests.service.helpers import ROOT, Server, decoded_seconds, serving
 
 # Examples that do not talk to the service, and why the walk leaves them to a person.
 NOT_RUN = {
@@ -37,12 +37,7 @@ HTTP = [e for e in examples() if e.is_http]
 @pytest.fixture(scope="module")
 def walk_server(service_model: Path, tmp_path_factory: pytest.TempPathFactory
                 ) -> Iterator[Server]:
-    s = Server(service_model, tmp_path_factory.mktemp("walk"))
-    try:
-        s.wait_ready()
-        yield s
-    finally:
-        s.stop()
+    yield from serving(service_model, tmp_path_factory.mktemp("walk"))
 
 
 def test_every_example_is_walked_or_explained() -> None:

@@ -15,11 +15,11 @@ from typing import Any
 
 import httpx
 import pytest
-from websockets.asyncio.client import connect
+from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from engine.pipeline import chunk_sizes
-from tests.service.helpers import Server, decoded_seconds, metric
+from tests.service.helpers import Server, decoded_seconds, metric, serving
 from tests.service.realtime_helpers import (
     collect,
     error_event,
@@ -38,12 +38,8 @@ KEY = "s3cret-key"
 
 @pytest.fixture(scope="module")
 def rt_server(service_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = Server(service_model, tmp_path_factory.mktemp("rt"), workers=2, realtime_min_tokens=3)
-    try:
-        s.wait_ready()
-        yield s
-    finally:
-        s.stop()
+    yield from serving(service_model, tmp_path_factory.mktemp("rt"), workers=2,
+                       realtime_min_tokens=3)
 
 
 def test_deltas_with_delays_then_end(rt_server: Server) -> None:
@@ -317,6 +313,14 @@ START_FORMS = 'start: must be "immediate", "auto" or a number of tokens 1..2048'
 LONE_SURROGATE = "has a lone surrogate U+D800 at character 1: not valid Unicode text"
 
 
+async def flood(ws: ClientConnection, pairs: int) -> None:
+    """``pairs`` empty deltas, each followed by a flush: messages that carry nothing."""
+    empty, flush = json.dumps({"type": "text", "text": ""}), json.dumps({"type": "flush"})
+    for _ in range(pairs):
+        await ws.send(empty)
+        await ws.send(flush)
+
+
 @pytest.mark.parametrize(("message", "code", "close", "says"), [
     ("not json", "invalid_json", 1008, "not JSON"),
     ("[" * 100_000 + "]" * 100_000, "invalid_json", 1008, "not JSON: nested too deep"),
@@ -450,10 +454,7 @@ def test_a_flood_mid_utterance_stays_in_the_front_end(make_server: Any) -> None:
             await send(ws, type="flush")
             await first_audio(ws)
             before = worker_reads()
-            empty, flush = json.dumps({"type": "text", "text": ""}), json.dumps({"type": "flush"})
-            for _ in range(50_000):
-                await ws.send(empty)
-                await ws.send(flush)
+            await flood(ws, 50_000)
             await send(ws, type="text", text="and goodbye.")
             await send(ws, type="end")
             events, _audio = await collect(ws)
@@ -485,10 +486,7 @@ def test_a_flood_after_the_end_costs_nothing(make_server: Any) -> None:
             before = front.memory_info().rss
             await send(ws, type="text", text=SENTENCE)
             await send(ws, type="end")
-            empty, flush = json.dumps({"type": "text", "text": ""}), json.dumps({"type": "flush"})
-            for _ in range(100_000):
-                await ws.send(empty)
-                await ws.send(flush)
+            await flood(ws, 100_000)
             await send(ws, type="text", text="Then the next one.")
             await send(ws, type="end")
             await send(capped, type="text", text=SENTENCE)

@@ -19,7 +19,7 @@ import httpx
 import numpy as np
 import pytest
 
-from tests.service.helpers import Server, metric
+from tests.service.helpers import Server, metric, serving
 from tests.service.voices_helpers import (
     REF_TEXT,
     assert_speech,
@@ -40,13 +40,8 @@ def ref(tmp_path_factory: pytest.TempPathFactory) -> bytes:
 
 @pytest.fixture(scope="module")
 def base(base_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    s = Server(base_gguf, tmp_path_factory.mktemp("voices"), max_reference_bytes=MAX_REF_BYTES,
-               max_reference_seconds=8, queue_size=32)
-    try:
-        s.wait_ready()
-        yield s
-    finally:
-        s.stop()
+    yield from serving(base_gguf, tmp_path_factory.mktemp("voices"),
+                       max_reference_bytes=MAX_REF_BYTES, max_reference_seconds=8, queue_size=32)
 
 
 def _names(server: Server) -> list[str]:
