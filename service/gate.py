@@ -24,7 +24,7 @@ from service.metrics import ROUTES
 from service.request_log import log_rejected
 from service.state import State
 from service.voices.form import form_to_json
-from service.voices.owners import owner_of
+from service.voices.owners import header_key, owner_of
 
 API_PREFIXES = ("/tts", "/v1/")
 VOICES = "/v1/audio/voices"
@@ -105,10 +105,7 @@ class GateMiddleware:
 
 def _owner(st: State, headers: dict[str, str]) -> str | None:
     """Who the request is (service/voices/owners.py), or None: a missing or unknown key."""
-    given = headers.get("authorization", "")
-    token = given[7:].strip() if given[:7].lower() == "bearer " else ""
-    token = token or headers.get("x-api-key", "")
-    return owner_of(st.owners, token)
+    return owner_of(st.owners, header_key(headers))
 
 
 def _check_content_type(ctype: str, allowed: tuple[str, ...]) -> ApiError | None:

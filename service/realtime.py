@@ -30,6 +30,7 @@ from service.errors import ApiError
 from service.fields import field_path
 from service.playback import PlaybackClock
 from service.schemas import Sampling, Text
+from service.voices.owners import header_key
 
 CLOSE_UNSUPPORTED = 1003  # a binary message: the protocol is JSON text
 CLOSE_POLICY = 1008  # a malformed or unknown message, a bad key, a limit
@@ -176,11 +177,9 @@ def bearer_token(headers: Mapping[str, str]) -> str:
     """The API key a WebSocket handshake carries: a bearer ``Authorization`` header, an
     ``X-API-Key`` header, or a ``bearer.KEY`` entry of ``Sec-WebSocket-Protocol`` (what a
     browser can set); "" if none."""
-    given = headers.get("authorization", "")
-    if given[:7].lower() == "bearer " and given[7:].strip():
-        return given[7:].strip()
-    if headers.get("x-api-key", "").strip():  # as the HTTP routes take it
-        return headers["x-api-key"].strip()
+    key = header_key(headers)  # as the HTTP routes take it
+    if key:
+        return key
     for entry in headers.get("sec-websocket-protocol", "").split(","):
         if entry.strip().startswith(_BEARER):
             return entry.strip()[len(_BEARER):]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,14 @@ def parse_keys(path: Path) -> dict[str, str]:
     if not keys:
         raise ValueError(f"{path}: no keys")
     return keys
+
+
+def header_key(headers: Mapping[str, str]) -> str:
+    """The API key of a request's headers: ``Authorization: Bearer KEY``, else ``X-API-Key``;
+    "" if neither."""
+    given = headers.get("authorization", "")
+    token = given[7:].strip() if given[:7].lower() == "bearer " else ""
+    return token or headers.get("x-api-key", "").strip()
 
 
 def owner_of(keys: dict[str, str], token: str) -> str | None:
