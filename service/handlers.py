@@ -5,6 +5,7 @@ traceback; refused synthesis requests are counted and logged. Unexpected excepti
 from __future__ import annotations
 
 import logging
+import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -12,7 +13,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from service.errors import ApiError, error_body
+from engine.errors import clipped
+from service.errors import ApiError
 from service.fields import field_path
 from service.metrics import ROUTES
 from service.request_log import log_rejected
@@ -56,13 +58,29 @@ BODY_UNREADABLE = "There was an error parsing the body"
 
 
 async def http_error(request: Request, exc: Exception) -> JSONResponse:
+    """The router's own answers (no route, a method the route does not take) and FastAPI's
+    unreadable body, in our shape with the route named and a request id, as every other error."""
     assert isinstance(exc, StarletteHTTPException)
     if exc.status_code == 400 and exc.detail == BODY_UNREADABLE:
         err = ApiError(400, "body: is not valid JSON (not UTF-8 text, or nested too deep)",
                        field="body", code="invalid_value")
         return await api_error(request, err)
-    return JSONResponse(error_body(exc.status_code, str(exc.detail)),
-                        status_code=exc.status_code, headers=exc.headers)
+    state = request.scope.setdefault("state", {})
+    rid = state.setdefault("request_id", uuid.uuid4().hex)
+    headers = dict(exc.headers or {})
+    # (escaped and clipped: a path is the client's text, echoed into the answer)
+    where = clipped(request.url.path.encode("utf-8", "backslashreplace").decode("utf-8"))
+    if exc.status_code == 404 and exc.detail == "Not Found":
+        err = ApiError(404, f"{where}: not found (the API is described at /docs)", code="not_found",
+                       headers=headers)
+    elif exc.status_code == 405:
+        allowed = headers.get("allow") or headers.get("Allow") or ""
+        err = ApiError(405, f"{request.method} is not allowed on {where}"
+                            + (f" (allowed: {allowed})" if allowed else ""),
+                       code="method_not_allowed", headers=headers)
+    else:
+        err = ApiError(exc.status_code, str(exc.detail), headers=headers)
+    return err.response(rid)
 
 
 def install(app: FastAPI) -> None:

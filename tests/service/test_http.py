@@ -48,6 +48,24 @@ def test_head_is_get_without_the_body(server: Server) -> None:
         assert client.get("/healthz").json()["status"] == "ok"  # the connection serves on
 
 
+def test_router_errors_name_the_route_and_carry_a_request_id(server: Server) -> None:
+    """No route and a method a route does not take: our JSON shape naming what was asked, with
+    X-Request-Id as every other error (they were a bare "Not Found" with no id)."""
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        r = client.get("/v1/audio/speeches", headers={"X-Request-Id": "req-7"})
+        assert r.status_code == 404 and r.headers["x-request-id"] == "req-7"
+        err = r.json()["error"]
+        assert err["code"] == "not_found" and err["type"] == "not_found_error"
+        assert "/v1/audio/speeches" in err["message"] and "/docs" in err["message"]
+        r = client.delete("/tts")
+        assert r.status_code == 405 and r.headers["allow"] == "POST"
+        assert len(r.headers["x-request-id"]) == 32
+        assert r.json()["error"]["code"] == "method_not_allowed"
+        assert r.json()["error"]["message"] == "DELETE is not allowed on /tts (allowed: POST)"
+        r = client.get("/x" * 5000)  # a client's path is echoed clipped
+        assert r.status_code == 404 and len(r.json()["error"]["message"]) < 400
+
+
 def test_models_and_voices_from_model_metadata(server: Server) -> None:
     models = httpx.get(server.url + "/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "qtts"
@@ -343,7 +361,7 @@ def test_malformed_transport_is_a_4xx(server: Server) -> None:
     r = httpx.post(url, content=gen(), headers={"content-type": "application/json"})
     assert r.status_code == 413
     assert httpx.get(url).status_code == 405
-    assert httpx.get(server.url + "/nowhere").json()["error"]["message"] == "Not Found"
+    assert httpx.get(server.url + "/nowhere").json()["error"]["code"] == "not_found"
 
 
 @pytest.mark.parametrize("kind", ["codes", "text"])
