@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from engine.errors import InputError
+from engine.talker.prompt import NOTHING_TO_SPEAK, has_speech
 from service.errors import ApiError
 from service.model_info import ModelInfo
 from service.protocol import Job
@@ -163,6 +164,8 @@ def _text_job(st: State, inp: SynthesisInput, sampling: dict[str, Any]) -> Job:
     if text is None or not text.strip():
         raise bad(text_field, f"is empty: give text to speak (or codes [{m.n_codebooks}][T])",
                   code="empty")
+    if not has_speech(text):
+        raise bad(text_field, NOTHING_TO_SPEAK, code="empty")
     if len(text) > s.max_text_chars:
         raise bad(text_field, f"{len(text)} characters; the limit is {s.max_text_chars}",
                   code="too_long")

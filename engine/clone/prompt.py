@@ -28,7 +28,14 @@ import numpy.typing as npt
 
 from engine.errors import InputError
 from engine.gguf_schema import TalkerConfig
-from engine.talker.prompt import ROLE_TOKENS, Prompt, PromptBuilder, PromptRows, check_text
+from engine.talker.prompt import (
+    ROLE_TOKENS,
+    Prompt,
+    PromptBuilder,
+    PromptRows,
+    check_speech,
+    check_text,
+)
 from engine.talker.voices import AUTO
 
 F32 = npt.NDArray[np.float32]
@@ -66,6 +73,7 @@ def transcript_ids(builder: PromptBuilder, text: str) -> I32:
     if not isinstance(text, str) or not text.strip():
         raise InputError("ref_text", "is empty: in-context cloning needs the transcript of the "
                          "reference audio (or ask for x-vector-only cloning)")  # fmt: skip
+    check_speech("ref_text", text)
     check_text("ref_text", text)
     ids = builder.encode(ref_text(text))
     if len(ids) <= ROLE_TOKENS + REF_TAIL_TOKENS:

@@ -43,6 +43,7 @@ from engine.talker.prompt import (
     Prompt,
     PromptBuilder,
     assistant_text,
+    has_speech,
 )
 from engine.talker.sampling import SamplingParams
 from engine.timings import StageTimings
@@ -178,7 +179,7 @@ class LiveText:
         """The ids and text there would be if the word being written were complete (a guess:
         the next delta may continue the word); the stable ones when there is no such word."""
         stable = self._stable_text(whole=True)
-        if not stable.strip() or len(stable) <= len(self.stable):
+        if not has_speech(stable) or len(stable) <= len(self.stable):
             return list(self.ids), self.stable
         return self._ids_of(stable)[0], stable
 
@@ -197,7 +198,7 @@ class LiveText:
         if update.flush:
             self._flushed_upto = len(self.text)
         stable = self._stable_text(whole=False)
-        if not stable.strip() or len(stable) <= len(self.stable):
+        if not has_speech(stable) or len(stable) <= len(self.stable):
             return 0
         ids, whole = self._ids_of(stable)
         self.stable = stable

@@ -28,6 +28,7 @@ engine/talker/voices.py (``VoiceCatalog``), which the service's front end applie
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -160,6 +161,24 @@ def check_text(field: str, s: str) -> None:
                          f"{e.start}: not valid Unicode text") from None
 
 
+NOTHING_TO_SPEAK = "has nothing to speak: only control, invisible or combining characters"
+
+
+def has_speech(s: str) -> bool:
+    """Whether ``s`` has a character to speak: a letter, digit, punctuation mark or symbol. Text
+    of spaces, control characters (NUL, escapes), invisible ones (zero-width, BOM) or lone
+    combining marks has none; the model would make seconds of sound from its tokens."""
+    return any(unicodedata.category(c)[0] in "LNPS" for c in s)
+
+
+def check_speech(field: str, s: str) -> None:
+    """``InputError`` on ``field`` for text with nothing to speak (see :func:`has_speech`)."""
+    if not s.strip():
+        raise InputError(field, "is empty")
+    if not has_speech(s):
+        raise InputError(field, NOTHING_TO_SPEAK)
+
+
 class PromptBuilder:
     """Validates a request's text/voice/language/instruction and builds its :class:`Prompt`.
 
@@ -229,8 +248,9 @@ class PromptBuilder:
     def target_words(self, text: str, text_mode: str) -> list[int]:
         """The text tokens of the text to speak, or an ``InputError`` (on ``text`` or
         ``text_mode``)."""
-        if not isinstance(text, str) or not text.strip():
+        if not isinstance(text, str):
             raise InputError("text", "is empty")
+        check_speech("text", text)
         check_text("text", text)
         if text_mode not in TEXT_MODES:
             raise InputError(

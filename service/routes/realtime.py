@@ -25,6 +25,7 @@ import numpy as np
 from fastapi import APIRouter, WebSocket
 from starlette.websockets import WebSocketDisconnect, WebSocketState
 
+from engine.talker.prompt import has_speech
 from service.audio import Encoder, make_encoder
 from service.errors import ApiError
 from service.handles import Ticket
@@ -303,10 +304,9 @@ class Session:
 
     def _job(self, m: SessionSettings, text: str, clone: CloneUse | None) -> Any:
         inp = SynthesisInput(
-            # (the first delta is only the start of the text: a model's answer often opens with
-            # whitespace; whether the utterance has anything to say is known at its end)
+            # (a first delta only starts the text, often with whitespace: the end tells)
             route="/v1/tts/realtime", request_id="", arrival=time.monotonic(),
-            text=text if text.strip() else "x",
+            text=text if has_speech(text) else "x",
             text_field="text", codes=None, voice=m.voice, language=m.language,
             instruct=m.instruct, fmt="pcm", stream=True, sse=False, speed=1.0, max_seconds=None,
             sampling=m, text_mode="stream", clone=clone)

@@ -226,6 +226,8 @@ def test_empty_transcript_refused_in_icl_mode(pipe: Pipeline, speech: Path) -> N
     for text in (None, "", "   "):
         with pytest.raises(InputError, match="ref_text: is empty"):
             pipe.clone_voice(str(speech), text)
+    with pytest.raises(InputError, match="ref_text: has nothing to speak"):
+        pipe.clone_voice(str(speech), "\u200b\ufeff")
     voice = pipe.clone_voice(str(speech), None, x_vector_only=True)
     assert not voice.icl and voice.x_vector.shape == (32,)
 

@@ -125,6 +125,7 @@ def test_bad_requests_are_one_line_input_errors(pb: PromptBuilder) -> None:
         ({"text": "hi", "voice": "ryan", "language": "klingon"}, "language", "auto, chinese"),
         ({"text": "hi", "voice": "ryan", "language": "sichuan_dialect"}, "language", "english"),
         ({"text": "   ", "voice": "ryan"}, "text", "empty"),
+        ({"text": "\u200b\u0000\u0301", "voice": "ryan"}, "text", "nothing to speak"),
         ({"text": "hi", "voice": "ryan", "text_mode": "fast"}, "text_mode", "full, stream"),
     ]
     for kwargs, field, fragment in cases:

@@ -303,6 +303,9 @@ BAD = [
     # route, body, status, field, message fragment
     ("/tts", {}, 400, "text", "empty"),
     ("/tts", {"text": "   "}, 400, "text", "empty"),
+    # nothing to speak: NUL, zero-width and BOM characters, a lone combining mark, an escape
+    ("/tts", {"text": "\u0000\u200b\ufeff"}, 400, "text", "nothing to speak"),
+    ("/tts", {"text": " \u0301\u0302 "}, 400, "text", "nothing to speak"),
     ("/tts", {"text": "x" * 5000}, 400, "text", "limit is 4096"),
     ("/tts", {"text": "hi", "voice": "nobody"}, 400, "voice", "ryan"),
     ("/tts", {"text": "hi", "language": "klingon"}, 400, "language", "english"),
@@ -320,6 +323,8 @@ BAD = [
     ("/tts", {"codes": [[1]] * 16, "text": "hi"}, 400, "text", "not both"),
     ("/tts", {"text": "hi", "nonsense": 1}, 400, "nonsense", "not a known field"),
     ("/v1/audio/speech", {"model": "qtts", "voice": "ryan", "input": ""}, 400, "input", "empty"),
+    ("/v1/audio/speech", {"model": "qtts", "voice": "ryan", "input": "\u001b\u200d"}, 400, "input",
+     "nothing to speak"),
     ("/v1/audio/speech", {"model": "qtts", "input": "hi"}, 400, "voice", "required"),
     ("/v1/audio/speech", {"model": "qtts", "voice": "x", "input": "hi"}, 400, "voice", "ryan"),
     ("/v1/audio/speech", {"model": "qtts", "voice": "ryan", "input": "hi",

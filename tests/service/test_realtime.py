@@ -251,20 +251,22 @@ def test_an_answer_that_opens_with_whitespace_and_one_with_nothing_to_say(
         async with connect(ws_url(rt_server)) as ws:
             await open_session(ws, voice="ryan")
             utterances = []
-            for deltas in (["\n\n", "Hello there."], ["  \n\t "], ["Still here."]):
+            for deltas in (["\n\n", "Hello there."], ["  \n\t "], ["\u200b", "\u0000"],
+                           ["Still here."]):
                 for d in deltas:
                     await send(ws, type="text", text=d)
                 await send(ws, type="end")
                 events, audio = await collect(ws)
-                assert (len(audio) > 0) == (deltas != ["  \n\t "])
+                assert (len(audio) > 0) == (deltas[-1] in ("Hello there.", "Still here.")), deltas
                 utterances.append(events)
             return utterances
 
-    spoken, empty, after = run(asyncio.wait_for(go(), 120))
+    spoken, empty, invisible, after = run(asyncio.wait_for(go(), 120))
     assert spoken[-1]["usage"]["outcome"] in ("ok", "truncated_no_eos")
-    (err,) = [ev for ev in empty if ev["type"] == "error"]
-    assert err["field"] == "text" and "empty" in err["message"]
-    assert empty[-1]["type"] == "done"
+    for nothing in (empty, invisible):  # (zero-width and NUL characters were spoken: seconds)
+        (err,) = [ev for ev in nothing if ev["type"] == "error"]
+        assert err["field"] == "text" and "empty" in err["message"]
+        assert nothing[-1]["type"] == "done"
     assert after[-1]["usage"]["outcome"] in ("ok", "truncated_no_eos")
 
 
