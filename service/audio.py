@@ -218,8 +218,13 @@ class TimeStretch:
     """Tempo change by ``speed`` (0.25..4) with ffmpeg ``atempo``; pitch is kept.
 
     ``push(chunk)`` returns what the filter has ready (it holds back a window of ~50 ms),
-    ``flush()`` the rest. Output length is input length / speed (within a few ms).
+    ``flush()`` the rest. The whole output is ``round(input length / speed)`` samples.
     """
+
+    # silence pushed before the end: atempo keeps its last window back at the end of its input
+    # (the last 17 ms of a stream slowed to 0.5x, 56 ms at 0.25x: a final consonant); with
+    # silence after it the speech comes out whole, and the output is cut to its length
+    TAIL_SECONDS = 0.5
 
     def __init__(self, speed: float, sample_rate: int) -> None:
         import av.filter
@@ -247,7 +252,9 @@ class TimeStretch:
         sink = self._graph.add("abuffersink")
         node.link_to(sink)
         self._graph.configure()
-        self._pts = 0
+        self._speed = speed
+        self._pts = 0  # input samples pushed
+        self._out = 0  # output samples returned
         self._done = False
 
     def _pull(self) -> np.ndarray[Any, Any]:
@@ -264,22 +271,32 @@ class TimeStretch:
             return np.zeros(0, dtype=np.float32)
         return np.concatenate(parts)
 
-    def push(self, chunk: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    def _feed(self, chunk: np.ndarray[Any, Any]) -> None:
         import av
 
         x = np.ascontiguousarray(chunk, dtype=np.float32).reshape(1, -1)
-        if x.shape[1] == 0:
-            return np.zeros(0, dtype=np.float32)
         frame = av.AudioFrame.from_ndarray(x, format="flt", layout="mono")
         frame.sample_rate = self._rate
         frame.pts = self._pts
         self._pts += x.shape[1]
         self._graph.push(frame)
-        return self._pull()
+
+    def push(self, chunk: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+        if np.size(chunk) == 0:
+            return np.zeros(0, dtype=np.float32)
+        self._feed(chunk)
+        y = self._pull()
+        self._out += len(y)
+        return y
 
     def flush(self) -> np.ndarray[Any, Any]:
         if self._done:
             return np.zeros(0, dtype=np.float32)
         self._done = True
+        total = round(self._pts / self._speed)
+        self._feed(np.zeros(round(self.TAIL_SECONDS * self._rate), np.float32))
+        tail = self._pull()
         self._graph.push(None)
-        return self._pull()
+        tail = np.concatenate([tail, self._pull()])[: max(0, total - self._out)]
+        self._out += len(tail)
+        return tail

@@ -153,9 +153,19 @@ def _codes_job(st: State, inp: SynthesisInput) -> Job:
     if arr.shape[1] > m.frames(s.max_audio_seconds):
         raise bad("codes", f"{arr.shape[1]} frames ({arr.shape[1] / m.frame_rate:g} s) exceed "
                   f"the server limit of {s.max_audio_seconds:g} s", code="too_long")
-    limit_s = min(inp.max_seconds or s.max_audio_seconds, s.max_audio_seconds)
+    limit_s = generated_limit(s, inp) or s.max_audio_seconds
     return Job(id=st.pool.new_job_id(), kind="codes", codes=arr, voice=voice,
                max_frames=max(1, m.frames(limit_s)), chunk_max_frames=s.chunk_max_frames)
+
+
+def generated_limit(s: Settings, inp: SynthesisInput) -> float | None:
+    """Seconds of audio the engine may make so that what the client receives after the tempo
+    change (``speed``) stays within ``max_seconds`` and the server cap; None: the cap alone.
+    The engine never makes more than the cap (its cost), whatever the speed."""
+    out = min(inp.max_seconds or s.max_audio_seconds, s.max_audio_seconds)
+    made = out * inp.speed
+    return None if inp.max_seconds is None and made >= s.max_audio_seconds else min(
+        made, s.max_audio_seconds)
 
 
 def _text_job(st: State, inp: SynthesisInput, sampling: dict[str, Any]) -> Job:
@@ -188,8 +198,10 @@ def _text_job(st: State, inp: SynthesisInput, sampling: dict[str, Any]) -> Job:
         _check_tokens(m, inp.instruct_field, instruct, s.max_instruct_tokens)
     if clone is None:
         voice = _resolve(cat.resolve_voice, voice)
-    # the engine's text-length budget applies; a client's max_seconds can only lower it
-    limit = max(1, m.frames(inp.max_seconds)) if inp.max_seconds is not None else None
+    # the engine's text-length budget applies; a client's max_seconds (or a slowed tempo) can
+    # only lower it
+    made = generated_limit(s, inp)
+    limit = max(1, m.frames(made)) if made is not None else None
     return Job(id=st.pool.new_job_id(), kind="text", text=text, voice=voice,
                language=None if inp.language is None else language, instruct=instruct,
                sampling=sampling, frame_limit=limit, chunk_max_frames=s.chunk_max_frames,

@@ -151,6 +151,18 @@ def test_max_seconds_caps_codes(server: Server) -> None:
     assert len(r.content) == int(1.0 * 12.5) * FRAME_SAMPLES * 2
 
 
+@pytest.mark.parametrize("speed", [0.25, 0.5, 2.0])
+def test_max_seconds_caps_the_audio_received_at_any_speed(server: Server, speed: float) -> None:
+    """``max_seconds`` is the audio the client gets: slowed 4x, a 1 s cap gave 3.8 s (it counted
+    the audio before the tempo change; so did the server cap: 480 s for a 120 s cap)."""
+    r = httpx.post(server.url + "/tts", json={"codes": codes(60), "format": "pcm",
+                                              "max_seconds": 2.0, "speed": speed}, timeout=60)
+    assert r.status_code == 200
+    made = int(2.0 * speed * 12.5)  # whole frames within the cap, before the tempo change
+    assert len(r.content) == round(made * FRAME_SAMPLES / speed) * 2
+    assert len(r.content) / 2 / 24000 <= 2.0
+
+
 def test_request_id_is_echoed(server: Server) -> None:
     r = httpx.post(server.url + "/tts", json={"codes": codes(2), "format": "pcm"},
                    headers={"X-Request-Id": "abc-123"}, timeout=60)
