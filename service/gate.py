@@ -42,6 +42,12 @@ class GateMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        if len(scope["path"]) > 1 and scope["path"].endswith("/"):
+            # a trailing slash names the same route (Starlette answered a bare 307 to the path
+            # without it, built from the client's Host header)
+            scope["path"] = scope["path"].rstrip("/") or "/"
+            if isinstance(raw := scope.get("raw_path"), bytes):
+                scope["raw_path"] = raw.rstrip(b"/") or b"/"
         path: str = scope["path"]
         st: State | None = getattr(scope["app"].state, "qtts", None)
         if st is None or not path.startswith(API_PREFIXES):

@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match, WebSocketRoute
 
 from engine.errors import clipped
 from service.errors import ApiError
@@ -70,17 +71,47 @@ async def http_error(request: Request, exc: Exception) -> JSONResponse:
     headers = dict(exc.headers or {})
     # (escaped and clipped: a path is the client's text, echoed into the answer)
     where = clipped(request.url.path.encode("utf-8", "backslashreplace").decode("utf-8"))
-    if exc.status_code == 404 and exc.detail == "Not Found":
+    if exc.status_code == 404 and exc.detail == "Not Found" and _routes(request, "websocket"):
+        err = ApiError(426, f"{where} is a WebSocket route: open it with a WebSocket handshake "
+                       "(docs/service.md, Realtime)", code="upgrade_required",
+                       headers={**headers, "Upgrade": "websocket", "Connection": "Upgrade"})
+    elif exc.status_code == 404 and exc.detail == "Not Found":
         err = ApiError(404, f"{where}: not found (the API is described at /docs)", code="not_found",
                        headers=headers)
     elif exc.status_code == 405:
-        allowed = headers.get("allow") or headers.get("Allow") or ""
+        allowed = allowed_methods(request)
+        headers = {k: v for k, v in headers.items() if k.lower() != "allow"} | {"Allow": allowed}
         err = ApiError(405, f"{request.method} is not allowed on {where}"
                             + (f" (allowed: {allowed})" if allowed else ""),
                        code="method_not_allowed", headers=headers)
     else:
         err = ApiError(exc.status_code, str(exc.detail), headers=headers)
     return err.response(rid)
+
+
+def _routes(request: Request, kind: str) -> list[Any]:
+    """The app's routes of ``kind`` ("http", "websocket") whose path is the request's."""
+    found, routes = [], list(request.app.router.routes)
+    scope = {**request.scope, "type": kind, "method": "GET"}
+    while routes:
+        route = routes.pop()
+        # (FastAPI keeps an included router whole: its routes, ours all without a prefix)
+        if (inner := getattr(route, "original_router", None)) is not None:
+            routes += inner.routes
+        elif (isinstance(route, WebSocketRoute) if kind == "websocket"
+              else bool(getattr(route, "methods", None))) and route.matches(scope)[0] != Match.NONE:
+            found.append(route)
+    return found
+
+
+def allowed_methods(request: Request) -> str:
+    """Every method some route takes at the request's path (Starlette's 405 names only the
+    first route that matched the path: GET alone where POST and DELETE routes share it), and
+    HEAD where GET is (the app answers HEAD as GET)."""
+    methods = {m for route in _routes(request, "http") for m in getattr(route, "methods", ())}
+    if "GET" in methods:
+        methods.add("HEAD")
+    return ", ".join(sorted(methods))
 
 
 def install(app: FastAPI) -> None:

@@ -83,7 +83,7 @@ def test_a_prompt_client_is_not_cut(timed_server: Any) -> None:
 def test_post_to_a_get_route_is_405(server: Any, path: str) -> None:
     r = httpx.post(server.url + path, content=b"x", headers={"content-type": "text/plain"})
     assert r.status_code == 405, r.text
-    assert set(r.headers["allow"].split(", ")) <= {"GET", "DELETE"}
+    assert set(r.headers["allow"].split(", ")) <= {"GET", "HEAD", "DELETE"}
     assert "GET" in r.headers["allow"] and r.json()["error"]["type"] == "invalid_request_error"
 
 

@@ -62,6 +62,20 @@ def test_router_errors_name_the_route_and_carry_a_request_id(server: Server) -> 
         assert len(r.headers["x-request-id"]) == 32
         assert r.json()["error"]["code"] == "method_not_allowed"
         assert r.json()["error"]["message"] == "DELETE is not allowed on /tts (allowed: POST)"
+        # Allow lists every route's methods at the path (it named the first route's alone)
+        r = client.put("/v1/audio/voices")
+        assert r.status_code == 405 and r.headers["allow"] == "GET, HEAD, POST"
+        r = client.put("/v1/audio/voices/voice_x")
+        assert r.headers["allow"] == "DELETE, GET, HEAD" and "(allowed: DELETE, GET, HEAD)" in (
+            r.json()["error"]["message"])
+        r = client.get("/v1/tts/realtime")  # a WebSocket route asked over plain HTTP
+        assert r.status_code == 426 and r.headers["upgrade"] == "websocket"
+        assert r.json()["error"]["code"] == "upgrade_required"
+        # a trailing slash names the same route (it was a bare 307 built from the Host header)
+        r = client.post("/tts/", json={"codes": codes(2), "format": "pcm"},
+                        headers={"Host": "elsewhere.example"})
+        assert r.status_code == 200 and len(r.content) == 2 * FRAME_SAMPLES * 2
+        assert client.get("/v1/models/").json()["object"] == "list"
         r = client.get("/x" * 5000)  # a client's path is echoed clipped
         assert r.status_code == 404 and len(r.json()["error"]["message"]) < 400
 

@@ -134,7 +134,7 @@ def test_time_stretch_streaming_length(speed: float) -> None:
     x = tone(2.0)
     ts = TimeStretch(speed, SR)
     cuts = [0, 1920, 5760, 13440, 28800, len(x)]  # a stream's chunks: 1, 2, 4, 8 frames, the rest
-    out = [ts.push(x[a:b]) for a, b in zip(cuts, cuts[1:])] + [ts.flush()]  # noqa: B905
+    out = [ts.push(x[a:b]) for a, b in itertools.pairwise(cuts)] + [ts.flush()]
     y = np.concatenate(out)
     assert len(y) == round(len(x) / speed)
     assert np.all(np.isfinite(y)) and np.max(np.abs(y)) < 1.0
