@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from cli.paths import output_file, positive_seconds
@@ -36,6 +38,19 @@ def add_synth_voice_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --ref-audio: speaker embedding only")
 
 
+@contextmanager
+def about(option: str, path: str, fields: tuple[str, ...]) -> Iterator[None]:
+    """The engine's errors on ``fields`` as errors of the command line's ``option``, naming the
+    file ``path`` (the engine names its own fields: ``ref_audio: is 0.99 s long``)."""
+    try:
+        yield
+    except InputError as exc:
+        if exc.field not in fields:
+            raise
+        problem = exc.problem if str(path) in exc.problem else f"{path}: {exc.problem}"
+        raise InputError(option, problem) from None
+
+
 def run_clone_voice(args: argparse.Namespace, options: EngineOptions) -> int:
     """Make the voice, write it, print a one-line summary; returns the exit status."""
     from engine.backend import BackendSet
@@ -51,7 +66,8 @@ def run_clone_voice(args: argparse.Namespace, options: EngineOptions) -> int:
         raise InputError("text", "--x-vector-only uses no transcript; drop one of them")
     model = open_model(args.model)
     model.require("talker")
-    check_base(model)
+    with about("--model", args.model, ("ref_audio",)):
+        check_base(model)
     builder = PromptBuilder(model)
     if not args.x_vector_only:
         try:
@@ -59,9 +75,10 @@ def run_clone_voice(args: argparse.Namespace, options: EngineOptions) -> int:
         except InputError as exc:  # the engine's field is ``ref_text``; here it is --text
             raise InputError("text", exc.problem) from None
     t0 = time.perf_counter()
-    wav = load_reference(args.audio, args.max_seconds)
-    cloner = VoiceCloner(model, BackendSet.from_options(options), builder)
-    voice = cloner.make(wav, args.text, args.x_vector_only)
+    with about("--audio", args.audio, ("ref_audio",)):
+        wav = load_reference(args.audio, args.max_seconds)
+        cloner = VoiceCloner(model, BackendSet.from_options(options), builder)
+        voice = cloner.make(wav, args.text, args.x_vector_only)
     cloner.close()
     voice_file.save(out, voice)
     mode = "in-context" if voice.icl else "x-vector only"
@@ -87,7 +104,8 @@ def voice_from_args(args: argparse.Namespace, pipe: Any) -> Any:
             raise InputError("voice_file", f"{args.voice_file}: {exc.problem}") from None
         return voice
     if args.ref_audio:
-        return pipe.clone_voice(args.ref_audio, args.ref_text, args.x_vector_only)
+        with about("--ref-audio", args.ref_audio, ("ref_audio",)):
+            return pipe.clone_voice(args.ref_audio, args.ref_text, args.x_vector_only)
     if args.ref_text:
         raise InputError("ref_text", "--ref-text needs --ref-audio")
     return None

@@ -115,7 +115,7 @@ def _decode_av(src: bytes | str | os.PathLike[str], name: str,
     except FileNotFoundError:
         raise InputError(FIELD, f"{name}: file not found") from None
     except (av.FFmpegError, OSError, ValueError) as exc:
-        raise InputError(FIELD, f"{name} cannot be decoded as audio ({exc})") from None
+        raise InputError(FIELD, f"{name} cannot be decoded as audio ({_reason(exc)})") from None
     mono = _Mono(max_seconds)
     rate = 0
     try:
@@ -134,10 +134,16 @@ def _decode_av(src: bytes | str | os.PathLike[str], name: str,
     except InputError:
         raise
     except (av.FFmpegError, OSError, ValueError) as exc:
-        raise InputError(FIELD, f"{name} cannot be decoded as audio ({exc})") from None
+        raise InputError(FIELD, f"{name} cannot be decoded as audio ({_reason(exc)})") from None
     finally:
         container.close()
     return mono.audio(name, rate)
+
+
+def _reason(exc: Exception) -> str:
+    """FFmpeg's words for why (``Invalid data found when processing input``), without PyAV's
+    errno and the ``'<none>'`` it names a memory file by."""
+    return str(getattr(exc, "strerror", None) or exc)
 
 
 def _as_float(arr: npt.NDArray[Any]) -> F32:
@@ -182,7 +188,8 @@ def check(samples: F32, sr: int, max_seconds: float = DEFAULT_MAX_SECONDS) -> No
         raise InputError(FIELD, _too_long(f"is {seconds:.1f} s long", max_seconds))
     if not np.isfinite(samples).all():
         raise InputError(FIELD, "contains NaN or infinite samples")
-    if float(np.abs(samples).max()) < SILENCE_PEAK:
+    # (about its mean: a constant offset, DC, is no sound)
+    if float(np.abs(samples - samples.mean(dtype=np.float64)).max()) < SILENCE_PEAK:
         raise InputError(FIELD, "is silent (no sample above -60 dBFS)")
 
 

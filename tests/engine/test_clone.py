@@ -574,6 +574,9 @@ def test_cli_clone_voice_then_synth(base_dir: Path, speech: Path, tmp_path: Path
     # every bad input is one line naming the problem, exit status 2
     bad = tmp_path / "bad.mp3"
     bad.write_bytes(b"\x00" * 100)
+    short, offset = tmp_path / "short.wav", tmp_path / "offset.wav"
+    sf.write(short, sf.read(speech, dtype="float32")[0][:12000], 24000)
+    sf.write(offset, np.full(72000, 0.5, np.float32), 24000)
     for argv, problem in (
         (["clone-voice", "--model", model, "--audio", str(bad), "--text", "x", "-o",
           str(tmp_path / "b.qvoice")], "cannot be decoded"),
@@ -587,6 +590,15 @@ def test_cli_clone_voice_then_synth(base_dir: Path, speech: Path, tmp_path: Path
          "not a regular file"),  # (once read until memory ran out)
         (["synth", "Hi.", "--model", model, "--ref-text", "x", "-o", str(out)],
          "--ref-text needs --ref-audio"),
+        # audio that decodes but cannot clone: the option and the file are named (it was
+        # "ref_audio: is 0.5 s long", a field the command line does not have)
+        (["clone-voice", "--model", model, "--audio", str(short), "--x-vector-only", "-o",
+          str(tmp_path / "b.qvoice")], f"qtts: --audio: {short}: is 0.5 s long"),
+        (["synth", "Hi.", "--model", model, "--ref-audio", str(short), "--x-vector-only", "-o",
+          str(out)],
+         f"qtts: --ref-audio: {short}: is 0.5 s long"),
+        (["clone-voice", "--model", model, "--audio", str(offset), "--x-vector-only", "-o",
+          str(tmp_path / "b.qvoice")], "is silent"),  # a constant offset is no sound
     ):  # fmt: skip
         assert main(argv) == 2
         err = capsys.readouterr().err
