@@ -43,7 +43,7 @@ def create_app(settings: Settings | None = None, model: ModelInfo | None = None)
         )
         metrics = Metrics()
         pool = WorkerPool(settings, metrics, max_frames_cap=info.frames(settings.max_audio_seconds))
-        store = open_store(settings.voice_db, settings.data_dir)
+        store = open_store(settings.voice_db, settings.data_dir, settings.voice_db_timeout)
         st = State(settings=settings, metrics=metrics, pool=pool, model=info, store=store,
                    owners=settings.key_owners())
         app.state.qtts = st

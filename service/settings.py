@@ -110,6 +110,12 @@ class Settings(BaseSettings):
             "replicas) or `sqlite:///path`; unset: SQLite in `QTTS_DATA_DIR`"
         ),
     )
+    voice_db_timeout: float = Field(
+        default=5.0, gt=0, le=600,
+        description="seconds one voice-store operation may wait on the database (PostgreSQL's "
+        "statement and lock timeouts; a database that does not answer at all: this plus the "
+        "connect timeout); then 503 `store_unavailable`",
+    )
     keep_reference_audio: bool = Field(
         default=False,
         description="also store a cloned voice's reference audio (else only its prompt and hash)",

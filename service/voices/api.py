@@ -42,10 +42,12 @@ async def call_store(st: State, op: Callable[[VoiceStore], T]) -> T:
         raise ApiError(503, "voice store not configured", code="store_unavailable",
                        headers=retry_after(st))
     try:
-        return await asyncio.to_thread(op, store)
-    except StoreUnavailable as exc:
+        # (on a timeout the thread waits on for the database; the client does not)
+        return await asyncio.wait_for(asyncio.to_thread(op, store), store.answer_seconds)
+    except (StoreUnavailable, TimeoutError) as exc:
         st.metrics.voice_store_errors.inc()
-        log.error("voice store unavailable: %s", exc)
+        log.error("voice store unavailable: %s", exc or f"no answer within "
+                  f"{store.answer_seconds:g} s")
         raise ApiError(503, "the voice store is unavailable; retry later (built-in voices still "
                        "work)", code="store_unavailable", headers=retry_after(st)) from None
 

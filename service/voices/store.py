@@ -64,6 +64,9 @@ class VoiceStore(ABC):
 
     dialect = ""
     placeholder = "?"
+    # seconds within which an operation answers or raises; past them the database is taken as
+    # unavailable (one frozen mid-statement answers nothing, and no timeout of its own fires)
+    answer_seconds = 15.0
 
     def __init__(self) -> None:
         self._migrated = False
@@ -221,6 +224,7 @@ class SqliteStore(VoiceStore):
         super().__init__()
         self.path = path
         self.busy_seconds = busy_seconds
+        self.answer_seconds = busy_seconds + 5.0
 
     def _connect(self) -> sqlite3.Connection:
         try:
@@ -264,13 +268,16 @@ class PostgresStore(VoiceStore):
     placeholder = "%s"
     KEEP = 4  # idle connections kept
 
-    def __init__(self, url: str, connect_timeout: float = 3.0) -> None:
+    def __init__(self, url: str, connect_timeout: float = 3.0,
+                 statement_timeout: float = 5.0) -> None:  # fmt: skip
         super().__init__()
         import psycopg
 
         self._psycopg = psycopg
         self.url = url
         self.connect_timeout = connect_timeout
+        self.statement_timeout = statement_timeout
+        self.answer_seconds = connect_timeout + statement_timeout + 2.0
         self._idle: list[Any] = []
         self._pool_lock = threading.Lock()
 
@@ -278,7 +285,13 @@ class PostgresStore(VoiceStore):
         with self._pool_lock:
             if self._idle:
                 return self._idle.pop()
-        return self._psycopg.connect(self.url, connect_timeout=max(1, int(self.connect_timeout)))
+        ms = max(1, round(self.statement_timeout * 1000))
+        # a statement or a lock wait past the timeout is the server's error (a table another
+        # client locked); TCP keepalives find a peer that went away without closing
+        return self._psycopg.connect(
+            self.url, connect_timeout=max(1, int(self.connect_timeout)),
+            options=f"-c statement_timeout={ms} -c lock_timeout={ms}",
+            keepalives=1, keepalives_idle=10, keepalives_interval=5, keepalives_count=3)
 
     def _release(self, conn: Any, ok: bool) -> None:
         if ok and not conn.closed:
@@ -320,15 +333,16 @@ class PostgresStore(VoiceStore):
                 pass
 
 
-def open_store(url: str | None, data_dir: Path) -> VoiceStore:
+def open_store(url: str | None, data_dir: Path, timeout: float = 5.0) -> VoiceStore:
     """The store ``url`` names (``postgresql://...``, ``sqlite:///path``), else SQLite in
-    ``data_dir``. Nothing is connected yet."""
+    ``data_dir``; ``timeout``: seconds an operation may wait on the database. Nothing is
+    connected yet."""
     if not url:
-        return SqliteStore(data_dir / "voices.sqlite3")
+        return SqliteStore(data_dir / "voices.sqlite3", busy_seconds=timeout)
     scheme = url.split(":", 1)[0].lower()
     if scheme in ("postgresql", "postgres"):
-        return PostgresStore(url)
+        return PostgresStore(url, statement_timeout=timeout)
     if scheme == "sqlite":
-        return SqliteStore(Path(url.split(":", 1)[1].removeprefix("//")))
+        return SqliteStore(Path(url.split(":", 1)[1].removeprefix("//")), busy_seconds=timeout)
     raise ValueError(f"QTTS_VOICE_DB: {scheme!r} is not a supported database (postgresql://... "
                      "or sqlite:///path)")

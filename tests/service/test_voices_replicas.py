@@ -130,6 +130,52 @@ def test_database_down_is_503_and_the_rest_keeps_working(base_gguf: Path, servic
         pg.close()
 
 
+def test_a_locked_or_frozen_database_is_a_503_in_seconds(base_gguf: Path, tmp_path: Path,
+                                                         ref: bytes) -> None:
+    """A table another client holds locked, and a database server that stops answering
+    (SIGSTOP: its kernel still keeps the connections open): both waited without end (a locked
+    table ~70 s, a frozen server for ever on a kept connection)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    import psycopg
+
+    pg = Postgres(tmp_path / "pg")  # its own server: this test freezes it
+    try:
+        s = _serve(base_gguf, tmp_path, voice_db=pg.url, voice_db_timeout=1.5)
+        try:
+            vid = create(s, ref, "kept").json()["id"]
+            with psycopg.connect(pg.url) as locker:
+                locker.execute("LOCK TABLE voices IN ACCESS EXCLUSIVE MODE")
+                t0 = time.monotonic()
+                r = httpx.get(s.url + "/v1/audio/voices", timeout=60)
+                assert r.status_code == 503 and r.json()["error"]["code"] == "store_unavailable"
+                assert time.monotonic() - t0 < 6
+            assert httpx.get(f"{s.url}/v1/audio/voices/{vid}").status_code == 200
+            head = int((pg.data / "postmaster.pid").read_text().split()[0])
+            kids = subprocess.run(["pgrep", "-P", str(head)], capture_output=True,
+                                  text=True).stdout.split()
+            frozen = [head, *map(int, kids)]
+            for pid in frozen:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                t0 = time.monotonic()
+                r = speak(s, vid)  # the kept connection would wait on the frozen server
+                assert r.status_code == 503 and r.json()["error"]["code"] == "store_unavailable"
+                assert time.monotonic() - t0 < 12
+            finally:
+                for pid in frozen:
+                    os.kill(pid, signal.SIGCONT)
+            assert_speech(speak(s, vid))  # back without a restart
+            assert "Traceback" not in s.log()
+        finally:
+            s.stop()
+    finally:
+        pg.close()
+
+
 def test_owners_see_use_and_delete_only_their_own_voices(base_gguf: Path, tmp_path: Path,
                                                          ref: bytes) -> None:  # fmt: skip
     keys = tmp_path / "keys"
