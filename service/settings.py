@@ -110,6 +110,13 @@ class Settings(BaseSettings):
             "replicas) or `sqlite:///path`; unset: SQLite in `QTTS_DATA_DIR`"
         ),
     )
+    cors_origins: str = Field(
+        default="",
+        description="origins (`https://app.example,http://localhost:3000`, or `*`) whose web "
+        "pages may use the HTTP API: they get CORS answers; a POST or DELETE from any other "
+        "page (a cross-site form) is a 403 `origin_not_allowed`. Empty: the server's own pages "
+        "(the playground) only. Clients that are not browsers send no `Origin`",
+    )
     voice_db_timeout: float = Field(
         default=5.0, gt=0, le=600,
         description="seconds one voice-store operation may wait on the database (PostgreSQL's "
@@ -257,6 +264,20 @@ class Settings(BaseSettings):
                 raise ValueError(f"{scheme!r} is not a supported database: postgresql://... "
                                  "or sqlite:///path")
         return v or None
+
+    @field_validator("cors_origins")
+    @classmethod
+    def _cors(cls, v: str) -> str:
+        from service.origins import parse_origins
+
+        parse_origins(v)
+        return v
+
+    @property
+    def allowed_origins(self) -> tuple[str, ...]:
+        from service.origins import parse_origins
+
+        return parse_origins(self.cors_origins)
 
     @field_validator("api_keys")
     @classmethod

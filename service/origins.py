@@ -1,0 +1,63 @@
+"""Which browser pages may use the API: the server's own (the playground) and the origins
+``QTTS_CORS_ORIGINS`` lists.
+
+A browser sends a cross-site form (``multipart/form-data``) without asking the server first,
+with the page's ``Origin``; without a check, any web page its user opened could create voices
+on, or make speech with, a server that has no API key (one on ``127.0.0.1`` included). So a
+POST or DELETE whose ``Origin`` is neither the server's nor a listed one is refused (403).
+Clients that are not browsers send no ``Origin`` and are not concerned. The listed origins also
+get CORS answers (``service.app``), so a web app elsewhere can call the JSON API.
+"""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+_DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
+
+
+def parse_origins(text: str) -> tuple[str, ...]:
+    """``a, b`` -> the origins, each ``scheme://host[:port]`` (or ``*``); ValueError naming a
+    malformed one."""
+    out = []
+    for raw in (p.strip() for p in text.split(",")):
+        if not raw:
+            continue
+        if raw != "*":
+            u = urlsplit(raw)
+            if u.scheme not in ("http", "https") or not u.hostname or u.path not in ("", "/") \
+                    or u.query or u.fragment:
+                raise ValueError(f"{raw!r} is not an origin: give scheme://host[:port] "
+                                 "(http or https, no path), or *")
+            raw = raw.rstrip("/").lower()
+        out.append(raw)
+    return tuple(out)
+
+
+def _netloc(host: str, scheme: str) -> str:
+    """``host[:port]`` without the scheme's default port, lower case."""
+    host = host.strip().lower()
+    default = _DEFAULT_PORTS.get(scheme)
+    if default is not None and host.endswith(f":{default}") and not host.endswith("]"):
+        host = host[: -len(f":{default}")]
+    return host
+
+
+def origin_allowed(origin: str, headers: dict[str, str], allowed: tuple[str, ...]) -> bool:
+    """Whether a page of ``origin`` may send a state-changing request: the server's own origin
+    (the ``Host`` the browser addressed, or the ``X-Forwarded-Host`` a proxy passed on), or
+    one ``allowed`` lists."""
+    o = origin.strip().lower()
+    if "*" in allowed or o in allowed:
+        return True
+    u = urlsplit(o)
+    if not u.scheme or not u.netloc:
+        return False  # "null" (a file or a sandboxed frame) and the like
+    mine = _netloc(u.netloc, u.scheme)
+    hosts = [headers.get("host", ""), headers.get("x-forwarded-host", "").split(",")[0]]
+    return any(h and _netloc(h, u.scheme) == mine for h in hosts)
+
+
+# what a listed origin's page may send and read (CORS)
+CORS_HEADERS = ["Authorization", "Content-Type", "X-API-Key", "X-Request-Id"]
+CORS_EXPOSED = ["X-Request-Id", "X-Sample-Rate", "X-Audio-Format", "Retry-After"]
