@@ -91,7 +91,8 @@ class GateMiddleware:
             allowed, limit = ("multipart/form-data",), s.max_body_bytes + s.max_reference_bytes
         else:
             allowed, limit = ("application/json",), s.max_body_bytes
-        err = _check_content_type(ctype, allowed)
+        err = _check_content_type(ctype, allowed) or _check_encoding(
+            headers.get("content-encoding", ""))
         if err is not None:
             await gate.reject(err, "invalid")
             return
@@ -129,6 +130,15 @@ def _check_content_type(ctype: str, allowed: tuple[str, ...]) -> ApiError | None
         return None
     return ApiError(415, f"content-type must be {' or '.join(allowed)}, got {ctype or 'none'!r}",
                     field="content-type", code="unsupported_media_type")
+
+
+def _check_encoding(encoding: str) -> ApiError | None:
+    # a compressed body was read as JSON and answered "not valid JSON"; a body labelled as
+    # compressed but plain was taken as it came
+    if encoding.strip().lower() in ("", "identity"):
+        return None
+    return ApiError(415, f"content-encoding {clipped(encoding)!r} is not accepted: send the "
+                    "body uncompressed", field="content-encoding", code="unsupported_media_type")
 
 
 class _Gate:

@@ -4,6 +4,7 @@ client, validation, disconnects, metrics and request logs."""
 from __future__ import annotations
 
 import base64
+import gzip
 import json
 import time
 from pathlib import Path
@@ -381,6 +382,11 @@ def test_malformed_transport_is_a_4xx(server: Server) -> None:
     assert r.status_code == 415 and r.json()["error"]["field"] == "content-type"
     r = httpx.post(url, content=b"{}")  # no content type
     assert r.status_code == 415
+    for enc, body in (("gzip", gzip.compress(b'{"codes": []}')), ("br", b'{"codes": []}')):
+        # (gzip was "not valid JSON", a plain body labelled br was read as it came)
+        r = httpx.post(url, content=body, headers={"content-type": "application/json",
+                                                   "content-encoding": enc})
+        assert r.status_code == 415 and r.json()["error"]["field"] == "content-encoding"
     big = json.dumps({"codes": codes(5000)}).encode()  # over the 300 kB cap of this server
     r = httpx.post(url, content=big, headers={"content-type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["field"] == "body"
