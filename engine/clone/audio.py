@@ -58,8 +58,11 @@ class _Mono:
         self.max_seconds = max_seconds
         self.pieces: list[F32] = []
         self.total = 0
+        self.length_s: float | None = None  # the container's own length of the stream
 
     def add(self, mono: F32, rate: int) -> None:
+        if self.length_s is not None:  # (an AAC encoder's padding past it is not audio)
+            mono = mono[: max(0, round(self.length_s * rate) - self.total)]
         self.pieces.append(np.ascontiguousarray(mono, dtype=np.float32))
         self.total += mono.shape[0]
         if self.max_seconds is not None and self.total > self.max_seconds * rate:
@@ -122,6 +125,9 @@ def _decode_av(src: bytes | str | os.PathLike[str], name: str,
         streams = [s for s in container.streams if s.type == "audio"]
         if not streams:
             raise InputError(FIELD, f"{name} has no audio stream")
+        if container.format.name.startswith("mov") and streams[0].duration and \
+                streams[0].time_base:  # (MP4/M4A give it exactly; raw streams only estimate)
+            mono.length_s = float(streams[0].duration * streams[0].time_base)
         for frame in container.decode(streams[0]):
             assert isinstance(frame, av.AudioFrame)
             arr: npt.NDArray[Any] = _as_float(frame.to_ndarray())

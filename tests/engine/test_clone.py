@@ -101,6 +101,30 @@ def test_reference_audio_formats(speech: Path, tmp_path: Path, suffix: str, code
         _decodes_as_the_reference(f, codec)
 
 
+def test_an_aac_encoders_padding_is_not_audio(tmp_path: Path) -> None:
+    """An M4A says how long its stream is; the AAC frames decoded past it are the encoder's
+    padding. A 30.0 s file was refused as over the 30 s cap (30.04 s decoded)."""
+    import av
+
+    for seconds in (1.0, 30.0):
+        n = round(seconds * 24000)
+        x = (0.3 * np.sin(2 * np.pi * 220 * np.arange(n) / 24000)).astype(np.float32)[None]
+        f = tmp_path / f"tone{seconds:g}.m4a"
+        with av.open(str(f), mode="w") as out:  # as ffmpeg writes it: frames with their times
+            stream = out.add_stream("aac", rate=24000)
+            stream.layout = "mono"  # type: ignore[attr-defined]
+            for i in range(0, n, 1024):
+                frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(x[:, i:i + 1024]),
+                                                   format="fltp", layout="mono")
+                frame.sample_rate, frame.pts = 24000, i
+                for packet in stream.encode(frame):  # type: ignore[attr-defined]
+                    out.mux(packet)
+            for packet in stream.encode(None):  # type: ignore[attr-defined]
+                out.mux(packet)
+        assert decode(f, 30.0).samples.size == n
+        assert load_reference(f).size == n
+
+
 def _decodes_as_the_reference(f: Path, codec: str) -> None:
     """The reference reads a voice's audio with libsndfile: ``soundfile.read`` for bytes (what
     an upload is), ``librosa.load(path, sr=None, mono=True)`` for a path. A lossy file decodes
