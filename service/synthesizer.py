@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from engine.errors import InputError
 from service.protocol import Cloned, Finish, Job, StopWorker, TextIn, WorkerOptions
 
 if TYPE_CHECKING:
@@ -105,8 +106,15 @@ class Synthesizer:
 
         if job.voice_prompt is not None:
             raw = job.voice_prompt
-            return self._cached("v:" + hashlib.sha256(raw).hexdigest(), lambda: voice_file.load(
-                raw, self.pipeline.voice_fingerprint))
+
+            def stored() -> Any:
+                try:
+                    return voice_file.load(raw, self.pipeline.voice_fingerprint)
+                except InputError as exc:  # (the client sent an id, not a file: name it)
+                    raise InputError("voice", f"the stored voice is damaged ({exc.problem}); "
+                                     "delete it and clone it again") from None
+
+            return self._cached("v:" + hashlib.sha256(raw).hexdigest(), stored)
         if job.ref_audio is not None:
             ref = job.ref_audio
             digest = hashlib.sha256(ref).hexdigest()

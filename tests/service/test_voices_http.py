@@ -348,6 +348,29 @@ def test_a_voice_of_another_model_is_a_409_naming_both(base_gguf: Path, tmp_path
         b.stop()
 
 
+def test_a_damaged_stored_voice_names_the_voice(base_gguf: Path, tmp_path: Path,
+                                                ref: bytes) -> None:  # fmt: skip
+    """A stored prompt that no longer reads (the database row damaged): the error names the
+    voice the client sent, not a ``voice_file`` it never did, and the worker serves on."""
+    import sqlite3
+
+    data = tmp_path / "data"
+    s = Server(base_gguf, tmp_path, data_dir=data)
+    try:
+        s.wait_ready()
+        vid = create(s, ref, "damaged", x_vector_only="true").json()["id"]
+        with sqlite3.connect(data / "voices.sqlite3") as db:
+            db.execute("UPDATE voices SET prompt = ? WHERE id = ?", (b"\x00" * 64, vid))
+        r = speak(s, vid)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["field"] == "voice" and "stored voice is damaged" in err["message"], err
+        assert_speech(speak(s, None, ref_audio=base64.b64encode(ref).decode(),
+                            ref_text=REF_TEXT))
+    finally:
+        s.stop()
+
+
 def test_a_model_that_does_not_clone(server: Server, ref: bytes) -> None:
     """The CustomVoice tiny model: creating is a 422, its built-in voices are listed."""
     r = create(server, ref, "nope")
