@@ -37,6 +37,11 @@ async def read_form(request: Request, max_files: int, max_fields: int,
                            "fields must be shorter, and a file must be sent as a file part "
                            "(with a filename in its Content-Disposition)", field="body",
                            code="invalid_form") from None
+        if "Too many files" in str(exc):  # (a second file, or a text field sent as a file)
+            raise ApiError(400, f"body: the form has more than {max_files} file part(s): send "
+                           "the reference audio as the one file, and every other field as "
+                           "text (no filename in its Content-Disposition)", field="body",
+                           code="invalid_form") from None
         raise ApiError(400, f"body: not a readable multipart form ({exc})", field="body",
                        code="invalid_form") from None
     for key in form:
