@@ -108,6 +108,11 @@ async def create(request: Request, st: StateDep) -> dict[str, Any]:
                        "it): it cannot clone", field="file", code="cloning_unavailable")
     form = await read_form(request, max_files=1, max_fields=len(TEXT_FIELDS) + 1,
                            max_part_size=max(s.max_text_chars * 4, 1024 * 64))
+    if (kind := form.get("type")) not in (None, "audio_sample"):
+        raise ApiError(400, f"type: {str(kind)[:40]!r}: voices here are cloned from a recording "
+                       "(audio_sample); a voice from a text prompt is not made (a VoiceDesign "
+                       "model takes the description as `instructions` on each request)",
+                       field="type", code="invalid_value")
     unknown = [k for k in form if k not in FILE_FIELDS + TEXT_FIELDS]
     if unknown:
         raise ApiError(400, f"{unknown[0]}: is not a known field", field=unknown[0],

@@ -206,6 +206,7 @@ def _tone(seconds: float, rate: int = 24000) -> bytes:
     ("file_without_filename", 400, "body", "sent as a file part"),
     ("name_twice", 400, "name", "sent twice"),
     ("two_files", 400, "body", "more than 1 file part"),  # (was "Too many files. Maximum...")
+    ("prompt_type", 400, "type", "from a text prompt"),  # (the SDK's other variant)
     ("c1_name", 400, "name", "control characters"),
     ("bidi_name", 400, "name", "control characters"),
     ("invisible_name", 400, "name", "empty"),
@@ -233,6 +234,8 @@ def test_bad_creates_are_clear_and_store_nothing(base: Server, ref: bytes, case:
         data["colour"] = "blue"
     elif case == "bad_flag":
         data["x_vector_only"] = "maybe"
+    elif case == "prompt_type":
+        data.update(type="prompt", prompt="a warm low voice", script_hint="latin")
     if case == "json_body":
         r = httpx.post(url, json={"name": name}, timeout=60)
     elif case == "no_file":  # a form with a name and no file
