@@ -14,6 +14,7 @@ import re
 import secrets
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -29,6 +30,17 @@ audit = logging.getLogger("qtts.audit")
 T = TypeVar("T")
 ID_PREFIX = "voice_"
 COUNT_EVERY = 30.0  # seconds between refreshes of the stored-voice gauge (other replicas write)
+# the store's own threads: calls a frozen database holds wait here, not in the event loop's
+# default pool, which whole-file encoding and the worker pool's joins also use
+_STORE_THREADS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="qtts-store")
+
+
+async def _in_store_thread(store: VoiceStore, op: Callable[[VoiceStore], T]) -> T:
+    """``op(store)``, or TimeoutError after the store's ``answer_seconds`` (the thread waits
+    on for the database; the caller does not)."""
+    loop = asyncio.get_running_loop()
+    return await asyncio.wait_for(loop.run_in_executor(_STORE_THREADS, op, store),
+                                  store.answer_seconds)
 
 
 def retry_after(st: State) -> dict[str, str]:
@@ -42,8 +54,7 @@ async def call_store(st: State, op: Callable[[VoiceStore], T]) -> T:
         raise ApiError(503, "voice store not configured", code="store_unavailable",
                        headers=retry_after(st))
     try:
-        # (on a timeout the thread waits on for the database; the client does not)
-        return await asyncio.wait_for(asyncio.to_thread(op, store), store.answer_seconds)
+        return await _in_store_thread(store, op)
     except (StoreUnavailable, TimeoutError) as exc:
         st.metrics.voice_store_errors.inc()
         log.error("voice store unavailable: %s", exc or f"no answer within "
@@ -211,10 +222,11 @@ async def count_voices(st: State) -> None:
     while True:
         try:
             if st.store is not None:
-                st.metrics.voices_stored.set(await asyncio.to_thread(st.store.count))
-        except StoreUnavailable as exc:
+                st.metrics.voices_stored.set(await _in_store_thread(st.store,
+                                                                    lambda s: s.count()))
+        except (StoreUnavailable, TimeoutError) as exc:
             st.metrics.voice_store_errors.inc()
-            log.warning("voice store unavailable: %s", exc)
+            log.warning("voice store unavailable: %s", exc or "no answer")
         await asyncio.sleep(COUNT_EVERY)
 
 
