@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from engine.clone.prompt import VoicePrompt
 from engine.errors import InputError
@@ -91,6 +92,12 @@ def _read_file(p: Path, name: str) -> bytes:
     return p.read_bytes()
 
 
+def _ints(a: npt.NDArray[Any]) -> npt.NDArray[np.int32]:
+    if a.dtype.kind not in "iu":
+        raise ValueError("not integers")
+    return np.asarray(a, dtype=np.int32)
+
+
 def load(src: str | os.PathLike[str] | bytes, fingerprint: str | None = None) -> VoicePrompt:
     """Read a voice; with ``fingerprint``, refuse one made for another model."""
     name = "the voice file" if isinstance(src, bytes) else str(src)
@@ -112,8 +119,9 @@ def load(src: str | os.PathLike[str] | bytes, fingerprint: str | None = None) ->
         with np.load(io.BytesIO(raw), allow_pickle=False) as z:
             meta = json.loads(str(z["meta"]))
             xv = np.asarray(z["x_vector"], dtype=np.float32)
-            codes = np.asarray(z["ref_codes"], dtype=np.int32) if "ref_codes" in z else None
-            ids = np.asarray(z["ref_ids"], dtype=np.int32) if "ref_ids" in z else None
+            # (ids are integers as written: float codes were cut to integers silently)
+            codes = _ints(z["ref_codes"]) if "ref_codes" in z else None
+            ids = _ints(z["ref_ids"]) if "ref_ids" in z else None
     except (OSError, EOFError, ValueError, KeyError, MemoryError, zipfile.BadZipFile,
             json.JSONDecodeError):
         raise InputError(FIELD, f"{name} is not a qtts voice file") from None
@@ -122,6 +130,9 @@ def load(src: str | os.PathLike[str] | bytes, fingerprint: str | None = None) ->
     if meta.get("version") != VERSION:
         raise InputError(FIELD, f"{name} has voice-file version {meta.get('version')!r}; "
                          f"this qtts reads version {VERSION}")  # fmt: skip
+    if meta.get("mode") not in ("icl", "x_vector") or not isinstance(
+            meta.get("fingerprint"), str):
+        raise InputError(FIELD, f"{name} is damaged (no mode or model fingerprint)")
     icl = meta.get("mode") == "icl"
     if xv.ndim != 1 or not np.isfinite(xv).all() or (icl and (
             codes is None or ids is None or codes.ndim != 2 or codes.shape[1] != 16

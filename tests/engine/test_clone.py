@@ -502,6 +502,16 @@ def _crafted_voice_files(pipe: Pipeline, speech: Path, folder: Path) -> dict[str
     out["bomb"] = folder / "bomb.qvoice"
     out["bomb"].write_bytes(buf.getvalue())
     assert out["bomb"].stat().st_size < voice_file.MAX_BYTES
+    # fractional codes (were cut to integers), a mode and a fingerprint that are not there
+    for name, changes, arrays in (
+            ("float_codes", {}, {"ref_codes": codes.astype(np.float32) + 0.5}),
+            ("bogus_mode", {"mode": "bogus"}, {}),
+            ("no_fingerprint", {"fingerprint": None}, {})):
+        buf = io.BytesIO()
+        np.savez(buf, meta=np.array(json.dumps({**meta, **changes})), x_vector=good.x_vector,
+                 ref_ids=ids, **{"ref_codes": codes, **arrays})
+        out[name] = folder / f"{name}.qvoice"
+        out[name].write_bytes(buf.getvalue())
     return out
 
 
@@ -514,6 +524,9 @@ RUN_CLI = "import sys; from cli.main import main; sys.exit(main(sys.argv[1:]))"
     ("negative_ids", "transcript ids fall outside"),
     ("long", "the talker holds"),
     ("bomb", "not a qtts voice file"),
+    ("float_codes", "not a qtts voice file"),
+    ("bogus_mode", "is damaged (no mode or model fingerprint)"),
+    ("no_fingerprint", "is damaged (no mode or model fingerprint)"),
 ])  # fmt: skip
 def test_damaged_voice_files_are_one_line_errors(pipe: Pipeline, speech: Path, base_dir: Path,
                                                  tmp_path: Path, case: str,
