@@ -35,7 +35,8 @@ MIN_TEMPERATURE = 0.01  # the engine's floor (engine.talker.sampling): colder is
 class Sampling(BaseModel):
     """Sampling overrides for text requests (capped again by the server settings)."""
 
-    # (NaN and Infinity, which Python's JSON reader takes, were "should be <= 4")
+    # (NaN and Infinity, which Python's JSON reader takes, were "should be <= 4"; the request
+    # models inherit this)
     model_config = ConfigDict(allow_inf_nan=False)
 
     seed: int | None = Field(default=None, ge=0, le=2**32 - 1, description="random seed")
@@ -70,7 +71,7 @@ Voice = Annotated[Text | VoiceRef | None, BeforeValidator(_voice_form)]
 class TTSRequest(Sampling):
     """``POST /tts``: synthesize ``text``, or decode ``codes`` [codebooks, T] (decoder-only use)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     text: Text | None = Field(default=None, description="text to speak (needs a talker model)")
     codes: Codes = Field(
@@ -107,7 +108,7 @@ class TTSRequest(Sampling):
 class SpeechRequest(Sampling):
     """``POST /v1/audio/speech``: OpenAI's speech request, plus qtts extensions."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: Text = Field(description="model id (GET /v1/models); one model is served")
     input: Text = Field(description="text to speak; empty when `codes` is sent")

@@ -266,3 +266,66 @@ def test_a_base_model_clones_a_voice_and_speaks_it(browser: Any, base_server: Se
     assert page.eval_on_selector_all("#voice option", "os => os.length") == 1
     assert not [m for m in page.qtts_console if "Content Security Policy" in m], page.qtts_console
     page.context.close()
+
+
+_FETCH_TTS = """async (url) => {
+  try {
+    const r = await fetch(url + '/tts', {method: 'POST', headers: {
+        'Content-Type': 'application/json', 'X-Request-Id': 'from-page'},
+      body: JSON.stringify({codes: Array.from({length: 16}, () => [1, 2]), format: 'pcm'})});
+    const n = (await r.arrayBuffer()).byteLength;
+    return {status: r.status, bytes: n, rid: r.headers.get('x-request-id'),
+            rate: r.headers.get('x-sample-rate')};
+  } catch (e) { return {error: String(e)}; }
+}"""
+_FORM_TTS = """async (url) => {
+  const form = new FormData();
+  form.append('text', 'Hello.');
+  const r = await fetch(url + '/tts', {method: 'POST', body: form, mode: 'no-cors'});
+  return r.type;
+}"""
+
+
+def test_pages_of_other_origins_in_a_browser(browser: Any, service_model: Path,
+                                             tmp_path: Path) -> None:
+    """A web app on another origin: with its origin in QTTS_CORS_ORIGINS its page calls the
+    JSON API and reads the answer's headers; unlisted, the browser blocks it, and the form a
+    page may post without asking (no-cors) is refused by the server, not run."""
+    import subprocess
+    import sys
+
+    from tests.service.helpers import free_port
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "index.html").write_text("<!doctype html><title>app</title>")
+    port = free_port()
+    app = f"http://127.0.0.1:{port}"
+    static = subprocess.Popen([sys.executable, "-m", "http.server", str(port), "--bind",
+                               "127.0.0.1"], cwd=site, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)  # fmt: skip
+    listed = Server(service_model, tmp_path, workers=1, cors_origins=app)
+    unlisted = Server(service_model, tmp_path, workers=1)
+    try:
+        listed.wait_ready()
+        unlisted.wait_ready()
+        page = browser.new_page()
+        for _ in range(50):  # the static server's first answer
+            try:
+                page.goto(app + "/index.html")
+                break
+            except Exception:
+                page.wait_for_timeout(100)
+        got = page.evaluate(_FETCH_TTS, listed.url)
+        assert got == {"status": 200, "bytes": 2 * 1920 * 2, "rid": "from-page",
+                       "rate": "24000"}, got
+        assert "Failed to fetch" in page.evaluate(_FETCH_TTS, unlisted.url).get("error", "")
+        assert page.evaluate(_FORM_TTS, unlisted.url) == "opaque"  # sent; unreadable
+        lines = unlisted.wait_request_lines(lambda r: r.get("route") == "/tts")
+        assert [r["status"] for r in lines] == [403], lines
+        page.close()
+    finally:
+        listed.stop()
+        unlisted.stop()
+        static.terminate()
+        static.wait(5)
