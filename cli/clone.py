@@ -96,12 +96,8 @@ def voice_from_args(args: argparse.Namespace, pipe: Any) -> Any:
         raise InputError("voice_file", "give --voice-file or --ref-audio, not both")
     if args.voice_file:
         voice = voice_file.load(args.voice_file, pipe.voice_fingerprint)
-        try:
+        with about("voice_file", args.voice_file, ("voice",)):
             pipe.pin_voice(voice)  # lays out its prompt: what the file holds is checked there
-        except InputError as exc:
-            if exc.field != "voice":
-                raise
-            raise InputError("voice_file", f"{args.voice_file}: {exc.problem}") from None
         return voice
     if args.ref_audio:
         with about("--ref-audio", args.ref_audio, ("ref_audio",)):

@@ -8,6 +8,7 @@ of the model (sample rate, frames per second, codebooks) are not settings: see m
 from __future__ import annotations
 
 import os
+from functools import cached_property
 from pathlib import Path
 from typing import Literal
 
@@ -273,7 +274,7 @@ class Settings(BaseSettings):
         parse_origins(v)
         return v
 
-    @property
+    @cached_property  # (read by the gate on every POST: parsed once)
     def allowed_origins(self) -> tuple[str, ...]:
         from service.origins import parse_origins
 
