@@ -33,9 +33,11 @@ class CodecEncoder:
         self.config = cfg
         self._backends = backends
         store = backends.weight_store()
-        form = self._form = ConvForm(direct_available(backends))
-        strides = {f"cenc.conv.{n}.weight": s for n, (*_, s, _d) in enumerate(cfg.seanet_convs())}
-        strides["cenc.downsample.weight"] = 2
+        form = self._form = ConvForm(direct_available(backends), winograd=True)
+        # name -> (stride, dilation) of every conv
+        convs = {f"cenc.conv.{n}.weight": (s, d)
+                 for n, (*_, s, d) in enumerate(cfg.seanet_convs())}  # fmt: skip
+        convs["cenc.downsample.weight"] = (2, 1)
         linears = {f"cenc.tr.{i}.{n}.weight" for i in range(cfg.num_hidden_layers)
                    for n in LINEARS}  # fmt: skip
         for spec in codec_encoder_tensor_specs(cfg):
@@ -43,8 +45,8 @@ class CodecEncoder:
                 continue
             w = model.tensor_f32(spec.name).reshape(spec.shape)
             # convs and linears run on the direct conv kernel, packed (strided convs folded)
-            if spec.name in strides:
-                w = form.pack(w, strides[spec.name])
+            if spec.name in convs:
+                w = form.pack(w, *convs[spec.name])
             elif spec.name in linears:
                 w = form.pack(w[:, :, None])
             elif spec.name.endswith("_in_proj.weight"):

@@ -59,12 +59,13 @@ def causal_conv(ctx: Any, W: Callable[[str], Tensor], form: ConvForm, name: str,
     b = W(f"{name}.bias") if bias else lib.ggml_view_1d(ctx, W(ZERO_BUFFER), int(x.ne[0]), 0)
     c_in, t = int(x.ne[0]), int(x.ne[1])
     left, right = causal_padding(t, kernel, stride, dilation)
+    wino = form.wino(kernel, stride, c_in, int(b.ne[0]), dilation)
     if stride == 1:
         hist = zeros(ctx, W(ZERO_BUFFER), c_in, left) if left else None
-        return form.conv(ctx, w, b, x, dilation=dilation, hist=hist)
+        return form.conv(ctx, w, b, x, dilation=dilation, hist=hist, wino=wino)
     # left = kernel - stride: whole folded rows (the history) when the kernel spans whole
     # strides, as in every Mimi conv; then the input plus ``right`` is a whole number of rows
-    if kernel % stride or left // stride != form.taps(w) - 1:
+    if kernel % stride or left // stride != form.taps(w, wino) - 1:
         raise ValueError(f"{name}: a causal stride-{stride} conv of {kernel} taps does not fold")
     n_out = (left + t + right - kernel) // stride + 1
     xp = _pad_right(ctx, x, right, replicate)
@@ -73,7 +74,7 @@ def causal_conv(ctx: Any, W: Callable[[str], Tensor], form: ConvForm, name: str,
         hist = lib.ggml_reshape_2d(ctx, hist, c_in * stride, left // stride)
     else:
         hist = zeros(ctx, W(ZERO_BUFFER), c_in * stride, left // stride) if left else None
-    y = form.conv_strided(ctx, w, b, xp, stride, hist)
+    y = form.conv_strided(ctx, w, b, xp, stride, hist, wino)
     if int(y.ne[1]) != n_out:
         raise AssertionError(f"{name}: {int(y.ne[1])} frames, expected {n_out}")
     return y
@@ -85,6 +86,11 @@ def seanet(ctx: Any, W: Callable[[str], Tensor], form: ConvForm, c: CodecEncoder
     frames per second."""
     convs = c.seanet_convs()
 
+    def unit_wino(n: int) -> bool:
+        """Whether unit ``n``'s first conv runs in Winograd groups."""
+        _hf, c_in, c_out, k, stride, dil = convs[n]
+        return form.wino(k, stride, c_in, c_out, dil)
+
     def cv(n: int, x: Tensor) -> Tensor:
         _hf, _ci, _co, k, stride, dil = convs[n]
         return causal_conv(ctx, W, form, f"cenc.conv.{n}", x, k, stride, dil)
@@ -94,7 +100,8 @@ def seanet(ctx: Any, W: Callable[[str], Tensor], form: ConvForm, c: CodecEncoder
         if form.direct:  # one node, its intermediates never leave the cache
             p, q = f"cenc.conv.{n}", f"cenc.conv.{n + 1}"
             return co.seanet_unit(ctx, h, W(f"{p}.weight"), W(f"{p}.bias"), W(f"{q}.weight"),
-                                  W(f"{q}.bias"), convs[n][5], elu_out=last)  # fmt: skip
+                                  W(f"{q}.bias"), convs[n][5], elu_out=last,
+                                  wino=unit_wino(n))  # fmt: skip
         r = cv(n, form.elu(ctx, h))
         s = lib.ggml_add(ctx, h, cv(n + 1, form.elu(ctx, r)))
         return form.elu(ctx, s) if last else s
@@ -111,9 +118,11 @@ def seanet(ctx: Any, W: Callable[[str], Tensor], form: ConvForm, c: CodecEncoder
             return cv(n + 2, unit(n, h if pre is None else cv(pre, h), last=True))
         p, q, s = (f"cenc.conv.{i}" for i in (n, n + 1, n + 2))
         pw = None if pre is None else (W(f"cenc.conv.{pre}.weight"), W(f"cenc.conv.{pre}.bias"))
+        wino = form.wino(k, stride, c_in, c_out)
         return co.seanet_stage(ctx, h, W(f"{p}.weight"), W(f"{p}.bias"), W(f"{q}.weight"),
                                W(f"{q}.bias"), W(f"{s}.weight"), W(f"{s}.bias"), stride,
-                               convs[n][5], pre=pw)  # fmt: skip
+                               convs[n][5], wino=wino, unit_wino=unit_wino(n),
+                               pre=pw)  # fmt: skip
 
     # the first conv (one input channel, stride and dilation 1) runs inside the first stage's
     # node where that stage is one unit

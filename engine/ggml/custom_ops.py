@@ -528,8 +528,28 @@ def pack_conv_weight(w: np.ndarray[Any, Any], *, library: Any | None = None
     return np.ascontiguousarray(padded.reshape(n, b, c_in, k).transpose(0, 3, 2, 1))
 
 
+def pack_conv_weight_winograd(w: np.ndarray[Any, Any], *, library: Any | None = None
+                              ) -> np.ndarray[Any, Any]:  # fmt: skip
+    """A conv weight ``[C_out, C_in, K]`` of K = 2 or 3 taps (g0, g1[, g2]) packed as
+    ``pack_conv_weight`` packs K + 2 taps: the K, then gp and gm, what ``conv1d_tm``,
+    ``seanet_unit`` and ``seanet_stage`` take with ``wino`` to run the conv in Winograd groups
+    (load time): F(3, 2) for K = 2, gp = (g0 + g1) / 2 and gm = (g0 - g1) / 2; F(2, 3) for
+    K = 3, gp = (g0 + g1 + g2) / 2 and gm = (g1 - g0 - g2) / 2."""
+    if w.ndim != 3 or w.shape[2] not in (2, 3):
+        raise ValueError(f"Winograd groups need a 2- or 3-tap weight [C_out, C_in, K], got "
+                         f"{w.shape}")
+    g = [w[:, :, k].astype(np.float32) for k in range(w.shape[2])]
+    half = np.float32(0.5)
+    if len(g) == 2:
+        gp, gm = (g[0] + g[1]) * half, (g[0] - g[1]) * half
+    else:
+        gp, gm = (g[0] + g[1] + g[2]) * half, (g[1] - g[0] - g[2]) * half
+    return pack_conv_weight(np.stack([*g, gp, gm], axis=2), library=library)
+
+
 def conv1d_tm(ctx: Any, xp: Tensor, w: Tensor, bias: Tensor, dilation: int = 1, *,
-              hist: Tensor | None = None, library: Any | None = None) -> Tensor:
+              hist: Tensor | None = None, wino: bool = False,
+              library: Any | None = None) -> Tensor:
     """Exact-F32 causal dilated conv1d in the time-major layout (register-blocked C kernel).
 
     ``y[t, o] = bias[o] + sum_k sum_c W[o, c, k] * xp[t + k*dilation, c]`` (W as in PyTorch)
@@ -548,6 +568,10 @@ def conv1d_tm(ctx: Any, xp: Tensor, w: Tensor, bias: Tensor, dilation: int = 1, 
             (K-1)*dilation], rows contiguous, any row stride, 2-D) the rows that precede them;
             the result is bit for bit that of ``xp = concat(hist, x)`` (the op reads across the
             join itself). With K = 1 there is no history: None, or a tensor of 0 rows (ignored).
+        wino: ``w`` is a conv of 2 or 3 taps and dilation 1 packed by
+            ``pack_conv_weight_winograd``: the conv runs in Winograd groups, F(3, 2) or F(2, 3),
+            four products over C_in for every three or two outputs instead of six (F32
+            throughout, other roundings than the direct sums).
         library: for tests only: another build of libqtts_ops to run instead.
 
     Returns:
@@ -562,6 +586,16 @@ def conv1d_tm(ctx: Any, xp: Tensor, w: Tensor, bias: Tensor, dilation: int = 1, 
     b = conv_block(library)
     c_out = int(bias.ne[0])
     c_in, k, n_blocks = int(w.ne[1]), int(w.ne[2]), int(w.ne[3])
+    if wino:
+        if k not in (4, 5) or dilation != 1:
+            raise ValueError(f"conv1d_tm: wino takes 2 or 3 taps of dilation 1 packed as 4 or 5 "
+                             f"(pack_conv_weight_winograd), got {k} packed, dilation {dilation}")
+        k -= 2
+        if hist is None:  # the history rows apart, as the op takes them
+            rows, stride = int(xp.ne[1]), int(xp.nb[1])
+            hist = lib.ggml_view_2d(ctx, xp, c_in, k - 1, stride, 0)
+            xp = lib.ggml_view_2d(ctx, xp, c_in, max(rows - k + 1, 0), stride,
+                                  (k - 1) * stride)  # fmt: skip
     if int(w.ne[0]) != b or n_blocks != -(-c_out // b):
         raise ValueError(
             f"conv1d_tm: w has ne={[int(w.ne[i]) for i in range(4)]}; for {c_out} output "
@@ -575,14 +609,16 @@ def conv1d_tm(ctx: Any, xp: Tensor, w: Tensor, bias: Tensor, dilation: int = 1, 
     fn = _fn(library, "qtts_conv1d_tm_op", "ggml_custom_op_t")
     srcs = [xp, w, bias, *extra]
     args = ffi.new(f"struct ggml_tensor *[{len(srcs)}]", srcs)
+    ud = (1 | int(lib.QTTS_CONV_WINOGRAD)) if wino else (dilation if k > 1 else 1)
     return lib.ggml_custom_4d(ctx, lib.GGML_TYPE_F32, c_out, t, 1, 1, args, len(srcs), fn,
-                              GGML_N_TASKS_MAX, ffi.cast("void *", dilation if k > 1 else 1))
+                              GGML_N_TASKS_MAX, ffi.cast("void *", ud))
 
 
 def _seanet_unit_checks(what: str, h: Tensor, w3: Tensor, b3: Tensor, w1: Tensor, b1: Tensor,
-                        dilation: int, library: Any | None, h_channels: int | None = None
-                        ) -> None:  # fmt: skip
-    """``h`` [C, T] (``h_channels`` when it is a pre-conv's input instead)."""
+                        dilation: int, library: Any | None, h_channels: int | None = None,
+                        wino: bool = False) -> int:  # fmt: skip
+    """``h`` [C, T] (``h_channels`` when it is a pre-conv's input instead); ``wino``: w3 of 3
+    taps and dilation 1 packed for Winograd groups. Returns the unit's flags for the op."""
     _check_f32(h, f"{what}: h")
     if not lib.ggml_is_contiguous(h) or int(h.ne[2]) != 1 or int(h.ne[3]) != 1:
         raise ValueError(f"{what}: h must be a contiguous 2-D F32 tensor [C, T]")
@@ -592,10 +628,13 @@ def _seanet_unit_checks(what: str, h: Tensor, w3: Tensor, b3: Tensor, w1: Tensor
     if int(h.ne[0]) != (c if h_channels is None else h_channels):
         raise ValueError(f"{what}: h has {int(h.ne[0])} channels, expected "
                          f"{c if h_channels is None else h_channels}")
-    _check_packed(what, "w3", w3, c, r, None, library)
+    if wino and dilation != 1:
+        raise ValueError(f"{what}: Winograd groups need dilation 1, got {dilation}")
+    _check_packed(what, "w3", w3, c, r, 5 if wino else None, library)
     _check_packed(what, "w1", w1, r, c, 1, library)
     _check_vector(b3, r, f"{what}: b3")
     _check_vector(b1, c, f"{what}: b1")
+    return dilation | (int(lib.QTTS_SEANET_UNIT_WINO) if wino else 0)
 
 
 def _check_packed(what: str, name: str, w: Tensor, c_in: int, c_out: int, taps: int | None,
@@ -612,27 +651,30 @@ def _check_packed(what: str, name: str, w: Tensor, c_in: int, c_out: int, taps: 
 
 
 def seanet_unit(ctx: Any, h: Tensor, w3: Tensor, b3: Tensor, w1: Tensor, b1: Tensor,
-                dilation: int = 1, *, elu_out: bool = False,
+                dilation: int = 1, *, elu_out: bool = False, wino: bool = False,
                 library: Any | None = None) -> Tensor:  # fmt: skip
     """One SEANet residual unit in a single node: ``s = h + conv1(ELU(convK(ELU(h))))``, and
     ``ELU(s)`` with ``elu_out`` (the unit whose sum only feeds an ELU).
 
     ``h``: F32 ne = [C, T], contiguous. ``w3``/``b3``: a causal conv C -> R of K taps (dilation
     ``dilation``, zero history), ``w1``/``b1``: a 1-tap conv R -> C, both packed by
-    ``pack_conv_weight``. Every value is bit for bit that of the separate ``elu``,
-    ``conv1d_tm`` and add nodes; the node runs slice by slice in time, so the unit's
-    intermediates (three activations the size of ``h`` or half of it) never leave the cache.
+    ``pack_conv_weight`` (``wino``: w3 of 3 taps and dilation 1 packed by
+    ``pack_conv_weight_winograd``, the conv in Winograd F(2, 3) groups). Every value is bit for
+    bit that of the separate ``elu``, ``conv1d_tm`` (the same ``wino``) and add nodes; the node
+    runs slice by slice in time, so the unit's intermediates (three activations the size of
+    ``h`` or half of it) never leave the cache.
     """
-    _seanet_unit_checks("seanet_unit", h, w3, b3, w1, b1, dilation, library)
+    flags = _seanet_unit_checks("seanet_unit", h, w3, b3, w1, b1, dilation, library, wino=wino)
     fn = _fn(library, "qtts_seanet_unit_op", "ggml_custom_op_t")
     args = ffi.new("struct ggml_tensor *[5]", [h, w3, b3, w1, b1])
-    flags = dilation | (int(lib.QTTS_SEANET_ELU_OUT) if elu_out else 0)
+    flags |= int(lib.QTTS_SEANET_ELU_OUT) if elu_out else 0
     return lib.ggml_custom_4d(ctx, lib.GGML_TYPE_F32, int(h.ne[0]), int(h.ne[1]), 1, 1, args,
                               5, fn, GGML_N_TASKS_MAX, ffi.cast("void *", flags))
 
 
 def seanet_stage(ctx: Any, h: Tensor, w3: Tensor, b3: Tensor, w1: Tensor, b1: Tensor,
                  ws: Tensor, bs: Tensor, stride: int, dilation: int = 1, *,
+                 wino: bool = False, unit_wino: bool = False,
                  pre: tuple[Tensor, Tensor] | None = None,
                  library: Any | None = None) -> Tensor:  # fmt: skip
     """A SEANet unit and the strided conv after it in a single node:
@@ -643,16 +685,18 @@ def seanet_stage(ctx: Any, h: Tensor, w3: Tensor, b3: Tensor, w1: Tensor, b1: Te
     the last window after), folded (``ops1d.fold_weight``) and packed by ``pack_conv_weight``:
     ne = [B, stride * C, 2, ceil(C_out / B)]. ``pre``: the weight and bias of a causal conv of
     one input channel (K0 taps, K0 - 1 zero rows in front, packed) that makes ``h`` from the
-    node's ``h`` [1, T] (the encoder's first conv over the waveform). Every value is bit for
-    bit that of the separate nodes (that conv, ``seanet_unit`` with ``elu_out``, then
-    ``conv1d_tm`` on the folded rows); each slice of the unit's input and output is made and
-    convolved while it is in the cache."""
-    _seanet_unit_checks("seanet_stage", h, w3, b3, w1, b1, dilation, library,
-                        None if pre is None else 1)
+    node's ``h`` [1, T] (the encoder's first conv over the waveform). ``wino``: ``ws`` packed
+    by ``pack_conv_weight_winograd``, the strided conv in Winograd F(3, 2) groups;
+    ``unit_wino``: the unit's, as ``seanet_unit`` with ``wino``. Every value is bit for bit
+    that of the separate nodes (that conv, ``seanet_unit`` with ``elu_out``, then ``conv1d_tm``
+    on the folded rows, with the same choices); each slice of the unit's input and output is
+    made and convolved while it is in the cache."""
+    flags = _seanet_unit_checks("seanet_stage", h, w3, b3, w1, b1, dilation, library,
+                                None if pre is None else 1, wino=unit_wino)
     if stride < 1 or stride >= 1 << (63 - int(lib.QTTS_SEANET_STRIDE_SHIFT)):
         raise ValueError(f"seanet_stage: stride must be >= 1, got {stride}")
     c, c_out = int(b1.ne[0]), int(bs.ne[0])
-    _check_packed("seanet_stage", "ws", ws, stride * c, c_out, 2, library)
+    _check_packed("seanet_stage", "ws", ws, stride * c, c_out, 4 if wino else 2, library)
     _check_vector(bs, c_out, "seanet_stage: bs")
     srcs = [h, w3, b3, w1, b1, ws, bs]
     if pre is not None:
@@ -661,7 +705,9 @@ def seanet_stage(ctx: Any, h: Tensor, w3: Tensor, b3: Tensor, w1: Tensor, b1: Te
         srcs += list(pre)
     fn = _fn(library, "qtts_seanet_stage_op", "ggml_custom_op_t")
     args = ffi.new(f"struct ggml_tensor *[{len(srcs)}]", srcs)
-    flags = dilation | (stride << int(lib.QTTS_SEANET_STRIDE_SHIFT))
+    flags |= stride << int(lib.QTTS_SEANET_STRIDE_SHIFT)
+    if wino:
+        flags |= int(lib.QTTS_SEANET_WINO)
     return lib.ggml_custom_4d(ctx, lib.GGML_TYPE_F32, c_out, -(-int(h.ne[1]) // stride), 1, 1,
                               args, len(srcs), fn, GGML_N_TASKS_MAX, ffi.cast("void *", flags))
 

@@ -1,4 +1,4 @@
-"""Time-major 1-D convolutions for the cloning encoders (exact F32, or split BF16).
+"""Time-major 1-D convolutions for the cloning encoders (F32, or split BF16).
 
 Layout: the decoder's: an activation of numpy shape ``[T, C]`` is a ggml tensor ``ne = [C, T]``
 (channels contiguous, one row per time step). Every conv runs on qtts's direct F32 conv kernel
@@ -10,6 +10,8 @@ copy of the input is ever made, and the bias comes with the conv.
 * A strided conv is *folded* into a stride-1 conv: ``s`` consecutive time steps taken as one
   row of ``s * C`` channels is a free reshape of a time-major tensor, and a kernel of ``K`` taps
   with stride ``s`` becomes ``ceil(K / s)`` taps over those rows (``fold_weight``).
+* ``winograd`` (the speech-tokenizer encoder): 2-tap (folded strided) and 3-tap convs run in
+  Winograd groups on the same kernel, F32 throughout (:meth:`ConvForm.wino`).
 
 Backends other than the CPU (and ``QTTS_CUSTOM_OPS=0``) run the same graphs with stock ops: one
 ``ggml_mul_mat`` per tap over row views (:class:`ConvForm`).
@@ -53,14 +55,22 @@ def direct_available(backends: Any) -> bool:
     return bool(backends.custom_ops and backends.name in ("cpu", "blas") and co.available())
 
 
+# folded C_in x C_out of the largest conv that runs in Winograd groups: 16 MB of packed F32
+# weights (docs/performance.md: larger ones lost more to reading twice the weights than the
+# products saved)
+WINO_MAX_WEIGHTS = 1 << 20
+
+
 class ConvForm:
     """How one encoder's convs run: ``direct`` on the native kernel (weights packed for it;
-    ``split``: the split BF16 one), else as one ``ggml_mul_mat`` per tap over row views (stock
-    ops, any backend)."""
+    ``split``: the split BF16 one; ``winograd``: the exact one with Winograd groups where
+    :meth:`wino` says so), else as one ``ggml_mul_mat`` per tap over row views (stock ops, any
+    backend)."""
 
-    def __init__(self, direct: bool, split: bool = False) -> None:
+    def __init__(self, direct: bool, split: bool = False, winograd: bool = False) -> None:
         self.direct = direct
         self.split = direct and split
+        self.winograd = direct and not split and winograd
 
     @classmethod
     def split_where_fast(cls, direct: bool) -> ConvForm:
@@ -72,31 +82,51 @@ class ConvForm:
         """The ggml type :meth:`pack`'s arrays are stored as (they are given as float32)."""
         return int(lib.GGML_TYPE_BF16 if self.split else lib.GGML_TYPE_F32)
 
-    def pack(self, w: npt.NDArray[np.float32], stride: int = 1) -> npt.NDArray[np.float32]:
-        """PyTorch conv weight ``[C_out, C_in, K]`` -> what :meth:`conv` takes (load time)."""
+    def pack(self, w: npt.NDArray[np.float32], stride: int = 1, dilation: int = 1
+             ) -> npt.NDArray[np.float32]:  # fmt: skip
+        """PyTorch conv weight ``[C_out, C_in, K]`` -> what :meth:`conv` takes (load time), for
+        Winograd groups where :meth:`wino` says so."""
         f = fold_weight(w, stride)
+        c_out, c_in, k = w.shape
+        if self.wino(k, stride, c_in, c_out, dilation):
+            return co.pack_conv_weight_winograd(f)
         if self.split:
             return co.pack_conv_weight_bf16_split(f)
         if self.direct:
             return co.pack_conv_weight(f)
         return np.ascontiguousarray(f.transpose(2, 0, 1))  # [K, C_out, C_in]: a matrix a tap
 
-    def taps(self, w: Tensor) -> int:
-        """Taps of a packed (folded) weight (the split layout holds each tap's hi and lo)."""
+    def wino(self, kernel: int, stride: int, c_in: int, c_out: int, dilation: int = 1) -> bool:
+        """Whether a conv ``c_in -> c_out`` of ``kernel`` taps, ``stride`` and ``dilation`` runs
+        in Winograd groups on the exact direct kernel: a strided conv that folds to 2 taps
+        (F(3, 2)) or a stride-1 conv of 3 taps and dilation 1 (F(2, 3)), four products over the
+        input channels for every three or two outputs instead of six (the codes against the
+        reference: docs/performance.md). The packed weight holds two taps more, so a conv whose
+        weights already stream from memory (the encoder's last stage) stays direct."""
+        taps = -(-kernel // stride)
+        return (self.winograd and dilation == 1
+                and (taps == 2 if stride > 1 else kernel == 3)
+                and stride * c_in * c_out <= WINO_MAX_WEIGHTS)  # fmt: skip
+
+    def taps(self, w: Tensor, wino: bool = False) -> int:
+        """Taps of a packed (folded) weight (the split layout holds each tap's hi and lo, the
+        Winograd one two more)."""
+        if wino:
+            return int(w.ne[2]) - 2
         return int(w.ne[2]) // 2 if self.split else int(w.ne[2])
 
     def conv(self, ctx: Any, w: Tensor, b: Tensor, x: Tensor, *, dilation: int = 1,
-             hist: Tensor | None = None) -> Tensor:  # fmt: skip
+             hist: Tensor | None = None, wino: bool = False) -> Tensor:  # fmt: skip
         """Stride-1 conv of ``x`` [T, C_in] (plus the ``(K-1)*dilation`` rows of ``hist``
         before it, or already in front of ``x`` when ``hist`` is None) -> ``[T_out, C_out]``;
-        ``b``: F32 [C_out]."""
-        k = self.taps(w)
+        ``b``: F32 [C_out]; ``wino``: ``w`` packed for Winograd groups (:meth:`wino`)."""
+        k = self.taps(w, wino)
         if k == 1:
             hist = None
         if self.split:
             return co.conv1d_tm_bf16(ctx, x, w, b, dilation, hist=hist, split=True)
         if self.direct:
-            return co.conv1d_tm(ctx, x, w, b, dilation, hist=hist)
+            return co.conv1d_tm(ctx, x, w, b, dilation, hist=hist, wino=wino)
         xp = x if hist is None else lib.ggml_concat(ctx, hist, x, 1)
         c_in, c_out = int(w.ne[0]), int(w.ne[1])
         t = int(xp.ne[1]) - (k - 1) * dilation
@@ -110,14 +140,15 @@ class ConvForm:
         return lib.ggml_add(ctx, y, b)
 
     def conv_strided(self, ctx: Any, w: Tensor, b: Tensor, xp: Tensor, stride: int,
-                     hist: Tensor | None = None) -> Tensor:  # fmt: skip
+                     hist: Tensor | None = None, wino: bool = False) -> Tensor:  # fmt: skip
         """A folded stride-``s`` conv: ``xp`` [L, C_in] (contiguous, ``L`` a multiple of ``s``)
-        read as ``[L / s, s * C_in]``; ``hist``: folded rows before it (``[K' - 1, s * C_in]``)."""
+        read as ``[L / s, s * C_in]``; ``hist``: folded rows before it (``[K' - 1, s * C_in]``);
+        ``wino``: ``w`` packed for Winograd groups (:meth:`wino`)."""
         c, n = int(xp.ne[0]), int(xp.ne[1])
         if n % stride:
             raise ValueError(f"conv_strided: {n} rows are not a multiple of the stride {stride}")
         folded = lib.ggml_reshape_2d(ctx, xp, c * stride, n // stride)
-        return self.conv(ctx, w, b, folded, hist=hist)
+        return self.conv(ctx, w, b, folded, hist=hist, wino=wino)
 
     def join(self, ctx: Any, parts: list[Tensor]) -> Tensor:
         """``[T, C_0 + C_1 + ...]`` from time-major parts (channel-range views too): the native

@@ -360,7 +360,201 @@ static int64_t chunk_width(int64_t Ci) {
     return (Ci + n_kc - 1) / n_kc;
 }
 
+/* Rows 0 .. n-1 of one output block (width channels; y and init at the block's first
+ * channel, w at its packed taps, tap stride Ci * OB): out[t] = init[t*is] + the conv's sum,
+ * per input-channel chunk then per tile (the order of qtts_conv1d_tm_op). */
+static void block_rows(float * y, int64_t ys, const float * init, int64_t is, const float * xp,
+                       int64_t xs, const float * w, int64_t Ci, int K, int64_t d, int64_t n,
+                       int width) {
+    const tile_fn * fns = width == OB ? TILE_FULL : TILE_MASK;
+    const int64_t kc = chunk_width(Ci);
+    for (int64_t c0 = 0; c0 < Ci; c0 += kc) {
+        const int64_t nc = Ci - c0 < kc ? Ci - c0 : kc;
+        for (int64_t t = 0; t < n; t += NT_MAIN) {
+            const int nt = (int)(n - t < NT_MAIN ? n - t : NT_MAIN);
+            const conv_args at = {
+                .xp = xp + t * xs + c0, .xs = xs, .w = w + c0 * OB, .wks = Ci * OB, .d = d,
+                .nc = nc, .K = K,
+            };
+            float * out = y + t * ys;
+            if (c0 == 0) {
+                fns[nt](out, ys, init + t * is, is, &at, width);
+            } else {
+                fns[nt](out, ys, out, ys, &at, width);
+            }
+        }
+    }
+}
+
+/* Winograd groups for the codec encoder's convs of dilation 1 with 2 taps (its strided convs,
+ * folded) or 3 (its residual units): F(3, 2) makes three outputs y_i = g0 x_i + g1 x_(i+1)
+ * from four products over the input channels instead of six, F(2, 3) two outputs y_i =
+ * g0 x_i + g1 x_(i+1) + g2 x_(i+2) from four instead of six (points 0, 1, -1 and infinity).
+ * Both read the group's four input rows x0 .. x3 through the same transforms,
+ *   A = x0 - x2,  Bp = x1 + x2,  Bm = x1 - x2,  C = x3 - x1,
+ * with the weights packed as K + 2 taps: the K taps themselves, then gp and gm:
+ *   F(3, 2): gp = (g0 + g1) / 2, gm = (g0 - g1) / 2,
+ *            P = bias + gp Bp,  y1 = P + gm Bm,  Q = 2P - y1,  y0 = Q + g0 A,  y2 = Q + g1 C;
+ *   F(2, 3): gp = (g0 + g1 + g2) / 2, gm = (g1 - g0 - g2) / 2,
+ *            P = bias + gp Bp,  M = P + gm Bm,  Q = 2P - M,  y0 = M + g0 A,  y1 = Q + g2 C.
+ * The halves are exact and each transform one F32 sum or difference: the error stays of the
+ * direct sums' order (docs/performance.md: the codes against the reference). The row made as
+ * P plus a product is summed onto P the way a tile sums onto a bias, and Q from it (P + P
+ * exact, one rounding), so no row of y is written outside the tiles, whose stores hide behind
+ * the products. A group starts at an output row that is a multiple of its size counted from the
+ * conv's first, so no value depends on slices or the thread split; rows past the last whole
+ * group are summed directly. */
+
+typedef struct { /* the conv's input rows: hist rows 0 .. ph - 1, then x's */
+    const float * h;
+    int64_t hs, ph;
+    const float * x;
+    int64_t xs;
+} rows_src;
+
+INLINE const float * src_row(const rows_src * s, int64_t r) {
+    return r < s->ph ? s->h + r * s->hs : s->x + (r - s->ph) * s->xs;
+}
+
+/* Outputs of a group of a conv of K taps (F(3, 2) or F(2, 3)). */
+INLINE int64_t wino_outputs(int K) { return K == 2 ? 3 : 2; }
+
+/* The transforms of G groups (group q: the source's rows r0 + m q .. r0 + m q + 3, m outputs
+ * a group): four arrays of G rows of Ci, A, Bp, Bm and C, at tr. */
+static void wino_transform(float * tr, const rows_src * s, int64_t r0, int64_t G, int64_t m,
+                           int64_t Ci) {
+    const int64_t n = G * Ci;
+    for (int64_t q = 0; q < G; q++) {
+        const float * x0 = src_row(s, r0 + m * q);
+        const float * x1 = src_row(s, r0 + m * q + 1);
+        const float * x2 = src_row(s, r0 + m * q + 2);
+        const float * x3 = src_row(s, r0 + m * q + 3);
+        float * a = tr + q * Ci;
+        int64_t c = 0;
+#if defined(__AVX512F__)
+        for (; c + 16 <= Ci; c += 16) {
+            const __m512 v0 = _mm512_loadu_ps(x0 + c), v1 = _mm512_loadu_ps(x1 + c);
+            const __m512 v2 = _mm512_loadu_ps(x2 + c), v3 = _mm512_loadu_ps(x3 + c);
+            _mm512_storeu_ps(a + c, _mm512_sub_ps(v0, v2));
+            _mm512_storeu_ps(a + n + c, _mm512_add_ps(v1, v2));
+            _mm512_storeu_ps(a + 2 * n + c, _mm512_sub_ps(v1, v2));
+            _mm512_storeu_ps(a + 3 * n + c, _mm512_sub_ps(v3, v1));
+        }
+#elif defined(__AVX2__) && defined(__FMA__)
+        for (; c + 8 <= Ci; c += 8) {
+            const __m256 v0 = _mm256_loadu_ps(x0 + c), v1 = _mm256_loadu_ps(x1 + c);
+            const __m256 v2 = _mm256_loadu_ps(x2 + c), v3 = _mm256_loadu_ps(x3 + c);
+            _mm256_storeu_ps(a + c, _mm256_sub_ps(v0, v2));
+            _mm256_storeu_ps(a + n + c, _mm256_add_ps(v1, v2));
+            _mm256_storeu_ps(a + 2 * n + c, _mm256_sub_ps(v1, v2));
+            _mm256_storeu_ps(a + 3 * n + c, _mm256_sub_ps(v3, v1));
+        }
+#endif
+        for (; c < Ci; c++) {
+            a[c] = x0[c] - x2[c];
+            a[n + c] = x1[c] + x2[c];
+            a[2 * n + c] = x1[c] - x2[c];
+            a[3 * n + c] = x3[c] - x1[c];
+        }
+    }
+}
+
+/* Output rows 0 .. m G - 1 of one output block (y at its first channel, row stride ys) from the
+ * transforms tr; w: the block's K + 2 packed taps; P: scratch of G OB floats. */
+static void wino_block(float * y, int64_t ys, const float * tr, int64_t G, int64_t Ci, int K,
+                       const float * w, const float * bias, int width, float * P) {
+    const int64_t n = G * Ci, tap = Ci * OB, m = wino_outputs(K);
+    float * M = K == 2 ? y + ys : y; /* the row made as P + gm Bm */
+    block_rows(P, OB, bias, 0, tr + n, Ci, w + K * tap, Ci, 1, 1, G, width);
+    block_rows(M, m * ys, P, OB, tr + 2 * n, Ci, w + (K + 1) * tap, Ci, 1, 1, G, width);
+    for (int64_t q = 0; q < G; q++) {
+        float * restrict p = P + q * OB;
+        const float * restrict mq = M + m * q * ys;
+        for (int o = 0; o < width; o++) p[o] = (p[o] + p[o]) - mq[o];
+    }
+    if (K == 2) {
+        block_rows(y, m * ys, P, OB, tr, Ci, w, Ci, 1, 1, G, width);
+        block_rows(y + 2 * ys, m * ys, P, OB, tr + 3 * n, Ci, w + tap, Ci, 1, 1, G, width);
+    } else {
+        block_rows(y, m * ys, y, m * ys, tr, Ci, w, Ci, 1, 1, G, width);
+        block_rows(y + ys, m * ys, P, OB, tr + 3 * n, Ci, w + 2 * tap, Ci, 1, 1, G, width);
+    }
+}
+
+/* The conv's rows r0 .. r0 + n - 1 (r0 at a group's start) for the output blocks ob0 .. ob1 -
+ * 1: groups while whole ones remain, then the direct sum (its source rows copied together into
+ * tmp). w: packed with K + 2 taps (see above); transformed: tr already holds these rows'
+ * transforms. Scratch: tr 4 * G * Ci, P G * OB, tmp (K + 1) * Ci floats. */
+static void wino_rows(float * y, int64_t ys, const rows_src * s, int64_t r0, int64_t n, int K,
+                      const float * w, const float * bias, int64_t Ci, int64_t O, int64_t ob0,
+                      int64_t ob1, int transformed, float * tr, float * P, float * tmp) {
+    const int64_t m = wino_outputs(K), G = n / m, rest = n - G * m;
+    if (G && !transformed) wino_transform(tr, s, r0, G, m, Ci);
+    for (int64_t i = 0; rest && i < rest + K - 1; i++) {
+        memcpy(tmp + i * Ci, src_row(s, r0 + G * m + i), (size_t)Ci * sizeof(float));
+    }
+    for (int64_t ob = ob0; ob < ob1; ob++) {
+        const int64_t o0 = ob * OB;
+        const int width = (int)(O - o0 < OB ? O - o0 : OB);
+        const float * wb = w + ob * (K + 2) * Ci * OB;
+        if (G) wino_block(y + o0, ys, tr, G, Ci, K, wb, bias + o0, width, P);
+        if (rest) {
+            block_rows(y + G * m * ys + o0, ys, bias + o0, 0, tmp, Ci, wb, Ci, K, 1, rest,
+                       width);
+        }
+    }
+}
+
+/* qtts_conv1d_tm_op with QTTS_CONV_WINOGRAD: the conv in Winograd groups (see wino_rows).
+ * Units of (time chunk, output block) as in the direct op, time chunks a whole number of
+ * groups; a thread transforms a chunk's rows once for its consecutive units of that chunk. */
+static void conv1d_winograd(struct ggml_tensor * dst, int ith, int nth) {
+    const struct ggml_tensor * x = dst->src[0];
+    const struct ggml_tensor * wt = dst->src[1];
+    const struct ggml_tensor * bt = dst->src[2];
+    const struct ggml_tensor * ht = dst->src[3];
+    const int64_t Ci = x->ne[0], O = dst->ne[0], T = dst->ne[1];
+    const int64_t n_ob = (O + OB - 1) / OB;
+    const int K = (int)wt->ne[2] - 2;
+    GGML_ASSERT(K == 2 || K == 3);
+    GGML_ASSERT(x->type == GGML_TYPE_F32 && wt->type == GGML_TYPE_F32);
+    GGML_ASSERT(bt->type == GGML_TYPE_F32 && dst->type == GGML_TYPE_F32);
+    GGML_ASSERT(ht != NULL && ht->type == GGML_TYPE_F32 && ht->ne[0] == Ci);
+    GGML_ASSERT(ht->ne[1] == K - 1 && ht->nb[0] == sizeof(float));
+    GGML_ASSERT(ht->ne[2] == 1 && ht->ne[3] == 1);
+    GGML_ASSERT(wt->ne[0] == OB && wt->ne[1] == Ci && wt->ne[3] == n_ob);
+    GGML_ASSERT(ggml_is_contiguous(wt) && ggml_nelements(bt) == O && ggml_is_contiguous(bt));
+    GGML_ASSERT(x->ne[1] == T && x->ne[2] == 1 && x->ne[3] == 1 && x->nb[0] == sizeof(float));
+    GGML_ASSERT(ggml_is_contiguous(dst));
+    const rows_src src = {
+        .h = (const float *)ht->data, .hs = (int64_t)(ht->nb[1] / sizeof(float)), .ph = K - 1,
+        .x = (const float *)x->data, .xs = (int64_t)(x->nb[1] / sizeof(float)),
+    };
+    const int64_t m = wino_outputs(K), step = m * NT_MAIN;
+    const int64_t n_tc = (T + TCHUNK - 1) / TCHUNK;
+    const int64_t tlen = ((T + n_tc - 1) / n_tc + step - 1) / step * step;
+    const int64_t gmax = tlen / m;
+    float * tr = (float *)qtts_scratch_get(
+        QTTS_SCRATCH_F32_STAGE,
+        (size_t)(4 * gmax * Ci + gmax * OB + (K + 1) * Ci) * sizeof(float));
+    const int64_t units = n_ob * n_tc;
+    const int64_t u0 = units * ith / nth, u1 = units * (ith + 1) / nth;
+    int64_t done = -1; /* the time chunk whose rows tr holds */
+    for (int64_t u = u0; u < u1; u++) {
+        const int64_t tc = u / n_ob, ob = u % n_ob;
+        const int64_t t0 = tc * tlen, t1 = t0 + tlen < T ? t0 + tlen : T;
+        wino_rows((float *)dst->data + t0 * O, O, &src, t0, t1 - t0, K,
+                  (const float *)wt->data, (const float *)bt->data, Ci, O, ob, ob + 1,
+                  done == tc, tr, tr + 4 * gmax * Ci, tr + 4 * gmax * Ci + gmax * OB);
+        done = tc;
+    }
+}
+
 void qtts_conv1d_tm_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
+    if ((int64_t)(intptr_t)userdata == (1 | QTTS_CONV_WINOGRAD)) {
+        conv1d_winograd(dst, ith, nth);
+        return;
+    }
     const struct ggml_tensor * x = dst->src[0];
     const struct ggml_tensor * wt = dst->src[1];
     const struct ggml_tensor * bt = dst->src[2];
@@ -455,28 +649,9 @@ void qtts_conv_rows(float * y, int64_t ys, const float * xp, int64_t xs, const f
                     int64_t wbs, const float * bias, int64_t Ci, int64_t O, int K, int64_t d,
                     int64_t n) {
     wbs = wbs ? wbs : (int64_t)K * Ci * OB;
-    const int64_t kc = chunk_width(Ci);
     for (int64_t o0 = 0; o0 < O; o0 += OB) {
         const int width = (int)(O - o0 < OB ? O - o0 : OB);
-        const tile_fn * fns = width == OB ? TILE_FULL : TILE_MASK;
-        for (int64_t c0 = 0; c0 < Ci; c0 += kc) {
-            const int64_t nc = Ci - c0 < kc ? Ci - c0 : kc;
-            const conv_args base = {
-                .xp = xp + c0, .xs = xs, .w = w + o0 / OB * wbs + c0 * OB, .wks = Ci * OB,
-                .d = d, .nc = nc, .K = K,
-            };
-            for (int64_t t = 0; t < n; t += NT_MAIN) {
-                const int nt = (int)(n - t < NT_MAIN ? n - t : NT_MAIN);
-                conv_args at = base;
-                at.xp = base.xp + t * xs;
-                float * out = y + t * ys + o0;
-                if (c0 == 0) {
-                    fns[nt](out, ys, bias + o0, 0, &at, width);
-                } else {
-                    fns[nt](out, ys, out, ys, &at, width);
-                }
-            }
-        }
+        block_rows(y + o0, ys, bias + o0, 0, xp, xs, w + o0 / OB * wbs, Ci, K, d, n, width);
     }
 }
 
@@ -488,7 +663,6 @@ void qtts_conv_rows(float * y, int64_t ys, const float * xp, int64_t xs, const f
  * (the best of 0.5 to 2 MB for the codec encoder, docs/performance.md) */
 #define SEANET_STAGE_SLICE_BYTES (1536 * 1024)
 #endif
-
 /* A SEANet residual unit's weights and shapes (see qtts_ops.h), read from a node's sources
  * src[0] (h) .. src[4] (b1) and its flags, every shape checked. */
 typedef struct {
@@ -500,6 +674,7 @@ typedef struct {
     int64_t C, R, T, d, P;
     int K;
     int elu_out;
+    int wino; /* its K = 3 conv in Winograd F(2, 3) groups (w3 packed with 5 taps) */
 } seanet_unit;
 
 static seanet_unit seanet_unit_get(const struct ggml_tensor * dst, int64_t flags) {
@@ -514,7 +689,12 @@ static seanet_unit seanet_unit_get(const struct ggml_tensor * dst, int64_t flags
         .b1 = (const float *)b1->data, .C = b1->ne[0], .R = b3->ne[0], .T = h->ne[1],
         .d = flags & QTTS_CONV_DILATION_MASK, .K = (int)w3->ne[2],
         .elu_out = (flags & QTTS_SEANET_ELU_OUT) != 0,
+        .wino = (flags & QTTS_SEANET_UNIT_WINO) != 0,
     };
+    if (u.wino) {
+        GGML_ASSERT(u.K == 5 && u.d == 1);
+        u.K = 3;
+    }
     u.P = (int64_t)(u.K - 1) * u.d;
     GGML_ASSERT(h->type == GGML_TYPE_F32 && dst->type == GGML_TYPE_F32 && u.d >= 1);
     GGML_ASSERT(ggml_is_contiguous(h) && ggml_is_contiguous(dst) && h->ne[2] == 1 && h->ne[3] == 1);
@@ -528,24 +708,50 @@ static seanet_unit seanet_unit_get(const struct ggml_tensor * dst, int64_t flags
     return u;
 }
 
-/* Rows of a slice: a multiple of the tile, its three buffers within `bytes`. */
+/* Rows of a slice: a multiple of the tile, its three buffers (and the transforms of Winograd
+ * groups) within `bytes`. */
 static int64_t unit_slice_rows(const seanet_unit * u, int64_t bytes) {
-    const int64_t S = bytes / (int64_t)sizeof(float) / (2 * u->C + u->R);
+    const int64_t S = bytes / (int64_t)sizeof(float) / (2 * u->C + u->R + 2 * u->C * u->wino);
     return S < NT_MAIN ? NT_MAIN : S / NT_MAIN * NT_MAIN;
 }
 
-/* Rows t0 .. t0+n-1 of the unit's output into y (row stride C), from hs: h's row t0 (and the
- * min(P, t0) rows before it); e and r: scratch of (P + n) * C and n * R floats. */
+/* Scratch floats of unit_rows for n rows: e, r and (Winograd groups) their transforms. */
+static int64_t unit_scratch(const seanet_unit * u, int64_t n) {
+    const int64_t m = n + 2, g = m / 2; /* conv rows at most, and their groups */
+    return (u->P + m) * u->C + m * u->R + (u->wino ? 4 * g * u->C + g * OB + 4 * u->C : 0);
+}
+
+/* Rows t0 .. t0+n-1 of the unit's output into y (row stride C), from hs: h's row t0, the
+ * min(P + wino, t0) rows before it and (wino, t0 + n < T) the one after the last; scratch:
+ * unit_scratch(n) floats. With Winograd groups the K = 3 conv runs over whole groups of two
+ * rows from an even time step, one row more at either end where needed, so that every row is
+ * summed the same way whatever the slice. */
 static void unit_rows(const seanet_unit * u, float * y, const float * hs, int64_t t0, int64_t n,
-                      float * e, float * r) {
-    const int64_t C = u->C, P = u->P;
-    /* e = ELU(h) over rows t0 - P .. t0 + n - 1; rows before 0 are the conv's zero padding */
-    const int64_t zr = P - t0 > 0 ? P - t0 : 0;
+                      float * scratch) {
+    const int64_t C = u->C, P = u->P, R = u->R;
+    int64_t a0 = t0, a1 = t0 + n;
+    if (u->wino) {
+        a0 = t0 / 2 * 2;
+        a1 += (a1 & 1) && a1 < u->T;
+    }
+    const int64_t m = a1 - a0, g = m / 2;
+    float * e = scratch;
+    float * r = e + (P + m) * C;
+    /* e = ELU(h) over rows a0 - P .. a1 - 1; rows before 0 are the conv's zero padding */
+    const int64_t zr = P - a0 > 0 ? P - a0 : 0;
     memset(e, 0, (size_t)(zr * C) * sizeof(float));
-    qtts_elu_span(e + zr * C, hs - (P - zr) * C, (P + n - zr) * C);
-    qtts_conv_rows(r, u->R, e, C, u->w3, 0, u->b3, C, u->R, u->K, u->d, n);
-    qtts_elu_span(r, r, n * u->R);
-    qtts_conv_rows(y, C, r, u->R, u->w1, 0, u->b1, u->R, C, 1, 1, n);
+    qtts_elu_span(e + zr * C, hs - (t0 - a0 + P - zr) * C, (P + m - zr) * C);
+    if (u->wino) {
+        float * tr = r + m * R;
+        const rows_src src = {.x = e, .xs = C};
+        wino_rows(r, R, &src, 0, m, 3, u->w3, u->b3, C, R, 0, (R + OB - 1) / OB, 0, tr,
+                  tr + 4 * g * C, tr + 4 * g * C + g * OB);
+    } else {
+        qtts_conv_rows(r, R, e, C, u->w3, 0, u->b3, C, R, u->K, u->d, m);
+    }
+    r += (t0 - a0) * R;
+    qtts_elu_span(r, r, n * R);
+    qtts_conv_rows(y, C, r, R, u->w1, 0, u->b1, R, C, 1, 1, n);
     for (int64_t i = 0; i < n * C; i++) y[i] = hs[i] + y[i];
     if (u->elu_out) qtts_elu_span(y, y, n * C);
 }
@@ -557,11 +763,10 @@ void qtts_seanet_unit_op(struct ggml_tensor * dst, int ith, int nth, void * user
     const int64_t t0 = u.T * ith / nth, t1 = u.T * (ith + 1) / nth;
     if (t0 >= t1) return;
     float * e = (float *)qtts_scratch_get(QTTS_SCRATCH_SEANET,
-                                          (size_t)((u.P + S) * u.C + S * u.R) * sizeof(float));
+                                          (size_t)unit_scratch(&u, S) * sizeof(float));
     for (int64_t s0 = t0; s0 < t1; s0 += S) {
         const int64_t n = t1 - s0 < S ? t1 - s0 : S;
-        unit_rows(&u, (float *)dst->data + s0 * u.C, u.h + s0 * u.C, s0, n, e,
-                  e + (u.P + S) * u.C);
+        unit_rows(&u, (float *)dst->data + s0 * u.C, u.h + s0 * u.C, s0, n, e);
     }
 }
 
@@ -573,12 +778,14 @@ typedef struct {
     int K0;
 } seanet_preconv;
 
-/* The stage's h rows t0 - back .. t0 + n - 1 (back <= t0) into H (row stride C): rows of h
+/* The h rows unit_rows reads for its rows t0 .. t0 + n - 1 into H (row stride C): rows of h
  * itself, or the pre-conv's output over the input x (one channel, its K0 - 1 rows of zero
- * padding in front; xs: scratch of n + back + K0 - 1 floats). Returns h's row t0. */
+ * padding in front; xs: scratch of n + P + K0 + 1 floats). Returns h's row t0. */
 static const float * stage_h_rows(const seanet_unit * u, const seanet_preconv * pc, float * H,
-                                  float * xs, int64_t t0, int64_t back, int64_t n) {
+                                  float * xs, int64_t t0, int64_t n) {
     if (pc->x == NULL) return u->h + t0 * u->C;
+    const int64_t back = t0 < u->P + u->wino ? t0 : u->P + u->wino;
+    n += u->wino && t0 + n < u->T;
     const int64_t P0 = pc->K0 - 1, first = t0 - back - P0, rows = back + n + P0;
     for (int64_t i = 0; i < rows; i++) xs[i] = first + i < 0 ? 0.0f : pc->x[first + i];
     qtts_conv_rows(H, u->C, xs, 1, pc->w0, 0, pc->b0, 1, u->C, pc->K0, 1, back + n);
@@ -588,6 +795,7 @@ static const float * stage_h_rows(const seanet_unit * u, const seanet_preconv * 
 void qtts_seanet_stage_op(struct ggml_tensor * dst, int ith, int nth, void * userdata) {
     const int64_t flags = (int64_t)(intptr_t)userdata;
     seanet_unit u = seanet_unit_get(dst, flags | QTTS_SEANET_ELU_OUT);
+    const int wino = (flags & QTTS_SEANET_WINO) != 0;
     const struct ggml_tensor * ws = dst->src[5];
     const struct ggml_tensor * bs = dst->src[6];
     const struct ggml_tensor * w0 = dst->src[7];
@@ -606,23 +814,34 @@ void qtts_seanet_stage_op(struct ggml_tensor * dst, int ith, int nth, void * use
     const int64_t Ci = st * C, O = bs->ne[0], T_out = (T + st - 1) / st;
     GGML_ASSERT(st >= 1 && dst->ne[0] == O && dst->ne[1] == T_out);
     GGML_ASSERT(ws->type == GGML_TYPE_F32 && ggml_is_contiguous(ws) && ws->ne[0] == OB);
-    GGML_ASSERT(ws->ne[1] == Ci && ws->ne[2] == 2 && ws->ne[3] == (O + OB - 1) / OB);
+    GGML_ASSERT(ws->ne[1] == Ci && ws->ne[2] == (wino ? 4 : 2));
+    GGML_ASSERT(ws->ne[3] == (O + OB - 1) / OB);
     GGML_ASSERT(bs->type == GGML_TYPE_F32 && ggml_is_contiguous(bs));
 
-    /* folded rows of a slice: their unit rows fill about a unit slice */
-    int64_t F = unit_slice_rows(&u, SEANET_STAGE_SLICE_BYTES) / st / NT_MAIN * NT_MAIN;
-    F = F < NT_MAIN ? NT_MAIN : F;
-    const int64_t f0 = T_out * ith / nth, f1 = T_out * (ith + 1) / nth;
+    /* folded rows of a slice: their unit rows fill about a unit slice; with groups of three
+     * a slice and a thread's range start at a group */
+    const int64_t step = wino ? 3 * NT_MAIN : NT_MAIN;
+    int64_t F = unit_slice_rows(&u, SEANET_STAGE_SLICE_BYTES) / st / step * step;
+    F = F < step ? step : F;
+    int64_t f0 = T_out * ith / nth, f1 = T_out * (ith + 1) / nth;
+    if (wino) {
+        f0 = f0 / 3 * 3;
+        f1 = ith == nth - 1 ? T_out : f1 / 3 * 3;
+    }
     if (f0 >= f1) return;
     const int64_t n_max = F * st; /* unit rows a slice computes at most */
-    const int64_t h_rows = pc.x != NULL ? u.P + n_max : 0, x_rows = pc.x ? h_rows + pc.K0 : 0;
+    const int64_t h_rows = pc.x != NULL ? u.P + n_max + 2 : 0;
+    const int64_t x_rows = pc.x ? h_rows + pc.K0 : 0;
+    const int64_t g_max = wino ? F / 3 : 0;
+    const int64_t wino_floats = wino ? 4 * g_max * Ci + g_max * OB + 3 * Ci : 0;
+    const int64_t unit_floats = unit_scratch(&u, n_max);
     float * e = (float *)qtts_scratch_get(
-        QTTS_SCRATCH_SEANET, (size_t)((u.P + n_max) * C + n_max * u.R + (F + 1) * Ci +
-                                      h_rows * C + x_rows) * sizeof(float));
-    float * r = e + (u.P + n_max) * C;
-    float * U = r + n_max * u.R; /* folded rows: the one before the slice, then the slice's */
+        QTTS_SCRATCH_SEANET, (size_t)(unit_floats + (F + 1) * Ci + h_rows * C + x_rows +
+                                      wino_floats) * sizeof(float));
+    float * U = e + unit_floats; /* folded rows: the one before the slice, then the slice's */
     float * H = U + (F + 1) * Ci; /* the pre-conv's rows */
     float * xs = H + h_rows * C;
+    float * tr = xs + x_rows; /* the Winograd transforms, products and last rows */
     const float * w = (const float *)ws->data;
     const float * b = (const float *)bs->data;
     float * y = (float *)dst->data;
@@ -630,17 +849,22 @@ void qtts_seanet_stage_op(struct ggml_tensor * dst, int ith, int nth, void * use
     if (f0 == 0) {
         memset(U, 0, (size_t)Ci * sizeof(float));
     } else {
-        const int64_t a = (f0 - 1) * st, back = a < u.P ? a : u.P;
-        unit_rows(&u, U, stage_h_rows(&u, &pc, H, xs, a, back, st), a, st, e, r);
+        const int64_t a = (f0 - 1) * st;
+        unit_rows(&u, U, stage_h_rows(&u, &pc, H, xs, a, st), a, st, e);
     }
     for (int64_t s0 = f0; s0 < f1; s0 += F) {
         const int64_t nf = f1 - s0 < F ? f1 - s0 : F;
         const int64_t a = s0 * st, n = (s0 + nf) * st < T ? nf * st : T - a;
-        const int64_t back = a < u.P ? a : u.P;
-        unit_rows(&u, U + Ci, stage_h_rows(&u, &pc, H, xs, a, back, n), a, n, e, r);
+        unit_rows(&u, U + Ci, stage_h_rows(&u, &pc, H, xs, a, n), a, n, e);
         /* past the input's end: the zeros that complete the last window */
         memset(U + Ci + n * C, 0, (size_t)((nf * st - n) * C) * sizeof(float));
-        qtts_conv_rows(y + s0 * O, O, U, Ci, w, 0, b, Ci, O, 2, 1, nf);
+        if (wino) {
+            const rows_src src = {.x = U, .xs = Ci};
+            wino_rows(y + s0 * O, O, &src, 0, nf, 2, w, b, Ci, O, 0, (O + OB - 1) / OB, 0, tr,
+                      tr + 4 * g_max * Ci, tr + 4 * g_max * Ci + g_max * OB);
+        } else {
+            qtts_conv_rows(y + s0 * O, O, U, Ci, w, 0, b, Ci, O, 2, 1, nf);
+        }
         memcpy(U, U + nf * Ci, (size_t)Ci * sizeof(float));
     }
 }

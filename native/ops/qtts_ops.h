@@ -153,7 +153,14 @@ void qtts_attn_full_op(struct ggml_tensor * dst, int ith, int nth, void * userda
  *   ne = [B, C_in, K, ceil(C_out / B)] (numpy [n_blocks, K, C_in, B]), w[j, k, c, i] =
  *   W[k, c, j*B + i], zero past C_out;
  * bias: F32 ne = [C_out]; dst: ne = [C_out, T]; userdata: the dilation d (an integer cast to
- * a pointer). Threads split time chunks (and output-channel blocks when time is short). */
+ * a pointer). Threads split time chunks (and output-channel blocks when time is short).
+ * With userdata 1 | QTTS_CONV_WINOGRAD and the history apart (K - 1 rows): a conv of K = 2
+ * or 3 taps and dilation 1 whose w holds K + 2 taps, the K and two combinations of them
+ * (pack_conv_weight_winograd), runs in Winograd groups: F(3, 2), four products over C_in for
+ * every three outputs instead of six, or F(2, 3), four for every two instead of six. Its sums
+ * differ from the direct ones by F32 roundings; the result does not depend on the thread
+ * count either. */
+#define QTTS_CONV_WINOGRAD 0x100000
 void qtts_conv1d_tm_op(struct ggml_tensor * dst, int ith, int nth, void * userdata);
 
 /* Output channels per packed weight block of qtts_conv1d_tm_op (depends on the SIMD path). */
@@ -170,6 +177,10 @@ int qtts_conv1d_tm_block(void);
  * for qtts_conv1d_tm_op; w1, b1: a conv R -> C of 1 tap; flags: the dilation d in the low 16
  * bits, or'ed with QTTS_SEANET_ELU_OUT. */
 #define QTTS_SEANET_ELU_OUT 0x10000
+/* ...or'ed with QTTS_SEANET_UNIT_WINO (also for qtts_seanet_stage_op): w3 is a conv of K = 3
+ * and dilation 1 packed with five taps (see QTTS_CONV_WINOGRAD) and runs in Winograd F(2, 3)
+ * groups, bit for bit as qtts_conv1d_tm_op runs it. */
+#define QTTS_SEANET_UNIT_WINO 0x40000
 void qtts_seanet_unit_op(struct ggml_tensor * dst, int ith, int nth, void * userdata);
 
 /* A SEANet unit and the strided conv after it (one stage of the encoder) in a single node:
@@ -185,6 +196,9 @@ void qtts_seanet_unit_op(struct ggml_tensor * dst, int ith, int nth, void * user
  * as for qtts_conv1d_tm_op (ne = [B, s * C, 2, ceil(C_out / B)]); bs: F32 [C_out]; flags:
  * the unit's dilation in the low 16 bits, or'ed with s << QTTS_SEANET_STRIDE_SHIFT. */
 #define QTTS_SEANET_STRIDE_SHIFT 20
+/* ...or'ed with QTTS_SEANET_WINO: ws packed with four taps as for QTTS_CONV_WINOGRAD (above),
+ * and the strided conv runs in Winograd F(3, 2) groups, bit for bit as qtts_conv1d_tm_op does. */
+#define QTTS_SEANET_WINO 0x20000
 void qtts_seanet_stage_op(struct ggml_tensor * dst, int ith, int nth, void * userdata);
 
 /* Output channels per packed weight block of qtts_conv1d_tm_bf16_op (every build). */

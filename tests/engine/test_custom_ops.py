@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import itertools
 import math
 import platform
 import re
@@ -301,6 +302,84 @@ def test_conv_matches_the_mul_mat_formulation(cpu2: BackendSet) -> None:
     mm = cpu2.execute(g, {"x": xp, "w": np.ascontiguousarray(w.transpose(2, 0, 1)), "b": b})
     ours = run_conv(cpu2, xp, w, b, d)
     assert np.abs(ours - mm["y"]).max() <= 1e-5 * np.abs(mm["y"]).max()
+
+
+# Convs of 2 and 3 taps in Winograd groups, F(3, 2) and F(2, 3) (the codec encoder's folded
+# strided convs and its residual units' first convs)
+
+WINOGRAD_CASES = [  # (C_in, C_out, T): T % 3 and T % 2 of every value, shorter than a group,
+    (256, 128, 999),  # masked output blocks, several time chunks, a wide reduction
+    (96, 40, 1),
+    (96, 40, 2),
+    (64, 33, 4),
+    (640, 256, 1301),
+    (4096, 64, 25),
+]
+
+
+def run_conv_winograd(be: BackendSet, xp: np.ndarray[Any, Any], w: np.ndarray[Any, Any],
+                      b: np.ndarray[Any, Any], library: Any = None, hist_apart: bool = False
+                      ) -> np.ndarray[Any, Any]:  # fmt: skip
+    """``conv1d_tm`` with ``wino``: the K - 1 history rows in front of ``xp``, or
+    (``hist_apart``) a tensor of their own."""
+    wp = co.pack_conv_weight_winograd(w, library=library)
+    p = w.shape[2] - 1
+    g = Graph()
+    feed = {"w": wp, "b": b}
+    tw, tb = g.input("w", wp.shape), g.input("b", b.shape)
+    if hist_apart:
+        feed["h"], feed["x"] = xp[:p], xp[p:]
+        hist, tx = g.input("h", (p, xp.shape[1])), g.input("x", xp[p:].shape)
+    else:
+        feed["x"], hist, tx = xp, None, g.input("x", xp.shape)
+    g.output(co.conv1d_tm(g.ctx, tx, tw, tb, hist=hist, wino=True, library=library), "y")
+    return be.execute(g, feed)["y"].reshape(xp.shape[0] - p, w.shape[0])
+
+
+@needs_ops
+@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize(("c_in", "c_out", "t"), WINOGRAD_CASES)
+def test_conv_winograd_matches_float64(cpu1: BackendSet, cpu2: BackendSet, c_in: int,
+                                       c_out: int, t: int, k: int) -> None:
+    rng = np.random.default_rng(c_in + 3 * t + k)
+    xp, w, b = conv_data(rng, c_in, c_out, t, k, 1)
+    y = run_conv_winograd(cpu2, xp, w, b)
+    ref = conv_ref(xp, w, b, 1)
+    check_conv(y, ref)
+    assert np.array_equal(y, run_conv_winograd(cpu1, xp, w, b))
+    assert np.array_equal(y, run_conv_winograd(cpu2, xp, w, b, hist_apart=True))
+    direct = run_conv(cpu2, xp, w, b, 1)
+    # the rows past the last whole group are the direct sums, bit for bit
+    whole = t - t % (3 if k == 2 else 2)
+    assert np.array_equal(y[whole:], direct[whole:])
+    # and the groups' error is of the direct sums' order (RMS against float64)
+    err, err_direct = (float(np.sqrt(np.mean((a - ref) ** 2))) for a in (y, direct))
+    assert err <= 2 * err_direct + 1e-9 * float(np.abs(ref).max())
+
+
+@needs_ops
+def test_conv_winograd_rejects_what_the_kernel_cannot_take() -> None:
+    blk = co.conv_block()
+    with Graph() as g:
+        x = g.input("x", (20, 96))
+        b = g.input("b", (96,))
+        w4 = g.input("w4", (-(-96 // blk), 4, 96, blk))
+        assert int(co.conv1d_tm(g.ctx, x, w4, b, wino=True).ne[1]) == 19
+        w5 = g.input("w5", (-(-96 // blk), 5, 96, blk))
+        assert int(co.conv1d_tm(g.ctx, x, w5, b, wino=True).ne[1]) == 18
+        with pytest.raises(ValueError, match="wino takes 2 or 3 taps of dilation 1"):
+            co.conv1d_tm(g.ctx, x, g.input("w2", (-(-96 // blk), 2, 96, blk)), b, wino=True)
+        with pytest.raises(ValueError, match="wino takes 2 or 3 taps of dilation 1"):
+            co.conv1d_tm(g.ctx, x, w4, b, 2, wino=True)
+        h, b3 = g.input("h", (10, 64)), g.input("b3", (32,))
+        w1, b1 = g.input("w1", (-(-64 // blk), 1, 32, blk)), g.input("b1", (64,))
+        w3 = g.input("w3", (1, 3, 64, blk))
+        with pytest.raises(ValueError, match="w3 has ne"):  # 3 taps packed, not 5
+            co.seanet_unit(g.ctx, h, w3, b3, w1, b1, wino=True)
+        with pytest.raises(ValueError, match="dilation 1"):
+            co.seanet_unit(g.ctx, h, g.input("w35", (1, 5, 64, blk)), b3, w1, b1, 2, wino=True)
+    with pytest.raises(ValueError, match="2- or 3-tap weight"):
+        co.pack_conv_weight_winograd(np.zeros((8, 8, 4), np.float32))
 
 
 @needs_ops
@@ -919,21 +998,25 @@ def seanet_unit_data(rng: np.random.Generator, c: int, t: int, k: int
 
 
 def run_seanet_unit(be: BackendSet, data: tuple[np.ndarray[Any, Any], ...], d: int,
-                    elu_out: bool, fused: bool, library: Any = None) -> np.ndarray[Any, Any]:
-    """The unit as one ``seanet_unit`` node, or as the separate ELU, conv and add nodes."""
+                    elu_out: bool, fused: bool, library: Any = None, wino: bool = False
+                    ) -> np.ndarray[Any, Any]:  # fmt: skip
+    """The unit as one ``seanet_unit`` node, or as the separate ELU, conv and add nodes
+    (``wino``: its first conv in Winograd groups)."""
     h, w3, b3, w1, b1 = data
     t, c = h.shape
     p = (w3.shape[2] - 1) * d
     g = Graph()
     th, tb3, tb1 = g.input("h", h.shape), g.input("b3", b3.shape), g.input("b1", b1.shape)
-    p3, p1 = (co.pack_conv_weight(w, library=library) for w in (w3, w1))
+    p3 = (co.pack_conv_weight_winograd if wino else co.pack_conv_weight)(w3, library=library)
+    p1 = co.pack_conv_weight(w1, library=library)
     tw3, tw1 = g.input("w3", p3.shape), g.input("w1", p1.shape)
     if fused:
-        y = co.seanet_unit(g.ctx, th, tw3, tb3, tw1, tb1, d, elu_out=elu_out, library=library)
+        y = co.seanet_unit(g.ctx, th, tw3, tb3, tw1, tb1, d, elu_out=elu_out, wino=wino,
+                           library=library)
     else:
         hist = g.input("zeros", (p, c))
         r = co.conv1d_tm(g.ctx, co.elu(g.ctx, th, library=library), tw3, tb3, d, hist=hist,
-                         library=library)
+                         wino=wino, library=library)
         r = co.conv1d_tm(g.ctx, co.elu(g.ctx, r, library=library), tw1, tb1, library=library)
         y = lib.ggml_add(g.ctx, th, r)
         y = co.elu(g.ctx, y, library=library) if elu_out else y
@@ -969,14 +1052,23 @@ SEANET_CASES = [  # (C, T, K, d, elu_out): one and two input-channel chunks, mas
 ]
 
 
+# with the first conv in Winograd F(2, 3) groups (K = 3, dilation 1): odd and even lengths,
+# one row, slices and thread ranges that start at odd time steps
+SEANET_WINO_CASES = [(c, t, 3, 1, e) for c, t, e in [(64, 5000, True), (128, 2001, False),
+                                                      (512, 300, True), (40, 37, False),
+                                                      (96, 2, True), (33, 1, True)]]
+
+
 @needs_ops
-@pytest.mark.parametrize(("c", "t", "k", "d", "elu_out"), SEANET_CASES)
+@pytest.mark.parametrize(("c", "t", "k", "d", "elu_out", "wino"),
+                         [(*case, False) for case in SEANET_CASES]
+                         + [(*case, True) for case in SEANET_WINO_CASES])  # fmt: skip
 def test_seanet_unit_equals_separate_nodes(cpu1: BackendSet, cpu2: BackendSet, c: int, t: int,
-                                           k: int, d: int, elu_out: bool) -> None:
+                                           k: int, d: int, elu_out: bool, wino: bool) -> None:
     data = seanet_unit_data(np.random.default_rng(c + t), c, t, k)
-    y = run_seanet_unit(cpu2, data, d, elu_out, fused=True)
-    assert np.array_equal(y, run_seanet_unit(cpu2, data, d, elu_out, fused=False))
-    assert np.array_equal(y, run_seanet_unit(cpu1, data, d, elu_out, fused=True))
+    y = run_seanet_unit(cpu2, data, d, elu_out, fused=True, wino=wino)
+    assert np.array_equal(y, run_seanet_unit(cpu2, data, d, elu_out, fused=False, wino=wino))
+    assert np.array_equal(y, run_seanet_unit(cpu1, data, d, elu_out, fused=True, wino=wino))
     ref = seanet_unit_ref(data, d, elu_out)
     assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max()
 
@@ -984,11 +1076,12 @@ def test_seanet_unit_equals_separate_nodes(cpu1: BackendSet, cpu2: BackendSet, c
 def run_seanet_stage(be: BackendSet, data: tuple[np.ndarray[Any, Any], ...],
                      strided: tuple[np.ndarray[Any, Any], ...], stride: int, d: int, fused: bool,
                      library: Any = None,
-                     pre: tuple[np.ndarray[Any, Any], ...] | None = None
-                     ) -> np.ndarray[Any, Any]:  # fmt: skip
+                     pre: tuple[np.ndarray[Any, Any], ...] | None = None, wino: bool = False,
+                     unit_wino: bool = False) -> np.ndarray[Any, Any]:  # fmt: skip
     """A unit and the strided conv after it: one ``seanet_stage`` node, or ``seanet_unit``
     (``elu_out``) then ``conv1d_tm`` on the folded rows, with the zero rows in front and at
-    the end as the graph builds them. ``pre``: (x [T, 1], w0, b0): h is that conv of x."""
+    the end as the graph builds them. ``pre``: (x [T, 1], w0, b0): h is that conv of x;
+    ``wino``, ``unit_wino``: the strided conv, the unit's first conv in Winograd groups."""
     h, w3, b3, w1, b1 = data
     ws, bs = strided
     t, c = h.shape
@@ -997,8 +1090,10 @@ def run_seanet_stage(be: BackendSet, data: tuple[np.ndarray[Any, Any], ...],
     src = h if pre is None else pre[0]
     th, tb3, tb1, tbs = (g.input(n, a.shape) for n, a in (("h", src), ("b3", b3), ("b1", b1),
                                                           ("bs", bs)))
-    p3, p1 = (co.pack_conv_weight(w, library=library) for w in (w3, w1))
-    ps = co.pack_conv_weight(fold_weight(ws, stride), library=library)
+    p3 = (co.pack_conv_weight_winograd if unit_wino else co.pack_conv_weight)(w3, library=library)
+    p1 = co.pack_conv_weight(w1, library=library)
+    pack = co.pack_conv_weight_winograd if wino else co.pack_conv_weight
+    ps = pack(fold_weight(ws, stride), library=library)
     tw3, tw1, tws = g.input("w3", p3.shape), g.input("w1", p1.shape), g.input("ws", ps.shape)
     feed = {"h": src, "w3": p3, "b3": b3, "w1": p1, "b1": b1, "ws": ps, "bs": bs}
     tpre = None
@@ -1007,19 +1102,20 @@ def run_seanet_stage(be: BackendSet, data: tuple[np.ndarray[Any, Any], ...],
         tpre = (g.input("w0", p0.shape), g.input("b0", pre[2].shape))
         feed["w0"], feed["b0"] = p0, pre[2]
     if fused:
-        y = co.seanet_stage(g.ctx, th, tw3, tb3, tw1, tb1, tws, tbs, stride, d, pre=tpre,
-                            library=library)
+        y = co.seanet_stage(g.ctx, th, tw3, tb3, tw1, tb1, tws, tbs, stride, d, wino=wino,
+                            unit_wino=unit_wino, pre=tpre, library=library)
     else:
         if tpre is not None:
             k0 = pre[1].shape[2] if pre is not None else 1
             th = co.conv1d_tm(g.ctx, th, tpre[0], tpre[1], hist=g.input("z0", (k0 - 1, 1)),
                               library=library)
             feed["z0"] = np.zeros((k0 - 1, 1), np.float32)
-        u = co.seanet_unit(g.ctx, th, tw3, tb3, tw1, tb1, d, elu_out=True, library=library)
+        u = co.seanet_unit(g.ctx, th, tw3, tb3, tw1, tb1, d, elu_out=True, wino=unit_wino,
+                           library=library)
         u = pad_zero(g.ctx, u, 0, t_out * stride - t)
         folded = lib.ggml_reshape_2d(g.ctx, u, stride * c, t_out)
         y = co.conv1d_tm(g.ctx, folded, tws, tbs, hist=g.input("zeros", (1, stride * c)),
-                         library=library)
+                         wino=wino, library=library)
         feed["zeros"] = np.zeros((1, stride * c), np.float32)
     g.output(y, "y")
     return be.execute(g, feed)["y"].reshape(t_out, bs.shape[0])
@@ -1055,16 +1151,24 @@ def seanet_stage_data(c: int, t: int, stride: int, pre: bool
     return (h, *data[1:]), strided, (x, w0, b0)
 
 
+# (case, strided conv in Winograd groups, the unit's first conv too): the unit's only where
+# its dilation is 1
+SEANET_STAGE_WINO = [(case, wino, unit) for case in SEANET_STAGE_CASES
+                     for wino, unit in itertools.product((False, True), repeat=2)
+                     if case[2] == 1 or not unit]  # fmt: skip
+
+
 @needs_ops
-@pytest.mark.parametrize(("c", "t", "d", "stride", "pre"), SEANET_STAGE_CASES)
-def test_seanet_stage_equals_separate_nodes(cpu1: BackendSet, cpu2: BackendSet, c: int, t: int,
-                                            d: int, stride: int, pre: bool) -> None:
+@pytest.mark.parametrize(("case", "wino", "unit_wino"), SEANET_STAGE_WINO)
+def test_seanet_stage_equals_separate_nodes(cpu1: BackendSet, cpu2: BackendSet,
+                                            case: tuple[int, int, int, int, bool], wino: bool,
+                                            unit_wino: bool) -> None:  # fmt: skip
+    c, t, d, stride, pre = case
     data, strided, pre_data = seanet_stage_data(c, t, stride, pre)
-    y = run_seanet_stage(cpu2, data, strided, stride, d, True, pre=pre_data)
-    assert np.array_equal(y, run_seanet_stage(cpu2, data, strided, stride, d, False,
-                                              pre=pre_data))  # fmt: skip
-    assert np.array_equal(y, run_seanet_stage(cpu1, data, strided, stride, d, True,
-                                              pre=pre_data))  # fmt: skip
+    kw = {"pre": pre_data, "wino": wino, "unit_wino": unit_wino}
+    y = run_seanet_stage(cpu2, data, strided, stride, d, True, **kw)
+    assert np.array_equal(y, run_seanet_stage(cpu2, data, strided, stride, d, False, **kw))
+    assert np.array_equal(y, run_seanet_stage(cpu1, data, strided, stride, d, True, **kw))
     ws = strided[0]
     u = seanet_unit_ref(data, d, True)  # float64: zero rows, folded, conv
     u = np.concatenate([np.zeros((stride, c)), u, np.zeros((-t % stride, c))])
@@ -1095,6 +1199,8 @@ def test_seanet_unit_rejects_what_the_kernel_cannot_take() -> None:
     assert int(co.seanet_stage(g.ctx, h, w3, b3, w1, b1, ws, bs, 4).ne[1]) == 3
     with pytest.raises(ValueError, match="ws has ne"):
         co.seanet_stage(g.ctx, h, w3, b3, w1, b1, ws, bs, 2)
+    with pytest.raises(ValueError, match="ws has ne"):  # two taps packed, not four
+        co.seanet_stage(g.ctx, h, w3, b3, w1, b1, ws, bs, 4, wino=True)
     with pytest.raises(ValueError, match="stride"):
         co.seanet_stage(g.ctx, h, w3, b3, w1, b1, ws, bs, 0)
     with pytest.raises(ValueError, match="h has 64 channels, expected 1"):
@@ -1155,17 +1261,25 @@ def test_other_isa_paths(cpu1: BackendSet, cpu2: BackendSet, tmp_path: Path,
         assert err[xd >= -1].max() <= 3.0
     x = argmax_input()
     assert np.array_equal(run_argmax(cpu2, x, library), argmax_ref(x))
-    for c, t, k, d, elu_out in SEANET_CASES:
+    for (c, t, k, d, elu_out), wino in ([(case, False) for case in SEANET_CASES]
+                                        + [(case, True) for case in SEANET_WINO_CASES]):
         data = seanet_unit_data(np.random.default_rng(c), c, t, k)
-        y = run_seanet_unit(cpu2, data, d, elu_out, fused=True, library=library)
-        assert np.array_equal(y, run_seanet_unit(cpu2, data, d, elu_out, False, library))
-        assert np.array_equal(y, run_seanet_unit(cpu1, data, d, elu_out, True, library))
-    for c, t, d, stride, pre in SEANET_STAGE_CASES:
+        y = run_seanet_unit(cpu2, data, d, elu_out, True, library, wino)
+        assert np.array_equal(y, run_seanet_unit(cpu2, data, d, elu_out, False, library, wino))
+        assert np.array_equal(y, run_seanet_unit(cpu1, data, d, elu_out, True, library, wino))
+    for (c, t, d, stride, pre), wino, unit_wino in SEANET_STAGE_WINO:
         data, strided, pre_data = seanet_stage_data(c, t, stride, pre)
-        y = run_seanet_stage(cpu2, data, strided, stride, d, True, library, pre_data)
+        y = run_seanet_stage(cpu2, data, strided, stride, d, True, library, pre_data, wino,
+                             unit_wino)  # fmt: skip
         for be, fused in ((cpu2, False), (cpu1, True)):
-            z = run_seanet_stage(be, data, strided, stride, d, fused, library, pre_data)
+            z = run_seanet_stage(be, data, strided, stride, d, fused, library, pre_data, wino,
+                                 unit_wino)  # fmt: skip
             assert np.array_equal(y, z)
+    for (c_in, c_out, t), k in itertools.product(WINOGRAD_CASES, (2, 3)):
+        xp, w, b = conv_data(np.random.default_rng(c_in + t), c_in, c_out, t, k, 1)
+        y = run_conv_winograd(cpu2, xp, w, b, library)
+        assert np.array_equal(y, run_conv_winograd(cpu1, xp, w, b, library))
+        check_conv(y, conv_ref(xp, w, b, 1))
     rng = np.random.default_rng(21)
     for c, t in [(96, 300), (100, 3)]:
         ea, ib = snake_params(rng, c)

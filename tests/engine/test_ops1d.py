@@ -41,10 +41,11 @@ def mimi_ref(x: np.ndarray[Any, Any], w: np.ndarray[Any, Any], b: np.ndarray[Any
 
 def run_causal(be: BackendSet, x: np.ndarray[Any, Any], w: np.ndarray[Any, Any],
                b: np.ndarray[Any, Any] | None, stride: int, dilation: int,
-               replicate: bool, direct: bool = True) -> np.ndarray[Any, Any]:  # fmt: skip
-    form = ConvForm(direct)
+               replicate: bool, direct: bool = True, winograd: bool = False
+               ) -> np.ndarray[Any, Any]:  # fmt: skip
+    form = ConvForm(direct, winograd=winograd)
     store = be.weight_store()
-    store.add_array("c.weight", form.pack(w, stride))
+    store.add_array("c.weight", form.pack(w, stride, dilation))
     if b is not None:
         store.add_array("c.bias", b)
     store.add_array(ZERO_BUFFER, np.zeros(w.shape[1] * w.shape[2] * dilation + w.shape[0],
@@ -100,34 +101,37 @@ def test_gather_rows_on_a_channel_view(cpu2: BackendSet) -> None:
 
 
 @needs_ops
-@pytest.mark.parametrize("direct", [True, False], ids=["direct", "mul_mat"])
+@pytest.mark.parametrize("form", ["direct", "winograd", "mul_mat"])
 @pytest.mark.parametrize("t", [48, 49, 50, 53])  # multiples of the stride and not
-@pytest.mark.parametrize("k,s,d", [(7, 1, 1), (3, 1, 2), (8, 4, 1), (10, 5, 1), (4, 2, 1)])
+@pytest.mark.parametrize("k,s,d", [(7, 1, 1), (3, 1, 2), (3, 1, 1), (8, 4, 1), (10, 5, 1),
+                                   (4, 2, 1)])  # fmt: skip
 def test_causal_conv_zero_padding(cpu2: BackendSet, t: int, k: int, s: int, d: int,
-                                  direct: bool) -> None:  # fmt: skip
+                                  form: str) -> None:  # fmt: skip
     rng = np.random.default_rng(t * 100 + k)
     c_in, c_out = 6, 40
     x = rng.standard_normal((t, c_in)).astype(np.float32)
     w = (rng.standard_normal((c_out, c_in, k)) / np.sqrt(c_in * k)).astype(np.float32)
     b = rng.standard_normal(c_out).astype(np.float32)
     want = mimi_ref(x, w, b, s, d, replicate=False)
-    got = run_causal(cpu2, x, w, b, s, d, replicate=False, direct=direct)
+    got = run_causal(cpu2, x, w, b, s, d, replicate=False, direct=form != "mul_mat",
+                     winograd=form == "winograd")  # fmt: skip
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
 @needs_ops
-@pytest.mark.parametrize("direct", [True, False], ids=["direct", "mul_mat"])
+@pytest.mark.parametrize("form", ["direct", "winograd", "mul_mat"])
 @pytest.mark.parametrize("t", [20, 21])
 def test_causal_conv_replicate_padding_without_bias(cpu2: BackendSet, t: int,
-                                                    direct: bool) -> None:  # fmt: skip
+                                                    form: str) -> None:  # fmt: skip
     """The downsampling conv: stride 2, 4 taps, edge replication both sides, no bias."""
     rng = np.random.default_rng(t)
     c = 8
     x = rng.standard_normal((t, c)).astype(np.float32)
     w = (rng.standard_normal((c, c, 4)) / np.sqrt(4 * c)).astype(np.float32)
     want = mimi_ref(x, w, np.zeros(c, np.float32), 2, 1, replicate=True)
-    got = run_causal(cpu2, x, w, None, 2, 1, replicate=True, direct=direct)
+    got = run_causal(cpu2, x, w, None, 2, 1, replicate=True, direct=form != "mul_mat",
+                     winograd=form == "winograd")  # fmt: skip
     assert got.shape == want.shape == (-(-t // 2), c)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
@@ -175,3 +179,22 @@ def test_the_speaker_encoder_splits_its_convs_where_amx_runs_them() -> None:
     assert ConvForm.split_where_fast(True).split == co.amx()
     assert not ConvForm.split_where_fast(False).split
     assert ConvForm(True).weight_type == lib.GGML_TYPE_F32
+
+
+def test_winograd_where_it_pays() -> None:
+    """The codec encoder's strided convs (folded to 2 taps) and its units' first convs (3 taps,
+    dilation 1) run in Winograd groups; its last stage's wide strided conv, whose weights stream
+    from memory, and every form that did not ask for it do not."""
+    form = ConvForm(True, winograd=True)
+    assert form.wino(8, 4, 64, 128) and form.wino(12, 6, 256, 512) and form.wino(4, 2, 512, 512)
+    assert form.wino(3, 1, 64, 32) and form.wino(3, 1, 1024, 512)
+    assert not form.wino(16, 8, 512, 1024)
+    assert not form.wino(3, 1, 64, 32, dilation=2)
+    assert not form.wino(7, 1, 1, 64) and not form.wino(1, 1, 32, 64)
+    assert not form.wino(12, 4, 64, 128)  # folds to 3 taps
+    assert not ConvForm(True).wino(8, 4, 64, 128)  # opt-in: the speaker encoder's form
+    assert not ConvForm(True, split=True, winograd=True).wino(3, 1, 64, 32)
+    assert not ConvForm(False, winograd=True).wino(3, 1, 64, 32)
+    w = np.ones((128, 64, 8), np.float32)
+    assert form.pack(w, 4).shape[1] == 4  # [blocks, K + 2, C_in, B]: two taps more
+    assert ConvForm(True).pack(w, 4).shape[1] == 2
