@@ -663,6 +663,7 @@ void qtts_conv_rows(float * y, int64_t ys, const float * xp, int64_t xs, const f
  * (the best of 0.5 to 2 MB for the codec encoder, docs/performance.md) */
 #define SEANET_STAGE_SLICE_BYTES (1536 * 1024)
 #endif
+
 /* A SEANet residual unit's weights and shapes (see qtts_ops.h), read from a node's sources
  * src[0] (h) .. src[4] (b1) and its flags, every shape checked. */
 typedef struct {
