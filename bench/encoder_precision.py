@@ -12,8 +12,9 @@ is and again with every ``Conv1d`` computed in an emulated arithmetic:
 
 and counts the codes that differ from the plain reference, with the reference's own margin at
 each flipped decision: (d2 - d1) / d1, d1 and d2 the distances to the nearest and second nearest
-codebook entry. It also prints our ggml encoder (exact F32) against the reference, and how near
-the reference's closest decisions come to a tie (the smallest margin of each clip).
+codebook entry. It also prints our ggml encoder (F32, with the Winograd groups of
+``ConvForm.wino``) against the reference, and how near the reference's closest decisions come to
+a tie (the smallest margin of each clip).
 
 Models: Base ``tiny`` talkers with the released Mimi encoder dims, per ``--seeds`` and
 ``--recipes`` (``default``; ``stress``: every stage O(1)), made in a temporary folder (or
