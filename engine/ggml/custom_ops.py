@@ -591,11 +591,10 @@ def conv1d_tm(ctx: Any, xp: Tensor, w: Tensor, bias: Tensor, dilation: int = 1, 
             raise ValueError(f"conv1d_tm: wino takes 2 or 3 taps of dilation 1 packed as 4 or 5 "
                              f"(pack_conv_weight_winograd), got {k} packed, dilation {dilation}")
         k -= 2
-        if hist is None:  # the history rows apart, as the op takes them
-            rows, stride = int(xp.ne[1]), int(xp.nb[1])
+        rows, stride = int(xp.ne[1]), int(xp.nb[1])
+        if hist is None and rows >= k:  # the history rows apart, as the op takes them
             hist = lib.ggml_view_2d(ctx, xp, c_in, k - 1, stride, 0)
-            xp = lib.ggml_view_2d(ctx, xp, c_in, max(rows - k + 1, 0), stride,
-                                  (k - 1) * stride)  # fmt: skip
+            xp = lib.ggml_view_2d(ctx, xp, c_in, rows - k + 1, stride, (k - 1) * stride)
     if int(w.ne[0]) != b or n_blocks != -(-c_out // b):
         raise ValueError(
             f"conv1d_tm: w has ne={[int(w.ne[i]) for i in range(4)]}; for {c_out} output "

@@ -56,8 +56,8 @@ def direct_available(backends: Any) -> bool:
 
 
 # folded C_in x C_out of the largest conv that runs in Winograd groups: 16 MB of packed F32
-# weights (docs/performance.md: larger ones lost more to reading twice the weights than the
-# products saved)
+# weights for F(3, 2) (docs/performance.md, session 33: the last stage's 4M conv gained nothing,
+# its time going to reading twice the weights from memory)
 WINO_MAX_WEIGHTS = 1 << 20
 
 

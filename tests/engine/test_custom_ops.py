@@ -371,6 +371,8 @@ def test_conv_winograd_rejects_what_the_kernel_cannot_take() -> None:
             co.conv1d_tm(g.ctx, x, g.input("w2", (-(-96 // blk), 2, 96, blk)), b, wino=True)
         with pytest.raises(ValueError, match="wino takes 2 or 3 taps of dilation 1"):
             co.conv1d_tm(g.ctx, x, w4, b, 2, wino=True)
+        with pytest.raises(ValueError, match="needs more than the 2 of history"):
+            co.conv1d_tm(g.ctx, g.input("x1", (1, 96)), w5, b, wino=True)
         h, b3 = g.input("h", (10, 64)), g.input("b3", (32,))
         w1, b1 = g.input("w1", (-(-64 // blk), 1, 32, blk)), g.input("b1", (64,))
         w3 = g.input("w3", (1, 3, 64, blk))
