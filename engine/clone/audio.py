@@ -36,6 +36,9 @@ class DecodedAudio:
 
     samples: F32
     sample_rate: int
+    # the largest swing of any one channel before the mix (0.0 for a mono file): a mix that
+    # is silent although a channel is not had channels that cancel
+    channel_peak: float = 0.0
 
 
 def decode(src: bytes | str | os.PathLike[str], max_seconds: float | None = None
@@ -59,6 +62,17 @@ class _Mono:
         self.pieces: list[F32] = []
         self.total = 0
         self.length_s: float | None = None  # the container's own length of the stream
+        self.channel_peak = 0.0
+
+    def add_channels(self, block: F32, rate: int) -> None:
+        """A block of [frames, channels] samples, mixed to mono as the reference mixes them."""
+        if block.shape[1] == 1:
+            self.add(block[:, 0], rate)
+            return
+        if block.shape[0]:  # (half of each channel's range: no copy of the block)
+            swing = float((block.max(axis=0) - block.min(axis=0)).max()) / 2
+            self.channel_peak = max(self.channel_peak, swing)
+        self.add(block.mean(axis=1, dtype=np.float32), rate)
 
     def add(self, mono: F32, rate: int) -> None:
         if self.length_s is not None:  # (an AAC encoder's padding past it is not audio)
@@ -72,7 +86,7 @@ class _Mono:
     def audio(self, name: str, rate: int) -> DecodedAudio:
         if not self.total or rate <= 0:
             raise InputError(FIELD, f"{name} holds no audio samples")
-        return DecodedAudio(np.concatenate(self.pieces), rate)
+        return DecodedAudio(np.concatenate(self.pieces), rate, self.channel_peak)
 
 
 # samples (frames x channels) per libsndfile read: a few reads for a typical reference, and
@@ -101,8 +115,7 @@ def _decode_sndfile(src: bytes | str | os.PathLike[str], name: str,
                 f.seek(0)
             frames = max(1, _SNDFILE_READ_SAMPLES // max(1, f.channels))
             while (block := f.read(frames, dtype="float32", always_2d=True)).size:
-                mono.add(block[:, 0] if block.shape[1] == 1 else
-                         block.mean(axis=1, dtype=np.float32), rate)
+                mono.add_channels(block, rate)
         except RuntimeError as exc:  # sf.LibsndfileError
             raise InputError(FIELD, f"{name} cannot be decoded as audio ({exc})") from None
     return mono.audio(name, rate)
@@ -133,10 +146,8 @@ def _decode_av(src: bytes | str | os.PathLike[str], name: str,
             arr: npt.NDArray[Any] = _as_float(frame.to_ndarray())
             rate = int(frame.sample_rate)
             n_ch = len(frame.layout.channels)
-            if frame.format.is_planar:
-                mono.add(arr.reshape(n_ch, -1).mean(axis=0, dtype=np.float32), rate)
-            else:
-                mono.add(arr.reshape(-1, n_ch).mean(axis=1, dtype=np.float32), rate)
+            mono.add_channels(arr.reshape(n_ch, -1).T if frame.format.is_planar else
+                              arr.reshape(-1, n_ch), rate)
     except InputError:
         raise
     except (av.FFmpegError, OSError, ValueError) as exc:
@@ -183,8 +194,10 @@ def resample(samples: F32, sr: int, target: int = SAMPLE_RATE) -> F32:
     return np.ascontiguousarray(y[:n])
 
 
-def check(samples: F32, sr: int, max_seconds: float = DEFAULT_MAX_SECONDS) -> None:
-    """Refuse audio that is too short, too long, silent or not finite."""
+def check(samples: F32, sr: int, max_seconds: float = DEFAULT_MAX_SECONDS,
+          channel_peak: float = 0.0) -> None:
+    """Refuse audio that is too short, too long, silent or not finite. ``channel_peak``:
+    ``DecodedAudio``'s, for a silent mix of channels that are not silent."""
     seconds = samples.shape[0] / sr
     if seconds < MIN_SECONDS:
         # (rounded down: 0.9996 s is not "1.00 s long" for a 1 s minimum)
@@ -196,6 +209,10 @@ def check(samples: F32, sr: int, max_seconds: float = DEFAULT_MAX_SECONDS) -> No
         raise InputError(FIELD, "contains NaN or infinite samples")
     # (about its mean: a constant offset, DC, is no sound)
     if float(np.abs(samples - samples.mean(dtype=np.float64)).max()) < SILENCE_PEAK:
+        if channel_peak >= SILENCE_PEAK:
+            raise InputError(FIELD, "is silent once its channels are mixed to mono, as cloning "
+                             "hears it: they cancel out (one is the other inverted, or nearly); "
+                             "send one channel")
         raise InputError(FIELD, "is silent (no sample above -60 dBFS)")
 
 
@@ -203,5 +220,5 @@ def load_reference(src: bytes | str | os.PathLike[str],
                    max_seconds: float = DEFAULT_MAX_SECONDS) -> F32:  # fmt: skip
     """Decode, check and resample reference audio to 24 kHz mono float32."""
     audio = decode(src, max_seconds)
-    check(audio.samples, audio.sample_rate, max_seconds)
+    check(audio.samples, audio.sample_rate, max_seconds, audio.channel_peak)
     return resample(audio.samples, audio.sample_rate)

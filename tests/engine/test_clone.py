@@ -168,6 +168,42 @@ def test_bad_reference_audio(tmp_path: Path, make: object, problem: str) -> None
     assert info.value.field == "ref_audio" and "\n" not in str(info.value)
 
 
+def _antiphase_alac(path: Path, tone: np.ndarray) -> None:
+    """An M4A of lossless ALAC whose right channel is the left inverted: PyAV decodes it to
+    planar samples (libsndfile does not read MP4)."""
+    import av
+
+    pcm = (np.stack([tone, -tone]) * 32767).astype(np.int16)
+    with av.open(str(path), mode="w", format="ipod") as out:
+        st = out.add_stream("alac", rate=24000, layout="stereo")
+        frame = av.AudioFrame.from_ndarray(pcm, format="s16p", layout="stereo")
+        frame.sample_rate = 24000
+        for packet in (*st.encode(frame), *st.encode(None)):
+            out.mux(packet)
+
+
+def test_channels_that_cancel_are_named(tmp_path: Path) -> None:
+    # a stereo clip whose channels cancel when mixed to mono (the reference mixes them) is
+    # silent to cloning; the message says why, where "is silent" alone read as a wrong file
+    tone = (0.3 * np.sin(np.arange(48000) * 2 * np.pi * 220 / 24000)).astype(np.float32)
+    wav = tmp_path / "antiphase.wav"
+    sf.write(wav, np.stack([tone, -tone], axis=1), 24000)
+    m4a = tmp_path / "antiphase.m4a"
+    _antiphase_alac(m4a, tone)
+    for path in (wav, m4a):
+        with pytest.raises(InputError, match="silent once its channels are mixed to mono") as e:
+            load_reference(path)
+        assert e.value.field == "ref_audio" and "\n" not in str(e.value)
+    # channels that are silent themselves (a constant offset in each) are plain silence
+    dc = tmp_path / "dc.wav"
+    sf.write(dc, np.full((48000, 2), [0.3, -0.2], np.float32), 24000)
+    with pytest.raises(InputError, match=r"is silent \(no sample above -60 dBFS\)"):
+        load_reference(dc)
+    # one silent channel beside a loud one mixes to half the loud one: not refused
+    sf.write(tmp_path / "half.wav", np.stack([tone, np.zeros_like(tone)], axis=1), 24000)
+    assert load_reference(tmp_path / "half.wav").shape == (48000,)
+
+
 def _silent_flac(path: Path, seconds: int, rate: int = 8000, layout: str = "mono") -> Path:
     """A FLAC of digital silence: a few bytes per block, so hours fit in a small upload."""
     import av
