@@ -10,6 +10,8 @@ pcm), read to the end, repeat. Printed per run:
                  client-side request time / audio duration (mean), for comparison
   audio s/s      seconds of audio received by all clients per wall-clock second
   rejected       503 answers (queue full), counted, not retried at once
+  stream gaps    stalls a client playing the audio as it came heard (qtts_stream_gaps_total),
+  waited s       and how long it waited in them, summed (qtts_stream_gap_seconds_total)
 
 Requests are text requests (``--frames`` caps their audio via ``max_seconds``) when the model
 has a talker, else ``codes`` requests of ``--frames`` random codec frames (``--mode``). They
@@ -96,7 +98,7 @@ def scrape(url: str, headers: dict[str, str]) -> dict[str, float]:
     text = httpx.get(url + "/metrics", headers=headers, timeout=10).text
     out: dict[str, float] = {}
     for line in text.splitlines():
-        m = re.match(r"^(qtts_rtf_(?:sum|count)|qtts_stream_gaps_total"
+        m = re.match(r"^(qtts_rtf_(?:sum|count)|qtts_stream_gap(?:s|_seconds)_total"
                      r"|qtts_batch_size_(?:sum|count))\s+(\S+)$", line)
         if m:
             out[m.group(1)] = float(m.group(2))
@@ -222,15 +224,16 @@ def row(label: str, res: Result, d: dict[str, float]) -> str:
     wall_rtf = float(np.mean(res.wall_rtf)) if res.wall_rtf else float("nan")
     aps = res.audio_seconds / d["wall"]
     gaps = int(d.get("qtts_stream_gaps_total", 0))
+    waited = d.get("qtts_stream_gap_seconds_total", 0.0)
     steps = d.get("qtts_batch_size_count", 0)
     batch = f"{d.get('qtts_batch_size_sum', 0) / steps:.2f}" if steps else "-"
     return (f"| {label} | {res.ok} | {p50:.0f} | {p95:.0f} | {rtf:.3f} | {wall_rtf:.3f} | "
-            f"{aps:.2f} | {res.rejected} | {res.errors} | {gaps} | {batch} |")
+            f"{aps:.2f} | {res.rejected} | {res.errors} | {gaps} | {waited:.2f} | {batch} |")
 
 
 HEADER = ("| run | requests ok | TTFA p50 ms | TTFA p95 ms | RTF (server) | RTF (client) | "
-          "audio s/s | rejected | errors | stream gaps | mean batch |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|")
+          "audio s/s | rejected | errors | stream gaps | waited s | mean batch |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def main() -> int:

@@ -107,6 +107,12 @@ class Metrics:
             "utterances count those after their whole text had arrived.",
             registry=r,
         )
+        self.stream_gap_seconds = Counter(
+            "qtts_stream_gap_seconds",
+            "How long listeners waited in the stalls qtts_stream_gaps counts, summed: from the "
+            "moment the audio already sent had played out to the next chunk.",
+            registry=r,
+        )
         self.realtime_sessions = Gauge(
             "qtts_realtime_sessions", "Realtime WebSocket sessions open.", registry=r)
         self.realtime_ttfa = Histogram(

@@ -218,17 +218,21 @@ class Utterance:
     cancelled: bool = False
     flushed: bool = False  # the last message to the worker was a flush (another adds nothing)
     player: PlaybackClock = field(default_factory=PlaybackClock)
-    gaps: int = 0  # stalls once all the text had arrived (see ``stalled``)
+    gaps: int = 0  # stalls once all the text had arrived (see ``stall``)
+    gap_seconds: float = 0.0  # how long the listener waited in them
 
-    def stalled(self, now: float) -> bool:
-        """Whether a chunk at ``now`` ends a stall that is the server's: the client's audio ran
-        out after its whole text had arrived. Before the end of the text a stall may be the
-        text's (the session waits for more of it), so it is not counted."""
+    def stall(self, now: float) -> float:
+        """How long the listener waited for a chunk that comes at ``now``, when that stall is
+        the server's (0.0 otherwise): the client's audio ran out after its whole text had
+        arrived. Before the end of the text a stall may be the text's (the session waits for
+        more of it), so it is not counted."""
         waited = self.player.wait(now)
-        return (waited > 0.0 and not self.cancelled and self.end_at is not None
-                and self.end_at <= now - waited)
+        if (waited > 0.0 and not self.cancelled and self.end_at is not None
+                and self.end_at <= now - waited):
+            return waited
+        return 0.0
 
     def usage(self, sample_rate: int, outcome: str) -> dict[str, Any]:
         return {"characters": self.chars, "frames": self.frames,
                 "audio_seconds": round(self.samples / sample_rate, 4), "stream_gaps": self.gaps,
-                "outcome": outcome}
+                "stream_gap_seconds": round(self.gap_seconds, 4), "outcome": outcome}

@@ -34,6 +34,7 @@ def finish_log(st: State, syn: Synthesis, admitted: bool) -> None:
             "queue_seconds": round_or_none(syn.queue_seconds),
             "ttfa_seconds": round_or_none(syn.ttfa), "rtf": round_or_none(rtf),
             "duration_seconds": round(now - syn.arrival, 4), "stream_gaps": syn.gaps,
+            "stream_gap_seconds": round(syn.gap_seconds, 4),
             "outcome": syn.outcome,
         },
     )

@@ -254,9 +254,12 @@ class SynthesisResponse(Response):
         player = PlaybackClock()  # the stream-gap count: a client playing as it receives
         try:
             while isinstance(ev, Chunk):
-                if player.wait(time.monotonic()) > 0.0:
+                waited = player.wait(time.monotonic())
+                if waited > 0.0:
                     syn.gaps += 1
+                    syn.gap_seconds += waited
                     st.metrics.stream_gaps.inc()
+                    st.metrics.stream_gap_seconds.inc(waited)
                 audio = self._account(ev)
                 if stretch is not None:
                     audio = stretch.push(audio)

@@ -75,6 +75,7 @@ class Synthesis:
     outcome: str = "ok"
     status: int = 200
     gaps: int = 0
+    gap_seconds: float = 0.0  # how long a listener waited in those gaps, summed
     stages: dict[str, float] = field(default_factory=dict)  # seconds per engine stage, summed
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -347,9 +347,12 @@ class Session:
                     self.emit({"type": "audio.first", "id": utt.job_id,
                                "text_to_first_audio_ms": round(ttfa * 1000, 1)})
                 utt.last_audio_at = now
-                if utt.stalled(now):
+                waited = utt.stall(now)
+                if waited > 0.0:
                     utt.gaps += 1
+                    utt.gap_seconds += waited
                     self.st.metrics.stream_gaps.inc()
+                    self.st.metrics.stream_gap_seconds.inc(waited)
                 utt.player.hand_over(now, audio.shape[0] / self.sample_rate)
                 utt.frames += frames
                 utt.samples += int(audio.shape[0])

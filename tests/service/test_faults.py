@@ -178,3 +178,20 @@ def test_drain_past_its_limit_cuts_the_stream(make_server: Any) -> None:
                 received += len(piece)
     assert received < 400 * FRAME_SAMPLES * 2
     assert server.proc.wait(HANG_BOUND) is not None
+
+
+def test_a_stall_is_counted_with_how_long_the_listener_waited(make_server: Any) -> None:
+    """The worker sleeps 1 s before its fourth chunk: a client playing the first three chunks'
+    ~0.24 s of audio as it came waits ~0.8 s. The request log line and the counters say one
+    gap and that wait (the counters: the sums of the log lines)."""
+    server: Server = make_server(workers=1, test_fault="sleep=1.0@chunk=3")
+    r = httpx.post(server.url + "/tts", json={"codes": codes(24), "format": "pcm"},
+                   timeout=HANG_BOUND)
+    assert r.status_code == 200 and len(r.content) == 2 * 24 * FRAME_SAMPLES
+    (line,) = server.wait_request_lines(lambda rec: rec.get("route") == "/tts")
+    assert line["stream_gaps"] >= 1
+    assert 0.5 < line["stream_gap_seconds"] < 1.2, line
+    ms = server.metrics()
+    assert metric(ms, "qtts_stream_gaps_total") == line["stream_gaps"]
+    assert metric(ms, "qtts_stream_gap_seconds_total") == pytest.approx(
+        line["stream_gap_seconds"], abs=1e-3)

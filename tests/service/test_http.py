@@ -481,6 +481,9 @@ def test_metrics_after_requests(server: Server) -> None:
     # the gap counter is the sum of the gaps the request log lines report
     gaps = sum(rec["stream_gaps"] for rec in server.request_lines() if "stream_gaps" in rec)
     assert metric(ms, "qtts_stream_gaps_total") == gaps
+    waited = sum(rec["stream_gap_seconds"] for rec in server.request_lines()
+                 if "stream_gap_seconds" in rec)
+    assert metric(ms, "qtts_stream_gap_seconds_total") == pytest.approx(waited, abs=1e-3)
     assert metric(ms, "qtts_build_info", version="0.1.0", backend="cpu", model="qtts") == 1
     for stage in ("quant", "preconv", "pretr", "upsample", "bigvgan", "encode"):
         assert metric(ms, "qtts_stage_seconds_count", stage=stage) > 0, stage

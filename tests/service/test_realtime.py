@@ -104,6 +104,7 @@ def test_a_late_chunk_after_the_text_is_a_stream_gap(make_server: Any) -> None:
     stream gap and the server's counter has it."""
     s: Server = make_server(test_fault="sleep=1.5@chunk=3")
     before = metric(s.metrics(), "qtts_stream_gaps_total")
+    before_s = metric(s.metrics(), "qtts_stream_gap_seconds_total")
 
     events, _ = run(speak(s, "Hello there, this is a test of the realtime route.", voice="ryan",
                           start="immediate", seed=5))
@@ -111,6 +112,11 @@ def test_a_late_chunk_after_the_text_is_a_stream_gap(make_server: Any) -> None:
     gaps = events[-1]["usage"]["stream_gaps"]
     assert gaps >= 1
     assert metric(s.metrics(), "qtts_stream_gaps_total") - before == gaps
+    # and how long the listener waited: most of the 1.5 s, less the audio it held
+    waited = events[-1]["usage"]["stream_gap_seconds"]
+    assert 0.3 < waited < 1.5
+    assert metric(s.metrics(), "qtts_stream_gap_seconds_total") - before_s == pytest.approx(
+        waited, abs=1e-3)
 
 
 def _post_stream(server: Server, text: str) -> bytes:
