@@ -190,7 +190,8 @@ def test_a_stall_is_counted_with_how_long_the_listener_waited(make_server: Any) 
     assert r.status_code == 200 and len(r.content) == 2 * 24 * FRAME_SAMPLES
     (line,) = server.wait_request_lines(lambda rec: rec.get("route") == "/tts")
     assert line["stream_gaps"] >= 1
-    assert 0.5 < line["stream_gap_seconds"] < 1.2, line
+    # (at most the sleep and the pushes of a slow machine: not the whole request's time)
+    assert 0.5 < line["stream_gap_seconds"] < 2.0, line
     ms = server.metrics()
     assert metric(ms, "qtts_stream_gaps_total") == line["stream_gaps"]
     assert metric(ms, "qtts_stream_gap_seconds_total") == pytest.approx(
