@@ -194,6 +194,12 @@ class Metrics:
         self.build_info.clear()
         self.build_info.labels(version=version, backend=backend, model=model).set(1)
 
+    def count_stall(self, waited: float) -> None:
+        """A stall a listener waited ``waited`` seconds in (0.0: none)."""
+        if waited > 0.0:
+            self.stream_gaps.inc()
+            self.stream_gap_seconds.inc(waited)
+
     def observe_stages(self, timings: dict[str, float], frames: int = 1) -> None:
         """One chunk's stage times. ``talker_step`` and ``code_predictor`` arrive summed over
         the chunk's frames: they are observed once per frame at the chunk's mean, so their

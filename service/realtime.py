@@ -222,13 +222,15 @@ class Utterance:
     gap_seconds: float = 0.0  # how long the listener waited in them
 
     def stall(self, now: float) -> float:
-        """How long the listener waited for a chunk that comes at ``now``, when that stall is
-        the server's (0.0 otherwise): the client's audio ran out after its whole text had
-        arrived. Before the end of the text a stall may be the text's (the session waits for
-        more of it), so it is not counted."""
+        """How long the listener waited for a chunk that comes at ``now``, counted here when
+        that stall is the server's (else 0.0): the client's audio ran out after its whole text
+        had arrived. Before the end of the text a stall may be the text's (the session waits
+        for more of it), so it is not counted."""
         waited = self.player.wait(now)
         if (waited > 0.0 and not self.cancelled and self.end_at is not None
                 and self.end_at <= now - waited):
+            self.gaps += 1
+            self.gap_seconds += waited
             return waited
         return 0.0
 

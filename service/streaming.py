@@ -258,8 +258,7 @@ class SynthesisResponse(Response):
                 if waited > 0.0:
                     syn.gaps += 1
                     syn.gap_seconds += waited
-                    st.metrics.stream_gaps.inc()
-                    st.metrics.stream_gap_seconds.inc(waited)
+                    st.metrics.count_stall(waited)
                 audio = self._account(ev)
                 if stretch is not None:
                     audio = stretch.push(audio)

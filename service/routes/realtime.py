@@ -347,12 +347,7 @@ class Session:
                     self.emit({"type": "audio.first", "id": utt.job_id,
                                "text_to_first_audio_ms": round(ttfa * 1000, 1)})
                 utt.last_audio_at = now
-                waited = utt.stall(now)
-                if waited > 0.0:
-                    utt.gaps += 1
-                    utt.gap_seconds += waited
-                    self.st.metrics.stream_gaps.inc()
-                    self.st.metrics.stream_gap_seconds.inc(waited)
+                self.st.metrics.count_stall(utt.stall(now))
                 utt.player.hand_over(now, audio.shape[0] / self.sample_rate)
                 utt.frames += frames
                 utt.samples += int(audio.shape[0])
