@@ -419,6 +419,10 @@ INLINE const float * src_row(const rows_src * s, int64_t r) {
 /* Outputs of a group of a conv of K taps (F(3, 2) or F(2, 3)). */
 INLINE int64_t wino_outputs(int K) { return K == 2 ? 3 : 2; }
 
+/* VW floats as one vector of GCC's (the ISA's width), read and written unaligned */
+typedef float vwf __attribute__((vector_size(VW * sizeof(float)), aligned(sizeof(float)),
+                                 may_alias));
+
 /* The transforms of G groups (group q: the source's rows r0 + m q .. r0 + m q + 3, m outputs
  * a group): four arrays of G rows of Ci, A, Bp, Bm and C, at tr. */
 static void wino_transform(float * tr, const rows_src * s, int64_t r0, int64_t G, int64_t m,
@@ -431,25 +435,14 @@ static void wino_transform(float * tr, const rows_src * s, int64_t r0, int64_t G
         const float * x3 = src_row(s, r0 + m * q + 3);
         float * a = tr + q * Ci;
         int64_t c = 0;
-#if defined(__AVX512F__)
-        for (; c + 16 <= Ci; c += 16) {
-            const __m512 v0 = _mm512_loadu_ps(x0 + c), v1 = _mm512_loadu_ps(x1 + c);
-            const __m512 v2 = _mm512_loadu_ps(x2 + c), v3 = _mm512_loadu_ps(x3 + c);
-            _mm512_storeu_ps(a + c, _mm512_sub_ps(v0, v2));
-            _mm512_storeu_ps(a + n + c, _mm512_add_ps(v1, v2));
-            _mm512_storeu_ps(a + 2 * n + c, _mm512_sub_ps(v1, v2));
-            _mm512_storeu_ps(a + 3 * n + c, _mm512_sub_ps(v3, v1));
+        for (; c + VW <= Ci; c += VW) {
+            const vwf v0 = *(const vwf *)(x0 + c), v1 = *(const vwf *)(x1 + c);
+            const vwf v2 = *(const vwf *)(x2 + c), v3 = *(const vwf *)(x3 + c);
+            *(vwf *)(a + c) = v0 - v2;
+            *(vwf *)(a + n + c) = v1 + v2;
+            *(vwf *)(a + 2 * n + c) = v1 - v2;
+            *(vwf *)(a + 3 * n + c) = v3 - v1;
         }
-#elif defined(__AVX2__) && defined(__FMA__)
-        for (; c + 8 <= Ci; c += 8) {
-            const __m256 v0 = _mm256_loadu_ps(x0 + c), v1 = _mm256_loadu_ps(x1 + c);
-            const __m256 v2 = _mm256_loadu_ps(x2 + c), v3 = _mm256_loadu_ps(x3 + c);
-            _mm256_storeu_ps(a + c, _mm256_sub_ps(v0, v2));
-            _mm256_storeu_ps(a + n + c, _mm256_add_ps(v1, v2));
-            _mm256_storeu_ps(a + 2 * n + c, _mm256_sub_ps(v1, v2));
-            _mm256_storeu_ps(a + 3 * n + c, _mm256_sub_ps(v3, v1));
-        }
-#endif
         for (; c < Ci; c++) {
             a[c] = x0[c] - x2[c];
             a[n + c] = x1[c] + x2[c];
