@@ -21,6 +21,7 @@ Where qtts's convs run without their BF16 kernel (a CPU without AVX512-BF16), fa
 them in F32 (``rounds_to_bf16``) and runs the wave generator's 7-tap and transposed convs by
 Winograd F(6,7) / F(6,2) in F32 where that kernel has its AVX2 path (``winograd_f32``): ~90-100
 dB per conv against float64, 1.4-3.9x the direct F32 conv; without it, the samples of exact mode.
+With the BF16 kernel but no AMX tiles, the layers kept in F32 take the same F32 Winograd path.
 """
 
 from __future__ import annotations
@@ -58,12 +59,15 @@ def rounds_to_bf16(backends: BackendSet) -> bool:
 
 
 def winograd_f32(backends: BackendSet) -> bool:
-    """Whether fast mode runs its 7-tap and transposed convs by qtts's F32 Winograd kernel here
-    (those whose weight suits it: ``WINOGRAD_F32_MAX_BYTES``): qtts's convs run, without their
-    BF16 kernel, and the Winograd kernel has its SIMD path (the portable one is slower than the
-    direct conv). ``QTTS_WINOGRAD=0`` turns it off."""
-    return (native_convs(backends) and not custom_ops.bf16_available()
-            and custom_ops.wino_f32_available() and backends.options.winograd)
+    """Whether fast mode runs its F32 7-tap and transposed convs by qtts's F32 Winograd kernel
+    here (those whose weight suits it: ``WINOGRAD_F32_MAX_BYTES``): qtts's convs run, the
+    Winograd kernel has its SIMD path (the portable one is slower than the direct conv), and
+    the layers fast mode keeps out of BF16 are not split BF16 products on AMX tiles. Without
+    the BF16 kernel that is every such conv of the wave generator; with it, the ones kept in
+    F32 (the transposed convs, layers the calibration promoted). ``QTTS_WINOGRAD=0`` turns it
+    off."""
+    return (native_convs(backends) and custom_ops.wino_f32_available()
+            and backends.options.winograd and not split_kept(backends))
 
 
 def split_kept(backends: BackendSet) -> bool:
@@ -219,9 +223,10 @@ class DecoderWeights:
         # On AMX tiles the direct conv is ~4x faster than Winograd on AVX512-BF16 (and more
         # accurate), so Winograd is used only where the direct conv runs on AVX512.
         self._winograd = self._bf16_kernel and backends.options.winograd and not amx
-        # Without the BF16 kernels, fast mode's 7-tap and transposed convs by Winograd F(6,7) /
-        # F(6,2) in F32: 12 (7) products per six outputs instead of 42 (12), ~90-100 dB per
-        # conv (conv1d_wino_f32.c).
+        # Fast mode's F32 7-tap and transposed convs (all of them without the BF16 kernel, the
+        # kept ones beside it, unless those are split products on AMX tiles) by Winograd
+        # F(6,7) / F(6,2) in F32: 12 (7) products per six outputs instead of 42 (12), ~90-100
+        # dB per conv (conv1d_wino_f32.c).
         self._winograd_f32 = precision == "fast" and winograd_f32(backends)
         # On AMX tiles, fast mode's layers kept out of BF16 run as split BF16 products (hi and
         # lo parts of weights and inputs: an error of F32's order, ~2x faster than the F32

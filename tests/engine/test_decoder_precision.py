@@ -21,7 +21,8 @@ from engine.decoder.precision import (
     promotion_order,
     snr_db,
 )
-from engine.decoder.weights import rounds_to_bf16, split_kept, winograd_f32
+from engine.decoder.weights import native_convs, rounds_to_bf16, split_kept, winograd_f32
+from engine.ggml import custom_ops, lib
 from engine.gguf_model import open_model
 from engine.tools.make_model import make_model
 
@@ -47,8 +48,8 @@ def test_layer_sets(model) -> None:  # type: ignore[no-untyped-def]
 def test_kept_layers_are_f32_class(model, bf16_cpu2: BackendSet  # type: ignore[no-untyped-def]
                                    ) -> None:
     """A promoted layer really leaves BF16: with every layer promoted, fast equals exact (F32
-    layers) or comes within split products' rounding of it (AMX: > 60 dB even on this
-    saturated decoder, whose clamp turns a rounding at a zero crossing into a jump)."""
+    layers) or comes within split products' or F32 Winograd's rounding of it (> 60 dB even on
+    this saturated decoder, whose clamp turns a rounding at a zero crossing into a jump)."""
     codes = calibration_codes(model, 6)
     be = bf16_cpu2
     exact = DecoderModel.load(model, be, "exact")
@@ -61,11 +62,35 @@ def test_kept_layers_are_f32_class(model, bf16_cpu2: BackendSet  # type: ignore[
     finally:
         for m in (exact, everything, bf16):
             m.close()
-    if split_kept(be):
+    if split_kept(be) or winograd_f32(be):  # split products, or F32 Winograd convs
         assert snr_db(a, b) >= 60.0 and snr_db(a, c) < snr_db(a, b) - 30.0
     else:
         assert np.abs(a - b).max() <= 1e-5
     assert np.abs(a - c).max() > 1e-4
+
+
+def test_kept_layers_take_the_f32_winograd_kernel_beside_bf16(  # type: ignore[no-untyped-def]
+        model, cpu2: BackendSet) -> None:
+    """A transposed conv fast mode keeps out of BF16 runs as split BF16 products on AMX tiles;
+    elsewhere, where the F32 Winograd kernel has its SIMD path, by that kernel (F32 weights),
+    with or without the BF16 kernel beside it; else as the direct F32 conv."""
+    if not native_convs(cpu2):
+        pytest.skip("qtts's conv kernels are not built for this CPU")
+    dec = DecoderModel.load(model, cpu2, "fast")
+    try:
+        name = "dec.blk.4.tconv"
+        assert name in dec.weights.f32_layers
+        conv = dec.weights.blocks[3].tconv.conv
+        assert conv is not None and conv.packed is not None
+        if custom_ops.bf16_available() and custom_ops.amx():
+            assert conv.split and not conv.winograd
+        elif custom_ops.wino_f32_available():
+            assert conv.winograd and not conv.split
+            assert conv.packed.type == lib.GGML_TYPE_F32
+        else:
+            assert not conv.winograd and not conv.split
+    finally:
+        dec.close()
 
 
 def _fast_and_exact(model, be: BackendSet  # type: ignore[no-untyped-def]

@@ -18,7 +18,7 @@ import pytest
 from engine.backend import BackendSet
 from engine.decoder import DecoderModel, decode
 from engine.decoder.precision import calibrate, default_f32
-from engine.decoder.weights import winograd_f32
+from engine.decoder.weights import rounds_to_bf16, winograd_f32
 from engine.gguf_model import open_model
 from engine.tools.convert import convert
 from tests.parity import reference as ref
@@ -93,7 +93,7 @@ def test_fast_on_the_default_backends(stress: StressCase, record_property: Any) 
     record_property("snr_fast_here_db", snr)
     print(f"\nstress: fast SNR on the default backends {snr:.1f} dB")
     assert snr >= FAST_MIN_DB
-    if winograd_f32(stress.backends):
+    if winograd_f32(stress.backends) and not rounds_to_bf16(stress.backends):
         assert snr >= WINOGRAD_F32_MIN_DB
 
 
