@@ -5,6 +5,7 @@ locations are cut down here to the path the client wrote."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 from engine.errors import clipped
@@ -34,3 +35,13 @@ def field_path(loc: Sequence[int | str]) -> list[str]:
              for x in loc if x != "body"]
     return parts[:1] + [x for x in parts[1:]
                         if (x.isidentifier() and x.islower()) or x.isdigit()]
+
+
+def long_number(e: BaseException | None) -> str | None:
+    """What is wrong with JSON whose reader raised ``e``, when it is a number longer than
+    Python's integer conversion limit (a guard against quadratic parsing, raised as a
+    ValueError like text that is not JSON): the JSON is valid, so say that instead."""
+    if (isinstance(e, ValueError) and not isinstance(e, UnicodeDecodeError)
+            and "integer string conversion" in str(e)):
+        return f"has a number of more than {sys.get_int_max_str_digits()} digits"
+    return None

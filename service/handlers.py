@@ -16,7 +16,7 @@ from starlette.routing import Match, WebSocketRoute
 
 from engine.errors import clipped
 from service.errors import ApiError
-from service.fields import field_path
+from service.fields import field_path, long_number
 from service.metrics import ROUTES
 from service.request_log import log_rejected
 
@@ -58,13 +58,20 @@ async def validation_error(request: Request, exc: Exception) -> JSONResponse:
 BODY_UNREADABLE = "There was an error parsing the body"
 
 
+def _unreadable_body(cause: BaseException | None) -> str:
+    # FastAPI answers a ValueError of the JSON reader as it answers bytes that are not UTF-8
+    number = long_number(cause)
+    if number is not None:
+        return f"body: {number}, more than any field takes"
+    return "body: is not valid JSON (not UTF-8 text, or nested too deep)"
+
+
 async def http_error(request: Request, exc: Exception) -> JSONResponse:
     """The router's own answers (no route, a method the route does not take) and FastAPI's
     unreadable body, in our shape with the route named and a request id, as every other error."""
     assert isinstance(exc, StarletteHTTPException)
     if exc.status_code == 400 and exc.detail == BODY_UNREADABLE:
-        err = ApiError(400, "body: is not valid JSON (not UTF-8 text, or nested too deep)",
-                       field="body", code="invalid_value")
+        err = ApiError(400, _unreadable_body(exc.__cause__), field="body", code="invalid_value")
         return await api_error(request, err)
     state = request.scope.setdefault("state", {})
     rid = state.setdefault("request_id", uuid.uuid4().hex)

@@ -27,7 +27,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 
 from engine.errors import quoted
 from service.errors import ApiError
-from service.fields import field_path
+from service.fields import field_path, long_number
 from service.playback import PlaybackClock
 from service.schemas import Sampling, Text
 from service.voices.owners import header_key
@@ -107,6 +107,9 @@ def parse(raw: str) -> Message:
     try:
         obj = json.loads(raw)
     except ValueError as e:
+        number = long_number(e)
+        if number is not None:
+            raise ProtocolError("invalid_value", None, f"the message {number}") from None
         raise ProtocolError("invalid_json", None, f"not JSON: {e}") from None
     except RecursionError:
         raise ProtocolError("invalid_json", None, "not JSON: nested too deep") from None

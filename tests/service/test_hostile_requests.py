@@ -83,6 +83,9 @@ MESSAGES: list[tuple[str, bytes | dict[str, Any], str]] = [
     ("/tts", b'{"text": "\xff\xfe", "voice": "ryan"}', "body: is not valid JSON ("),
     ("/tts", b"[" * 100_000 + b"]" * 100_000, "body: is not valid JSON ("),
     ("/tts", b'{"text": "hi",', "body: is not valid JSON"),
+    # valid JSON, but longer than Python's integer conversion limit: not "not valid JSON"
+    ("/tts", b'{"text": "hi", "voice": "ryan", "seed": 1' + b"0" * 5000 + b"}",
+     "body: has a number of more than 4300 digits"),
 ]
 
 

@@ -332,6 +332,8 @@ async def flood(ws: ClientConnection, pairs: int) -> None:
 @pytest.mark.parametrize(("message", "code", "close", "says"), [
     ("not json", "invalid_json", 1008, "not JSON"),
     ("[" * 100_000 + "]" * 100_000, "invalid_json", 1008, "not JSON: nested too deep"),
+    ('{"type": "session", "seed": 1' + "0" * 5000 + "}", "invalid_value", 1008,
+     "the message has a number of more than 4300 digits"),
     (json.dumps({"type": "sing"}), "unknown_type", 1008, "unknown message type"),
     (json.dumps({"type": "text"}), "invalid_value", 1008, "text: Field required"),
     (json.dumps({"type": "text", "text": "a\ud800b"}), "invalid_value", 1008,
