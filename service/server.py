@@ -19,9 +19,11 @@ the deadline. A second signal stops at once.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 import time
+import uuid
 from types import FrameType
 from typing import Any
 
@@ -29,12 +31,18 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from service.errors import error_body
 from service.settings import Settings
 
 log = logging.getLogger("qtts.app")
 
 _TIMEOUT_408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
                 b"connection: close\r\ncontent-length: %d\r\n\r\n%s")
+_BAD_400 = (b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+            b"x-request-id: %s\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s")
+_UNREADABLE = json.dumps(error_body(
+    400, "request: not an HTTP/1.1 request this server can read (a malformed request line or "
+    "header, or headers over h11's size limit)", code="bad_request"), separators=(",", ":"))
 
 
 def timed_protocol(header_timeout: float) -> type[H11Protocol]:
@@ -70,6 +78,14 @@ def timed_protocol(header_timeout: float) -> type[H11Protocol]:
             if idle and not self.transport.is_closing():
                 self._got_bytes = False
                 self._arm()
+
+        def send_400_response(self, msg: str) -> None:
+            # uvicorn answers bytes h11 cannot read as a request in plain text; every other
+            # error of this server is JSON with a request id
+            self._disarm()
+            body = _UNREADABLE.encode()
+            self.transport.write(_BAD_400 % (uuid.uuid4().hex.encode(), len(body), body))
+            self.transport.close()
 
         def _arm(self) -> None:
             self._disarm()

@@ -3,6 +3,7 @@ timeouts, POST to a GET route is a 405, SIGTERM drains with readiness 503 first 
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -60,6 +61,27 @@ def test_partial_body_gets_408_naming_the_body(timed_server: Any) -> None:
         closed, got = closed_within(s, 10)
     assert closed and got.startswith(b"HTTP/1.1 408 ")
     assert b'"field":"body"' in got and b"x-request-id" in got.lower()
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"GARBAGE\r\n\r\n",
+    b"GET /healthz HTTP/1.1\r\nHost: x\r\nbad header line\r\n\r\n",
+    b"POST /tts HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabc",
+])
+def test_an_unreadable_request_gets_a_json_400(server: Any, request_bytes: bytes) -> None:
+    """Bytes h11 cannot read as a request: a 400 in the JSON shape of every other error,
+    with a request id, and the connection closed (uvicorn's own answer is plain text)."""
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(request_bytes)
+        closed, got = closed_within(s, 10)
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert closed and head.startswith(b"HTTP/1.1 400 "), got
+    assert b"content-type: application/json" in head.lower()
+    assert b"x-request-id: " in head.lower()
+    err = json.loads(body)["error"]
+    assert err["code"] == "bad_request" and err["message"].startswith("request: ")
+    # the server still serves
+    assert httpx.get(server.url + "/healthz", timeout=10).status_code == 200
 
 
 def test_idle_keep_alive_connection_is_closed(timed_server: Any) -> None:
