@@ -250,6 +250,18 @@ class TalkerModel:
         chunk = max(1, n_all - start if capture else self.prefill_chunk)
         # a prefix longer than one chunk is not kept (only a long instruction makes one)
         snapshot = n_pre if (reuse is None and n_pre and not capture and n_pre <= chunk) else 0
+        computed_from = start  # (the prefix graph below counts too)
+        if snapshot and n_pre < n_all:
+            # The prefix alone first, then the rest as a request that finds it kept runs it:
+            # in one graph with the prefix, a one-row rest (a streaming-text opening) would
+            # multiply the int8 copies (several rows) instead of the stored Q4_0 weights (one
+            # row), and the first request of a voice would not sound as its repeats do.
+            out = self._prefill_graph(prompt, cache, 0, n_pre, first=True, capture=False,
+                                      reuse=None, snapshot=n_pre)
+            reuse = self._snapshot_rows(out)
+            self._keep_prefix(key, reuse)
+            start, snapshot = n_pre, 0
+            yield n_pre
         c0 = start
         while True:
             c1 = min(n_all, c0 + chunk)
@@ -263,7 +275,7 @@ class TalkerModel:
                 break
             c0 = c1
             yield c0
-        self.last_prefill_positions = n_all - start
+        self.last_prefill_positions = n_all - computed_from
         n_trail = int(prompt.trailing_ids.shape[0])
         tail = out["text_tail"].reshape(n_trail + 1, -1)
         taps = {k[4:]: v for k, v in out.items() if k.startswith("tap.")}

@@ -16,7 +16,6 @@ from engine import pipeline as pipeline_module
 from engine.backend import BackendSet
 from engine.batching import WARM_FRAMES, WARM_INSTRUCT, BatchRunner, Finished, Rejected
 from engine.decoder import StreamingDecoder, streaming
-from engine.decoder.precision import snr_db
 from engine.decoder.streaming import JOIN_MAX_FRAMES
 from engine.errors import InputError
 from engine.gguf_model import open_model
@@ -46,6 +45,12 @@ def pipeline(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pipeline]:
     p.warm_up(pin_prefixes=True)
     yield p
     p.close()
+
+
+def _pushed_alone(p: Pipeline, info: StreamInfo) -> np.ndarray[Any, Any]:
+    """A stream's codes pushed through a decoder of its own in the stream's own chunks."""
+    sd = StreamingDecoder(p.decoder)
+    return np.concatenate([sd.push(block)[0] for block in info.codes])
 
 
 def _alone(p: Pipeline, req: SynthesisRequest) -> tuple[list[AudioChunk], StreamInfo]:
@@ -117,11 +122,37 @@ def test_streams_batched_equal_alone(pipeline: Pipeline) -> None:
             assert b_info.seed == a_info.seed == req.seed
 
 
+@pytest.mark.parametrize("text_mode", ["stream", "full"])
+def test_a_voices_first_request_sounds_as_its_repeats(pipeline: Pipeline,
+                                                      text_mode: str) -> None:
+    """Without pinned prefixes, a voice and language's first request computes its prompt
+    prefix (kept for the next): its codes and audio are those of the repeats that find it
+    kept. (A streaming-text opening is one row past the prefix: joined to the prefix in one
+    graph it took the int8 GEMM, alone the stored Q4_0 weights, so the first request of a
+    voice sounded unlike its repeats.)"""
+    p = Pipeline(pipeline.model, pipeline.backends, pipeline.decoder, segment_tokens=8)
+    try:
+        p.warm_up(pin_prefixes=False)
+        assert p.talker is not None and p.talker.pinned_prefixes == 0
+        req = SynthesisRequest("Hello there, my friend.", "serena", "italian", seed=11,
+                               text_mode=text_mode, max_frames=12)
+        (first, first_info), *repeats = [_alone(p, req) for _ in range(3)]
+        for chunks, info in repeats:
+            np.testing.assert_array_equal(np.concatenate(info.codes, 1),
+                                          np.concatenate(first_info.codes, 1))
+            np.testing.assert_array_equal(np.concatenate([c.audio for c in chunks]),
+                                          np.concatenate([c.audio for c in first]))
+    finally:
+        p.close()
+
+
 def test_auto_ramp_doubles_in_company_and_keeps_each_streams_audio(pipeline: Pipeline) -> None:
     """With the ``auto`` ramp a stream alone takes the gentle sizes (those of an unbatched
     pipeline) and streams sharing the batch double theirs; a stream's codes stay its own, and
     so does its audio: the same bits where the decoder is chunking-invariant (qtts's CPU
-    kernels without Winograd), else within fast mode's rounding."""
+    kernels without Winograd), else those of its own chunks pushed alone (a Winograd tile
+    starts where a chunk starts: on this saturated decoder, whose clamp makes a rounding at a
+    zero crossing a jump, another chunking differs by more than rounding)."""
     auto = Pipeline(pipeline.model, pipeline.backends, pipeline.decoder, segment_tokens=8,
                     chunk_ramp="auto")
     try:
@@ -141,10 +172,8 @@ def test_auto_ramp_doubles_in_company_and_keeps_each_streams_audio(pipeline: Pip
                                           np.concatenate(a_info.codes, 1))
             a = np.concatenate([c.audio for c in a_chunks])
             b = np.concatenate([c.audio for c in b_chunks])
-            if pipeline.decoder.chunk_invariant:
-                np.testing.assert_array_equal(a, b)
-            else:
-                assert snr_db(a, b) >= 35.0
+            np.testing.assert_array_equal(
+                b, a if pipeline.decoder.chunk_invariant else _pushed_alone(auto, b_info))
     finally:
         auto.close()
 
@@ -381,7 +410,7 @@ def test_live_streams_that_pause_together_push_together(pipeline: Pipeline) -> N
     """Two live texts written at the same pace start, run dry and resume in the same rounds:
     each round's chunks of both, those a pause for text flushes included, are one decoder
     graph where the decoder's audio does not depend on how it is pushed; each stream's codes
-    and audio are those it gets alone."""
+    and audio are those it gets alone (the audio of its own chunks, where it does depend)."""
     n = len(LIVE_TEXT.split(" "))
     at = [0, 0, 0] + [6 + 9 * i for i in range(n - 3)]  # dry for ~9 frames at a time
     feeds = {10: StepFeed(LIVE_TEXT, at), 11: StepFeed(LIVE_TEXT, at)}
@@ -403,11 +432,10 @@ def test_live_streams_that_pause_together_push_together(pipeline: Pipeline) -> N
         np.testing.assert_array_equal(np.concatenate(infos[k].codes, 1),
                                       np.concatenate(ref.codes, 1))
         got = np.concatenate([c.audio for c in chunks[k]])
-        want = np.concatenate([c.audio for c in ref_chunks])
-        if pipeline.decoder.chunk_invariant:
-            np.testing.assert_array_equal(got, want)
-        else:
-            assert snr_db(want, got) >= 35.0
+        # (where Winograd tiles make the audio depend on the chunking: its own chunks alone)
+        want = (np.concatenate([c.audio for c in ref_chunks]) if pipeline.decoder.chunk_invariant
+                else _pushed_alone(pipeline, infos[k]))
+        np.testing.assert_array_equal(got, want)
 
 @pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
 def test_live_streams_share_the_batch(pipeline: Pipeline, monkeypatch: pytest.MonkeyPatch,
