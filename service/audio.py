@@ -9,7 +9,8 @@ as soon as the codec allows:
   second header.
 * ``mp3`` (libmp3lame), ``opus`` (libopus in Ogg, 20 ms pages), ``aac`` (ADTS), ``flac``:
   ffmpeg's encoders through PyAV, muxed into a sink that cannot seek, so each chunk's packets go
-  out at once (FLAC waits for a full 4096-sample block; MP3/AAC hold one codec frame).
+  out at once (FLAC waits for a full block of its encoder, 2304 samples at 24 kHz; MP3/AAC
+  hold one codec frame).
 
 FLAC is sent as a whole file unless the client asks for a stream (``stream: true`` given
 explicitly, ``stream_wanted``): a streamed FLAC cannot know its length when it starts, so its
