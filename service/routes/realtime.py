@@ -323,6 +323,7 @@ class Session:
             self.ticket = self.st.pool.submit(job)
         except (PoolFull, PoolDraining, PoolNotReady) as e:
             code = {PoolFull: "queue_full", PoolDraining: "draining"}.get(type(e), "not_ready")
+            self.st.metrics.rejections.labels(reason=code).inc()
             raise ProtocolError(code, None, "no worker free for a realtime session; retry "
                                 "later", close=CLOSE_TRY_AGAIN) from None
         self.utt = Utterance(job_id=job.id)

@@ -522,6 +522,37 @@ def test_a_flood_after_the_end_costs_nothing(make_server: Any) -> None:
     assert "done" not in [ev["type"] for ev in refused]
 
 
+def test_a_full_queue_closes_1013_and_is_counted(make_server: Any) -> None:
+    """An utterance that finds the one worker busy and the queue full: an error event
+    ``queue_full``, close 1013 (try again later), and the refusal counted as an HTTP one is."""
+    server = make_server(workers=1, max_batch=1, queue_size=1)
+
+    async def go() -> tuple[dict[str, Any], int | None]:
+        async with connect(ws_url(server)) as busy, connect(ws_url(server)) as queued, \
+                connect(ws_url(server)) as refused:
+            for c in (busy, queued, refused):
+                await open_session(c, voice="ryan")
+            await send(busy, type="text", text="Hello there, ")
+            await send(busy, type="flush")
+            await first_audio(busy)  # it holds the worker, waiting for more text
+            await send(queued, type="text", text="Waiting my turn.")
+            await send(queued, type="end")
+            assert json.loads(await queued.recv())["type"] == "utterance.started"
+            await send(refused, type="text", text="No room for me.")
+            await send(refused, type="end")
+            err = await error_event(refused)
+            with pytest.raises(ConnectionClosed):
+                await refused.recv()
+            await send(busy, type="end")
+            await collect(busy)
+            await collect(queued)
+            return err, refused.close_code
+
+    err, code = run(asyncio.wait_for(go(), 120))
+    assert err["code"] == "queue_full" and code == 1013
+    assert metric(server.metrics(), "qtts_rejections_total", reason="queue_full") == 1.0
+
+
 def test_start_policy_forms() -> None:
     """Every accepted form of ``start`` and what the engine makes of it."""
     from service.realtime import SessionSettings, min_tokens, parse
