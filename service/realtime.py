@@ -17,6 +17,7 @@ naming the field and closes with 1008 (or 1003 for a binary message).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Mapping
@@ -174,6 +175,21 @@ class Backlog(list[TextDelta | Control | NextSettings]):
 
 
 _BEARER = "bearer."
+
+
+def lost_connection(code: int | None, sender: asyncio.Task[None] | None, speaking: bool
+                    ) -> str | None:
+    """What the log says of a session whose connection ended under it: a close frame with an
+    abnormal ``code`` or none (1006), or a send that failed (``sender``'s exception: a client
+    that stopped reading is cut by the WebSocket keepalive, 20 s without a pong); None for a
+    client that closed normally between utterances."""
+    error = None if sender is None or sender.cancelled() else sender.exception()
+    if error is not None:
+        return f"the connection failed while audio was sent ({type(error).__name__}: {error})"
+    if code in (1000, 1001) and not speaking:
+        return None
+    return (f"the client's connection closed (code {code})"
+            + (" while an utterance was spoken" if speaking else ""))
 
 
 def bearer_token(headers: Mapping[str, str]) -> str:

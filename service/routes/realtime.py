@@ -44,6 +44,7 @@ from service.realtime import (
     TextDelta,
     Utterance,
     bearer_token,
+    lost_connection,
     min_tokens,
     parse,
     session_busy,
@@ -60,16 +61,11 @@ CLOSE_RESTART = 1012  # the server is restarting: reconnect
 FLUSH_SECONDS = 5.0  # a closing session's last events, then its close frame, wait this long each
 
 
-def _owner(st: State, ws: WebSocket) -> str | None:
-    """The owner of the session's API key (header or subprotocol entry); None: refused."""
-    return owner_of(st.owners, bearer_token(ws.headers) if st.owners else "")
-
-
 @router.websocket("/v1/tts/realtime")
 async def realtime(ws: WebSocket) -> None:
     st: State = ws.app.state.qtts
-    owner = _owner(st, ws)
-    if owner is None:
+    owner = owner_of(st.owners, bearer_token(ws.headers) if st.owners else "")
+    if owner is None:  # no key (header or subprotocol entry), or not one of the server's
         st.metrics.rejections.labels(reason="unauthorized").inc()
         await ws.close(code=CLOSE_POLICY, reason="missing or invalid API key")
         return
@@ -144,10 +140,12 @@ class Session:
         # the client's next text, which a draining pool refuses)
         drain = asyncio.ensure_future(self.st.drain_begun.wait())
         close: tuple[int, str] = (1000, "")
+        lost: str | None = None  # why the connection ended under the session, for the log
         try:
             while True:
-                if sender.done():
-                    close = (1000, "")  # the client went away while we were sending
+                if sender.done():  # the client went away while we were sending
+                    close = (1000, "")
+                    lost = lost_connection(None, sender, self.ticket is not None)
                     break
                 if recv is None:
                     recv = asyncio.ensure_future(self.ws.receive())
@@ -187,6 +185,7 @@ class Session:
                     if msg["type"] == "websocket.disconnect":
                         self._cancel()
                         close = (0, "")
+                        lost = lost_connection(msg.get("code"), None, self.ticket is not None)
                         break
                     await self._on_client(msg)
                 if self.too_slow:
@@ -212,6 +211,8 @@ class Session:
             for task in (recv, event, drain):
                 if task is not None:
                     task.cancel()
+        if lost is not None:
+            log.warning("realtime session ended: %s", lost)
         await self._finish(sender, close)
 
     async def _finish(self, sender: asyncio.Task[None], close: tuple[int, str]) -> None:

@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import signal
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -371,6 +373,57 @@ def test_bad_messages_error_then_close(rt_server: Server, message: str | bytes,
     assert ev["message"].startswith(says), ev
     assert "[" not in ev["message"].split(":")[0]  # no pydantic names in the field's path
     assert got == close
+
+
+def test_a_connection_lost_mid_utterance_is_logged(rt_server: Server) -> None:
+    """A client whose connection drops while its utterance is spoken (no close frame): the
+    session ends, its worker is freed, and the server logs one line saying so (the session
+    had no other trace of it); a client that closes normally between utterances is not."""
+    async def go() -> dict[str, Any]:
+        async with connect(ws_url(rt_server)) as ws:
+            await open_session(ws, voice="ryan")
+            await send(ws, type="text", text=SENTENCE)
+            await send(ws, type="end")
+            await first_audio(ws)
+            ws.transport.abort()  # gone without a close frame (1006)
+        async with connect(ws_url(rt_server)) as ws:  # the server goes on
+            await open_session(ws, voice="ryan")
+            await send(ws, type="text", text="Still here.")
+            await send(ws, type="end")
+            events, _ = await collect(ws)
+            return events[-1]
+
+    before = len(rt_server.log())
+    done = run(asyncio.wait_for(go(), 120))
+    assert done["type"] == "done"
+    line = re.compile(r"realtime session ended: the client's connection closed \(code "
+                      r"(\d+|None)\) while an utterance was spoken")
+    deadline = time.monotonic() + 10
+    while not line.search(log := rt_server.log()[before:]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    (code,) = line.findall(log)  # this session's, once
+    assert code not in ("1000", "1001")  # (uvicorn reports a dropped connection as 1005/1006)
+
+
+def test_what_the_log_says_of_a_lost_connection() -> None:
+    """A send that failed (a client cut by the keepalive because it stopped reading) is named
+    with its error; a normal close between utterances says nothing."""
+    from service.realtime import lost_connection
+
+    async def failed_send() -> None:
+        raise ConnectionResetError("keepalive ping timeout")
+
+    async def go() -> tuple[str | None, ...]:
+        sender = asyncio.ensure_future(failed_send())
+        await asyncio.wait([sender])
+        return (lost_connection(None, sender, True), lost_connection(1000, None, False),
+                lost_connection(1001, None, True))
+
+    failed, normal, mid = run(go())
+    assert failed == ("the connection failed while audio was sent (ConnectionResetError: "
+                      "keepalive ping timeout)")
+    assert normal is None
+    assert mid == "the client's connection closed (code 1001) while an utterance was spoken"
 
 
 def test_a_text_frame_not_in_utf8_closes_1007_with_one_log_line(rt_server: Server) -> None:
