@@ -196,10 +196,19 @@ def test_decode_under_emulation_matches_the_native_build(portable_tree: Path, ti
     emulated = _decode(portable_tree, tiny_gguf, tmp_path / "codes.npy",
                        tmp_path / "emulated.wav", cpu=CPU_MODEL)
     assert portable.shape == emulated.shape == ref.shape
-    assert float(np.abs(portable - ref).max()) <= TOLERANCE
-    snr = 10 * np.log10(float(np.sum(ref.astype(np.float64) ** 2))
-                        / max(float(np.sum((emulated - ref).astype(np.float64) ** 2)), 1e-30))
-    assert snr >= 80.0, snr
+    backend = _field(_qtts(portable_tree, ["info"]).stdout, "CPU backend:")
+    if _host_has_avx512() and backend == "libggml-cpu-haswell.so":
+        # ggml's AVX-512 variant (sapphirerapids) needs AMX, which e.g. a Zen 4 lacks: the
+        # portable build's ggml nodes run AVX2 code here, the native build's AVX-512 code
+        assert _snr_db(ref, portable) >= 80.0
+    else:
+        assert float(np.abs(portable - ref).max()) <= TOLERANCE
+    assert _snr_db(ref, emulated) >= 80.0
+
+
+def _snr_db(ref: np.ndarray[Any, Any], got: np.ndarray[Any, Any]) -> float:
+    err = float(np.sum((got - ref).astype(np.float64) ** 2))
+    return float(10 * np.log10(float(np.sum(ref.astype(np.float64) ** 2)) / max(err, 1e-30)))
 
 
 def test_the_image_builds_the_portable_variant() -> None:

@@ -89,7 +89,8 @@ def test_prefill_cancel_between_chunks(model: Any, backends: BackendSet) -> None
 
     with pytest.raises(PrefillCancelled) as err:
         t.prefill(p, reuse_prefix=False, cancel=cancel)
-    assert err.value.done == 32 and len(calls) == 2
+    # (the prefix, kept for the next request, is a graph of its own: the first boundary)
+    assert err.value.done == p.n_prefix + 16 and len(calls) == 2
     # the frame loop turns it into the "cancelled" outcome, with no frame
     params = SamplingParams.from_defaults(model.generation_defaults).greedy()
     gen = generate_frames(t, p, params, 5, make_rng(0)[0], cancel=lambda: len(calls) > 2
