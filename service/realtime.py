@@ -30,7 +30,7 @@ from engine.errors import quoted
 from service.errors import ApiError
 from service.fields import field_path, long_number
 from service.playback import PlaybackClock
-from service.schemas import Sampling, Text
+from service.schemas import Sampling, Text, Voice, VoiceRef
 from service.voices.owners import header_key
 
 CLOSE_UNSUPPORTED = 1003  # a binary message: the protocol is JSON text
@@ -73,7 +73,7 @@ class SessionSettings(Sampling):
     model_config = ConfigDict(extra="forbid")
 
     type: Literal["session"]
-    voice: Text | None = None
+    voice: Voice = None  # a name, or {"id": ...} as the HTTP routes take it
     language: Text | None = None
     instruct: Text | None = None
     format: Literal["pcm", "opus"] = Field(
@@ -83,6 +83,10 @@ class SessionSettings(Sampling):
         default="auto", description="immediate: speak from the first stable token; auto: the "
         f"server's default (N tokens or a punctuation mark); N (1..{MAX_START_TOKENS}): after "
         "N tokens")
+
+    @property
+    def voice_name(self) -> str | None:
+        return self.voice.id if isinstance(self.voice, VoiceRef) else self.voice
 
 
 class TextDelta(BaseModel):

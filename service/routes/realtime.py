@@ -238,7 +238,7 @@ class Session:
             if self.utt is not None and not (self.utt.ended or self.utt.cancelled):
                 raise session_busy()
             try:  # a stored voice's id: the caller's own, made for this model
-                clone = await clone_use(self.st, self.owner, m.voice)
+                clone = await clone_use(self.st, self.owner, m.voice_name)
             except ApiError as e:
                 raise ProtocolError.of(e) from None
             self._job(m, "x", clone)
@@ -308,7 +308,7 @@ class Session:
             # (a first delta only starts the text, often with whitespace: the end tells)
             route="/v1/tts/realtime", request_id="", arrival=time.monotonic(),
             text=text if has_speech(text) else "x",
-            text_field="text", codes=None, voice=m.voice, language=m.language,
+            text_field="text", codes=None, voice=m.voice_name, language=m.language,
             instruct=m.instruct, fmt="pcm", stream=True, sse=False, speed=1.0, max_seconds=None,
             sampling=m, text_mode="stream", clone=clone)
         try:

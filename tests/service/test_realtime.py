@@ -375,6 +375,25 @@ def test_bad_messages_error_then_close(rt_server: Server, message: str | bytes,
     assert got == close
 
 
+def test_a_voice_by_id_as_the_http_routes_take_it(rt_server: Server) -> None:
+    """``voice: {"id": ...}`` (OpenAI's form, which POST /tts and /v1/audio/speech take) in a
+    ``session`` message: the voice of that id, sample for sample; another shape is refused
+    naming both forms."""
+    by_name = run(speak(rt_server, "Hello there.", voice="ryan", seed=3))
+    by_id = run(speak(rt_server, "Hello there.", voice={"id": "ryan"}, seed=3))
+    assert by_id[0][-1]["type"] == "done" and by_id[1] and by_id[1] == by_name[1]
+
+    async def bad() -> dict[str, Any]:
+        async with connect(ws_url(rt_server)) as ws:
+            await ws.recv()
+            await send(ws, type="session", voice={"id": "ryan", "x": 1})
+            return await error_event(ws)
+
+    err = run(asyncio.wait_for(bad(), 60))
+    assert err["field"] == "voice" and err["message"].startswith(
+        'voice: must be a voice name or {"id": "<voice id>"}'), err
+
+
 def test_a_connection_lost_mid_utterance_is_logged(rt_server: Server) -> None:
     """A client whose connection drops while its utterance is spoken (no close frame): the
     session ends, its worker is freed, and the server logs one line saying so (the session
