@@ -45,6 +45,7 @@ from engine.pipeline import (
 from engine.talker.batch import BatchedTalker
 from engine.talker.generate import FrameSampler, is_cancelled
 from engine.talker.live import LiveRows, TextFeed
+from engine.talker.prompt import check_speech
 from engine.talker.scheduler import Emitted, Ended, FrameScheduler, Paused, StepStats
 from engine.timings import StageTimings
 
@@ -266,7 +267,8 @@ class BatchRunner:
         self._starting.remove(st)
         live = lv.plan.live
         if lv.plan.ready() and not live.ids:
-            raise InputError("text", "is empty")
+            check_speech("text", live.text)  # (its message: spaces only, or no speech)
+            raise InputError("text", "is empty", code="empty")
         if live.ended:  # the whole text came first: a streaming-text request
             st.live = None
             self._start_text(st, lv.plan.whole())

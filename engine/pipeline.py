@@ -59,7 +59,7 @@ from engine.talker.live import (
     opening_prompt,
 )
 from engine.talker.model import PREFILL_CHUNK, TalkerModel
-from engine.talker.prompt import PromptBuilder, default_text_mode
+from engine.talker.prompt import PromptBuilder, check_speech, default_text_mode
 from engine.talker.sampling import SamplingParams, make_rng
 from engine.talker.segment import split_segments
 from engine.timings import StageTimings
@@ -790,7 +790,8 @@ class Pipeline:
                 plan.poll(feed, 0.02 if start is None else END_GRACE_S / 5)
                 start = plan.start()
             if plan.ready() and not live.ids:
-                raise InputError("text", "is empty")
+                check_speech("text", live.text)  # (its message: spaces only, or no speech)
+                raise InputError("text", "is empty", code="empty")
             if live.ended:
                 outcome = yield from self._stream_text(plan.whole(), check, info)
                 info.outcome = outcome

@@ -174,9 +174,9 @@ def has_speech(s: str) -> bool:
 def check_speech(field: str, s: str) -> None:
     """``InputError`` on ``field`` for text with nothing to speak (see :func:`has_speech`)."""
     if not s.strip():
-        raise InputError(field, "is empty")
+        raise InputError(field, "is empty", code="empty")
     if not has_speech(s):
-        raise InputError(field, NOTHING_TO_SPEAK)
+        raise InputError(field, NOTHING_TO_SPEAK, code="empty")
 
 
 class PromptBuilder:

@@ -271,9 +271,11 @@ def test_an_answer_that_opens_with_whitespace_and_one_with_nothing_to_say(
 
     spoken, empty, invisible, after = run(asyncio.wait_for(go(), 120))
     assert spoken[-1]["usage"]["outcome"] in ("ok", "truncated_no_eos")
-    for nothing in (empty, invisible):  # (zero-width and NUL characters were spoken: seconds)
+    # (zero-width and NUL characters were spoken: seconds); the code and messages of POST /tts
+    for nothing, says in ((empty, "text: is empty"), (invisible, "text: has nothing to speak")):
         (err,) = [ev for ev in nothing if ev["type"] == "error"]
-        assert err["field"] == "text" and "empty" in err["message"]
+        assert err["field"] == "text" and err["code"] == "empty", err
+        assert err["message"].startswith(says), err
         assert nothing[-1]["type"] == "done"
     assert after[-1]["usage"]["outcome"] in ("ok", "truncated_no_eos")
 
