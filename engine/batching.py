@@ -45,7 +45,6 @@ from engine.pipeline import (
 from engine.talker.batch import BatchedTalker
 from engine.talker.generate import FrameSampler, is_cancelled
 from engine.talker.live import LiveRows, TextFeed
-from engine.talker.prompt import check_speech
 from engine.talker.scheduler import Emitted, Ended, FrameScheduler, Paused, StepStats
 from engine.timings import StageTimings
 
@@ -266,9 +265,7 @@ class BatchRunner:
             return
         self._starting.remove(st)
         live = lv.plan.live
-        if lv.plan.ready() and not live.ids:
-            check_speech("text", live.text)  # (its message: spaces only, or no speech)
-            raise InputError("text", "is empty", code="empty")
+        lv.plan.refuse_empty()
         if live.ended:  # the whole text came first: a streaming-text request
             st.live = None
             self._start_text(st, lv.plan.whole())

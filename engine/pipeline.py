@@ -217,6 +217,13 @@ class LivePlan:
         live = self.live
         return live.ended or (live.text_ready(self.min_tokens) and len(live.ids) >= self.need)
 
+    def refuse_empty(self) -> None:
+        """``InputError`` when the text ended with nothing to speak, in POST /tts's words (spaces
+        only, or no speech; a text with speech has tokens)."""
+        if self.ready() and not self.live.ids:
+            check_speech("text", self.live.text)
+            raise InputError("text", "is empty", code="empty")
+
     def start(self, guess: bool = True) -> list[int] | None:
         """The ids to open the prompt with if generation may start now, else None: the stable
         ids once ``ready``; before that, when the start policy is met counting the word being
@@ -789,9 +796,7 @@ class Pipeline:
                     return "cancelled"
                 plan.poll(feed, 0.02 if start is None else END_GRACE_S / 5)
                 start = plan.start()
-            if plan.ready() and not live.ids:
-                check_speech("text", live.text)  # (its message: spaces only, or no speech)
-                raise InputError("text", "is empty", code="empty")
+            plan.refuse_empty()
             if live.ended:
                 outcome = yield from self._stream_text(plan.whole(), check, info)
                 info.outcome = outcome
