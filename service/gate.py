@@ -34,6 +34,12 @@ FORM_SLACK = 64 * 1024  # a form's own fields and boundaries around the uploaded
 _REQ_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
 
 
+def request_id(given: str) -> str:
+    """A request's id: the client's ``X-Request-Id`` when it is a plain token of at most 64
+    characters, else a new one."""
+    return given if _REQ_ID.match(given) else uuid.uuid4().hex
+
+
 class GateMiddleware:
     """For API routes: API key (401), JSON content type (415), body size (413), request id."""
 
@@ -56,9 +62,7 @@ class GateMiddleware:
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        rid = headers.get("x-request-id", "")
-        if not _REQ_ID.match(rid):
-            rid = uuid.uuid4().hex
+        rid = request_id(headers.get("x-request-id", ""))
         scope.setdefault("state", {})["request_id"] = rid
         scope["state"]["arrival"] = time.monotonic()
         gate = _Gate(st, scope, receive, send, rid)

@@ -25,6 +25,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 STAGES = (*DECODER_STAGES, *TALKER_STAGES, "encode")
 PER_FRAME_STAGES = ("talker_step", "code_predictor")
 ROUTES = ("/tts", "/v1/audio/speech")
+REALTIME_ROUTE = "/v1/tts/realtime"  # each utterance of a session is one request
 OUTCOMES = (
     "ok",
     "rejected",
@@ -33,6 +34,7 @@ OUTCOMES = (
     "error",
     "truncated_no_eos",
     "worker_died",
+    "cancelled",
 )
 CLONE_STAGES = ("decode", "encode", "prepare", "store", "total")
 REJECT_REASONS = ("queue_full", "draining", "invalid", "unauthorized", "not_ready")
@@ -178,7 +180,7 @@ class Metrics:
         # every labelled series exists from the start, at zero
         for s in STAGES:
             self.stage_seconds.labels(stage=s)
-        for route in ROUTES:
+        for route in (*ROUTES, REALTIME_ROUTE):
             for o in OUTCOMES:
                 self.requests.labels(route=route, outcome=o)
         for reason in REJECT_REASONS:

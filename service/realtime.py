@@ -18,13 +18,16 @@ naming the field and closes with 1008 (or 1003 for a binary message).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
+from fastapi import WebSocket
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from starlette.websockets import WebSocketState
 
 from engine.errors import quoted
 from service.errors import ApiError
@@ -37,6 +40,7 @@ CLOSE_UNSUPPORTED = 1003  # a binary message: the protocol is JSON text
 CLOSE_POLICY = 1008  # a malformed or unknown message, a bad key, a limit
 CLOSE_TRY_AGAIN = 1013  # every worker busy and the queue full
 ENCODING = {"encoding": "pcm_s16le", "sample_rate": 24000, "channels": 1}
+FLUSH_SECONDS = 5.0  # a closing session's last events, then its close frame, wait this long each
 MAX_START_TOKENS = 2048  # a start later than a whole text's tokens would wait for its end
 
 
@@ -194,6 +198,31 @@ def lost_connection(code: int | None, sender: asyncio.Task[None] | None, speakin
         return None
     return (f"the client's connection closed (code {code})"
             + (" while an utterance was spoken" if speaking else ""))
+
+
+async def close_session(ws: WebSocket, sender: asyncio.Task[None], close: tuple[int, str]
+                        ) -> None:
+    """The end of a session whose output queue has its end mark: its last events go out (the
+    sender ends), then the close frame (``close``: code and reason; code 0: the connection is
+    gone), each waiting at most ``FLUSH_SECONDS`` for a client that does not read: such a client
+    cannot hold the session (then the socket just closes)."""
+    if close[0] and not sender.done():
+        with contextlib.suppress(asyncio.TimeoutError, Exception):
+            await asyncio.wait_for(sender, FLUSH_SECONDS)
+    sender.cancel()
+    if close[0] and ws.client_state is WebSocketState.CONNECTED:
+        with contextlib.suppress(asyncio.TimeoutError, Exception):
+            await asyncio.wait_for(ws.close(code=close[0], reason=close[1]), FLUSH_SECONDS)
+
+
+def cut_short(close: tuple[int, str], lost: bool) -> str:
+    """The outcome of an utterance the session's end cut short (``close``: the session's close
+    code and reason, 0 where the connection was already gone): ``client_gone`` where the client
+    left or did not read its audio (``lost``), ``timeout`` at the session's time limit, else
+    ``cancelled`` (the client broke the protocol)."""
+    if lost or close[0] == 0:
+        return "client_gone"
+    return "timeout" if close[1] == "session_limit" else "cancelled"
 
 
 def bearer_token(headers: Mapping[str, str]) -> str:

@@ -1,4 +1,5 @@
-"""The end of every synthesis request: its counters, histograms and its one request log line."""
+"""The end of every synthesis request: its counters, histograms and its one request log line
+(a realtime session's utterances each count as one request)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import time
 
 from service.errors import ApiError
 from service.logs import REQUEST_LOGGER, round_or_none
+from service.metrics import REALTIME_ROUTE
+from service.realtime import Utterance
 from service.state import State
 from service.validation import Synthesis
 
@@ -48,3 +51,33 @@ def log_rejected(route: str, request_id: str, err: ApiError) -> None:
                "chars": 0, "audio_seconds": 0.0, "queue_seconds": None, "ttfa_seconds": None,
                "rtf": None, "outcome": "rejected", "field": err.field},
     )
+
+
+def finish_utterance(st: State, session_id: str, utt: Utterance, outcome: str, fmt: str,
+                     voice: str | None) -> None:
+    """Count and log a realtime utterance that reached a worker, as ``finish_log`` does a
+    request (its time to first audio runs from its first text delta; no RTF: the text's pace
+    is the client's)."""
+    st.metrics.requests.labels(route=REALTIME_ROUTE, outcome=outcome).inc()
+    if utt.end_at is not None and utt.last_audio_at is not None and not utt.cancelled:
+        st.metrics.realtime_behind.observe(max(0.0, utt.last_audio_at - utt.end_at))
+    ttfa = None if utt.first_audio_at is None else utt.first_audio_at - utt.first_text_at
+    reqlog.info(
+        "%s %s %s", REALTIME_ROUTE, outcome, session_id,
+        extra={
+            "id": session_id, "route": REALTIME_ROUTE, "utterance": utt.job_id, "voice": voice,
+            "chars": utt.chars, "format": fmt, "stream": True, "frames": utt.frames,
+            "audio_seconds": round(utt.samples / st.model.sample_rate, 3),
+            "ttfa_seconds": round_or_none(ttfa),
+            "duration_seconds": round(time.monotonic() - utt.first_text_at, 4),
+            "stream_gaps": utt.gaps, "stream_gap_seconds": round(utt.gap_seconds, 4),
+            "outcome": outcome,
+        },
+    )
+
+
+def refuse_utterance(st: State, session_id: str, reason: str) -> None:
+    """Count and log a realtime utterance no worker could take (the session closes 1013)."""
+    st.metrics.rejections.labels(reason=reason).inc()
+    st.metrics.requests.labels(route=REALTIME_ROUTE, outcome="rejected").inc()
+    log_rejected(REALTIME_ROUTE, session_id, ApiError(503, "no worker free", code=reason))

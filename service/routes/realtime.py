@@ -14,7 +14,6 @@ browser can set); never the URL.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -23,11 +22,12 @@ from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, WebSocket
-from starlette.websockets import WebSocketDisconnect, WebSocketState
+from starlette.websockets import WebSocketDisconnect
 
 from engine.talker.prompt import has_speech
 from service.audio import Encoder, make_encoder
 from service.errors import ApiError
+from service.gate import request_id
 from service.handles import Ticket
 from service.pool import PoolDraining, PoolFull, PoolNotReady
 from service.protocol import Chunk, Done, Failed, TextIn, TimedOut, WorkerDied
@@ -44,11 +44,14 @@ from service.realtime import (
     TextDelta,
     Utterance,
     bearer_token,
+    close_session,
+    cut_short,
     lost_connection,
     min_tokens,
     parse,
     session_busy,
 )
+from service.request_log import finish_utterance, refuse_utterance
 from service.state import State
 from service.validation import SynthesisInput, validate
 from service.voices.api import CloneUse, clone_use
@@ -58,7 +61,6 @@ router = APIRouter()
 log = logging.getLogger("qtts.realtime")
 SUBPROTOCOL = "qtts.v1"
 CLOSE_RESTART = 1012  # the server is restarting: reconnect
-FLUSH_SECONDS = 5.0  # a closing session's last events, then its close frame, wait this long each
 
 
 @router.websocket("/v1/tts/realtime")
@@ -72,7 +74,7 @@ async def realtime(ws: WebSocket) -> None:
     offered = [p.strip() for p in ws.headers.get("sec-websocket-protocol", "").split(",")]
     await ws.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in offered else None)
     st.metrics.realtime_sessions.inc()
-    session = Session(st, ws, owner)
+    session = Session(st, ws, owner, request_id(ws.headers.get("x-request-id", "")))
     try:
         await session.run()
     finally:
@@ -82,8 +84,8 @@ async def realtime(ws: WebSocket) -> None:
 class Session:
     """One connection: its settings, its current utterance, the sender of its output."""
 
-    def __init__(self, st: State, ws: WebSocket, owner: str) -> None:
-        self.st, self.ws, self.owner = st, ws, owner
+    def __init__(self, st: State, ws: WebSocket, owner: str, rid: str) -> None:
+        self.st, self.ws, self.owner, self.id = st, ws, owner, rid  # id: its log lines
         self.settings = SessionSettings(type="session")
         self.clone: CloneUse | None = None  # the cloned voice the settings name (by id)
         self.opened = time.monotonic()
@@ -131,7 +133,7 @@ class Session:
     # ---- the session -------------------------------------------------------------------------
     async def run(self) -> None:
         s = self.st.settings
-        self.emit({"type": "session.started", "audio": ENCODING,
+        self.emit({"type": "session.started", "id": self.id, "audio": ENCODING,
                    "start_default_tokens": s.realtime_min_tokens})
         sender = asyncio.create_task(self._sender())
         recv: asyncio.Task[Any] | None = None
@@ -213,20 +215,10 @@ class Session:
                     task.cancel()
         if lost is not None:
             log.warning("realtime session ended: %s", lost)
-        await self._finish(sender, close)
-
-    async def _finish(self, sender: asyncio.Task[None], close: tuple[int, str]) -> None:
+        if self.utt is not None:  # cut short with the session: it sends no done
+            self._log(cut_short(close, lost is not None or self.too_slow))
         self.out.put_nowait(None)
-        if close[0] and not sender.done():
-            with contextlib.suppress(asyncio.TimeoutError, Exception):
-                await asyncio.wait_for(sender, FLUSH_SECONDS)
-        sender.cancel()
-        if close[0] and self.ws.client_state is WebSocketState.CONNECTED:
-            # the close frame waits, like audio, for a client that does not read: bounded, so
-            # such a client cannot hold the session (then the socket just closes)
-            with contextlib.suppress(asyncio.TimeoutError, Exception):
-                await asyncio.wait_for(self.ws.close(code=close[0], reason=close[1]),
-                                       FLUSH_SECONDS)
+        await close_session(self.ws, sender, close)
 
     # ---- client messages -----------------------------------------------------------------------
     async def _on_client(self, msg: dict[str, Any]) -> None:
@@ -324,12 +316,17 @@ class Session:
             self.ticket = self.st.pool.submit(job)
         except (PoolFull, PoolDraining, PoolNotReady) as e:
             code = {PoolFull: "queue_full", PoolDraining: "draining"}.get(type(e), "not_ready")
-            self.st.metrics.rejections.labels(reason=code).inc()
+            refuse_utterance(self.st, self.id, code)
             raise ProtocolError(code, None, "no worker free for a realtime session; retry "
                                 "later", close=CLOSE_TRY_AGAIN) from None
         self.utt = Utterance(job_id=job.id)
         self.encoder = make_encoder(self.settings.format, self.sample_rate)
         self.emit({"type": "utterance.started", "id": job.id})
+
+    def _log(self, outcome: str) -> None:
+        assert self.utt is not None
+        finish_utterance(self.st, self.id, self.utt, outcome, self.settings.format,
+                         self.settings.voice_name)
 
     def _cancel(self) -> None:
         if self.ticket is not None:
@@ -387,8 +384,7 @@ class Session:
         tail = self.encoder.finish()
         if tail:
             self.emit_audio(tail, 0.0)
-        if utt.end_at is not None and utt.last_audio_at is not None and not utt.cancelled:
-            self.st.metrics.realtime_behind.observe(max(0.0, utt.last_audio_at - utt.end_at))
+        self._log(outcome)
         self.emit({"type": "done", "id": utt.job_id,
                    "usage": utt.usage(self.sample_rate, outcome)})
         self.utt, self.ticket = None, None

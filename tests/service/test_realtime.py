@@ -176,6 +176,56 @@ def test_several_utterances_and_cancel(rt_server: Server) -> None:
     assert len({u[0]["id"] for u in (first, *middle, third)}) == 2 + len(middle)
 
 
+def test_each_utterance_is_a_request_counted_and_logged(rt_server: Server) -> None:
+    """Every utterance of a session counts in ``qtts_requests_total`` (route
+    ``/v1/tts/realtime``) with the outcome its ``done`` says, and leaves one request log line
+    under the session's id (the client's ``X-Request-Id``, echoed in ``session.started``):
+    without them the service's error-rate and gap alerts divide realtime failures and stalls
+    by HTTP requests only."""
+    route = "/v1/tts/realtime"
+    before = {o: metric(rt_server.metrics(), "qtts_requests_total", route=route, outcome=o)
+              for o in ("ok", "truncated_no_eos", "cancelled")}
+
+    async def go() -> tuple[dict[str, Any], list[list[dict[str, Any]]]]:
+        out = []
+        async with connect(ws_url(rt_server),
+                           additional_headers={"X-Request-Id": "rt-log-1"}) as ws:
+            started = json.loads(await ws.recv())
+            await send(ws, type="session", voice="ryan", start="immediate", seed=2)
+            await ws.recv()
+            await send(ws, type="text", text="A first short answer.")
+            await send(ws, type="end")
+            out.append((await collect(ws))[0])
+            await send(ws, type="text", text="This one is cut off before it ends ")
+            await send(ws, type="flush")
+            await first_audio(ws)
+            await send(ws, type="cancel")
+            out.append((await collect(ws))[0])
+        return started, out
+
+    started, utterances = run(asyncio.wait_for(go(), 120))
+    assert started["id"] == "rt-log-1"
+    dones = [u[-1] for u in utterances]
+    ids = [d["id"] for d in dones]
+    outcomes = [d["usage"]["outcome"] for d in dones]
+    assert outcomes[0] in ("ok", "truncated_no_eos")
+    assert outcomes[1] in ("cancelled", "ok", "truncated_no_eos")  # (its end may come first)
+    lines = rt_server.wait_request_lines(lambda r: r.get("id") == "rt-log-1", count=2)
+    assert [r["utterance"] for r in lines] == ids
+    for rec, done in zip(lines, dones, strict=True):
+        usage = done["usage"]
+        assert rec["route"] == route and rec["outcome"] == usage["outcome"]
+        assert (rec["frames"], rec["chars"], rec["audio_seconds"], rec["stream_gaps"]) == (
+            usage["frames"], usage["characters"], round(usage["audio_seconds"], 3),
+            usage["stream_gaps"])
+        assert rec["ttfa_seconds"] is not None and rec["ttfa_seconds"] > 0
+        assert rec["voice"] == "ryan" and rec["format"] == "pcm"
+    ms = rt_server.metrics()
+    for o in before:
+        assert metric(ms, "qtts_requests_total", route=route, outcome=o) - before[o] == \
+            outcomes.count(o)
+
+
 def test_a_cancel_after_the_end_stops_the_speech(rt_server: Server) -> None:
     """Barge-in: a voice agent sends the whole answer and its end, the listener interrupts
     while it is spoken, and the cancel stops it (its done says cancelled). A cancel after the
@@ -401,7 +451,8 @@ def test_a_connection_lost_mid_utterance_is_logged(rt_server: Server) -> None:
     session ends, its worker is freed, and the server logs one line saying so (the session
     had no other trace of it); a client that closes normally between utterances is not."""
     async def go() -> dict[str, Any]:
-        async with connect(ws_url(rt_server)) as ws:
+        async with connect(ws_url(rt_server),
+                           additional_headers={"X-Request-Id": "rt-lost-1"}) as ws:
             await open_session(ws, voice="ryan")
             await send(ws, type="text", text=SENTENCE)
             await send(ws, type="end")
@@ -415,8 +466,15 @@ def test_a_connection_lost_mid_utterance_is_logged(rt_server: Server) -> None:
             return events[-1]
 
     before = len(rt_server.log())
+    gone = metric(rt_server.metrics(), "qtts_requests_total", route="/v1/tts/realtime",
+                  outcome="client_gone")
     done = run(asyncio.wait_for(go(), 120))
     assert done["type"] == "done"
+    # the utterance cut short is a request that ended client_gone, in the metrics and the log
+    (rec,) = rt_server.wait_request_lines(lambda r: r.get("id") == "rt-lost-1")
+    assert rec["outcome"] == "client_gone" and rec["frames"] > 0
+    assert metric(rt_server.metrics(), "qtts_requests_total", route="/v1/tts/realtime",
+                  outcome="client_gone") - gone == 1
     line = re.compile(r"realtime session ended: the client's connection closed \(code "
                       r"(\d+|None)\) while an utterance was spoken")
     deadline = time.monotonic() + 10
@@ -445,6 +503,19 @@ def test_what_the_log_says_of_a_lost_connection() -> None:
                       "keepalive ping timeout)")
     assert normal is None
     assert mid == "the client's connection closed (code 1001) while an utterance was spoken"
+
+
+def test_the_outcome_of_an_utterance_the_session_cut_short() -> None:
+    """The request an utterance counts as when its session ends under it: the client left
+    (connection gone, or cut for not reading its audio), the session's time limit, or the
+    client broke the protocol (the session cancelled it)."""
+    from service.realtime import CLOSE_POLICY, cut_short
+
+    assert cut_short((0, ""), False) == "client_gone"
+    assert cut_short((1000, ""), True) == "client_gone"
+    assert cut_short((CLOSE_POLICY, "client reads too slowly"), True) == "client_gone"
+    assert cut_short((1000, "session_limit"), False) == "timeout"
+    assert cut_short((CLOSE_POLICY, "too_long"), False) == "cancelled"
 
 
 def test_a_text_frame_not_in_utf8_closes_1007_with_one_log_line(rt_server: Server) -> None:
@@ -624,7 +695,11 @@ def test_a_full_queue_closes_1013_and_is_counted(make_server: Any) -> None:
 
     err, code = run(asyncio.wait_for(go(), 120))
     assert err["code"] == "queue_full" and code == 1013
-    assert metric(server.metrics(), "qtts_rejections_total", reason="queue_full") == 1.0
+    ms = server.metrics()
+    assert metric(ms, "qtts_rejections_total", reason="queue_full") == 1.0
+    assert metric(ms, "qtts_requests_total", route="/v1/tts/realtime", outcome="rejected") == 1
+    (rec,) = server.wait_request_lines(lambda r: r.get("outcome") == "rejected")
+    assert rec["route"] == "/v1/tts/realtime" and rec["status"] == 503
 
 
 def test_start_policy_forms() -> None:
