@@ -36,13 +36,18 @@ from service.settings import Settings
 
 log = logging.getLogger("qtts.app")
 
-_TIMEOUT_408 = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-                b"connection: close\r\ncontent-length: %d\r\n\r\n%s")
-_BAD_400 = (b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
-            b"x-request-id: %s\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s")
-_UNREADABLE = json.dumps(error_body(
+_UNREADABLE = error_body(
     400, "request: not an HTTP/1.1 request this server can read (a malformed request line or "
-    "header, or headers over h11's size limit)", code="bad_request"), separators=(",", ":"))
+    "header, or headers over h11's size limit)", code="bad_request")
+
+
+def _closing_answer(status: int, reason: bytes, body: dict[str, Any]) -> bytes:
+    """A whole response written straight to the transport where uvicorn has no request cycle
+    to answer through: the JSON shape and request id of every other error, then close."""
+    data = json.dumps(body, separators=(",", ":")).encode()
+    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\nx-request-id: %s\r\n"
+            b"connection: close\r\ncontent-length: %d\r\n\r\n%s"
+            % (status, reason, uuid.uuid4().hex.encode(), len(data), data))
 
 
 def timed_protocol(header_timeout: float) -> type[H11Protocol]:
@@ -83,8 +88,7 @@ def timed_protocol(header_timeout: float) -> type[H11Protocol]:
             # uvicorn answers bytes h11 cannot read as a request in plain text; every other
             # error of this server is JSON with a request id
             self._disarm()
-            body = _UNREADABLE.encode()
-            self.transport.write(_BAD_400 % (uuid.uuid4().hex.encode(), len(body), body))
+            self.transport.write(_closing_answer(400, b"Bad Request", _UNREADABLE))
             self.transport.close()
 
         def _arm(self) -> None:
@@ -100,11 +104,10 @@ def timed_protocol(header_timeout: float) -> type[H11Protocol]:
             self._header_timer = None
             if self.transport.is_closing():
                 return
-            if self._got_bytes:  # part of a request: say why it ends
-                body = (b'{"error":{"message":"request headers not received within %gs",'
-                        b'"type":"invalid_request_error","param":null,"field":null,'
-                        b'"code":"request_timeout"}}' % header_timeout)
-                self.transport.write(_TIMEOUT_408 % (len(body), body))
+            if self._got_bytes:  # part of a request: say why it ends (as the gate's body 408)
+                self.transport.write(_closing_answer(408, b"Request Timeout", error_body(
+                    408, f"request headers not received within {header_timeout:g} s",
+                    field="headers", code="request_timeout")))
             try:
                 self.conn.send(h11.ConnectionClosed())
             except h11.LocalProtocolError:
