@@ -34,6 +34,7 @@ from service.errors import ApiError
 from service.fields import field_path, long_number
 from service.playback import PlaybackClock
 from service.schemas import Sampling, Text, Voice, VoiceRef
+from service.settings import Settings
 from service.voices.owners import header_key
 
 CLOSE_UNSUPPORTED = 1003  # a binary message: the protocol is JSON text
@@ -213,6 +214,32 @@ async def close_session(ws: WebSocket, sender: asyncio.Task[None], close: tuple[
     if close[0] and ws.client_state is WebSocketState.CONNECTED:
         with contextlib.suppress(asyncio.TimeoutError, Exception):
             await asyncio.wait_for(ws.close(code=close[0], reason=close[1]), FLUSH_SECONDS)
+
+
+def handshake_refusal(key_ok: bool, draining: bool, settings: Settings
+                      ) -> tuple[str, ApiError] | None:
+    """Why a handshake is refused (the rejection reason and the HTTP error the client gets, as
+    the HTTP routes answer it), or None: a missing or wrong key, or a server draining (whose
+    session would only be closed 1012 before its first utterance)."""
+    if not key_ok:
+        return "unauthorized", ApiError(
+            401, "missing or invalid API key (Authorization: Bearer KEY, or a bearer.KEY entry "
+            "of Sec-WebSocket-Protocol)", field="authorization", code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"})
+    if draining:
+        return "draining", ApiError(503, "server is shutting down", code="draining",
+                                    headers={"Retry-After": str(settings.retry_after_seconds)})
+    return None
+
+
+async def refuse_handshake(ws: WebSocket, err: ApiError, request_id: str) -> None:
+    """Refuse a handshake with ``err``'s status and JSON body where the server can send an HTTP
+    answer to a WebSocket request (uvicorn's ``websocket.http.response``), else with close
+    ``CLOSE_POLICY`` before the accept (a bare 403)."""
+    if "websocket.http.response" in ws.scope.get("extensions", {}):
+        await ws.send_denial_response(err.response(request_id))
+    else:
+        await ws.close(code=CLOSE_POLICY, reason=err.message[:120])
 
 
 def cut_short(close: tuple[int, str], lost: bool) -> str:

@@ -46,9 +46,11 @@ from service.realtime import (
     bearer_token,
     close_session,
     cut_short,
+    handshake_refusal,
     lost_connection,
     min_tokens,
     parse,
+    refuse_handshake,
     session_busy,
 )
 from service.request_log import finish_utterance, refuse_utterance
@@ -66,15 +68,17 @@ CLOSE_RESTART = 1012  # the server is restarting: reconnect
 @router.websocket("/v1/tts/realtime")
 async def realtime(ws: WebSocket) -> None:
     st: State = ws.app.state.qtts
+    rid = request_id(ws.headers.get("x-request-id", ""))
     owner = owner_of(st.owners, bearer_token(ws.headers) if st.owners else "")
-    if owner is None:  # no key (header or subprotocol entry), or not one of the server's
-        st.metrics.rejections.labels(reason="unauthorized").inc()
-        await ws.close(code=CLOSE_POLICY, reason="missing or invalid API key")
+    refusal = handshake_refusal(owner is not None, st.pool.draining, st.settings)
+    if refusal is not None:  # no key (header or subprotocol entry) or a wrong one; a drain
+        st.metrics.rejections.labels(reason=refusal[0]).inc()
+        await refuse_handshake(ws, refusal[1], rid)
         return
     offered = [p.strip() for p in ws.headers.get("sec-websocket-protocol", "").split(",")]
     await ws.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in offered else None)
     st.metrics.realtime_sessions.inc()
-    session = Session(st, ws, owner, request_id(ws.headers.get("x-request-id", "")))
+    session = Session(st, ws, str(owner), rid)
     try:
         await session.run()
     finally:

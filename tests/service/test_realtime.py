@@ -814,9 +814,15 @@ def test_auth_header_or_subprotocol_never_url(make_server: Any) -> None:
     url = ws_url(s)
 
     async def go() -> None:
-        with pytest.raises(InvalidStatus):
-            async with connect(url):
+        with pytest.raises(InvalidStatus) as refused:
+            async with connect(url, additional_headers={"X-Request-Id": "rt-auth-1"}):
                 pass
+        # the HTTP routes' 401: its JSON error, the challenge and the request id
+        r = refused.value.response
+        assert r.status_code == 401 and r.headers["WWW-Authenticate"] == "Bearer"
+        assert r.headers["X-Request-Id"] == "rt-auth-1"
+        err = json.loads(r.body)["error"]
+        assert (err["code"], err["field"]) == ("invalid_api_key", "authorization")
         with pytest.raises(InvalidStatus):
             async with connect(url + f"?api_key={KEY}"):
                 pass
@@ -908,7 +914,7 @@ def test_sigterm_closes_a_session_between_utterances_at_once(make_server: Any) -
     exits."""
     s: Server = make_server(shutdown_delay_seconds=60, drain_seconds=60)
 
-    async def go() -> tuple[str, int | None]:
+    async def go() -> tuple[str, int | None, Any]:
         async with connect(ws_url(s)) as ws:
             await open_session(ws, voice="ryan", seed=1)
             await send(ws, type="text", text="One sentence.")
@@ -919,11 +925,17 @@ def test_sigterm_closes_a_session_between_utterances_at_once(make_server: Any) -
                 await asyncio.wait_for(ws.recv(), 30)
             # the close came from the drain: the server is still draining
             status = httpx.get(s.url + "/readyz", timeout=5).json()["status"]
-            return status, ws.close_code
+            # and a session opened now is refused at its handshake, as POST /tts is
+            with pytest.raises(InvalidStatus) as refused:
+                async with connect(ws_url(s)):
+                    pass
+            return status, ws.close_code, refused.value.response
 
-    status, code = run(go())
+    status, code, refusal = run(go())
     assert code == 1012
     assert status == "draining"
+    assert refusal.status_code == 503 and refusal.headers["Retry-After"] == "1"
+    assert json.loads(refusal.body)["error"]["code"] == "draining"
     assert s.proc.poll() is None
     s.proc.send_signal(signal.SIGTERM)  # a second signal stops at once
     assert s.proc.wait(30) is not None
