@@ -41,6 +41,8 @@ CLOSE_UNSUPPORTED = 1003  # a binary message: the protocol is JSON text
 CLOSE_POLICY = 1008  # a malformed or unknown message, a bad key, a limit
 CLOSE_TRY_AGAIN = 1013  # every worker busy and the queue full
 ENCODING = {"encoding": "pcm_s16le", "sample_rate": 24000, "channels": 1}
+# the audio of format "opus": one Ogg Opus stream per utterance (the model's 24 kHz, mono)
+OPUS_ENCODING = {"encoding": "ogg_opus", "sample_rate": 24000, "channels": 1}
 FLUSH_SECONDS = 5.0  # a closing session's last events, then its close frame, wait this long each
 MAX_START_TOKENS = 2048  # a start later than a whole text's tokens would wait for its end
 
@@ -92,6 +94,11 @@ class SessionSettings(Sampling):
     @property
     def voice_name(self) -> str | None:
         return self.voice.id if isinstance(self.voice, VoiceRef) else self.voice
+
+    @property
+    def audio(self) -> dict[str, Any]:
+        """The audio these settings send, as ``session.started`` and ``session.updated`` say."""
+        return OPUS_ENCODING if self.format == "opus" else ENCODING
 
 
 class TextDelta(BaseModel):

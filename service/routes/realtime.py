@@ -261,7 +261,7 @@ class Session:
             if self.utt is not None:  # (the next utterance's text came before it)
                 raise session_busy()
             self.settings, self.clone = m.settings, m.clone
-            self.emit({"type": "session.updated",
+            self.emit({"type": "session.updated", "audio": m.settings.audio,
                        "settings": m.settings.model_dump(exclude={"type"})})
             return
         if self.utt is None or self.ticket is None:

@@ -52,7 +52,8 @@ def test_deltas_with_delays_then_end(rt_server: Server) -> None:
             assert started["audio"] == {"encoding": "pcm_s16le", "sample_rate": 24000,
                                         "channels": 1}
             await send(ws, type="session", voice="ryan", seed=7)
-            assert json.loads(await ws.recv())["type"] == "session.updated"
+            updated = json.loads(await ws.recv())
+            assert updated["type"] == "session.updated" and updated["audio"] == started["audio"]
             rng = random.Random(1)
             for w in words(SENTENCE):
                 await send(ws, type="text", text=w)
@@ -946,7 +947,11 @@ def test_opus_utterance_is_one_ogg_stream(rt_server: Server) -> None:
         async with connect(ws_url(rt_server)) as ws:
             await ws.recv()
             await send(ws, type="session", voice="ryan", format="opus", seed=2)
-            assert json.loads(await ws.recv())["settings"]["format"] == "opus"
+            updated = json.loads(await ws.recv())
+            assert updated["settings"]["format"] == "opus"
+            # the audio it announces is what comes (session.started said PCM)
+            assert updated["audio"] == {"encoding": "ogg_opus", "sample_rate": 24000,
+                                        "channels": 1}
             for w in words("Opus over a socket, word by word."):
                 await send(ws, type="text", text=w)
                 await asyncio.sleep(0.01)
