@@ -223,20 +223,17 @@ async def close_session(ws: WebSocket, sender: asyncio.Task[None], close: tuple[
             await asyncio.wait_for(ws.close(code=close[0], reason=close[1]), FLUSH_SECONDS)
 
 
-def handshake_refusal(key_ok: bool, draining: bool, settings: Settings
-                      ) -> tuple[str, ApiError] | None:
-    """Why a handshake is refused (the rejection reason and the HTTP error the client gets, as
-    the HTTP routes answer it), or None: a missing or wrong key, or a server draining (whose
-    session would only be closed 1012 before its first utterance)."""
+def handshake_refusal(key_ok: bool, settings: Settings) -> tuple[str, ApiError]:
+    """Why a handshake is refused: the rejection reason and the HTTP error the client gets, as
+    the HTTP routes answer it. A missing or wrong key (not ``key_ok``), else a server draining
+    (its session would only be closed 1012 before its first utterance)."""
     if not key_ok:
         return "unauthorized", ApiError(
             401, "missing or invalid API key (Authorization: Bearer KEY, or a bearer.KEY entry "
             "of Sec-WebSocket-Protocol)", field="authorization", code="invalid_api_key",
             headers={"WWW-Authenticate": "Bearer"})
-    if draining:
-        return "draining", ApiError(503, "server is shutting down", code="draining",
-                                    headers={"Retry-After": str(settings.retry_after_seconds)})
-    return None
+    return "draining", ApiError(503, "server is shutting down", code="draining",
+                                headers={"Retry-After": str(settings.retry_after_seconds)})
 
 
 async def refuse_handshake(ws: WebSocket, err: ApiError, request_id: str) -> None:

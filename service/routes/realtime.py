@@ -70,15 +70,15 @@ async def realtime(ws: WebSocket) -> None:
     st: State = ws.app.state.qtts
     rid = request_id(ws.headers.get("x-request-id", ""))
     owner = owner_of(st.owners, bearer_token(ws.headers) if st.owners else "")
-    refusal = handshake_refusal(owner is not None, st.pool.draining, st.settings)
-    if refusal is not None:  # no key (header or subprotocol entry) or a wrong one; a drain
-        st.metrics.rejections.labels(reason=refusal[0]).inc()
-        await refuse_handshake(ws, refusal[1], rid)
+    if owner is None or st.pool.draining:  # no key (header or subprotocol entry), a wrong one
+        reason, err = handshake_refusal(owner is not None, st.settings)
+        st.metrics.rejections.labels(reason=reason).inc()
+        await refuse_handshake(ws, err, rid)
         return
     offered = [p.strip() for p in ws.headers.get("sec-websocket-protocol", "").split(",")]
     await ws.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in offered else None)
     st.metrics.realtime_sessions.inc()
-    session = Session(st, ws, str(owner), rid)
+    session = Session(st, ws, owner, rid)
     try:
         await session.run()
     finally:
