@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from engine.errors import clipped
 from service.errors import ApiError
 from service.metrics import ROUTES
-from service.origins import origin_allowed
+from service.origins import foreign_origin
 from service.request_log import log_rejected
 from service.state import State
 from service.voices.form import form_to_json
@@ -74,13 +74,9 @@ class GateMiddleware:
                 headers={"WWW-Authenticate": "Bearer"}), "unauthorized")
             return
         scope["state"]["owner"] = owner
-        origin = headers.get("origin")
-        if origin is not None and scope["method"] not in ("GET", "HEAD", "OPTIONS") and \
-                not origin_allowed(origin, headers, st.settings.allowed_origins):
-            await gate.reject(ApiError(
-                403, f"origin: a page from {clipped(origin)} may not use this API "
-                "(QTTS_CORS_ORIGINS lists the origins that may)", field="origin",
-                code="origin_not_allowed"), "unauthorized")
+        foreign = foreign_origin(headers, st.settings.allowed_origins)
+        if foreign is not None and scope["method"] not in ("GET", "HEAD", "OPTIONS"):
+            await gate.reject(foreign, "unauthorized")
             return
         upload = scope["method"] == "POST" and path == VOICES
         if scope["method"] != "POST" or (gate.route is None and not upload):

@@ -4,14 +4,20 @@
 A browser sends a cross-site form (``multipart/form-data``) without asking the server first,
 with the page's ``Origin``; without a check, any web page its user opened could create voices
 on, or make speech with, a server that has no API key (one on ``127.0.0.1`` included). So a
-POST or DELETE whose ``Origin`` is neither the server's nor a listed one is refused (403).
+POST or DELETE whose ``Origin`` is neither the server's nor a listed one is refused (403). So
+is a WebSocket handshake (the realtime route): browsers open WebSockets to any origin without
+CORS, with the page's ``Origin``.
 Clients that are not browsers send no ``Origin`` and are not concerned. The listed origins also
 get CORS answers (``service.app``), so a web app elsewhere can call the JSON API.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from urllib.parse import urlsplit
+
+from engine.errors import clipped
+from service.errors import ApiError
 
 _DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
 
@@ -56,6 +62,17 @@ def origin_allowed(origin: str, headers: dict[str, str], allowed: tuple[str, ...
     mine = _netloc(u.netloc, u.scheme)
     hosts = [headers.get("host", ""), headers.get("x-forwarded-host", "").split(",")[0]]
     return any(h and _netloc(h, u.scheme) == mine for h in hosts)
+
+
+def foreign_origin(headers: Mapping[str, str], allowed: tuple[str, ...]) -> ApiError | None:
+    """The 403 for a request from a page whose ``Origin`` may not use the API (``headers``
+    with lower-case names), or None: no ``Origin`` (not a browser), or an allowed one."""
+    origin = headers.get("origin")
+    if origin is None or origin_allowed(origin, dict(headers), allowed):
+        return None
+    return ApiError(403, f"origin: a page from {clipped(origin)} may not use this API "
+                    "(QTTS_CORS_ORIGINS lists the origins that may)", field="origin",
+                    code="origin_not_allowed")
 
 
 # what a listed origin's page may send and read (CORS)

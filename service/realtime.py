@@ -32,6 +32,7 @@ from starlette.websockets import WebSocketState
 from engine.errors import quoted
 from service.errors import ApiError
 from service.fields import field_path, long_number
+from service.origins import foreign_origin
 from service.playback import PlaybackClock
 from service.schemas import Sampling, Text, Voice, VoiceRef
 from service.settings import Settings
@@ -40,6 +41,7 @@ from service.voices.owners import header_key
 CLOSE_UNSUPPORTED = 1003  # a binary message: the protocol is JSON text
 CLOSE_POLICY = 1008  # a malformed or unknown message, a bad key, a limit
 CLOSE_TRY_AGAIN = 1013  # every worker busy and the queue full
+SUBPROTOCOL = "qtts.v1"
 ENCODING = {"encoding": "pcm_s16le", "sample_rate": 24000, "channels": 1}
 # the audio of format "opus": one Ogg Opus stream per utterance (the model's 24 kHz, mono)
 OPUS_ENCODING = {"encoding": "ogg_opus", "sample_rate": 24000, "channels": 1}
@@ -223,17 +225,30 @@ async def close_session(ws: WebSocket, sender: asyncio.Task[None], close: tuple[
             await asyncio.wait_for(ws.close(code=close[0], reason=close[1]), FLUSH_SECONDS)
 
 
-def handshake_refusal(key_ok: bool, settings: Settings) -> tuple[str, ApiError]:
-    """Why a handshake is refused: the rejection reason and the HTTP error the client gets, as
-    the HTTP routes answer it. A missing or wrong key (not ``key_ok``), else a server draining
-    (its session would only be closed 1012 before its first utterance)."""
+def handshake_refusal(key_ok: bool, headers: Mapping[str, str], settings: Settings,
+                      draining: bool) -> tuple[str, ApiError] | None:
+    """Why a handshake is refused, as the HTTP routes would refuse it (the rejection reason and
+    the HTTP error), or None: a missing or wrong key (not ``key_ok``), a page of an origin that
+    may not use the API (service/origins.py), a server draining (its session would only be
+    closed 1012 before its first utterance)."""
     if not key_ok:
         return "unauthorized", ApiError(
             401, "missing or invalid API key (Authorization: Bearer KEY, or a bearer.KEY entry "
             "of Sec-WebSocket-Protocol)", field="authorization", code="invalid_api_key",
             headers={"WWW-Authenticate": "Bearer"})
-    return "draining", ApiError(503, "server is shutting down", code="draining",
-                                headers={"Retry-After": str(settings.retry_after_seconds)})
+    foreign = foreign_origin({k.lower(): v for k, v in headers.items()}, settings.allowed_origins)
+    if foreign is not None:
+        return "unauthorized", foreign
+    if draining:
+        return "draining", ApiError(503, "server is shutting down", code="draining",
+                                    headers={"Retry-After": str(settings.retry_after_seconds)})
+    return None
+
+
+def subprotocol(headers: Mapping[str, str]) -> str | None:
+    """The subprotocol the server answers: ``qtts.v1`` where the client offered it."""
+    offered = [p.strip() for p in headers.get("sec-websocket-protocol", "").split(",")]
+    return SUBPROTOCOL if SUBPROTOCOL in offered else None
 
 
 async def refuse_handshake(ws: WebSocket, err: ApiError, request_id: str) -> None:

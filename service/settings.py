@@ -114,9 +114,10 @@ class Settings(BaseSettings):
     cors_origins: str = Field(
         default="",
         description="origins (`https://app.example,http://localhost:3000`, or `*`) whose web "
-        "pages may use the HTTP API: they get CORS answers; a POST or DELETE from any other "
-        "page (a cross-site form) is a 403 `origin_not_allowed`. Empty: the server's own pages "
-        "(the playground) only. Clients that are not browsers send no `Origin`",
+        "pages may use the API: they get CORS answers; a POST or DELETE, or a realtime "
+        "WebSocket, from any other page (a cross-site form) is a 403 `origin_not_allowed`. "
+        "Empty: the server's own pages (the playground) only. Clients that are not browsers "
+        "send no `Origin`",
     )
     voice_db_timeout: float = Field(
         default=5.0, gt=0, le=600,

@@ -52,6 +52,7 @@ from service.realtime import (
     parse,
     refuse_handshake,
     session_busy,
+    subprotocol,
 )
 from service.request_log import finish_utterance, refuse_utterance
 from service.state import State
@@ -61,7 +62,6 @@ from service.voices.owners import owner_of
 
 router = APIRouter()
 log = logging.getLogger("qtts.realtime")
-SUBPROTOCOL = "qtts.v1"
 CLOSE_RESTART = 1012  # the server is restarting: reconnect
 
 
@@ -70,13 +70,13 @@ async def realtime(ws: WebSocket) -> None:
     st: State = ws.app.state.qtts
     rid = request_id(ws.headers.get("x-request-id", ""))
     owner = owner_of(st.owners, bearer_token(ws.headers) if st.owners else "")
-    if owner is None or st.pool.draining:  # no key (header or subprotocol entry), a wrong one
-        reason, err = handshake_refusal(owner is not None, st.settings)
-        st.metrics.rejections.labels(reason=reason).inc()
-        await refuse_handshake(ws, err, rid)
+    refusal = handshake_refusal(owner is not None, ws.headers, st.settings, st.pool.draining)
+    if refusal is not None:  # no key or a wrong one, a page of a foreign origin, a drain
+        st.metrics.rejections.labels(reason=refusal[0]).inc()
+        await refuse_handshake(ws, refusal[1], rid)
         return
-    offered = [p.strip() for p in ws.headers.get("sec-websocket-protocol", "").split(",")]
-    await ws.accept(subprotocol=SUBPROTOCOL if SUBPROTOCOL in offered else None)
+    assert owner is not None  # (refused above)
+    await ws.accept(subprotocol=subprotocol(ws.headers))
     st.metrics.realtime_sessions.inc()
     session = Session(st, ws, owner, rid)
     try:

@@ -844,6 +844,31 @@ def test_auth_header_or_subprotocol_never_url(make_server: Any) -> None:
     run(go())
 
 
+def test_a_page_of_another_origin_cannot_open_a_session(rt_server: Server) -> None:
+    """A browser opens a WebSocket to any server, with its page's Origin and no CORS check: on
+    a server without an API key, any web page its user opened could speak (with the owner's
+    stored voices) through it. The handshake is refused as the HTTP routes refuse such a
+    page's POST (403 origin_not_allowed); the server's own pages (the playground) and clients
+    that send no Origin are let in."""
+    mine = rt_server.url.replace("ws://", "http://")
+
+    async def go() -> tuple[Any, str, str]:
+        with pytest.raises(InvalidStatus) as refused:
+            async with connect(ws_url(rt_server), origin="http://evil.example"):  # type: ignore[arg-type]
+                pass
+        async with connect(ws_url(rt_server), origin=mine) as ws:  # type: ignore[arg-type]
+            own = json.loads(await ws.recv())["type"]
+        async with connect(ws_url(rt_server)) as ws:
+            none = json.loads(await ws.recv())["type"]
+        return refused.value.response, own, none
+
+    refusal, own, none = run(go())
+    assert refusal.status_code == 403
+    err = json.loads(refusal.body)["error"]
+    assert (err["code"], err["field"]) == ("origin_not_allowed", "origin")
+    assert own == none == "session.started"
+
+
 def test_idle_session_is_closed(make_server: Any) -> None:
     s: Server = make_server(realtime_idle_seconds=1)
 
