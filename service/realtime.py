@@ -206,6 +206,8 @@ def lost_connection(code: int | None, sender: asyncio.Task[None] | None, speakin
         return f"the connection failed while audio was sent ({type(error).__name__}: {error})"
     if code in (1000, 1001) and not speaking:
         return None
+    if code == 1009:  # (the WebSocket layer's close: ``max_message_bytes``)
+        return "a client message was over the size limit (close 1009)"
     return (f"the client's connection closed (code {code})"
             + (" while an utterance was spoken" if speaking else ""))
 
@@ -243,6 +245,16 @@ def handshake_refusal(key_ok: bool, headers: Mapping[str, str], settings: Settin
         return "draining", ApiError(503, "server is shutting down", code="draining",
                                     headers={"Retry-After": str(settings.retry_after_seconds)})
     return None
+
+
+def max_message_bytes(settings: Settings) -> int:
+    """The largest client message a session reads (the WebSocket layer closes 1009 on a larger
+    one, before it is read whole or parsed): a text delta of the whole session's characters and
+    a ``session`` message with texts at the HTTP routes' length, every character escaped the
+    longest way JSON allows (a surrogate pair, 12 bytes), and room for the rest. A message past
+    that cannot be valid; without the bound each one could make the front end read and parse
+    16 MB (uvicorn's default)."""
+    return 12 * (settings.realtime_max_chars + 2 * settings.max_text_chars) + 64 * 1024
 
 
 def subprotocol(headers: Mapping[str, str]) -> str | None:

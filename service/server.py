@@ -32,6 +32,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from service.errors import error_body
+from service.realtime import max_message_bytes
 from service.settings import Settings
 
 log = logging.getLogger("qtts.app")
@@ -174,7 +175,7 @@ def make_server(app: Any, settings: Settings) -> QttsServer:
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_config=None, access_log=False,
         lifespan="on", http=timed_protocol(settings.header_timeout),
-        timeout_keep_alive=settings.keepalive_timeout,
+        timeout_keep_alive=settings.keepalive_timeout, ws_max_size=max_message_bytes(settings),
         # once the drain is over, requests past the deadline are cut: uvicorn cancels them
         # after this grace (a stream at its deadline must not run on for seconds)
         timeout_graceful_shutdown=CUT_GRACE_SECONDS,

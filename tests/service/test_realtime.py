@@ -592,6 +592,41 @@ def test_text_for_a_waiting_job_stays_compact() -> None:
     assert flood.outbox == [TextIn(2, flush=True)]
 
 
+def test_a_message_too_big_to_be_valid_is_not_read(rt_server: Server) -> None:
+    """A client message past what any valid one can be (service.realtime.max_message_bytes:
+    the session's whole text in one delta, every character escaped the longest way) is refused
+    by the WebSocket layer, close 1009, without being read whole or parsed; one within the
+    bound is read, and refused for what it says (the session's character cap, 1008)."""
+    from service.realtime import max_message_bytes
+    from service.settings import Settings
+
+    limit = max_message_bytes(Settings())
+    over_cap = json.dumps({"type": "text", "text": "\U0001F600" * 20001})  # 12 bytes each
+    assert len(over_cap) < limit
+
+    async def go(message: str) -> tuple[int | None, list[dict[str, Any]]]:
+        async with connect(ws_url(rt_server)) as ws:
+            await open_session(ws, voice="ryan")
+            await ws.send(message)
+            events = []
+            with pytest.raises(ConnectionClosed):
+                while True:
+                    msg = await asyncio.wait_for(ws.recv(), 30)
+                    if isinstance(msg, str):
+                        events.append(json.loads(msg))
+            return ws.close_code, events
+
+    before = len(rt_server.log())
+    code, events = run(go(json.dumps({"type": "text", "text": "x" * (limit + 1)})))
+    assert code == 1009 and not events
+    deadline = time.monotonic() + 10
+    while "over the size limit (close 1009)" not in rt_server.log()[before:]:
+        assert time.monotonic() < deadline, rt_server.log()[before:]
+        time.sleep(0.1)
+    code, events = run(go(over_cap))
+    assert code == 1008 and events[-1]["code"] == "too_long"
+
+
 def test_a_flood_mid_utterance_stays_in_the_front_end(make_server: Any) -> None:
     """While an utterance is spoken, 100,000 empty deltas and repeated flushes add nothing to
     it: they do not reach its worker (each was a pipe message the worker read and merged,
