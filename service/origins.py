@@ -49,7 +49,8 @@ def _netloc(host: str, scheme: str) -> str:
     return host
 
 
-def origin_allowed(origin: str, headers: dict[str, str], allowed: tuple[str, ...]) -> bool:
+def origin_allowed(origin: str, headers: Mapping[str, str], allowed: tuple[str, ...]
+                   ) -> bool:
     """Whether a page of ``origin`` may send a state-changing request: the server's own origin
     (the ``Host`` the browser addressed, or the ``X-Forwarded-Host`` a proxy passed on), or
     one ``allowed`` lists."""
@@ -68,7 +69,7 @@ def foreign_origin(headers: Mapping[str, str], allowed: tuple[str, ...]) -> ApiE
     """The 403 for a request from a page whose ``Origin`` may not use the API (``headers``
     with lower-case names), or None: no ``Origin`` (not a browser), or an allowed one."""
     origin = headers.get("origin")
-    if origin is None or origin_allowed(origin, dict(headers), allowed):
+    if origin is None or origin_allowed(origin, headers, allowed):
         return None
     return ApiError(403, f"origin: a page from {clipped(origin)} may not use this API "
                     "(QTTS_CORS_ORIGINS lists the origins that may)", field="origin",

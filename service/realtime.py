@@ -230,7 +230,8 @@ async def close_session(ws: WebSocket, sender: asyncio.Task[None], close: tuple[
 def handshake_refusal(key_ok: bool, headers: Mapping[str, str], settings: Settings,
                       draining: bool) -> tuple[str, ApiError] | None:
     """Why a handshake is refused, as the HTTP routes would refuse it (the rejection reason and
-    the HTTP error), or None: a missing or wrong key (not ``key_ok``), a page of an origin that
+    the HTTP error), or None. ``headers``: the handshake's, read by lower-case name (Starlette's
+    are case-insensitive). A missing or wrong key (not ``key_ok``), a page of an origin that
     may not use the API (service/origins.py), a server draining (its session would only be
     closed 1012 before its first utterance)."""
     if not key_ok:
@@ -238,7 +239,7 @@ def handshake_refusal(key_ok: bool, headers: Mapping[str, str], settings: Settin
             401, "missing or invalid API key (Authorization: Bearer KEY, or a bearer.KEY entry "
             "of Sec-WebSocket-Protocol)", field="authorization", code="invalid_api_key",
             headers={"WWW-Authenticate": "Bearer"})
-    foreign = foreign_origin({k.lower(): v for k, v in headers.items()}, settings.allowed_origins)
+    foreign = foreign_origin(headers, settings.allowed_origins)
     if foreign is not None:
         return "unauthorized", foreign
     if draining:

@@ -29,13 +29,13 @@ from service.audio import Encoder, make_encoder
 from service.errors import ApiError
 from service.gate import request_id
 from service.handles import Ticket
+from service.metrics import REALTIME_ROUTE
 from service.pool import PoolDraining, PoolFull, PoolNotReady
 from service.protocol import Chunk, Done, Failed, TextIn, TimedOut, WorkerDied
 from service.realtime import (
     CLOSE_POLICY,
     CLOSE_TRY_AGAIN,
     CLOSE_UNSUPPORTED,
-    ENCODING,
     Backlog,
     Control,
     NextSettings,
@@ -65,7 +65,7 @@ log = logging.getLogger("qtts.realtime")
 CLOSE_RESTART = 1012  # the server is restarting: reconnect
 
 
-@router.websocket("/v1/tts/realtime")
+@router.websocket(REALTIME_ROUTE)
 async def realtime(ws: WebSocket) -> None:
     st: State = ws.app.state.qtts
     rid = request_id(ws.headers.get("x-request-id", ""))
@@ -137,7 +137,7 @@ class Session:
     # ---- the session -------------------------------------------------------------------------
     async def run(self) -> None:
         s = self.st.settings
-        self.emit({"type": "session.started", "id": self.id, "audio": ENCODING,
+        self.emit({"type": "session.started", "id": self.id, "audio": self.settings.audio,
                    "start_default_tokens": s.realtime_min_tokens})
         sender = asyncio.create_task(self._sender())
         recv: asyncio.Task[Any] | None = None
@@ -302,7 +302,7 @@ class Session:
     def _job(self, m: SessionSettings, text: str, clone: CloneUse | None) -> Any:
         inp = SynthesisInput(
             # (a first delta only starts the text, often with whitespace: the end tells)
-            route="/v1/tts/realtime", request_id="", arrival=time.monotonic(),
+            route=REALTIME_ROUTE, request_id="", arrival=time.monotonic(),
             text=text if has_speech(text) else "x",
             text_field="text", codes=None, voice=m.voice_name, language=m.language,
             instruct=m.instruct, fmt="pcm", stream=True, sse=False, speed=1.0, max_seconds=None,
