@@ -51,16 +51,28 @@ log = logging.getLogger("qtts.pool")
 _ALIVE = (WorkerState.IDLE, WorkerState.BUSY)
 
 
-class PoolFull(Exception):
+class PoolRefused(Exception):
+    """The pool took no job: ``reason`` is the refusal's code and its rejection metric's label."""
+
+    reason = ""
+
+
+class PoolFull(PoolRefused):
     """Every worker is busy and the queue is full."""
 
+    reason = "queue_full"
 
-class PoolDraining(Exception):
+
+class PoolDraining(PoolRefused):
     """The server is shutting down and takes no new work."""
 
+    reason = "draining"
 
-class PoolNotReady(Exception):
+
+class PoolNotReady(PoolRefused):
     """No worker is alive and the last start failed: waiting would not help."""
+
+    reason = "not_ready"
 
 
 class WorkerPool:

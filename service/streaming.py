@@ -27,7 +27,7 @@ from service.guard import TrackedSend
 from service.handles import Ticket
 from service.logs import round_or_none
 from service.playback import PlaybackClock
-from service.pool import PoolDraining, PoolFull, PoolNotReady
+from service.pool import PoolDraining, PoolFull, PoolRefused
 from service.protocol import (
     Chunk,
     ClientGone,
@@ -99,7 +99,7 @@ class SynthesisResponse(Response):
         st, syn = self.st, self.syn
         try:
             self.ticket = st.pool.submit(syn.job)
-        except (PoolFull, PoolDraining, PoolNotReady) as e:
+        except PoolRefused as e:
             await self._refused(e, scope, receive, send)
             return
         watcher = asyncio.create_task(self._watch_disconnect(receive))
@@ -123,13 +123,11 @@ class SynthesisResponse(Response):
                 syn.status = CLIENT_CLOSED  # no status line ever went out: never log a 200
             finish_log(st, syn, admitted=True)
 
-    async def _refused(self, e: Exception, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _refused(self, e: PoolRefused, scope: Scope, receive: Receive, send: Send) -> None:
         st, syn = self.st, self.syn
-        reason, msg = {
-            PoolFull: ("queue_full", "all workers are busy and the queue is full; retry later"),
-            PoolDraining: ("draining", "server is shutting down"),
-            PoolNotReady: ("not_ready", f"no worker could start: {e}"),
-        }[type(e)]
+        reason = e.reason
+        msg = {PoolFull: "all workers are busy and the queue is full; retry later",
+               PoolDraining: "server is shutting down"}.get(type(e), f"no worker could start: {e}")
         st.metrics.rejections.labels(reason=reason).inc()
         err = ApiError(503, msg, code=reason,
                        headers={"Retry-After": str(st.settings.retry_after_seconds)})

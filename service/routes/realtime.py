@@ -30,7 +30,7 @@ from service.errors import ApiError
 from service.gate import request_id
 from service.handles import Ticket
 from service.metrics import REALTIME_ROUTE
-from service.pool import PoolDraining, PoolFull, PoolNotReady
+from service.pool import PoolRefused
 from service.protocol import Chunk, Done, Failed, TextIn, TimedOut, WorkerDied
 from service.realtime import (
     CLOSE_POLICY,
@@ -318,10 +318,9 @@ class Session:
                       min_tokens=min_tokens(self.settings.start, s.realtime_min_tokens))
         try:
             self.ticket = self.st.pool.submit(job)
-        except (PoolFull, PoolDraining, PoolNotReady) as e:
-            code = {PoolFull: "queue_full", PoolDraining: "draining"}.get(type(e), "not_ready")
-            refuse_utterance(self.st, self.id, code)
-            raise ProtocolError(code, None, "no worker free for a realtime session; retry "
+        except PoolRefused as e:
+            refuse_utterance(self.st, self.id, e.reason)
+            raise ProtocolError(e.reason, None, "no worker free for a realtime session; retry "
                                 "later", close=CLOSE_TRY_AGAIN) from None
         self.utt = Utterance(job_id=job.id)
         self.encoder = make_encoder(self.settings.format, self.sample_rate)

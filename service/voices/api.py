@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from engine.errors import quoted
 from service.errors import ApiError
-from service.pool import PoolDraining, PoolFull, PoolNotReady
+from service.pool import PoolRefused
 from service.protocol import Cloned, Failed, Job, TimedOut, WorkerDied
 from service.state import State
 from service.voices.store import DuplicateName, StoredVoice, StoreUnavailable, VoiceStore
@@ -132,9 +132,8 @@ async def run_clone(st: State, ref: Reference, request_id: str) -> Cloned:
               max_ref_seconds=st.settings.max_reference_seconds)
     try:
         ticket = st.pool.submit(job)
-    except (PoolFull, PoolDraining, PoolNotReady) as e:
-        reason = {PoolFull: "queue_full", PoolDraining: "draining",
-                  PoolNotReady: "not_ready"}[type(e)]
+    except PoolRefused as e:
+        reason = e.reason
         st.metrics.rejections.labels(reason=reason).inc()
         raise ApiError(503, f"no worker can clone now ({reason}); retry later", code=reason,
                        headers=retry_after(st)) from None
