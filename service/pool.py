@@ -44,35 +44,12 @@ from service.protocol import (
     WorkerDied,
     WorkerState,
 )
+from service.refusals import PoolDraining, PoolFull, PoolNotReady
 from service.settings import Settings
 from service.worker import worker_main
 
 log = logging.getLogger("qtts.pool")
 _ALIVE = (WorkerState.IDLE, WorkerState.BUSY)
-
-
-class PoolRefused(Exception):
-    """The pool took no job: ``reason`` is the refusal's code and its rejection metric's label."""
-
-    reason = ""
-
-
-class PoolFull(PoolRefused):
-    """Every worker is busy and the queue is full."""
-
-    reason = "queue_full"
-
-
-class PoolDraining(PoolRefused):
-    """The server is shutting down and takes no new work."""
-
-    reason = "draining"
-
-
-class PoolNotReady(PoolRefused):
-    """No worker is alive and the last start failed: waiting would not help."""
-
-    reason = "not_ready"
 
 
 class WorkerPool:

@@ -27,7 +27,6 @@ from service.guard import TrackedSend
 from service.handles import Ticket
 from service.logs import round_or_none
 from service.playback import PlaybackClock
-from service.pool import PoolDraining, PoolFull, PoolRefused
 from service.protocol import (
     Chunk,
     ClientGone,
@@ -39,6 +38,7 @@ from service.protocol import (
     TimedOut,
     WorkerDied,
 )
+from service.refusals import PoolDraining, PoolFull, PoolRefused
 from service.request_log import finish_log
 from service.state import State
 from service.validation import Synthesis

@@ -30,7 +30,6 @@ from service.errors import ApiError
 from service.gate import request_id
 from service.handles import Ticket
 from service.metrics import REALTIME_ROUTE
-from service.pool import PoolRefused
 from service.protocol import Chunk, Done, Failed, TextIn, TimedOut, WorkerDied
 from service.realtime import (
     CLOSE_POLICY,
@@ -54,6 +53,7 @@ from service.realtime import (
     session_busy,
     subprotocol,
 )
+from service.refusals import PoolRefused
 from service.request_log import finish_utterance, refuse_utterance
 from service.state import State
 from service.validation import SynthesisInput, validate

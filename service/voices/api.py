@@ -20,8 +20,8 @@ from typing import Any, TypeVar
 
 from engine.errors import quoted
 from service.errors import ApiError
-from service.pool import PoolRefused
 from service.protocol import Cloned, Failed, Job, TimedOut, WorkerDied
+from service.refusals import PoolRefused
 from service.state import State
 from service.voices.store import DuplicateName, StoredVoice, StoreUnavailable, VoiceStore
 
