@@ -8,6 +8,7 @@ here, and a value that is neither is a 400 naming the field.
 from __future__ import annotations
 
 import base64
+import codecs
 import json
 from typing import Any
 
@@ -27,7 +28,8 @@ async def read_form(request: Request, max_files: int, max_fields: int,
                     max_part_size: int) -> FormData:
     """The request's multipart form; a 400 naming the problem when it cannot be read, when a
     part without a filename (a text field to the parser) is over ``max_part_size``, or when a
-    field comes twice."""
+    field comes twice, or when a text field was not UTF-8 (``_check_utf8``)."""
+    raw = await request.body()  # (in memory already: the gate read it; the parser reads this)
     try:
         form = await request.form(max_files=max_files, max_fields=max_fields,
                                   max_part_size=max_part_size)
@@ -49,7 +51,34 @@ async def read_form(request: Request, max_files: int, max_fields: int,
             await form.close()
             raise ApiError(400, f"{key[:64]}: sent twice", field=key[:64],
                            code="invalid_value")
+    try:
+        _check_utf8(form, raw, request.headers.get("content-type", ""))
+    except ApiError:
+        await form.close()
+        raise
     return form
+
+
+def _check_utf8(form: FormData, raw: bytes, content_type: str) -> None:
+    """A 400 naming the first text field that is not UTF-8. Starlette decodes a text part in
+    the charset the form's Content-Type names (UTF-8 when it names none) and, where that
+    fails or the charset is unknown, as Latin-1 without a word: the text would be spoken as
+    mojibake. A field decoded as UTF-8 is its own bytes in the body again; one that fell back
+    is not."""
+    params = dict(p.split("=", 1) for p in content_type.split(";")[1:] if "=" in p)
+    named = {k.strip().lower(): v.strip().strip('"') for k, v in params.items()}.get("charset")
+    try:
+        if named is not None and codecs.lookup(named).name != "utf-8":
+            return  # a charset the client named and the parser applied
+    except LookupError:
+        pass  # the parser read it as Latin-1
+    for key, value in form.multi_items():
+        if isinstance(value, str) and not value.isascii() and value.encode("utf-8") not in raw:
+            why = (f"the form's charset {named[:40]!r} is not one known here" if named else
+                   "it is not UTF-8 text")
+            raise ApiError(400, f"{key[:64]}: cannot be read: {why}; send the form's text "
+                           "fields in UTF-8 (or name their charset in the Content-Type)",
+                           field=key[:64], code="invalid_value")
 
 
 async def form_to_json(scope: Scope, body: bytes, max_text: int) -> bytes:

@@ -155,6 +155,34 @@ def test_one_shot_reference_json_and_form(base: Server, ref: bytes) -> None:
     assert silent.json()["error"]["field"] == "ref_audio"
 
 
+def test_form_text_is_utf8_or_says_its_charset(base: Server, ref: bytes) -> None:
+    """A multipart ``/tts`` whose text field is not UTF-8 (Latin-1 bytes, as a terminal in that
+    locale sends them) is a 400 naming the field, not speech of mojibake; UTF-8 text, and
+    Latin-1 under a charset the Content-Type names, are read as sent."""
+    def post(text: bytes, content_type: str | None = None) -> httpx.Response:
+        req = httpx.Request("POST", base.url + "/tts", data={
+            "text": text, "ref_text": REF_TEXT, "max_seconds": "0.5", "stream": "false",
+            "seed": "1"}, files={"ref_audio": ("ref.wav", ref, "audio/wav")})
+        body = req.read()
+        ctype = req.headers["content-type"] + (f"; charset={content_type}" if content_type
+                                               else "")
+        return httpx.post(base.url + "/tts", content=body, timeout=120,
+                          headers={"content-type": ctype})
+
+    latin = "Un café, s'il vous plaît."
+    bad = post(latin.encode("latin-1"))
+    assert bad.status_code == 400, bad.text
+    err = bad.json()["error"]
+    assert err["field"] == "text" and "not UTF-8" in err["message"], err
+    unknown = post(latin.encode("latin-1"), "x-klingon")
+    assert unknown.status_code == 400 and unknown.json()["error"]["field"] == "text"
+    assert "'x-klingon' is not one known here" in unknown.json()["error"]["message"]
+    good = post(latin.encode("utf-8"))
+    assert_speech(good)
+    assert_speech(declared := post(latin.encode("latin-1"), "iso-8859-1"))
+    assert declared.content == good.content  # the same text, so the same speech
+
+
 def test_openai_sdk_clones_for_one_request(base: Server, ref: bytes) -> None:
     """One-shot cloning on /v1/audio/speech through the official client (extra_body; the
     client needs a voice: ``""``): the same samples as POST /tts with that reference."""
@@ -210,6 +238,7 @@ def _tone(seconds: float, rate: int = 24000) -> bytes:
     ("c1_name", 400, "name", "control characters"),
     ("bidi_name", 400, "name", "control characters"),
     ("invisible_name", 400, "name", "empty"),
+    ("latin1_transcript", 400, "transcript", "not UTF-8"),  # (was spoken as mojibake)
 ])  # fmt: skip
 def test_bad_creates_are_clear_and_store_nothing(base: Server, ref: bytes, case: str,
                                                  status: int, field: str, words: str) -> None:
@@ -220,7 +249,7 @@ def test_bad_creates_are_clear_and_store_nothing(base: Server, ref: bytes, case:
              "over_cap": _tone(9.0), "far_over_cap": _tone(9.0, 48000),
              "empty_file": b""}.get(case, ref)
     files: Any = {"audio_sample": ("ref.wav", audio, "audio/wav")}
-    data: dict[str, str] = {"name": name, "transcript": REF_TEXT}
+    data: dict[str, Any] = {"name": name, "transcript": REF_TEXT}
     if case == "text_part":
         files = {"audio_sample": ("notes.txt", b"hello", "text/plain")}
     elif case == "empty_name":
@@ -232,6 +261,8 @@ def test_bad_creates_are_clear_and_store_nothing(base: Server, ref: bytes, case:
                         "invisible_name": "\u200b \u2060"}[case]
     elif case == "unknown_field":
         data["colour"] = "blue"
+    elif case == "latin1_transcript":
+        data["transcript"] = "Un café, s'il vous plaît.".encode("latin-1")
     elif case == "bad_flag":
         data["x_vector_only"] = "maybe"
     elif case == "prompt_type":
