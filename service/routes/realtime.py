@@ -14,7 +14,6 @@ browser can set); never the URL.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from dataclasses import replace
@@ -30,6 +29,7 @@ from service.errors import ApiError
 from service.gate import request_id
 from service.handles import Ticket
 from service.metrics import REALTIME_ROUTE
+from service.outbox import Outbox
 from service.protocol import Chunk, Done, Failed, TextIn, TimedOut, WorkerDied
 from service.realtime import (
     CLOSE_POLICY,
@@ -86,7 +86,7 @@ async def realtime(ws: WebSocket) -> None:
 
 
 class Session:
-    """One connection: its settings, its current utterance, the sender of its output."""
+    """One connection: its settings, its current utterance, its output (``Outbox``)."""
 
     def __init__(self, st: State, ws: WebSocket, owner: str, rid: str) -> None:
         self.st, self.ws, self.owner, self.id = st, ws, owner, rid  # id: its log lines
@@ -97,49 +97,16 @@ class Session:
         self.utt: Utterance | None = None
         self.ticket: Ticket | None = None
         self.backlog = Backlog()  # the next utterance's messages
-        # events, audio (with the event that announces it: dropped together) and the end
-        self.out: asyncio.Queue[str | tuple[str | None, bytes, float] | None] = asyncio.Queue()
-        self.out_seconds = 0.0  # audio queued for the sender, not yet handed to the socket
         self.sample_rate = st.model.sample_rate
-        self.max_waiting = st.settings.realtime_max_buffered_seconds
-        self.too_slow = False
+        self.out = Outbox(ws, st.settings.realtime_max_buffered_seconds)
         self.encoder: Encoder = make_encoder("pcm", self.sample_rate)
-
-    # ---- output ------------------------------------------------------------------------------
-    def emit(self, event: dict[str, Any]) -> None:
-        self.out.put_nowait(json.dumps(event))
-
-    def emit_audio(self, data: bytes, seconds: float, ev: dict[str, Any] | None = None) -> None:
-        # Counted in seconds (an Opus byte holds ~12x the audio of a PCM one) and judged when
-        # more audio arrives, on what still waits behind the socket: one chunk over the cap (16
-        # frames are 1.28 s) is not a slow client; audio not handed over since the last one is.
-        if self.out_seconds > self.max_waiting:
-            self.too_slow = True
-        self.out_seconds += seconds
-        self.out.put_nowait((json.dumps(ev) if ev is not None else None, data, seconds))
-
-    async def _sender(self) -> None:
-        while True:
-            item = await self.out.get()
-            if item is None:
-                return
-            if isinstance(item, tuple):
-                # handed to the socket: uvicorn's send waits while its transport buffer is
-                # full, so what a client does not read piles up in self.out
-                announce, data, seconds = item
-                self.out_seconds -= seconds
-                if announce is not None:
-                    await self.ws.send_text(announce)
-                await self.ws.send_bytes(data)
-            else:
-                await self.ws.send_text(item)
 
     # ---- the session -------------------------------------------------------------------------
     async def run(self) -> None:
         s = self.st.settings
-        self.emit({"type": "session.started", "id": self.id, "audio": self.settings.audio,
+        self.out.event({"type": "session.started", "id": self.id, "audio": self.settings.audio,
                    "start_default_tokens": s.realtime_min_tokens})
-        sender = asyncio.create_task(self._sender())
+        sender = asyncio.create_task(self.out.run())
         recv: asyncio.Task[Any] | None = None
         event: asyncio.Task[Any] | None = None
         # between utterances a drain closes the session at once (it would otherwise wait for
@@ -172,7 +139,7 @@ class Session:
                                              return_when=asyncio.FIRST_COMPLETED)
                 if not done:
                     code = "idle_timeout" if idle is not None and idle <= left else "session_limit"
-                    self.emit({"type": "error", "code": code, "field": None,
+                    self.out.event({"type": "error", "code": code, "field": None,
                                "message": "session idle too long" if code == "idle_timeout"
                                else "session reached its time limit"})
                     self._cancel()
@@ -194,12 +161,10 @@ class Session:
                         lost = lost_connection(msg.get("code"), None, self.ticket is not None)
                         break
                     await self._on_client(msg)
-                if self.too_slow:
+                if self.out.too_slow:
                     self._cancel()
-                    while not self.out.empty():  # what the client did not read is dropped
-                        self.out.get_nowait()
-                    self.out_seconds = 0.0
-                    self.emit({"type": "error", "code": "client_too_slow", "field": None,
+                    self.out.drop()  # what the client did not read
+                    self.out.event({"type": "error", "code": "client_too_slow", "field": None,
                                "message": "the client did not read its audio: more than "
                                f"{s.realtime_max_buffered_seconds:g} s were waiting"})
                     close = (CLOSE_POLICY, "client reads too slowly")
@@ -207,7 +172,7 @@ class Session:
                                 "than %g s of audio waiting)", s.realtime_max_buffered_seconds)
                     break
         except ProtocolError as e:
-            self.emit(e.event())
+            self.out.event(e.event())
             self._cancel()
             close = (e.close, e.code)
         except WebSocketDisconnect:
@@ -220,8 +185,8 @@ class Session:
         if lost is not None:
             log.warning("realtime session ended: %s", lost)
         if self.utt is not None:  # cut short with the session: it sends no done
-            self._log(cut_short(close, lost is not None or self.too_slow))
-        self.out.put_nowait(None)
+            self._log(cut_short(close, lost is not None or self.out.too_slow))
+        self.out.close()
         await close_session(self.ws, sender, close)
 
     # ---- client messages -----------------------------------------------------------------------
@@ -261,7 +226,7 @@ class Session:
             if self.utt is not None:  # (the next utterance's text came before it)
                 raise session_busy()
             self.settings, self.clone = m.settings, m.clone
-            self.emit({"type": "session.updated", "audio": m.settings.audio,
+            self.out.event({"type": "session.updated", "audio": m.settings.audio,
                        "settings": m.settings.model_dump(exclude={"type"})})
             return
         if self.utt is None or self.ticket is None:
@@ -324,7 +289,7 @@ class Session:
                                 "later", close=CLOSE_TRY_AGAIN) from None
         self.utt = Utterance(job_id=job.id)
         self.encoder = make_encoder(self.settings.format, self.sample_rate)
-        self.emit({"type": "utterance.started", "id": job.id})
+        self.out.event({"type": "utterance.started", "id": job.id})
 
     def _log(self, outcome: str) -> None:
         assert self.utt is not None
@@ -346,7 +311,7 @@ class Session:
                     utt.first_audio_at = now
                     ttfa = now - utt.first_text_at
                     self.st.metrics.realtime_ttfa.observe(ttfa)
-                    self.emit({"type": "audio.first", "id": utt.job_id,
+                    self.out.event({"type": "audio.first", "id": utt.job_id,
                                "text_to_first_audio_ms": round(ttfa * 1000, 1)})
                 utt.last_audio_at = now
                 self.st.metrics.count_stall(utt.stall(now))
@@ -360,9 +325,9 @@ class Session:
                             "timings_ms": {k: round(v * 1000, 2) for k, v in timings.items()}}
                 data = self.encoder.encode(np.asarray(audio, dtype=np.float32))
                 if data:
-                    self.emit_audio(data, audio.shape[0] / self.sample_rate, announce)
+                    self.out.audio(data, audio.shape[0] / self.sample_rate, announce)
                 else:  # an encoder that holds the audio back (Ogg pages)
-                    self.emit(announce)
+                    self.out.event(announce)
                 self.st.metrics.audio_seconds.inc(audio.shape[0] / self.sample_rate)
                 return
             case Done(finish=finish, guessed=guessed, refuted=refuted):
@@ -373,11 +338,11 @@ class Session:
                 outcome = "cancelled" if utt.cancelled else str(finish)
                 self._end(outcome)
             case Failed(field=fld, message=message, code=code):
-                self.emit({"type": "error", "code": code or "synthesis_failed", "field": fld,
+                self.out.event({"type": "error", "code": code or "synthesis_failed", "field": fld,
                            "message": message})
                 self._end("error")
             case WorkerDied() | TimedOut():
-                self.emit({"type": "error", "code": "worker_died", "field": None,
+                self.out.event({"type": "error", "code": "worker_died", "field": None,
                            "message": "the worker synthesizing this utterance died"})
                 self._end("error")
 
@@ -386,9 +351,9 @@ class Session:
         assert utt is not None
         tail = self.encoder.finish()
         if tail:
-            self.emit_audio(tail, 0.0)
+            self.out.audio(tail, 0.0)
         self._log(outcome)
-        self.emit({"type": "done", "id": utt.job_id,
+        self.out.event({"type": "done", "id": utt.job_id,
                    "usage": utt.usage(self.sample_rate, outcome)})
         self.utt, self.ticket = None, None
         backlog, self.backlog = self.backlog, Backlog()
