@@ -24,6 +24,12 @@ in-context voice.
   python bench/load.py --model ... --workers 1 --max-batch 1,4 --threads 2 --clients 4 \
       --seconds 25 --frames 50 --queue 4        # batching: one worker, 4 streams at once
   python bench/load.py --url http://127.0.0.1:8000 --clients 8      # an already running server
+
+Clients start together and ask for equal lengths, so without ``--stagger`` they run in
+lockstep: every request boundary brings all the prefills and first chunks at once, the
+hardest case for gaps. ``--stagger`` starts client i at i/N of a request's audio, and
+``--think S`` pauses a client a random while (exponential, mean S seconds, seeded per client)
+between its requests: closer to users who do not all press play at once.
 """
 
 from __future__ import annotations
@@ -60,10 +66,19 @@ class Result:
     errors: int = 0
 
 
-async def client(url: str, body: dict, until: float, res: Result, headers: dict[str, str]
-                 ) -> None:
+async def client(url: str, body: dict, until: float, res: Result, headers: dict[str, str],
+                 start: float = 0.0, think: float = 0.0, seed: int = 0) -> None:
+    """Requests one after another until ``until``: from ``start`` seconds on, each after a
+    pause drawn from an exponential of mean ``think`` seconds (0: none)."""
+    rng = np.random.default_rng(seed)
+    await asyncio.sleep(start)
     async with httpx.AsyncClient(timeout=120) as http:
         while time.monotonic() < until:
+            if think > 0 and res.ok + res.errors + res.rejected:
+                await asyncio.sleep(min(float(rng.exponential(think)),
+                                        max(0.0, until - time.monotonic())))
+                if time.monotonic() >= until:
+                    break
             t0 = time.monotonic()
             first = None
             n = 0
@@ -142,15 +157,18 @@ def request_body(url: str, mode: str, frames: int, headers: dict[str, str]) -> t
 
 
 async def run_load(url: str, clients: int, seconds: float, frames: int,
-                   headers: dict[str, str], mode: str = "auto"
-                   ) -> tuple[Result, dict[str, float]]:
+                   headers: dict[str, str], mode: str = "auto", stagger: bool = False,
+                   think: float = 0.0) -> tuple[Result, dict[str, float]]:
     body, kind = request_body(url, mode, frames, headers)
     print(f"# {url}: {kind} requests", file=sys.stderr, flush=True)
     before = scrape(url, headers)
     res = Result()
     until = time.monotonic() + seconds
     t0 = time.monotonic()
-    await asyncio.gather(*(client(url, body, until, res, headers) for _ in range(clients)))
+    # staggered: client i starts i/N of a request's audio after the first
+    step = frames / 12.5 / clients if stagger else 0.0
+    await asyncio.gather(*(client(url, body, until, res, headers, i * step, think, i)
+                           for i in range(clients)))
     wall = time.monotonic() - t0
     after = scrape(url, headers)
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
@@ -252,15 +270,21 @@ def main() -> int:
                          "('default': the server's)")
     ap.add_argument("--mode", choices=("auto", "codes", "text"), default="auto",
                     help="request kind: text when the model has a talker (auto), or codes")
+    ap.add_argument("--stagger", action="store_true",
+                    help="start client i at i/N of a request's audio, not all at once")
+    ap.add_argument("--think", type=float, default=0.0,
+                    help="mean seconds a client pauses between its requests (exponential; 0)")
     ap.add_argument("--api-key", default=os.environ.get("QTTS_API_KEY"))
     args = ap.parse_args()
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     print(f"clients={args.clients} seconds={args.seconds:g} frames/request={args.frames} "
-          f"({args.frames / 12.5:g} s audio) cpus={os.cpu_count()}")
+          f"({args.frames / 12.5:g} s audio) cpus={os.cpu_count()}"
+          + (" staggered" if args.stagger else "")
+          + (f" think={args.think:g} s" if args.think else ""))
     print(HEADER)
     if args.url:
         res, d = asyncio.run(run_load(args.url, args.clients, args.seconds, args.frames, headers,
-                                      args.mode))
+                                      args.mode, args.stagger, args.think))
         print(row(args.url, res, d))
         return 0
     if not args.model:
@@ -274,7 +298,7 @@ def main() -> int:
                                      settings={"QTTS_DATA_DIR": data})
             try:
                 res, d = asyncio.run(run_load(url, args.clients, args.seconds, args.frames,
-                                              headers, args.mode))
+                                              headers, args.mode, args.stagger, args.think))
                 label = (f"{w} worker(s) x {threads} thread(s), batch "
                          + (str(b) if b is not None else "default"))
                 print(row(label, res, d), flush=True)
