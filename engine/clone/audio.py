@@ -11,8 +11,13 @@ with one line that names them.
 from __future__ import annotations
 
 import io
+import logging
 import math
 import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +31,9 @@ MIN_SECONDS = 1.0
 DEFAULT_MAX_SECONDS = 30.0
 SILENCE_PEAK = 1e-3  # a reference whose loudest sample is below this carries no voice
 FIELD = "ref_audio"
+_NATIVE_SAID_BYTES = 2048  # of a decoder's notes kept for the log (one per bad frame)
+
+log = logging.getLogger("qtts.clone")
 
 F32 = npt.NDArray[np.float32]
 
@@ -50,8 +58,36 @@ def decode(src: bytes | str | os.PathLike[str], max_seconds: float | None = None
     hours, gigabytes of samples), so the cap must hold while decoding, not after.
     """
     name = "the audio" if isinstance(src, bytes) else str(src)
-    decoded = _decode_sndfile(src, name, max_seconds)
-    return decoded if decoded is not None else _decode_av(src, name, max_seconds)
+    with _native_stderr_logged(name):
+        decoded = _decode_sndfile(src, name, max_seconds)
+        return decoded if decoded is not None else _decode_av(src, name, max_seconds)
+
+
+@contextmanager
+def _native_stderr_logged(name: str) -> Iterator[None]:
+    """What the native decoders write to the process's stderr while they read ``name`` goes
+    to the log as one warning instead. libmpg123 (libsndfile's MP3 reader) prints notes on a
+    damaged or oddly tagged MP3 ("Note: Illegal Audio-MPEG-Header ...", "Warning: Xing
+    stream size off ...", the last without a newline): straight into a server's JSON log
+    lines, the next of which it broke."""
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (AttributeError, OSError, ValueError):  # no fd 2 to borrow: leave it alone
+        yield
+        return
+    with tempfile.TemporaryFile() as said:
+        os.dup2(said.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            said.seek(0)
+            text = said.read(_NATIVE_SAID_BYTES).decode("utf-8", "replace")
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if lines:
+        log.warning("%s: its decoder said: %s", name, " | ".join(lines))
 
 
 class _Mono:

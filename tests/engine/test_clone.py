@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -99,6 +100,28 @@ def test_reference_audio_formats(speech: Path, tmp_path: Path, suffix: str, code
     assert 0.01 < float(np.abs(wav).max()) <= 1.5
     if suffix != ".m4a":  # (libsndfile does not read AAC: FFmpeg decodes it)
         _decodes_as_the_reference(f, codec)
+
+
+def test_a_damaged_mp3s_decoder_notes_go_to_the_log(speech: Path, tmp_path: Path,
+                                                    capfd: pytest.CaptureFixture[str],
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """libmpg123 prints notes on a damaged MP3 to the process's stderr (one of them without a
+    newline), which broke a server's JSON log lines: they are one log warning now, and the
+    audio that is there is decoded."""
+    whole = _encode(speech, tmp_path / "ref.mp3", "mp3", 22050, "mono").read_bytes()
+    damaged = whole[: len(whole) // 2] + b"garbage" * 100
+    capfd.readouterr()
+    with caplog.at_level(logging.WARNING, logger="qtts.clone"):
+        d = decode(damaged)
+    assert capfd.readouterr().err == ""
+    said = [r.getMessage() for r in caplog.records if r.name == "qtts.clone"]
+    assert len(said) == 1 and said[0].startswith("the audio: its decoder said: "), said
+    assert "Illegal Audio-MPEG-Header" in said[0]
+    assert 0.5 < d.samples.size / d.sample_rate < decode(whole).samples.size / d.sample_rate
+    capfd.readouterr()
+    caplog.clear()
+    decode(whole)  # a sound file: nothing said
+    assert capfd.readouterr().err == "" and not caplog.records
 
 
 def test_an_aac_encoders_padding_is_not_audio(tmp_path: Path) -> None:

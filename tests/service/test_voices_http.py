@@ -183,6 +183,25 @@ def test_form_text_is_utf8_or_says_its_charset(base: Server, ref: bytes) -> None
     assert declared.content == good.content  # the same text, so the same speech
 
 
+def test_a_cut_short_mp3_reference_keeps_the_log_json(base: Server, ref: bytes) -> None:
+    """libmpg123 prints notes on a damaged MP3 straight to the worker's stderr ("Warning: Xing
+    stream size off ..." for one cut short, without a newline): the server's JSON log lines
+    broke. They are one warning record now, and the audio that is there clones the voice."""
+    import soundfile as sf
+
+    audio, rate = sf.read(io.BytesIO(ref), dtype="float32")
+    buf = io.BytesIO()
+    sf.write(buf, audio, rate, format="MP3")
+    cut = buf.getvalue()[: len(buf.getvalue()) * 3 // 4]  # a download cut short
+    before = len(base.log().splitlines())
+    assert_speech(speak(base, None, ref_audio=base64.b64encode(cut).decode()))
+    lines = base.log().splitlines()[before:]
+    assert all(line.startswith("{") for line in lines), [x for x in lines if x[:1] != "{"]
+    said = [r for r in map(json.loads, lines) if "its decoder said" in r["msg"]]
+    assert len(said) == 1 and "Xing stream size" in said[0]["msg"], said
+    assert said[0]["logger"] == "qtts.clone" and said[0]["level"] == "warning"
+
+
 def test_openai_sdk_clones_for_one_request(base: Server, ref: bytes) -> None:
     """One-shot cloning on /v1/audio/speech through the official client (extra_body; the
     client needs a voice: ``""``): the same samples as POST /tts with that reference."""
