@@ -13,11 +13,11 @@ No HTTP here, and the engine is only touched through its public names.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import signal
 import sys
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -115,6 +115,7 @@ def worker_main(conn: Any, cancel: Any, opts: WorkerOptions) -> None:
                     _STATE["busy"] = False
 
 
+log = logging.getLogger("qtts.worker")
 _STATE = {"busy": False, "term": False}
 # A new job (or text that may start a waiting live one) waits this long for the next message,
 # and at most GATHER_MAX_S in all, before the next round: jobs sent at one moment then prefill
@@ -277,7 +278,8 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
             return
         except Exception as e:
             if not isinstance(e, QttsError):
-                traceback.print_exc(file=sys.stderr)
+                log.error("a batch step failed: every job of this worker ends (%d)",
+                          len(running), exc_info=e)
             message = str(e) if isinstance(e, QttsError) else (
                 f"internal error: {type(e).__name__}")
             for r in running.values():
@@ -311,14 +313,14 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 def _failure(job_id: int, e: Exception) -> Failed:
     """A job's exception as its ``Failed`` answer: an ``InputError`` is a 400 naming its field,
     another engine error a 500 with its message, anything else a 500 naming only its type (the
-    traceback goes to stderr, never to the client)."""
+    traceback goes to the log, one record in the JSON format, never to the client)."""
     from engine.errors import InputError, QttsError
 
     if isinstance(e, InputError):
         return Failed(job_id, 400, e.field, str(e), e.code)
     if isinstance(e, QttsError):
         return Failed(job_id, 500, None, str(e))
-    traceback.print_exception(e, file=sys.stderr)
+    log.error("job %d failed: internal error", job_id, exc_info=e)
     return Failed(job_id, 500, None, f"internal error: {type(e).__name__}")
 
 

@@ -21,7 +21,14 @@ from engine.tools.make_model import make_model
 from service.protocol import Job, Ready, RunJob, StepDone, StopWorker, TextIn
 from service.settings import Settings
 from service.worker import worker_main
-from tests.service.helpers import FRAME_SAMPLES, Server, metric, server_starter, wait_metric
+from tests.service.helpers import (
+    FRAME_SAMPLES,
+    Server,
+    assert_traceback_logged,
+    metric,
+    server_starter,
+    wait_metric,
+)
 
 FRAME_S = FRAME_SAMPLES / 24000
 TEXTS = ["Hello there, how are you?", "Batching shares the weights.", "A third voice joins."]
@@ -96,6 +103,7 @@ def test_an_error_in_a_step_fails_that_batch_and_the_worker_goes_on(batch_server
     assert metric(ms, "qtts_requests_total", route="/tts", outcome="error") == 4
     assert metric(ms, "qtts_worker_restarts_total") == 0
     assert httpx.get(server.url + "/readyz", timeout=5).status_code == 200
+    assert_traceback_logged(server, "a batch step failed", 2)
 
 
 def test_kill_ends_every_job_of_that_worker_only(batch_server: Any) -> None:

@@ -18,7 +18,14 @@ import httpx
 import pytest
 
 from service.faults import Fault, InjectedFault
-from tests.service.helpers import FRAME_SAMPLES, Server, codes, metric, wait_metric
+from tests.service.helpers import (
+    FRAME_SAMPLES,
+    Server,
+    assert_traceback_logged,
+    codes,
+    metric,
+    wait_metric,
+)
 
 HANG_BOUND = 60.0  # seconds: only a hang reaches it
 
@@ -70,6 +77,8 @@ def test_worker_exception_is_a_json_500_with_the_request_id(make_server: Any) ->
     assert metric(ms, "qtts_worker_restarts_total") == 0  # an exception is not a crash
     ok = httpx.post(server.url + "/tts", json={"codes": codes(1), "format": "pcm"}, timeout=60)
     assert ok.status_code == 500  # the fault hits every job; the worker keeps serving
+    assert_traceback_logged(server, "failed: internal error", 3)
+
 
 
 def test_error_after_streaming_started_is_an_incomplete_transfer(make_server: Any) -> None:
