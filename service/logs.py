@@ -120,6 +120,9 @@ def setup_logging(fmt: str = "text", level: str = "info") -> None:
         lg.handlers[:] = []
         lg.propagate = True
     logging.getLogger("uvicorn.access").setLevel(logging.WARNING)
+    # a Python warning (numpy's floating-point ones too) is a record on "py.warnings", not two
+    # raw lines on stderr between the JSON ones
+    logging.captureWarnings(True)
     logging.getLogger("uvicorn.error").addFilter(_DropIncompleteResponse())
     logging.getLogger("uvicorn.error").addFilter(_ClientFrameErrors())
 
