@@ -16,6 +16,7 @@ import math
 import os
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ FIELD = "ref_audio"
 _NATIVE_SAID_BYTES = 2048  # of a decoder's notes kept for the log (one per bad frame)
 
 log = logging.getLogger("qtts.clone")
+_STDERR_BORROWED = threading.Lock()
 
 F32 = npt.NDArray[np.float32]
 
@@ -69,22 +71,24 @@ def _native_stderr_logged(name: str) -> Iterator[None]:
     to the log as one warning instead. libmpg123 (libsndfile's MP3 reader) prints notes on a
     damaged or oddly tagged MP3 ("Note: Illegal Audio-MPEG-Header ...", "Warning: Xing
     stream size off ...", the last without a newline): straight into a server's JSON log
-    lines, the next of which it broke."""
-    try:
-        sys.stderr.flush()
-        saved = os.dup(2)
-    except (AttributeError, OSError, ValueError):  # no fd 2 to borrow: leave it alone
-        yield
-        return
-    with tempfile.TemporaryFile() as said:
-        os.dup2(said.fileno(), 2)
+    lines, the next of which it broke. fd 2 is the process's: one decode at a time borrows it
+    (two threads interleaving their swaps left it on a closed temporary file)."""
+    with _STDERR_BORROWED:
         try:
+            sys.stderr.flush()
+            saved = os.dup(2)
+        except (AttributeError, OSError, ValueError):  # no fd 2 to borrow: leave it alone
             yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            said.seek(0)
-            text = said.read(_NATIVE_SAID_BYTES).decode("utf-8", "replace")
+            return
+        with tempfile.TemporaryFile() as said:
+            os.dup2(said.fileno(), 2)
+            try:
+                yield
+            finally:
+                os.dup2(saved, 2)
+                os.close(saved)
+                said.seek(0)
+                text = said.read(_NATIVE_SAID_BYTES).decode("utf-8", "replace")
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     if lines:
         log.warning("%s: its decoder said: %s", name, " | ".join(lines))

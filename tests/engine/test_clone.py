@@ -122,6 +122,19 @@ def test_a_damaged_mp3s_decoder_notes_go_to_the_log(speech: Path, tmp_path: Path
     caplog.clear()
     decode(whole)  # a sound file: nothing said
     assert capfd.readouterr().err == "" and not caplog.records
+    # threads decoding at once each get their notes logged, and fd 2 is stderr again after
+    before = os.fstat(2)
+    with caplog.at_level(logging.WARNING, logger="qtts.clone"):
+        workers = [threading.Thread(target=lambda: [decode(damaged) for _ in range(5)])
+                   for _ in range(4)]
+        for t in workers:
+            t.start()
+        for t in workers:
+            t.join()
+    after = os.fstat(2)
+    assert (after.st_dev, after.st_ino) == (before.st_dev, before.st_ino)
+    assert len([r for r in caplog.records if "Illegal Audio-MPEG-Header" in r.getMessage()]) == 20
+    assert capfd.readouterr().err == ""
 
 
 def test_an_aac_encoders_padding_is_not_audio(tmp_path: Path) -> None:
