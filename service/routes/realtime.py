@@ -105,7 +105,7 @@ class Session:
     async def run(self) -> None:
         s = self.st.settings
         self.out.event({"type": "session.started", "id": self.id, "audio": self.settings.audio,
-                   "start_default_tokens": s.realtime_min_tokens})
+                        "start_default_tokens": s.realtime_min_tokens})
         sender = asyncio.create_task(self.out.run())
         recv: asyncio.Task[Any] | None = None
         event: asyncio.Task[Any] | None = None
@@ -140,8 +140,8 @@ class Session:
                 if not done:
                     code = "idle_timeout" if idle is not None and idle <= left else "session_limit"
                     self.out.event({"type": "error", "code": code, "field": None,
-                               "message": "session idle too long" if code == "idle_timeout"
-                               else "session reached its time limit"})
+                                    "message": "session idle too long" if code == "idle_timeout"
+                                    else "session reached its time limit"})
                     self._cancel()
                     close = (1000, code)
                     break
@@ -165,8 +165,8 @@ class Session:
                     self._cancel()
                     self.out.drop()  # what the client did not read
                     self.out.event({"type": "error", "code": "client_too_slow", "field": None,
-                               "message": "the client did not read its audio: more than "
-                               f"{s.realtime_max_buffered_seconds:g} s were waiting"})
+                                    "message": "the client did not read its audio: more than "
+                                    f"{s.realtime_max_buffered_seconds:g} s were waiting"})
                     close = (CLOSE_POLICY, "client reads too slowly")
                     log.warning("realtime session closed: the client reads too slowly (more "
                                 "than %g s of audio waiting)", s.realtime_max_buffered_seconds)
@@ -227,7 +227,7 @@ class Session:
                 raise session_busy()
             self.settings, self.clone = m.settings, m.clone
             self.out.event({"type": "session.updated", "audio": m.settings.audio,
-                       "settings": m.settings.model_dump(exclude={"type"})})
+                            "settings": m.settings.model_dump(exclude={"type"})})
             return
         if self.utt is None or self.ticket is None:
             # nothing to flush, end or cancel: no text yet, or the model already finished
@@ -312,7 +312,7 @@ class Session:
                     ttfa = now - utt.first_text_at
                     self.st.metrics.realtime_ttfa.observe(ttfa)
                     self.out.event({"type": "audio.first", "id": utt.job_id,
-                               "text_to_first_audio_ms": round(ttfa * 1000, 1)})
+                                    "text_to_first_audio_ms": round(ttfa * 1000, 1)})
                 utt.last_audio_at = now
                 self.st.metrics.count_stall(utt.stall(now))
                 utt.player.hand_over(now, audio.shape[0] / self.sample_rate)
@@ -339,11 +339,11 @@ class Session:
                 self._end(outcome)
             case Failed(field=fld, message=message, code=code):
                 self.out.event({"type": "error", "code": code or "synthesis_failed", "field": fld,
-                           "message": message})
+                                "message": message})
                 self._end("error")
             case WorkerDied() | TimedOut():
                 self.out.event({"type": "error", "code": "worker_died", "field": None,
-                           "message": "the worker synthesizing this utterance died"})
+                                "message": "the worker synthesizing this utterance died"})
                 self._end("error")
 
     def _end(self, outcome: str) -> None:
@@ -354,7 +354,7 @@ class Session:
             self.out.audio(tail, 0.0)
         self._log(outcome)
         self.out.event({"type": "done", "id": utt.job_id,
-                   "usage": utt.usage(self.sample_rate, outcome)})
+                        "usage": utt.usage(self.sample_rate, outcome)})
         self.utt, self.ticket = None, None
         backlog, self.backlog = self.backlog, Backlog()
         for m in backlog:
