@@ -48,6 +48,8 @@ if TYPE_CHECKING:
     from engine.batching import BatchRunner
     from engine.pipeline import StreamInfo
 
+log = logging.getLogger("qtts.worker")
+
 
 def worker_main(conn: Any, cancel: Any, opts: WorkerOptions) -> None:
     """Entry point of a worker process (``multiprocessing`` spawn). ``conn``: its end of the
@@ -115,7 +117,6 @@ def worker_main(conn: Any, cancel: Any, opts: WorkerOptions) -> None:
                     _STATE["busy"] = False
 
 
-log = logging.getLogger("qtts.worker")
 _STATE = {"busy": False, "term": False}
 # A new job (or text that may start a waiting live one) waits this long for the next message,
 # and at most GATHER_MAX_S in all, before the next round: jobs sent at one moment then prefill

@@ -80,7 +80,6 @@ def test_worker_exception_is_a_json_500_with_the_request_id(make_server: Any) ->
     assert_traceback_logged(server, "failed: internal error", 3)
 
 
-
 def test_error_after_streaming_started_is_an_incomplete_transfer(make_server: Any) -> None:
     server = make_server(test_fault="raise@chunk=3")
     received = 0
