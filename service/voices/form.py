@@ -67,14 +67,15 @@ def _check_utf8(form: FormData, raw: bytes, content_type: str) -> None:
     is not."""
     params = dict(p.split("=", 1) for p in content_type.split(";")[1:] if "=" in p)
     named = {k.strip().lower(): v.strip().strip('"') for k, v in params.items()}.get("charset")
+    unknown = False
     try:
-        if named is not None and codecs.lookup(named).name != "utf-8":
+        if named and codecs.lookup(named).name != "utf-8":
             return  # a charset the client named and the parser applied
     except LookupError:
-        pass  # the parser read it as Latin-1
+        unknown = True  # the parser read it as Latin-1
     for key, value in form.multi_items():
         if isinstance(value, str) and not value.isascii() and value.encode("utf-8") not in raw:
-            why = (f"the form's charset {named[:40]!r} is not one known here" if named else
+            why = (f"the form's charset {str(named)[:40]!r} is not one known here" if unknown else
                    "it is not UTF-8 text")
             raise ApiError(400, f"{key[:64]}: cannot be read: {why}; send the form's text "
                            "fields in UTF-8 (or name their charset in the Content-Type)",

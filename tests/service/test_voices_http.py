@@ -183,6 +183,8 @@ def test_form_text_is_utf8_or_says_its_charset(base: Server, ref: bytes) -> None
     unknown = post(latin.encode("latin-1"), "x-klingon")
     assert unknown.status_code == 400 and unknown.json()["error"]["field"] == "text"
     assert "'x-klingon' is not one known here" in unknown.json()["error"]["message"]
+    named_utf8 = post(latin.encode("latin-1"), "UTF8")  # UTF-8 by another name: still not it
+    assert named_utf8.status_code == 400 and "not UTF-8 text" in named_utf8.text
     good = post(latin.encode("utf-8"))
     assert_speech(good)
     assert_speech(declared := post(latin.encode("latin-1"), "iso-8859-1"))
