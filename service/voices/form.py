@@ -12,6 +12,7 @@ import codecs
 import json
 from typing import Any
 
+from python_multipart.multipart import parse_options_header
 from starlette.datastructures import FormData, UploadFile
 from starlette.requests import Request
 from starlette.types import Message, Scope
@@ -65,11 +66,11 @@ def _check_utf8(form: FormData, raw: bytes, content_type: str) -> None:
     fails or the charset is unknown, as Latin-1 without a word: the text would be spoken as
     mojibake. A field decoded as UTF-8 is its own bytes in the body again; one that fell back
     is not."""
-    params = dict(p.split("=", 1) for p in content_type.split(";")[1:] if "=" in p)
-    named = {k.strip().lower(): v.strip().strip('"') for k, v in params.items()}.get("charset")
+    raw_charset = parse_options_header(content_type)[1].get(b"charset")  # as the parser reads it
+    named = raw_charset.decode("latin-1") if raw_charset is not None else None
     unknown = False
     try:
-        if named and codecs.lookup(named).name != "utf-8":
+        if named is not None and codecs.lookup(named).name != "utf-8":
             return  # a charset the client named and the parser applied
     except LookupError:
         unknown = True  # the parser read it as Latin-1
