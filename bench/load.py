@@ -72,13 +72,15 @@ async def client(url: str, body: dict, until: float, res: Result, headers: dict[
     pause drawn from an exponential of mean ``think`` seconds (0: none)."""
     rng = np.random.default_rng(seed)
     await asyncio.sleep(start)
+    opening = True  # this client's first request goes at ``start``, without a pause
     async with httpx.AsyncClient(timeout=120) as http:
         while time.monotonic() < until:
-            if think > 0 and res.ok + res.errors + res.rejected:
+            if think > 0 and not opening:
                 await asyncio.sleep(min(float(rng.exponential(think)),
                                         max(0.0, until - time.monotonic())))
                 if time.monotonic() >= until:
                     break
+            opening = False
             t0 = time.monotonic()
             first = None
             n = 0
