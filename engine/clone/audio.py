@@ -89,9 +89,10 @@ def _native_stderr_logged(name: str) -> Iterator[None]:
                 os.close(saved)
                 said.seek(0)
                 text = said.read(_NATIVE_SAID_BYTES).decode("utf-8", "replace")
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    if lines:
-        log.warning("%s: its decoder said: %s", name, " | ".join(lines))
+                # (also when the decode failed: the notes may say why)
+                lines = [line.strip() for line in text.splitlines() if line.strip()]
+                if lines:
+                    log.warning("%s: its decoder said: %s", name, " | ".join(lines))
 
 
 class _Mono:

@@ -118,6 +118,12 @@ def test_a_damaged_mp3s_decoder_notes_go_to_the_log(speech: Path, tmp_path: Path
     assert len(said) == 1 and said[0].startswith("the audio: its decoder said: "), said
     assert "Illegal Audio-MPEG-Header" in said[0]
     assert 0.5 < d.samples.size / d.sample_rate < decode(whole).samples.size / d.sample_rate
+    caplog.clear()
+    # one the decoder gives up on: its notes say why, beside the one-line refusal
+    with caplog.at_level(logging.WARNING, logger="qtts.clone"), \
+            pytest.raises(InputError, match="cannot be decoded"):
+        decode(whole[: len(whole) * 3 // 4] + b"garbage" * 200)
+    assert any("Giving up resync" in r.getMessage() for r in caplog.records), caplog.records
     capfd.readouterr()
     caplog.clear()
     decode(whole)  # a sound file: nothing said
