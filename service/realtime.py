@@ -323,6 +323,7 @@ class Utterance:
     frames: int = 0
     samples: int = 0
     chunks: int = 0
+    held: float = 0.0  # seconds of audio the encoder holds back (Ogg pages), not yet queued
     first_audio_at: float | None = None
     last_audio_at: float | None = None
     ended: bool = False  # the client sent end: later text is the next utterance's

@@ -98,7 +98,8 @@ class Session:
         self.ticket: Ticket | None = None
         self.backlog = Backlog()  # the next utterance's messages
         self.sample_rate = st.model.sample_rate
-        self.out = Outbox(ws, st.settings.realtime_max_buffered_seconds)
+        self.out = Outbox(ws, st.settings.realtime_max_buffered_seconds,
+                          st.metrics.audio_seconds.inc)
         self.encoder: Encoder = make_encoder("pcm", self.sample_rate)
 
     # ---- the session -------------------------------------------------------------------------
@@ -237,6 +238,10 @@ class Session:
             self.utt.cancelled = True
             self.utt.end_at = time.monotonic()
             self.st.pool.cancel(self.ticket)
+            if self.settings.format == "pcm":  # (Ogg pages are numbered: a stream keeps them)
+                for gone in self.out.drop_audio(self.utt.job_id):
+                    self.utt.frames -= gone.frames
+                    self.utt.samples -= gone.samples
             return
         if m.type == "end":
             self.utt.ended = True
@@ -306,6 +311,9 @@ class Session:
         assert utt is not None
         match ev:
             case Chunk(audio=audio, timings=timings, frames=frames):
+                self.st.metrics.observe_stages(timings, frames)
+                if utt.cancelled:  # made before the worker saw the cancel: not for a listener
+                    return  # who interrupted
                 now = time.monotonic()
                 if utt.first_audio_at is None:
                     utt.first_audio_at = now
@@ -319,16 +327,17 @@ class Session:
                 utt.frames += frames
                 utt.samples += int(audio.shape[0])
                 utt.chunks += 1
-                self.st.metrics.observe_stages(timings, frames)
                 announce = {"type": "audio", "id": utt.job_id, "seq": utt.chunks - 1,
                             "frames": frames, "samples": int(audio.shape[0]),
                             "timings_ms": {k: round(v * 1000, 2) for k, v in timings.items()}}
                 data = self.encoder.encode(np.asarray(audio, dtype=np.float32))
+                utt.held += audio.shape[0] / self.sample_rate
                 if data:
-                    self.out.audio(data, audio.shape[0] / self.sample_rate, announce)
+                    self.out.audio(data, utt.held, announce, utt.job_id, frames,
+                                   int(audio.shape[0]))
+                    utt.held = 0.0
                 else:  # an encoder that holds the audio back (Ogg pages)
                     self.out.event(announce)
-                self.st.metrics.audio_seconds.inc(audio.shape[0] / self.sample_rate)
                 return
             case Done(finish=finish, guessed=guessed, refuted=refuted):
                 if guessed:
@@ -351,7 +360,7 @@ class Session:
         assert utt is not None
         tail = self.encoder.finish()
         if tail:
-            self.out.audio(tail, 0.0)
+            self.out.audio(tail, utt.held)
         self._log(outcome)
         self.out.event({"type": "done", "id": utt.job_id,
                         "usage": utt.usage(self.sample_rate, outcome)})

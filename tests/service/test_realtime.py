@@ -122,6 +122,47 @@ def test_a_late_chunk_after_the_text_is_a_stream_gap(make_server: Any) -> None:
         waited, abs=1e-3)
 
 
+@pytest.mark.parametrize("fmt", ["pcm", "opus"])
+def test_a_cancel_drops_the_audio_the_worker_made_before_it(make_server: Any, fmt: str) -> None:
+    """A listener who interrupts hears nothing more of the utterance. The worker sleeps 1 s
+    before sending its second chunk (QTTS_TEST_FAULT), so that chunk is made before the cancel
+    arrives and reaches the session after it: it is not sent, and the utterance's usage and
+    the audio counter hold only what was."""
+    s: Server = make_server(test_fault="sleep=1.0@chunk=1")
+    before = metric(s.metrics(), "qtts_audio_seconds_total")
+
+    async def go() -> tuple[list[dict[str, Any]], bytes, list[dict[str, Any]], bytes]:
+        async with connect(ws_url(s)) as ws:
+            await open_session(ws, voice="ryan", start="immediate", seed=5, format=fmt)
+            await send(ws, type="text", text=SENTENCE)
+            await send(ws, type="end")
+            first: list[dict[str, Any]] = []
+            async for msg in ws:  # up to the first chunk's audio
+                if isinstance(msg, bytes):
+                    head = msg
+                    break
+                first.append(json.loads(msg))
+            await send(ws, type="cancel")
+            events, rest = await collect(ws)
+            return first, head, events, rest
+
+    first, head, events, rest = run(go())
+    announced = [e for e in first if e["type"] == "audio"]
+    assert len(announced) == 1, first
+    assert not [e for e in events if e["type"] == "audio"], events
+    done = events[-1]
+    assert done["type"] == "done" and done["usage"]["outcome"] == "cancelled"
+    assert done["usage"]["frames"] == announced[0]["frames"]
+    seconds = announced[0]["samples"] / 24000
+    assert done["usage"]["audio_seconds"] == pytest.approx(seconds, abs=1e-4)
+    if fmt == "pcm":
+        assert rest == b"" and len(head) == 2 * announced[0]["samples"]
+    else:  # the Ogg stream ends whole, with what was made before the cancel
+        assert abs(decoded_seconds(head + rest, "opus") - seconds) < 0.1
+    assert metric(s.metrics(), "qtts_audio_seconds_total") - before == pytest.approx(
+        seconds, abs=1e-3)
+
+
 def _post_stream(server: Server, text: str) -> bytes:
     """POST /tts of the same text in streaming-text mode with the same seed: its PCM."""
     r = httpx.post(server.url + "/tts", json={"text": text, "seed": 11, "format": "pcm",
@@ -1018,10 +1059,14 @@ def test_opus_utterance_is_one_ogg_stream(rt_server: Server) -> None:
             await send(ws, type="end")
             return await collect(ws)
 
+    before = metric(rt_server.metrics(), "qtts_audio_seconds_total")
     events, audio = run(go())
     assert audio[:4] == b"OggS"
     seconds = events[-1]["usage"]["audio_seconds"]
     assert abs(decoded_seconds(audio, "opus") - seconds) < 0.1
+    # the audio counter has the seconds handed to the socket (counted as pages go out)
+    assert metric(rt_server.metrics(), "qtts_audio_seconds_total") - before == pytest.approx(
+        seconds, abs=1e-3)
 
 
 
