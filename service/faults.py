@@ -9,12 +9,13 @@ Syntax ``ACTION@POINT``:
 * ACTION: ``raise`` (a RuntimeError), ``exit`` (``os._exit(3)``), ``hang`` (sleeps forever,
   deaf to cancels), ``sleep=SECONDS`` (a slow worker);
 * POINT: ``start`` (while the worker loads), ``chunk=N`` (before sending chunk N of a job,
-  counted from 0), ``chunk`` (before every chunk; meant for ``sleep``), ``clone`` (a clone
-  job's voice is made, before it is sent), ``text=N`` (a batching worker takes the text of
-  its live job N, counted from 0: a fault of that session's own, inside the batch).
+  counted from 0), ``chunk`` (before every chunk; meant for ``sleep``), ``done`` (after a
+  job's last chunk, before its end is sent), ``clone`` (a clone job's voice is made, before it
+  is sent), ``text=N`` (a batching worker takes the text of its live job N, counted from 0: a
+  fault of that session's own, inside the batch).
 
 Examples: ``raise@start``, ``raise@chunk=0``, ``hang@chunk=2``, ``sleep=0.2@chunk``,
-``raise@text=1``.
+``sleep=2@done``, ``raise@text=1``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ class InjectedFault(RuntimeError):
 @dataclass(frozen=True)
 class Fault:
     action: str
-    point: str  # "start", "chunk", "clone" or "text"
+    point: str  # "start", "chunk", "done", "clone" or "text"
     chunk: int | None = None  # the chunk or live job; None: every one
     seconds: float = 0.0
 
@@ -52,9 +53,9 @@ class Fault:
         if point.startswith(("chunk=", "text=")):
             point, n = point.split("=", 1)
             chunk = int(n)
-        if point not in ("start", "chunk", "clone", "text"):
+        if point not in ("start", "chunk", "done", "clone", "text"):
             raise ValueError(
-                f"{ENV}={spec!r}: point must be start, chunk, chunk=N, clone or text=N")
+                f"{ENV}={spec!r}: point must be start, chunk, chunk=N, done, clone or text=N")
         return cls(action, point, chunk, seconds)
 
     def hit(self, point: str, chunk: int | None = None) -> None:

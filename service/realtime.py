@@ -324,6 +324,7 @@ class Utterance:
     samples: int = 0
     chunks: int = 0
     held: float = 0.0  # seconds of audio the encoder holds back (Ogg pages), not yet queued
+    dropped: int = 0  # chunks not sent: made, or waiting for the socket, when it was cancelled
     first_audio_at: float | None = None
     last_audio_at: float | None = None
     ended: bool = False  # the client sent end: later text is the next utterance's

@@ -173,6 +173,8 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
             if isinstance(item, Rejected):
                 conn.send(_failure(r.job.id, item.error))
                 return
+            if fault is not None:  # QTTS_TEST_FAULT (tests only)
+                fault.hit("done")
             conn.send(Done(r.job.id, Finish(item.outcome), r.frames,
                            time.perf_counter() - r.t0, r.info.text_tokens, r.info.guessed,
                            r.info.refuted))
@@ -363,6 +365,8 @@ def _run_job(conn: Any, cancel: Any, synth: Synthesizer, job: Job,
             sent += 1
             frames += n
             conn.send(Chunk(job.id, audio, timings, n))
+        if fault is not None:  # QTTS_TEST_FAULT (tests only)
+            fault.hit("done")
         conn.send(Done(job.id, finish, frames, time.perf_counter() - t0, info.text_tokens,
                        info.guessed, info.refuted))
 

@@ -30,7 +30,7 @@ from service.gate import request_id
 from service.handles import Ticket
 from service.metrics import REALTIME_ROUTE
 from service.outbox import Outbox
-from service.protocol import Chunk, Done, Failed, TextIn, TimedOut, WorkerDied
+from service.protocol import Chunk, Done, Failed, Finish, TextIn, TimedOut, WorkerDied
 from service.realtime import (
     CLOSE_POLICY,
     CLOSE_TRY_AGAIN,
@@ -242,6 +242,7 @@ class Session:
                 for gone in self.out.drop_audio(self.utt.job_id):
                     self.utt.frames -= gone.frames
                     self.utt.samples -= gone.samples
+                    self.utt.dropped += 1
             return
         if m.type == "end":
             self.utt.ended = True
@@ -313,7 +314,8 @@ class Session:
             case Chunk(audio=audio, timings=timings, frames=frames):
                 self.st.metrics.observe_stages(timings, frames)
                 if utt.cancelled:  # made before the worker saw the cancel: not for a listener
-                    return  # who interrupted
+                    utt.dropped += 1  # who interrupted
+                    return
                 now = time.monotonic()
                 if utt.first_audio_at is None:
                     utt.first_audio_at = now
@@ -344,7 +346,9 @@ class Session:
                     self.st.metrics.realtime_guesses.labels("made").inc(guessed)
                 if refuted:
                     self.st.metrics.realtime_guesses.labels("refuted").inc(refuted)
-                outcome = "cancelled" if utt.cancelled else str(finish)
+                # a cancel that came after the whole utterance was sent stopped nothing
+                cut = utt.cancelled and (utt.dropped or finish == Finish.CANCELLED)
+                outcome = "cancelled" if cut else str(finish)
                 self._end(outcome)
             case Failed(field=fld, message=message, code=code):
                 self.out.event({"type": "error", "code": code or "synthesis_failed", "field": fld,

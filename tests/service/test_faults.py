@@ -53,7 +53,8 @@ def test_fault_syntax() -> None:
     assert Fault.parse("hang@chunk=2") == Fault("hang", "chunk", 2)
     assert Fault.parse("sleep=0.5@chunk") == Fault("sleep", "chunk", None, 0.5)
     assert Fault.parse("raise@text=1") == Fault("raise", "text", 1)
-    for bad in ("raise", "boom@start", "raise@middle", "raise@clone=2"):
+    assert Fault.parse("sleep=2@done") == Fault("sleep", "done", None, 2.0)
+    for bad in ("raise", "boom@start", "raise@middle", "raise@clone=2", "raise@done=1"):
         with pytest.raises(ValueError, match="QTTS_TEST_FAULT"):
             Fault.parse(bad)
     with pytest.raises(InjectedFault):

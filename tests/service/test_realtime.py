@@ -163,6 +163,45 @@ def test_a_cancel_drops_the_audio_the_worker_made_before_it(make_server: Any, fm
         seconds, abs=1e-3)
 
 
+def test_a_cancel_after_the_whole_utterance_was_sent_stops_nothing(make_server: Any) -> None:
+    """The worker holds an utterance's end 4 s after its last chunk (QTTS_TEST_FAULT): a
+    cancel sent in that time stops nothing, so the done reports the utterance's own outcome with
+    every frame it sent (not ``cancelled``), and the request counter agrees."""
+    s: Server = make_server(test_fault="sleep=4@done")
+    route = "/v1/tts/realtime"
+    before = metric(s.metrics(), "qtts_requests_total", route=route, outcome="cancelled")
+
+    async def go() -> tuple[list[dict[str, Any]], bytes]:
+        async with connect(ws_url(s)) as ws:
+            await open_session(ws, voice="ryan", start="immediate", seed=3)
+            await send(ws, type="text", text="A short answer.")
+            await send(ws, type="end")
+            events: list[dict[str, Any]] = []
+            audio = b""
+            while True:  # until the audio stops (the last chunk came; the end is held)
+                try:
+                    msg = await asyncio.wait_for(ws.recv(), 1.5 if audio else 60)
+                except TimeoutError:
+                    break
+                if isinstance(msg, bytes):
+                    audio += msg
+                else:
+                    events.append(json.loads(msg))
+                    assert events[-1]["type"] != "done", events
+            await send(ws, type="cancel")
+            rest, more = await collect(ws)
+            return events + rest, audio + more
+
+    events, audio = run(go())
+    done = events[-1]
+    assert done["type"] == "done"
+    assert done["usage"]["outcome"] in ("ok", "truncated_no_eos"), done
+    frames = sum(e["frames"] for e in events if e["type"] == "audio")
+    assert done["usage"]["frames"] == frames > 0
+    assert len(audio) == 2 * 1920 * frames
+    assert metric(s.metrics(), "qtts_requests_total", route=route, outcome="cancelled") == before
+
+
 def _post_stream(server: Server, text: str) -> bytes:
     """POST /tts of the same text in streaming-text mode with the same seed: its PCM."""
     r = httpx.post(server.url + "/tts", json={"text": text, "seed": 11, "format": "pcm",
