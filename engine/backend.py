@@ -12,7 +12,6 @@ variables); the BackendSet keeps them as ``options`` for everything built on it.
 from __future__ import annotations
 
 import os
-import sys
 import threading
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -23,6 +22,7 @@ from typing import Any
 import numpy as np
 from threadpoolctl import threadpool_limits
 
+from engine.debug_out import debug_line
 from engine.diagnostics import (
     DeterminismError,
     EvalHook,
@@ -506,7 +506,7 @@ class BackendSet:
                 if self.placement_log is not None:
                     self.placement_log.append(self.last_placement)
                 if self.debug:
-                    print(f"[qtts backend] {self.last_placement.line()}", file=sys.stderr)
+                    debug_line(f"[qtts backend] {self.last_placement.line()}")
         return out
 
     def _allocate(self, graph: Graph) -> None:
@@ -573,7 +573,7 @@ class BackendSet:
             lib.ggml_backend_sched_set_eval_callback(self.sched, ffi.NULL, ffi.NULL)
         self.last_op_log = hook.log
         if d.op_log:
-            print(hook.log.report(), file=sys.stderr)
+            debug_line(hook.log.report())
 
     def _placement(self, graph: Graph) -> Placement:
         per: Counter[str] = Counter()

@@ -15,12 +15,12 @@ They hook into ``BackendSet.execute``; nothing here runs unless its option is on
 from __future__ import annotations
 
 import hashlib
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from engine.debug_out import debug_line
 from engine.ggml import Tensor, ffi, lib
 from engine.ggml.graph import name_of, numpy_dtype_of
 
@@ -134,7 +134,7 @@ class EvalHook:
                 self.log.nodes.append(st)
                 self._seen[int(ffi.cast("uintptr_t", t))] = st
                 if self.echo:
-                    print(f"[qtts op-log] {st.line()}", file=sys.stderr)
+                    debug_line(f"[qtts op-log] {st.line()}")
                 if (st.nan or st.inf) and self.log.first_bad is None:
                     inputs = []
                     for i in range(lib.GGML_MAX_SRC):

@@ -25,7 +25,7 @@ Variables (all optional):
   QTTS_CHECK_DETERMINISM=1  run every graph twice and name the first node that differs
   QTTS_WINOGRAD=0        fast decoder: the direct conv kernels instead of Winograd
   QTTS_INT8_PREFILL=0    no int8 copy of a quantised talker's matrices for prefills
-  QTTS_PROFILE=1         print the per-stage times of every decoder push to stderr
+  QTTS_PROFILE=1         print the per-stage times of every decoder push (engine/debug_out.py)
   QTTS_PIN_PREFIXES=0    at warm-up, do not precompute every voice x language prompt prefix
 
 The backend choice (backend, fallback, device, threads, rpc servers) stays as the variables

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import sys
 from dataclasses import asdict, dataclass, fields
+
+from engine.debug_out import debug_line
 
 DECODER_STAGES = ("quant", "preconv", "pretr", "upsample", "bigvgan")
 TALKER_STAGES = ("prefill", "talker_step", "code_predictor")
@@ -37,6 +38,6 @@ class StageTimings:
                                for f in fields(self)})
 
     def report(self, label: str = "") -> None:
-        """Print the stages that took time as one line to stderr (``EngineOptions.profile``)."""
+        """Write the stages that took time as one debug line (``EngineOptions.profile``)."""
         parts = " ".join(f"{k}={v * 1e3:.1f}ms" for k, v in asdict(self).items() if v)
-        print(f"[qtts profile]{' ' + label if label else ''} {parts}", file=sys.stderr)
+        debug_line(f"[qtts profile]{' ' + label if label else ''} {parts}")

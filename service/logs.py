@@ -12,6 +12,8 @@ import sys
 import time
 from typing import Any
 
+from engine.debug_out import route
+
 REQUEST_LOGGER = "qtts.request"
 _STD = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
     "message", "asctime", "color_message", "taskName"}
@@ -123,6 +125,9 @@ def setup_logging(fmt: str = "text", level: str = "info") -> None:
     # a Python warning (numpy's floating-point ones too) is a record on "py.warnings", not two
     # raw lines on stderr between the JSON ones
     logging.captureWarnings(True)
+    # so are the engine's debug lines (QTTS_PROFILE, QTTS_DEBUG_BACKEND, QTTS_OP_LOG): records on
+    # "qtts.debug", at info
+    route(logging.getLogger("qtts.debug").info)
     logging.getLogger("uvicorn.error").addFilter(_DropIncompleteResponse())
     logging.getLogger("uvicorn.error").addFilter(_ClientFrameErrors())
 
