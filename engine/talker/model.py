@@ -58,6 +58,7 @@ STEP_BUCKET = 64  # talker-step graphs are rebuilt when the cache prefix crosses
 SHRINK_BYTES = 64 << 20  # a talker cache over this size shrinks when 4x bigger than needed
 PREFIX_CACHE_ENTRIES = 32  # prompt prefixes (voice x language x instruction) kept, LRU
 PREFIX_CACHE_BYTES = 64 << 20  # ... and at most this many bytes of them
+# (prefixes pinned by ``pin_prefixes`` at warm-up are kept apart and never evicted)
 # Prompt positions per prefill graph: a typical prompt (a sentence or a few) is one graph; a
 # longer one is several, so the compute buffer is bounded by this, not by the prompt.
 PREFILL_CHUNK = 256
@@ -65,8 +66,6 @@ PREFILL_CHUNK = 256
 # default frame budget needs ~770, so typical requests never allocate (an allocation is paid in
 # the first request's time to first audio; docs/performance.md, Figures behind the code).
 WARM_POSITIONS = 1024
-PIN_BATCH_POSITIONS = 512  # prompt-prefix rows computed together by pin_prefixes
-# (prefixes pinned by ``pin_prefixes`` at warm-up are kept apart and never evicted)
 
 
 class PrefillCancelled(Exception):
@@ -430,93 +429,38 @@ class TalkerModel:
 
     # -- pinned prompt prefixes --------------------------------------------------------------
 
-    def pin_prefixes(self, prompts: Sequence[Prompt], batch_positions: int = PIN_BATCH_POSITIONS,
-                     pin: bool = True) -> int:
+    def pin_prefixes(self, prompts: Sequence[Prompt], pin: bool = True) -> int:
         """Compute the K/V rows of the prefixes of ``prompts`` now and keep them for the life of
         the model (not in the LRU): a later request with one of those voice/language/instruction
         prefixes prefills only its own text. Returns how many prefixes are pinned in all.
         ``pin=False``: keep them among the recent prefixes instead (the LRU a prefill fills),
         for a voice that is likely to speak soon but need not stay.
 
-        Many prefixes run as one batch (up to ``batch_positions`` rows): each attends only to
-        its own rows (block-diagonal causal mask) at its own positions 0..P-1, so its rows are
-        those of a prefill of it alone, at one large GEMM's cost instead of many small ones.
+        Each prefix runs alone, in the graph a request that finds it missing runs first, so its
+        rows have the bits that request would keep: a voice sounds the same for a seed whether
+        its prefix was pinned at warm-up or computed by its first request (``QTTS_PIN_PREFIXES``
+        on or off). (One block-diagonal batch of many prefixes ran ggml's attention where a
+        request runs the fused one, and cost as much here: short prefixes stream the weights.)
         """
         todo: dict[tuple[bytes, bytes, bytes], Prompt] = {}
         for p in prompts:
-            if 0 < p.n_prefix < p.length:
-                key = _prefix_key(p, p.n_prefix)
+            if n := _prefix_positions(p):
+                key = _prefix_key(p, n)
                 if key not in self._pinned and (pin or key not in self._prefix):
                     todo.setdefault(key, p)
-        batch: list[tuple[tuple[bytes, bytes, bytes], Prompt]] = []
-        rows = 0
         for key, p in todo.items():
-            if batch and rows + p.n_prefix > batch_positions:
-                self._pin_batch(batch, pin)
-                batch, rows = [], 0
-            batch.append((key, p))
-            rows += p.n_prefix
-        if batch:
-            self._pin_batch(batch, pin)
-        return len(self._pinned)
-
-    def _pin_batch(self, batch: list[tuple[tuple[bytes, bytes, bytes], Prompt]], pin: bool
-                   ) -> None:
-        lengths = [p.n_prefix for _, p in batch]
-        n = sum(lengths)
-        if self.cache is None or self.cache.n_ctx < n:
-            self.reserve(n)
-        cache = self.cache
-        assert cache is not None
-        w = self.weights
-        n_layers = len(w.layers)
-        n_kv = prefill_n_kv(n, cache.n_ctx)
-        block = np.repeat(np.arange(len(batch)), lengths)
-        pos = np.concatenate([np.arange(m, dtype=np.int32) for m in lengths])
-        visible = (block[:, None] == block[None, :]) & (pos[None, :] <= pos[:, None])
-        mask = np.full((n, n_kv), -np.inf, dtype=np.float32)
-        mask[:, :n] = np.where(visible, 0.0, -np.inf)
-
-        with_add = any(p.embed_add is not None for _, p in batch)
-
-        def build(g: Graph) -> None:
-            b = Builder(g, w.talker_shape, mul_mat=w.mul_mat)
-            x, _ = self.prompt_embeddings(b, n, n, with_add)
-            a = prefill_inputs(g, n, n_kv)
-            # Pinned: ggml's attention nodes even for one prompt (whose mask is causal), so a
-            # prefix is pinned with the same bits whichever prefixes share its batch. Kept among
-            # the recent ones (one prompt): the fused attention, the bits a prefill's snapshot of
-            # the same prefix has.
-            a.causal = not pin and len(batch) == 1
-            a.snapshot = n  # the K/V rows are the outputs; nothing past them is computed
-            stack(b, w.layers, x, a, cache)
-
-        up: dict[str, np.ndarray[Any, Any]] = {
-            "text_ids": np.concatenate([p.text_ids[: p.n_prefix] for _, p in batch]),
-            "codec_ids": np.concatenate([p.codec_ids[: p.n_prefix] for _, p in batch]),
-            "codec_mask": np.concatenate([p.codec_mask[: p.n_prefix] for _, p in batch]
-                                         ).reshape(n, 1),
-            "pos": pos,
-            "mask": mask,
-        }
-        if with_add:
-            hidden = w.talker_shape.hidden
-            up["embed_add"] = np.concatenate([
-                p.embed_add[: p.n_prefix] if p.embed_add is not None
-                else np.zeros((p.n_prefix, hidden), np.float32) for _, p in batch])
-        out = execute_timed(self.backends, build, up, max_nodes=_graph_nodes(n_layers, n),
-                            stats=self.stats)
-        pk, pv = self._snapshot_rows(out)
-        start = 0
-        for (key, _), m in zip(batch, lengths, strict=True):
-            rows = (np.ascontiguousarray(pk[:, start : start + m]),
-                    np.ascontiguousarray(pv[:, start : start + m]))
+            n = p.n_prefix
+            if self.cache is None or self.cache.n_ctx < n:
+                self.reserve(n)
+            assert self.cache is not None
+            rows = self._snapshot_rows(self._prefill_graph(
+                p, self.cache, 0, n, first=True, capture=False, reuse=None, snapshot=n))
             if pin:
                 self._pinned[key] = rows
                 self._prefix.pop(key, None)
             else:
                 self._keep_prefix(key, rows)
-            start += m
+        return len(self._pinned)
 
     @property
     def kv_np(self) -> type[np.floating[Any]]:

@@ -83,9 +83,7 @@ def _params(model: Any, job: Job) -> SamplingParams:
 
 
 def _talker(model: Any, backends: BackendSet, kv_type: str) -> TalkerModel:
-    # every voice's prompt prefix computed once and kept, as a warmed-up worker has them: a
-    # prefill that computes its prefix and one that reuses it round differently, which is not
-    # what these tests are about
+    # every voice's prompt prefix computed once and kept, as a warmed-up worker has them
     talker = TalkerModel(model, backends, kv_type=kv_type)
     pb = PromptBuilder(model)
     talker.pin_prefixes([pb.build(".", v, "english") for v in pb.voices])

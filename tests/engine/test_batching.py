@@ -146,6 +146,30 @@ def test_a_voices_first_request_sounds_as_its_repeats(pipeline: Pipeline,
         p.close()
 
 
+def test_pinned_prefixes_change_no_audio(pipeline: Pipeline) -> None:
+    """A worker that pins every voice's prompt prefix at warm-up (QTTS_PIN_PREFIXES=1) speaks
+    the codes and audio of one that computes each prefix on its first request (=0), for every
+    seed: a pinned prefix has the bits a request keeps."""
+    runs = []
+    for pin in (True, False):
+        p = Pipeline(pipeline.model, pipeline.backends, pipeline.decoder, segment_tokens=8)
+        try:
+            p.warm_up(pin_prefixes=pin)
+            assert p.talker is not None and (p.talker.pinned_prefixes > 0) == pin
+            runs.append([_alone(p, SynthesisRequest(text, voice, lang, seed=seed, max_frames=12))
+                         for seed, (text, voice, lang) in enumerate([
+                             ("Hello there, my friend.", "serena", "italian"),
+                             ("A second voice speaks.", "ryan", "english"),
+                             ("Hello there, my friend.", "serena", "italian")])])
+        finally:
+            p.close()
+    for (a_chunks, a_info), (b_chunks, b_info) in zip(*runs, strict=True):
+        np.testing.assert_array_equal(np.concatenate(a_info.codes, 1),
+                                      np.concatenate(b_info.codes, 1))
+        np.testing.assert_array_equal(np.concatenate([c.audio for c in a_chunks]),
+                                      np.concatenate([c.audio for c in b_chunks]))
+
+
 def test_auto_ramp_doubles_in_company_and_keeps_each_streams_audio(pipeline: Pipeline) -> None:
     """With the ``auto`` ramp a stream alone takes the gentle sizes (those of an unbatched
     pipeline) and streams sharing the batch double theirs; a stream's codes stay its own, and
