@@ -124,11 +124,11 @@ def test_a_late_chunk_after_the_text_is_a_stream_gap(make_server: Any) -> None:
 
 @pytest.mark.parametrize("fmt", ["pcm", "opus"])
 def test_a_cancel_drops_the_audio_the_worker_made_before_it(make_server: Any, fmt: str) -> None:
-    """A listener who interrupts hears nothing more of the utterance. The worker sleeps 1 s
+    """A listener who interrupts hears nothing more of the utterance. The worker sleeps 2 s
     before sending its second chunk (QTTS_TEST_FAULT), so that chunk is made before the cancel
     arrives and reaches the session after it: it is not sent, and the utterance's usage and
     the audio counter hold only what was."""
-    s: Server = make_server(test_fault="sleep=1.0@chunk=1")
+    s: Server = make_server(test_fault="sleep=2.0@chunk=1")
     before = metric(s.metrics(), "qtts_audio_seconds_total")
 
     async def go() -> tuple[list[dict[str, Any]], bytes, list[dict[str, Any]], bytes]:
@@ -164,10 +164,10 @@ def test_a_cancel_drops_the_audio_the_worker_made_before_it(make_server: Any, fm
 
 
 def test_a_cancel_after_the_whole_utterance_was_sent_stops_nothing(make_server: Any) -> None:
-    """The worker holds an utterance's end 4 s after its last chunk (QTTS_TEST_FAULT): a
+    """The worker holds an utterance's end 6 s after its last chunk (QTTS_TEST_FAULT): a
     cancel sent in that time stops nothing, so the done reports the utterance's own outcome with
     every frame it sent (not ``cancelled``), and the request counter agrees."""
-    s: Server = make_server(test_fault="sleep=4@done")
+    s: Server = make_server(test_fault="sleep=6@done")
     route = "/v1/tts/realtime"
     before = metric(s.metrics(), "qtts_requests_total", route=route, outcome="cancelled")
 
@@ -180,7 +180,7 @@ def test_a_cancel_after_the_whole_utterance_was_sent_stops_nothing(make_server: 
             audio = b""
             while True:  # until the audio stops (the last chunk came; the end is held)
                 try:
-                    msg = await asyncio.wait_for(ws.recv(), 1.5 if audio else 60)
+                    msg = await asyncio.wait_for(ws.recv(), 3.0 if audio else 60)
                 except TimeoutError:
                     break
                 if isinstance(msg, bytes):
