@@ -255,9 +255,7 @@ class TalkerModel:
             # in one graph with the prefix, a one-row rest (a streaming-text opening) would
             # multiply the int8 copies (several rows) instead of the stored Q4_0 weights (one
             # row), and the first request of a voice would not sound as its repeats do.
-            out = self._prefill_graph(prompt, cache, 0, n_pre, first=True, capture=False,
-                                      reuse=None, snapshot=n_pre)
-            reuse = self._snapshot_rows(out)
+            reuse = self._prefix_rows(prompt, cache, n_pre)
             self._keep_prefix(key, reuse)
             start, snapshot = n_pre, 0
             yield n_pre
@@ -299,6 +297,13 @@ class TalkerModel:
         if reuse is not None and key in self._prefix:
             self._prefix.move_to_end(key)
         return n_pre, reuse
+
+    def _prefix_rows(self, prompt: Prompt, cache: KVCache, n_pre: int
+                     ) -> tuple[np.ndarray[Any, Any], np.ndarray[Any, Any]]:
+        """The K/V rows of ``prompt``'s first ``n_pre`` positions, computed alone: by a prefill
+        that lacks them and by ``pin_prefixes`` alike, so the two keep the same bits."""
+        return self._snapshot_rows(self._prefill_graph(
+            prompt, cache, 0, n_pre, first=True, capture=False, reuse=None, snapshot=n_pre))
 
     def _prefill_graph(self, prompt: Prompt, cache: KVCache, c0: int, c1: int, *, first: bool,
                        capture: bool,
@@ -436,11 +441,12 @@ class TalkerModel:
         ``pin=False``: keep them among the recent prefixes instead (the LRU a prefill fills),
         for a voice that is likely to speak soon but need not stay.
 
-        Each prefix runs alone, in the graph a request that finds it missing runs first, so its
-        rows have the bits that request would keep: a voice sounds the same for a seed whether
-        its prefix was pinned at warm-up or computed by its first request (``QTTS_PIN_PREFIXES``
-        on or off). (One block-diagonal batch of many prefixes ran ggml's attention where a
-        request runs the fused one, and cost as much here: short prefixes stream the weights.)
+        Each prefix runs alone, as a request that finds it missing runs it first
+        (``_prefix_rows``), so its rows have the bits that request would keep: a voice sounds the
+        same for a seed whether its prefix was pinned at warm-up or computed by its first request
+        (``QTTS_PIN_PREFIXES`` on or off). (One block-diagonal batch of many prefixes ran ggml's
+        attention where a request runs the fused one, and cost as much here: short prefixes
+        stream the weights.)
         """
         todo: dict[tuple[bytes, bytes, bytes], Prompt] = {}
         for p in prompts:
@@ -453,8 +459,7 @@ class TalkerModel:
             if self.cache is None or self.cache.n_ctx < n:
                 self.reserve(n)
             assert self.cache is not None
-            rows = self._snapshot_rows(self._prefill_graph(
-                p, self.cache, 0, n, first=True, capture=False, reuse=None, snapshot=n))
+            rows = self._prefix_rows(p, self.cache, n)
             if pin:
                 self._pinned[key] = rows
                 self._prefix.pop(key, None)
