@@ -196,13 +196,19 @@ def wait_metric(server: Server, name: str, value: float, timeout: float = 5.0,
         time.sleep(0.05)
 
 
+def log_records(server: Server, skip: int = 0) -> list[dict[str, Any]]:
+    """The records of a JSON-format server's log past its first ``skip`` lines, after checking
+    that each of those lines is one (a raw line breaks the log for its reader)."""
+    lines = server.log().splitlines()[skip:]
+    assert all(line.startswith("{") for line in lines), [x for x in lines if x[:1] != "{"]
+    return [json.loads(line) for line in lines]
+
+
 def tracebacks_logged(server: Server, words: str) -> list[dict[str, Any]]:
     """The worker's error records whose message holds ``words``, each with its traceback inside
     the JSON record (``exc``), after checking that every log line is JSON: the worker printed
     tracebacks raw onto stderr, lines that broke a JSON log."""
-    lines = server.log().splitlines()
-    assert all(line.startswith("{") for line in lines), [x for x in lines if x[:1] != "{"]
-    records = [r for r in map(json.loads, lines) if words in r["msg"]]
+    records = [r for r in log_records(server) if words in r["msg"]]
     assert all(r["logger"] == "qtts.worker" and r["level"] == "error"
                and "InjectedFault" in r["exc"] for r in records), records
     return records
