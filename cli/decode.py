@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+import zipfile
 from typing import Any
 
 import numpy as np
@@ -19,7 +20,9 @@ def load_codes(path: str, n_quantizers: int) -> np.ndarray[Any, Any]:
         arr = np.load(path, allow_pickle=False)
     except FileNotFoundError:
         raise InputError("codes", f"{path}: no such file") from None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        # (numpy ends an empty file with EOFError, and one that starts like a zip archive
+        # without being one with BadZipFile)
         raise InputError("codes", f"{path}: not a readable .npy array ({exc})") from None
     if not isinstance(arr, np.ndarray):  # an .npz archive: several arrays, which one?
         arr.close()

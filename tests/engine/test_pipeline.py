@@ -328,11 +328,14 @@ def test_cli_output_paths_are_checked_before_any_work(stress_gguf: Path, tmp_pat
                                                       ) -> None:  # fmt: skip
     """A file the command could not write is a one-line error naming the option, found before
     the model is even opened (a synthesis used to run whole, then end in libsndfile's
-    traceback); a bad codes file or chunk size too."""
+    traceback); a bad codes file or chunk size too (an empty one, or one that starts like a
+    zip archive, ended in numpy's traceback)."""
     (tmp_path / "adir").mkdir()
     codes = tmp_path / "c.npy"
     np.save(codes, np.zeros((16, 2), np.int32))
     np.savez(tmp_path / "c.npz", a=np.zeros((16, 2), np.int32))
+    (tmp_path / "empty.npy").write_bytes(b"")
+    (tmp_path / "pk.npy").write_bytes(b"PK\x03\x04garbage")  # a zip archive's first bytes
     nowhere = str(tmp_path / "no-such.gguf")  # checked after the output: never reached
     synth = ["synth", "Hello.", "--model", nowhere, "--voice", "ryan"]
     decode = ["decode", "--model", nowhere, "--codes", str(codes)]
@@ -348,6 +351,9 @@ def test_cli_output_paths_are_checked_before_any_work(stress_gguf: Path, tmp_pat
         ([*decode, "--out", str(tmp_path / "o.wav"), "--stream-chunk", "-3"], "must be >= 1"),
         (["decode", "--model", str(stress_gguf), "--codes", str(tmp_path / "c.npz"), "--out",
           str(tmp_path / "o.wav")], "an .npz archive"),
+        *((["decode", "--model", str(stress_gguf), "--codes", str(tmp_path / name), "--out",
+            str(tmp_path / "o.wav")], f"{name}: not a readable .npy array")
+          for name in ("empty.npy", "pk.npy")),
     ):  # fmt: skip
         assert main(argv) == 2, argv
         err = capsys.readouterr().err
