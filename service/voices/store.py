@@ -192,6 +192,10 @@ class VoiceStore(ABC):
                 return None
             cur.execute(self._sql("DELETE FROM voices WHERE id = ? AND owner = ?"),
                         (voice_id, owner))
+            if cur.rowcount == 0:
+                # a delete of the same voice that committed after our SELECT (PostgreSQL's
+                # read committed): it was that one's to report, not ours too
+                return None
         return _voice(row)
 
     def count(self) -> int:

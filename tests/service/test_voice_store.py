@@ -118,6 +118,28 @@ def test_twenty_parallel_creates_and_deletes_stay_consistent(store: VoiceStore) 
         assert full is not None and len(full.prompt) == 100
 
 
+def test_parallel_deletes_of_one_voice_report_it_once(store: VoiceStore) -> None:
+    """Of several deletes of one voice at once exactly one returns it (the API's 200 and the
+    stored-voice gauge's one decrement); on PostgreSQL every one that had read the row before
+    the first committed returned it too."""
+    def work(vid: str, start: threading.Barrier, got: list[StoredVoice | None]) -> None:
+        start.wait()
+        got.append(store.delete("alice", vid))
+
+    for trial in range(5):
+        store.create(voice(trial))
+        start = threading.Barrier(8)
+        got: list[StoredVoice | None] = []
+        threads = [threading.Thread(target=work, args=(f"voice_{trial:04d}", start, got))
+                   for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sum(g is not None for g in got) == 1, (trial, got)
+    assert store.count() == 0
+
+
 def test_unreachable_sqlite_is_unavailable(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
