@@ -37,10 +37,11 @@ _STORE_THREADS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="qtts-stor
 
 async def _in_store_thread(store: VoiceStore, op: Callable[[VoiceStore], T]) -> T:
     """``op(store)``, or TimeoutError after the store's ``answer_seconds`` (the thread waits
-    on for the database; the caller does not)."""
+    on for the database, and rolls back what it wrote once it answers: ``VoiceStore.call``)."""
     loop = asyncio.get_running_loop()
-    return await asyncio.wait_for(loop.run_in_executor(_STORE_THREADS, op, store),
-                                  store.answer_seconds)
+    deadline = time.monotonic() + store.answer_seconds
+    return await asyncio.wait_for(
+        loop.run_in_executor(_STORE_THREADS, store.call, op, deadline), store.answer_seconds)
 
 
 def retry_after(st: State) -> dict[str, str]:

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 from service.voices.schema import SCHEMA_VERSION, VERSION_TABLE, statements
@@ -29,6 +30,9 @@ COLUMNS = ("id", "owner", "name", "mode", "model", "fingerprint", "ref_sha256", 
            "created", "prompt", "ref_audio")
 # (PostgreSQL's advisory lock key for migrations: any constant all replicas agree on)
 _MIGRATION_LOCK = 0x71747473
+# seconds a write keeps free before its caller's deadline for its commit to be answered
+COMMIT_MARGIN = 1.0
+T = TypeVar("T")
 
 
 class StoreUnavailable(Exception):
@@ -71,10 +75,12 @@ class VoiceStore(ABC):
     def __init__(self) -> None:
         self._migrated = False
         self._lock = threading.Lock()
+        self._calls = threading.local()  # the deadline of the call a thread runs
 
     # ---- back-end specifics ----------------------------------------------------------------
     @abstractmethod
-    def _connect(self) -> Any: ...
+    def _connect(self, write: bool) -> Any:
+        """A connection in a new transaction (``write``: one that will write)."""
 
     @abstractmethod
     def _release(self, conn: Any, ok: bool) -> None: ...
@@ -91,21 +97,42 @@ class VoiceStore(ABC):
     def describe(self) -> str:
         """Where the store is, for logs (no password)."""
 
+    def call(self, op: Callable[[VoiceStore], T], deadline: float) -> T:
+        """``op(self)`` for a caller that stops waiting at ``deadline`` (``time.monotonic``):
+        past it a transaction is rolled back, not committed. A database frozen mid-statement
+        runs the statement when it thaws; the caller answered 503 long before, and a voice
+        created or deleted after that 503 would be a change its client was told did not
+        happen."""
+        self._calls.deadline = deadline
+        try:
+            return op(self)
+        finally:
+            self._calls.deadline = None
+
+    def _late(self, margin: float) -> bool:
+        deadline = getattr(self._calls, "deadline", None)
+        return deadline is not None and time.monotonic() > deadline - margin
+
     # ---- plumbing --------------------------------------------------------------------------
     def _sql(self, q: str) -> str:
         return q if self.placeholder == "?" else q.replace("?", self.placeholder)
 
     @contextmanager
-    def _tx(self) -> Iterator[Any]:
-        """A cursor in one transaction: committed on success, rolled back on error; driver
-        errors become the store's exceptions."""
+    def _tx(self, write: bool = True) -> Iterator[Any]:
+        """A cursor in one transaction: committed on success, rolled back on error or when its
+        caller gave up (``call``); driver errors become the store's exceptions."""
         conn = None
         ok = False
         try:
-            conn = self._connect()
+            if self._late(0.0):  # (it waited for a thread that long)
+                raise StoreUnavailable("the voice store did not answer in time")
+            conn = self._connect(write)
             cur = conn.cursor()
             try:
                 yield cur
+                if write and self._late(COMMIT_MARGIN):
+                    raise StoreUnavailable("the voice store answered after its caller gave "
+                                           "up: rolled back")
                 conn.commit()
                 ok = True
             except BaseException:
@@ -164,7 +191,7 @@ class VoiceStore(ABC):
     def get(self, owner: str, voice_id: str) -> StoredVoice | None:
         """The owner's voice ``voice_id`` (None for another owner's: no probing)."""
         self._ready()
-        with self._tx() as cur:
+        with self._tx(write=False) as cur:
             cur.execute(self._sql(f"SELECT {', '.join(COLUMNS)} FROM voices "
                                   "WHERE id = ? AND owner = ?"), (voice_id, owner))
             row = cur.fetchone()
@@ -174,7 +201,7 @@ class VoiceStore(ABC):
         """The owner's voices, oldest first (prompts and audio left out)."""
         self._ready()
         cols = ", ".join(c if c not in ("prompt", "ref_audio") else "NULL" for c in COLUMNS)
-        with self._tx() as cur:
+        with self._tx(write=False) as cur:
             cur.execute(self._sql(f"SELECT {cols} FROM voices WHERE owner = ? "
                                   "ORDER BY created, id"), (owner,))
             rows: Sequence[Any] = cur.fetchall()
@@ -201,7 +228,7 @@ class VoiceStore(ABC):
     def count(self) -> int:
         """Voices of every owner (the stored-voice gauge)."""
         self._ready()
-        with self._tx() as cur:
+        with self._tx(write=False) as cur:
             cur.execute("SELECT COUNT(*) FROM voices")
             return int(cur.fetchone()[0])
 
@@ -230,7 +257,7 @@ class SqliteStore(VoiceStore):
         self.busy_seconds = busy_seconds
         self.answer_seconds = busy_seconds + 5.0
 
-    def _connect(self) -> sqlite3.Connection:
+    def _connect(self, write: bool) -> sqlite3.Connection:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -241,8 +268,9 @@ class SqliteStore(VoiceStore):
         try:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")  # durable across crashes in WAL mode
-            # writes take the lock at BEGIN: no upgrade deadlock between two writers
-            conn.execute("BEGIN IMMEDIATE")
+            # writes take the lock at BEGIN: no upgrade deadlock between two writers; reads
+            # take none (WAL: they read the last commit while a writer holds the lock)
+            conn.execute("BEGIN IMMEDIATE" if write else "BEGIN")
         except BaseException:
             conn.close()
             raise
@@ -285,7 +313,7 @@ class PostgresStore(VoiceStore):
         self._idle: list[Any] = []
         self._pool_lock = threading.Lock()
 
-    def _connect(self) -> Any:
+    def _connect(self, write: bool) -> Any:
         with self._pool_lock:
             if self._idle:
                 return self._idle.pop()

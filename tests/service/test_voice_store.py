@@ -7,7 +7,7 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +15,7 @@ import pytest
 from service.voices.schema import SCHEMA_VERSION
 from service.voices.store import (
     DuplicateName,
+    PostgresStore,
     StoredVoice,
     StoreUnavailable,
     VoiceStore,
@@ -171,6 +172,78 @@ def test_sqlite_is_in_wal_mode(tmp_path: Path) -> None:
     open_store(None, tmp_path).count()
     with sqlite3.connect(tmp_path / "voices.sqlite3") as c:
         assert c.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+
+
+def test_sqlite_reads_do_not_wait_for_a_writer(tmp_path: Path) -> None:
+    """While another connection holds the write lock, lookups read the last commit at once
+    (every operation took the write lock: a stored voice's request waited, then got a 503)
+    and a create waits its timeout, then is unavailable."""
+    s = open_store(None, tmp_path, timeout=1.0)
+    s.create(voice(1))
+    with sqlite3.connect(tmp_path / "voices.sqlite3", isolation_level=None) as writer:
+        writer.execute("BEGIN IMMEDIATE")
+        writer.execute("DELETE FROM voices")  # not committed: readers still see the voice
+        t0 = time.monotonic()
+        assert [v.id for v in s.list("alice")] == ["voice_0001"]
+        assert s.get("alice", "voice_0001") is not None and s.count() == 1
+        assert time.monotonic() - t0 < 0.5
+        with pytest.raises(StoreUnavailable, match="locked"):
+            s.create(voice(2))
+        writer.execute("ROLLBACK")
+    s.create(voice(2))
+    assert s.count() == 2
+
+
+def test_a_write_answered_after_its_caller_gave_up_is_rolled_back(tmp_path: Path) -> None:
+    """A create and a delete sent to a PostgreSQL server that froze (SIGSTOP) got their 503,
+    then happened when it thawed: a voice the client was told was not made (and a 409 for its
+    retry), a voice it was told still exists gone."""
+    import asyncio
+    import os
+    import signal
+    import subprocess
+
+    from service.voices.api import _in_store_thread
+    from tests.postgres import Postgres
+
+    pg = Postgres(tmp_path / "pg")  # its own server: this test freezes it
+    store = PostgresStore(pg.url, connect_timeout=1.0, statement_timeout=1.0)
+
+    def while_frozen(op: Callable[[VoiceStore], object]) -> None:
+        # on the connection the store keeps: the statement waits in the frozen server
+        finished = threading.Event()
+
+        def run(st: VoiceStore) -> object:
+            try:
+                return op(st)
+            finally:
+                finished.set()
+
+        head = int((pg.data / "postmaster.pid").read_text().split()[0])
+        kids = subprocess.run(["pgrep", "-P", str(head)], capture_output=True,
+                              text=True).stdout.split()
+        frozen = [head, *map(int, kids)]
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(TimeoutError):
+                asyncio.run(_in_store_thread(store, run))
+        finally:
+            for pid in frozen:
+                os.kill(pid, signal.SIGCONT)
+        assert finished.wait(30)  # the statement ran when the server thawed
+
+    try:
+        store.create(voice(1))
+        while_frozen(lambda st: st.create(voice(2)))
+        assert [v.id for v in store.list("alice")] == ["voice_0001"]
+        while_frozen(lambda st: st.delete("alice", "voice_0001"))
+        assert [v.id for v in store.list("alice")] == ["voice_0001"]
+        store.create(voice(2))  # the retry of the create that was refused
+        assert store.count() == 2
+    finally:
+        store.close()
+        pg.close()
 
 
 def test_unknown_database_scheme(tmp_path: Path) -> None:
