@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from engine.errors import InputError
+from engine.errors import InputError, QttsError
 from engine.gguf_schema import GenerationDefaults
 
 F32 = npt.NDArray[np.float32]
@@ -175,10 +175,17 @@ def choose(
     in ascending id order: the same distribution and, for a given ``rng`` state, the same id as
     drawing over the whole vocabulary with masked entries at probability 0 (zeros change
     neither the running sums nor the order); tested against that textbook path.
+
+    Scores with a NaN or +inf, or with no finite one, are the model's fault (weights that
+    overflow float32): an error, not a code (argmax took the first NaN, the draw dropped them
+    and drew among the rest, or found nothing to draw from).
     """
-    if not do_sample:
-        return int(np.argmax(scores))
     s = np.asarray(scores, dtype=np.float32)
+    if not (np.all(s < np.inf) and np.any(s > -np.inf)):
+        raise QttsError("the model computed scores that are NaN or infinite (weights that "
+                        "overflow float32?)")
+    if not do_sample:
+        return int(np.argmax(s))
     if temperature != 1.0:
         s = s / np.float32(temperature)
     ids = np.flatnonzero(np.isfinite(s))

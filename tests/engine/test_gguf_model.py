@@ -375,25 +375,41 @@ def test_fuzz_truncations_and_byte_flips(tiny_gguf: Path, tmp_path: Path) -> Non
     # (no total-time bound: each open has its own 5 s hang alarm; speed is not checked here)
 
 
-def test_a_damaged_codebook_is_refused_when_the_decoder_loads(tiny_gguf: Path,
-                                                              tmp_path: Path) -> None:
-    """Tensor data has no checksum: a NaN in a codebook's usage counts (bit rot, a bad copy)
-    passed every check and turned the audio to NaN, with numpy warnings on stderr."""
-    from engine.backend import BackendSet
-    from engine.decoder import DecoderModel
+def _damage(src: Path, dst: Path, name: str, at: int, value: bytes) -> Path:
+    with open_model(src) as m:
+        info = m.tensor_info(name)
+    data = bytearray(src.read_bytes())
+    data[info.offset + at : info.offset + at + len(value)] = value
+    dst.write_bytes(bytes(data))
+    return dst
 
-    with open_model(tiny_gguf) as m:
-        info = m.tensor_info("dec.rvq.cb.3.usage")
-    assert info.ggml_type == GGML_F32
-    data = bytearray(tiny_gguf.read_bytes())
-    data[info.offset + 8 : info.offset + 12] = np.float32(np.nan).tobytes()
-    bad = tmp_path / "bad.gguf"
-    bad.write_bytes(bytes(data))
-    backends = BackendSet.from_env({"QTTS_BACKEND": "cpu", "QTTS_THREADS": "1"})
-    try:
-        with open_model(bad) as m, pytest.raises(ModelFileError) as exc:
-            DecoderModel.load(m, backends, "exact")
-    finally:
-        backends.close()
-    assert str(exc.value) == (f"{bad}: codebook dec.rvq.cb.3 holds NaN or infinite values: "
-                              "the file is damaged")
+
+def test_a_weight_that_is_not_finite_is_refused_when_the_file_opens(
+        tiny_gguf: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Tensor data has no checksum: one NaN or infinity (bit rot, a bad copy, a bad export)
+    passed every check; in a norm it turned the decoder's audio into full-scale DC (its clamp
+    maps NaN to +1) and the talker's logits into NaN (greedy codes all 0, sampling a numpy
+    traceback), with exit status 0. Every type is looked at: F32, F16 and a Q4_0 block's
+    scale."""
+    from engine.tools.convert import convert
+
+    f16 = tmp_path / "f16.gguf"
+    convert(tiny_model_dir, f16, dtype="f16", progress=False)
+    q4 = tmp_path / "q4.gguf"
+    convert(tiny_model_dir, q4, dtype="q4_0", progress=False)
+    nan32, inf32 = np.float32(np.nan).tobytes(), np.float32(-np.inf).tobytes()
+    inf16, nan16 = np.float16(np.inf).tobytes(), np.float16(np.nan).tobytes()
+    for src, name, at, value in (
+        (tiny_gguf, "dec.rvq.cb.3.usage", 8, nan32),
+        (tiny_gguf, "talk.blk.0.attn_norm.weight", 4, inf32),
+        (tiny_gguf, "dec.pretr.blk.0.attn_norm.weight", 0, nan32),
+        (f16, "talk.blk.1.ffn_up.weight", 6, inf16),
+        (q4, "talk.blk.0.attn_q.weight", 18, nan16),  # the second block's F16 scale
+    ):  # fmt: skip
+        bad = _damage(src, tmp_path / "bad.gguf", name, at, value)
+        with pytest.raises(ModelFileError) as exc:
+            open_model(bad)
+        assert str(exc.value) == (f"{bad}: tensor {name} holds NaN or infinite values (a "
+                                  "damaged file)")
+    for good in (tiny_gguf, f16, q4):
+        open_model(good).close()

@@ -7,7 +7,7 @@ import importlib.util
 import numpy as np
 import pytest
 
-from engine.errors import InputError
+from engine.errors import InputError, QttsError
 from engine.talker.sampling import (
     SamplingParams,
     choose,
@@ -141,3 +141,15 @@ def test_fast_draw_equals_full_vocabulary_draw(t: float, k: int, p: float) -> No
     r2 = np.random.default_rng(5)
     b = [_slow_choose(scores, t, k, p, r2) for _ in range(300)]
     assert a == b
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_scores_that_are_not_numbers_are_an_error(do_sample: bool) -> None:
+    """NaN or +inf scores, or none finite, came from a model whose weights overflow: greedy took
+    the first NaN's id (codes of 0), sampling drew among the finite rest or died in numpy."""
+    rng = np.random.default_rng(0)
+    ok = np.array([0.5, -np.inf, 1.0, 0.2], np.float32)
+    assert choose(ok, do_sample, 1.0, 0, 1.0, rng) in (0, 2, 3)
+    for bad in ([0.5, np.nan, 1.0, 0.2], [np.nan] * 4, [0.5, np.inf, 1.0, 0.2], [-np.inf] * 4):
+        with pytest.raises(QttsError, match="NaN or infinite"):
+            choose(np.array(bad, np.float32), do_sample, 1.0, 0, 1.0, rng)
