@@ -4,6 +4,8 @@
   converter (engine/tools) uses them without the native layer. ``f32_to_bf16`` rounds like
   ggml's reference converter (nearest even, NaN kept quiet); ``flush_subnormals`` rounds like
   the AVX512-BF16 instruction our conv kernels use (zero and subnormals to signed zero).
+* ``finite_f32`` / ``finite_bits``: whether float32 values, or F16 / BF16 bit patterns, are
+  all finite (a damaged weight is refused by the converter and by the loader alike).
 * ``to_f32``: any stored tensor (F32, F16, BF16 or a ggml block type) as float32; the block
   types go through ggml's own row converter, the one the compute kernels agree with.
 """
@@ -27,6 +29,36 @@ def bf16_to_f32(bits: npt.NDArray[Any]) -> npt.NDArray[np.float32]:
 # array temporaries cost a model's weights fresh pages at every step (docs/performance.md,
 # Session 29: most of a fast decoder's load)
 _CHUNK = 1 << 18
+
+
+F16_EXPONENT, BF16_EXPONENT = 0x7C00, 0x7F80  # all exponent bits set: infinite or NaN
+
+
+def finite_f32(x: npt.NDArray[np.float32]) -> bool:
+    """Every value finite, in cache-sized pieces (NaN propagates through max and min, an
+    infinity is one of them: no temporaries)."""
+    flat = x.reshape(-1)
+    return all(np.isfinite(c.max()) and np.isfinite(c.min())
+               for c in (flat[i : i + _CHUNK] for i in range(0, flat.size, _CHUNK)))
+
+
+def finite_bits(bits: npt.NDArray[np.uint16], exponent: int) -> bool:
+    """Every F16 (``exponent`` = ``F16_EXPONENT``) or BF16 (``BF16_EXPONENT``) bit pattern
+    finite."""
+    flat = bits.reshape(-1)
+    return all(int(np.bitwise_and(c, 0x7FFF).max()) < exponent
+               for c in (flat[i : i + _CHUNK] for i in range(0, flat.size, _CHUNK)))
+
+
+def block_scales(raw: npt.NDArray[Any], ggml_type: int) -> npt.NDArray[np.uint16]:
+    """The F16 scale that starts each block of a Q8_0 / Q4_0 tensor's bytes (a strided
+    view)."""
+    from gguf import GGMLQuantizationType
+    from gguf.constants import GGML_QUANT_SIZES
+
+    size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)][1]
+    view: npt.NDArray[np.uint16] = np.asarray(raw).reshape(-1, size)[:, :2].view(np.uint16)
+    return view
 
 
 def f32_to_bf16(x: npt.NDArray[Any], flush_subnormals: bool = False) -> npt.NDArray[np.uint16]:

@@ -36,7 +36,14 @@ from engine.codec_encoder.schema import (
     check_codec_encoder_config,
     codec_encoder_tensor_specs,
 )
-from engine.dtypes import to_f32
+from engine.dtypes import (
+    BF16_EXPONENT,
+    F16_EXPONENT,
+    block_scales,
+    finite_bits,
+    finite_f32,
+    to_f32,
+)
 from engine.errors import ModelFileError
 from engine.gguf_schema import (
     ALL_PARTS,
@@ -589,14 +596,12 @@ class GgufModel:
         for name, info in self._tensors.items():
             raw = self.mmap[info.offset : info.offset + info.nbytes]
             if info.ggml_type == GGML_F32:
-                ok = _finite_f32(raw.view(np.float32))
+                ok = finite_f32(raw.view(np.float32))
             elif info.ggml_type in (GGML_F16, GGML_BF16):
-                ok = _finite_bits(raw.view(np.uint16), _F16_EXP if info.ggml_type == GGML_F16
-                                  else _BF16_EXP)  # fmt: skip
-            else:  # Q8_0 / Q4_0: each block starts with its F16 scale
-                size = GGML_QUANT_SIZES[GGMLQuantizationType(info.ggml_type)][1]
-                ok = _finite_bits(raw.reshape(-1, size)[:, :2].view(np.uint16).reshape(-1),
-                                  _F16_EXP)
+                ok = finite_bits(raw.view(np.uint16), F16_EXPONENT
+                                 if info.ggml_type == GGML_F16 else BF16_EXPONENT)
+            else:
+                ok = finite_bits(block_scales(raw, info.ggml_type), F16_EXPONENT)
             if not ok:
                 raise _Bad(f"tensor {name} holds NaN or infinite values (a damaged file)")
 
@@ -626,21 +631,6 @@ class GgufModel:
                     f"tensor {s.name}: type {_type_name(info.ggml_type)} needs a row length "
                     f"divisible by {QUANT_BLOCK}, got {s.shape[-1]}"
                 )
-
-
-_CHUNK = 1 << 20  # values per reduction: its pieces stay in the cache
-_F16_EXP, _BF16_EXP = 0x7C00, 0x7F80  # an all-ones exponent: infinite or NaN
-
-
-def _finite_f32(x: npt.NDArray[np.float32]) -> bool:
-    # (NaN propagates through max and min, an infinity is one of them: no temporaries)
-    return all(np.isfinite(c.max()) and np.isfinite(c.min())
-               for c in (x[i : i + _CHUNK] for i in range(0, x.size, _CHUNK)) if c.size)
-
-
-def _finite_bits(bits: npt.NDArray[np.uint16], exponent: int) -> bool:
-    return all(int(np.bitwise_and(c, 0x7FFF).max()) < exponent
-               for c in (bits[i : i + _CHUNK] for i in range(0, bits.size, _CHUNK)) if c.size)
 
 
 def open_model(path: str | os.PathLike[str]) -> GgufModel:

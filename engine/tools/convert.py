@@ -61,7 +61,15 @@ from engine.codec_encoder.schema import (
     parse_codec_encoder_config,
     skipped_encoder_tensor,
 )
-from engine.dtypes import bf16_to_f32, f32_to_bf16
+from engine.dtypes import (
+    BF16_EXPONENT,
+    F16_EXPONENT,
+    bf16_to_f32,
+    block_scales,
+    f32_to_bf16,
+    finite_bits,
+    finite_f32,
+)
 from engine.errors import ConversionError
 from engine.gguf_schema import (
     ALL_PARTS,
@@ -986,25 +994,33 @@ def _write_metadata(w: GGUFWriter, src: _Source, want: int) -> None:
 def _convert_chunk(p: _Planned, start_row: int, rows: int, row_len: int) -> npt.NDArray[Any]:
     spec, st = p.spec, p.src
     start, count = start_row * row_len, rows * row_len
+    nonfinite = ConversionError(st.display, f"tensor {spec.hf_name} contains NaN or Inf values")
     if p.ggml_type == GGML_BF16 and st.entries[spec.hf_name].dtype == "BF16":
-        return st.read_bf16_bits(spec.hf_name, start, count)
+        bits = st.read_bf16_bits(spec.hf_name, start, count)
+        if not finite_bits(bits, BF16_EXPONENT):
+            raise nonfinite
+        return bits
     x = st.read_f32(spec.hf_name, start, count)
-    if not np.isfinite(x).all():
-        raise ConversionError(st.display, f"tensor {spec.hf_name} contains NaN or Inf values")
+    if not finite_f32(x):
+        raise nonfinite
     if p.ggml_type == GGML_F32:
         return x
-    if p.ggml_type == GGML_F16:
-        y = x.astype(np.float16)
-        if not np.isfinite(y).all():
-            raise ConversionError(
-                st.display,
-                f"tensor {spec.hf_name} has values beyond the F16 range; use --dtype bf16 or f32",
-            )
-        return y
     if p.ggml_type == GGML_BF16:
         return f32_to_bf16(x)
-    q = gguf_quants.quantize(x.reshape(rows, row_len), GGMLQuantizationType(p.ggml_type))
-    return np.asarray(q)
+    with np.errstate(over="ignore"):  # (an overflow is refused below, not warned about)
+        if p.ggml_type == GGML_F16:
+            y = x.astype(np.float16)
+            ok = finite_bits(y.view(np.uint16), F16_EXPONENT)
+        else:
+            y = np.asarray(gguf_quants.quantize(x.reshape(rows, row_len),
+                                                GGMLQuantizationType(p.ggml_type)))
+            ok = finite_bits(block_scales(y, p.ggml_type), F16_EXPONENT)
+    if not ok:
+        # F16 values, or the F16 scales of 32-value blocks, past 65504
+        kind = GGMLQuantizationType(p.ggml_type).name
+        raise ConversionError(st.display, f"tensor {spec.hf_name} has values beyond what {kind} "
+                              "can hold; use --dtype bf16 or f32")
+    return y
 
 
 # What a decoder weight type costs: waveform SNR against the F32 reference, exact mode, on the

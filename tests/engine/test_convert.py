@@ -179,6 +179,36 @@ def test_bf16_source_is_read_exactly(tiny_model_dir: Path) -> None:
     assert raw.tolist() == [0x3F80] * 4  # bf16 1.0
 
 
+@pytest.mark.parametrize(("dtype", "value", "problem"), [
+    ("bf16", 0x7FC0, "contains NaN or Inf values"),  # kept as read: no float pass saw it
+    ("f32", 0xFF80, "contains NaN or Inf values"),
+    ("f16", 0x4B18, "has values beyond what F16 can hold; use --dtype bf16 or f32"),
+    ("q8_0", 0x4B18, "has values beyond what Q8_0 can hold; use --dtype bf16 or f32"),
+    ("q4_0", 0x4B18, "has values beyond what Q4_0 can hold; use --dtype bf16 or f32"),
+])  # fmt: skip
+def test_weights_a_type_cannot_hold_are_refused(tiny_model_dir: Path, tmp_path: Path,
+                                                dtype: str, value: int, problem: str) -> None:
+    """A BF16 NaN (0x7FC0) or -inf, or a weight of ~1e7 (0x4B18: finite in BF16, past F16 and
+    past the F16 scale of a Q8_0 / Q4_0 block): BF16 to BF16 wrote the NaN unchecked, and the
+    block types wrote infinite scales, with numpy's overflow warning on stderr."""
+    import warnings
+
+    ck = copy_ckpt(tiny_model_dir, tmp_path / "ck")
+    name = "talker.model.layers.0.mlp.up_proj.weight"
+    e = SafetensorsFile(ck / "model.safetensors").entries[name]
+    assert e.dtype == "BF16"
+    with (ck / "model.safetensors").open("r+b") as f:
+        f.seek(e.begin + 2 * 37)
+        f.write(value.to_bytes(2, "little"))
+    out = tmp_path / "out.gguf"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (an overflow warning would be raised here)
+        with pytest.raises(ConversionError) as info:
+            convert(ck, out, dtype=dtype, progress=False)
+    assert str(info.value) == f"model.safetensors: tensor {name} {problem}"
+    assert not out.exists()
+
+
 def test_parts_and_decoder_only_folder(tiny_model_dir: Path, tmp_path: Path) -> None:
     dec = tmp_path / "dec.gguf"
     report = convert(tiny_model_dir / "speech_tokenizer", dec, progress=False)
