@@ -34,7 +34,7 @@ from service.errors import ApiError
 from service.fields import field_path, long_number
 from service.origins import foreign_origin
 from service.playback import PlaybackClock
-from service.schemas import Sampling, Text, Voice, VoiceRef
+from service.schemas import Body, Sampling, Text, Voice, VoiceRef
 from service.settings import Settings
 from service.voices.owners import header_key
 
@@ -103,13 +103,13 @@ class SessionSettings(Sampling):
         return OPUS_ENCODING if self.format == "opus" else ENCODING
 
 
-class TextDelta(BaseModel):
+class TextDelta(Body):
     model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
     text: Text
 
 
-class Control(BaseModel):
+class Control(Body):
     model_config = ConfigDict(extra="forbid")
     type: Literal["flush", "end", "cancel"]
 

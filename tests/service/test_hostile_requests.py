@@ -108,6 +108,34 @@ def test_messages_name_the_field_as_the_client_wrote_it(server: Any) -> None:
             assert r.status_code == 200 and r.content, r.text
 
 
+def test_a_body_of_a_million_mistakes_is_one_report(server: Any) -> None:
+    """A body under the cap whose every code is a float, or with 300k unknown fields: pydantic
+    reported each mistake and FastAPI copied every report (a 4 MB body held the event loop
+    ~10 s and 1 GB); the first is all a 400 names, and all that is made."""
+    from pydantic import ValidationError
+
+    from service.realtime import TextDelta
+    from service.schemas import SpeechRequest, TTSRequest
+
+    floats = {"codes": [[1.5] * 60_000] * 16, "format": "pcm"}
+    unknown = {"text": "hi", "voice": "ryan", **{f"k{i}": 0 for i in range(300_000)}}
+    for model, body in ((TTSRequest, floats), (TTSRequest, unknown),
+                        (SpeechRequest, {**unknown, "model": "m", "input": "hi"}),
+                        (TextDelta, {**unknown, "type": "text"})):
+        with pytest.raises(ValidationError) as err:
+            model.model_validate(body)
+        assert err.value.error_count() == 1, (model, err.value.errors()[:2])
+    # (this server's body cap is 300 kB)
+    floats["codes"] = [[1.5] * 3000] * 16
+    unknown = {"text": "hi", "voice": "ryan", **{f"k{i}": 0 for i in range(20_000)}}
+    with httpx.Client(base_url=server.url, timeout=60) as client:
+        for body, message in ((floats, "codes.0.0: Input should be a valid integer"),
+                              (unknown, "k0: is not a known field")):
+            r = post_raw(client, "/tts", body)
+            assert r.status_code == 400 and r.json()["error"]["message"] == message, r.text
+        assert client.get("/healthz").status_code == 200
+
+
 def test_worker_errors_name_the_openai_fields(server: Any) -> None:
     """The engine says text/instruct; the OpenAI route's client sent input/instructions."""
     body = {"model": "qtts", "input": "\U0001f600" * 2100, "voice": "ryan"}  # > 2048 tokens
