@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
-from starlette.middleware.cors import CORSMiddleware
 
 from service import handlers
 from service.gate import GateMiddleware
@@ -22,7 +21,7 @@ from service.head import HeadAsGet
 from service.metrics import ROUTES, Metrics
 from service.model_info import ModelInfo
 from service.openapi import install as install_openapi
-from service.origins import CORS_EXPOSED, CORS_HEADERS
+from service.origins import CORS_EXPOSED, Cors
 from service.pool import WorkerPool
 from service.routes import ROUTERS
 from service.settings import Settings
@@ -77,8 +76,8 @@ def create_app(settings: Settings | None = None, model: ModelInfo | None = None)
                        synth_routes=ROUTES)
     app.add_middleware(HeadAsGet)  # a HEAD is a GET to everything inside
     if settings.allowed_origins:  # outermost: preflights are answered before the gate
-        app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
-                           allow_methods=["GET", "POST", "DELETE"], allow_headers=CORS_HEADERS,
+        app.add_middleware(Cors, allow_origins=list(settings.allowed_origins),
+                           allow_methods=["GET", "POST", "DELETE"], allow_headers=["*"],
                            expose_headers=CORS_EXPOSED, max_age=600)
     handlers.install(app)
     for router in ROUTERS:

@@ -64,6 +64,29 @@ def test_listed_origins_get_cors_answers(base_server: Any) -> None:
     assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
 
 
+def test_the_openai_js_clients_preflight_passes_and_refusals_are_json(base_server: Any
+                                                                       ) -> None:  # fmt: skip
+    """The official openai JS client (openai-node 6) sends X-Stainless-* headers with every
+    request: its preflight was refused ("Disallowed CORS headers", plain text), so a web app
+    of a listed origin could not use it. A refused preflight is the API's JSON error now."""
+    asked = ("authorization,content-type,x-stainless-os,x-stainless-lang,x-stainless-arch,"
+             "x-stainless-retry-count,x-stainless-runtime,x-stainless-runtime-version,"
+             "x-stainless-package-version")
+    pre = httpx.options(base_server.url + "/v1/audio/speech", headers={
+        "Origin": APP, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": asked})
+    assert pre.status_code == 200, pre.text
+    assert pre.headers["access-control-allow-headers"] == asked
+    for headers, status_field in (
+        ({"Origin": EVIL, "Access-Control-Request-Method": "POST"}, "origin"),
+        ({"Origin": APP, "Access-Control-Request-Method": "PUT"},
+         "access-control-request-method"),
+    ):  # fmt: skip
+        r = httpx.options(base_server.url + "/tts", headers={**headers, "X-Request-Id": "pf1"})
+        assert r.status_code == 400 and r.headers["content-type"] == "application/json", r.text
+        assert r.json()["error"]["field"] == status_field and r.headers["x-request-id"] == "pf1"
+
+
 def test_own_origin_behind_a_proxy_and_parsing() -> None:
     h = {"host": "127.0.0.1:8000", "x-forwarded-host": "tts.example.com"}
     assert origin_allowed("https://tts.example.com", h, ())
