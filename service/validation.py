@@ -110,6 +110,12 @@ def validate(st: State, inp: SynthesisInput) -> Synthesis:
     if inp.max_seconds is not None and inp.max_seconds > s.max_audio_seconds:
         raise bad("max_seconds", f"{inp.max_seconds} is above the server limit "
                   f"{s.max_audio_seconds} s", code="out_of_range")
+    shortest = 1 / (st.model.frame_rate * inp.speed)  # one frame, after the tempo change
+    if inp.max_seconds is not None and inp.max_seconds < shortest:
+        # (a request makes at least one frame: it was made, and sent over the cap)
+        raise bad("max_seconds", f"{inp.max_seconds} s is shorter than one codec frame "
+                  f"({shortest:g} s at speed {inp.speed:g}), the least audio a request makes",
+                  code="out_of_range")
     if inp.codes is not None:
         if inp.clone is not None:
             raise bad("codes", "codes are decoded as they are: a cloned voice does not apply")

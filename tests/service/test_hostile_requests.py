@@ -86,6 +86,12 @@ MESSAGES: list[tuple[str, bytes | dict[str, Any], str]] = [
     # valid JSON, but longer than Python's integer conversion limit: not "not valid JSON"
     ("/tts", b'{"text": "hi", "voice": "ryan", "seed": 1' + b"0" * 5000 + b"}",
      "body: has a number of more than 4300 digits"),
+    # less than the one frame a request makes: 0.32 s were sent for 0.1 (0.08 s for 0.001)
+    ("/tts", {"text": "hi", "voice": "ryan", "max_seconds": 0.1, "speed": 0.25},
+     "max_seconds: 0.1 s is shorter than one codec frame (0.32 s at speed 0.25)"),
+    ("/v1/audio/speech", {"model": "m", "input": "", "voice": "ryan", "codes": [[1, 2, 3]] * 16,
+                          "max_seconds": 0.001},
+     "max_seconds: 0.001 s is shorter than one codec frame (0.08 s at speed 1)"),
 ]
 
 
