@@ -8,8 +8,12 @@ Playwright's own browser download is never used. Screenshots go to
 
 from __future__ import annotations
 
+import base64
+import json
+import math
 import os
 import wave
+from array import array
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -85,6 +89,8 @@ def _page(browser: Any, **context: Any) -> Any:
     page.set_default_timeout(60_000)
     page.qtts_console = []
     page.on("console", lambda m: page.qtts_console.append(m.text) if m.type == "error" else None)
+    page.qtts_page_errors = []  # uncaught exceptions and rejections of the page's script
+    page.on("pageerror", lambda e: page.qtts_page_errors.append(str(e)))
     return page
 
 
@@ -240,6 +246,9 @@ def test_a_base_model_clones_a_voice_and_speaks_it(browser: Any, base_server: Se
     page.wait_for_selector("#error", state="visible")
     assert "clone one first" in page.text_content("#error")
 
+    languages = page.eval_on_selector_all("#language option", "os => os.map(o => o.value)")
+    language = languages[-1]  # a language other than auto: cloning keeps it chosen
+    page.select_option("#language", language)
     page.set_input_files("#clone-audio", str(ref))
     page.fill("#clone-name", "me")
     page.fill("#clone-transcript", REF_TEXT)
@@ -251,6 +260,7 @@ def test_a_base_model_clones_a_voice_and_speaks_it(browser: Any, base_server: Se
     vid = page.eval_on_selector("#voice", "s => s.value")
     assert vid.startswith("voice_")
     assert page.eval_on_selector("#voice", "s => s.selectedOptions[0].textContent") == "me (cloned)"
+    assert page.input_value("#language") == language
     stored = httpx.get(base_server.url + "/v1/audio/voices").json()["data"]
     assert [(v["id"], v["name"]) for v in stored] == [(vid, "me")]
 
@@ -329,3 +339,215 @@ def test_pages_of_other_origins_in_a_browser(browser: Any, service_model: Path,
         unlisted.stop()
         static.terminate()
         static.wait(5)
+
+
+# ---- what the probe of the page found (each test failed on the page before its fix) ------------
+
+
+def _sse(samples: array[int], event_bytes: int = 4801) -> bytes:
+    """``samples`` (s16) as the server streams them (stream_format sse, response_format pcm):
+    a speech.audio.delta per ``event_bytes`` of PCM (odd: a sample is split between events),
+    then speech.audio.done with its qtts timings. A recorded stream served at once by
+    ``page.route``, as a fast server would deliver it."""
+    pcm = samples.tobytes()
+    events: list[dict[str, Any]] = [
+        {"type": "speech.audio.delta", "audio": base64.b64encode(pcm[i:i + event_bytes]).decode()}
+        for i in range(0, len(pcm), event_bytes)]
+    seconds = len(samples) / SAMPLE_RATE
+    events.append({"type": "speech.audio.done", "usage": {"input_tokens": 2},
+                   "qtts": {"request_id": "recorded", "audio_seconds": seconds, "ttfa_seconds": 0.1,
+                            "queue_seconds": 0.0, "synth_seconds": seconds / 2, "rtf": 0.5,
+                            "stages": {"prefill": 0.01, "talker_step": 0.1}}})
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+
+
+def _tone(seconds: float) -> array[int]:
+    return array("h", (round(9000 * math.sin(2 * math.pi * 440 * i / SAMPLE_RATE))
+                       for i in range(round(seconds * SAMPLE_RATE))))
+
+
+def _serve_recorded(page: Any, streams: list[bytes]) -> None:
+    """POST /v1/audio/speech answers the last of ``streams`` (the test may append more)."""
+    page.route("**/v1/audio/speech", lambda route: route.fulfill(
+        status=200, body=streams[-1], headers={"Content-Type": "text/event-stream"}))
+
+
+def _meter_still(page: Any) -> bool:
+    """Whether no more audio reaches the speakers (the meter counts non-silent frames)."""
+    page.wait_for_timeout(250)  # the worklet's last reports
+    before = page.evaluate("() => window.qttsPlayground.meter.nonzero")
+    page.wait_for_timeout(600)
+    return bool(page.evaluate("() => window.qttsPlayground.meter.nonzero") == before)
+
+
+def test_stop_and_esc_silence_audio_that_outlives_its_response(browser: Any,
+                                                               open_server: Server) -> None:
+    """The response ends long before its audio does (a server faster than real time): Stop
+    and Esc still stop the audio, and Stop is disabled when the last scheduled audio ends."""
+    page = _page(browser)
+    streams = [_sse(_tone(4.0))]
+    _serve_recorded(page, streams)
+    _open(page, open_server)
+    for how in ["button", "Escape"]:
+        page.click("#go")
+        s = _synthesize_and_wait(page)
+        assert s["nSamples"] == 4 * SAMPLE_RATE and s["done"] is not None
+        page.wait_for_function("() => window.qttsPlayground.meter.nonzero > 0")
+        assert page.is_enabled("#stop"), f"{how}: Stop is disabled while the audio plays"
+        if how == "button":
+            page.click("#stop")
+        else:
+            page.focus("#text")
+            page.keyboard.press("Escape")
+        assert _meter_still(page), f"{how}: the audio plays on after Stop"
+        assert page.is_disabled("#stop") and page.is_enabled("#go")
+        assert page.evaluate("() => window.qttsPlayground.playing") == 0
+        assert "Stopped" in page.text_content("#status")
+        assert page.is_enabled("#download")  # what arrived is kept
+    # left to play to its end, the audio disables Stop by itself
+    streams.append(_sse(_tone(0.5)))
+    page.click("#go")
+    _synthesize_and_wait(page)
+    page.wait_for_function("() => document.getElementById('stop').disabled", timeout=10_000)
+    assert page.evaluate("() => window.qttsPlayground.playing") == 0
+    assert page.qtts_page_errors == []
+    page.context.close()
+
+
+def test_a_double_click_starts_one_synthesis(browser: Any, open_server: Server) -> None:
+    """The first Synthesize of a page load waits for the audio worklet to load: a double
+    click (or Ctrl+Enter twice) meanwhile starts one request, not two into one result."""
+    if not _text_ready(open_server):
+        pytest.skip("the engine has no text pipeline")
+    for how in ["dblclick", "Control+Enter"]:
+        page = _page(browser)
+        posts: list[str] = []
+        page.on("request", lambda r, posts=posts: posts.append(r.url)
+                if r.method == "POST" and r.url.endswith("/v1/audio/speech") else None)
+        _open(page, open_server)
+        page.fill("#text", "Hi.")
+        page.fill("#max-seconds", "0.5")
+        page.fill("#seed", "3")
+        if how == "dblclick":
+            page.dblclick("#go")
+        else:
+            page.focus("#text")
+            page.keyboard.press(how)
+            page.keyboard.press(how)
+        s = _synthesize_and_wait(page)
+        page.wait_for_timeout(300)  # a second request would have been sent by now
+        assert len(posts) == 1, f"{how}: {len(posts)} requests"
+        assert s["errors"] == [] and s["done"] is not None
+        assert s["nSamples"] == round(s["done"]["qtts"]["audio_seconds"] * SAMPLE_RATE)
+        assert page.is_enabled("#go") and page.qtts_page_errors == []
+        page.context.close()
+
+
+def test_a_download_that_fails_says_so_and_one_runs_at_a_time(browser: Any,
+                                                              open_server: Server) -> None:
+    """A compressed download is a second request: the network failing on it is an error in
+    words (not an uncaught rejection, the status left at "Encoding…"), and a double click on
+    Download sends one request (each is a whole synthesis on the server)."""
+    if not _text_ready(open_server):
+        pytest.skip("the engine has no text pipeline")
+    page = _page(browser)
+    _open(page, open_server)
+    page.fill("#text", "Hi.")
+    page.fill("#max-seconds", "0.5")
+    page.fill("#seed", "5")
+    page.click("#go")
+    assert _synthesize_and_wait(page)["errors"] == []
+    page.route("**/v1/audio/speech", lambda route: route.abort("connectionrefused"))
+    page.select_option("#format", "mp3")
+    page.click("#download")
+    page.wait_for_selector("#error", state="visible", timeout=10_000)
+    assert "download failed" in page.text_content("#error")
+    assert page.text_content("#status") == "Download failed."
+    assert page.is_enabled("#download") and page.qtts_page_errors == []
+    page.unroute("**/v1/audio/speech")
+
+    posts: list[str] = []
+    page.on("request", lambda r: posts.append(r.url) if r.method == "POST" else None)
+    page.select_option("#format", "flac")
+    with page.expect_download() as dl:
+        page.dblclick("#download")
+    page.wait_for_function(
+        "() => document.getElementById('status').textContent.startsWith('Saved')")
+    page.wait_for_timeout(300)
+    assert len(posts) == 1, posts
+    assert dl.value.suggested_filename == "qtts-5.flac"
+    assert Path(dl.value.path()).read_bytes()[:4] == b"fLaC"
+    assert page.is_hidden("#error") and page.is_enabled("#download")
+    page.context.close()
+
+
+def test_the_language_stays_chosen_when_the_voices_reload(browser: Any,
+                                                          open_server: Server) -> None:
+    """Entering an API key reloads the voice list: the chosen voice and language stay."""
+    page = _page(browser)
+    _open(page, open_server)
+    languages = page.eval_on_selector_all("#language option", "os => os.map(o => o.value)")
+    assert len(languages) > 1, languages
+    page.select_option("#language", languages[-1])
+    voice = page.input_value("#voice")
+    page.evaluate("() => { document.getElementById('status').textContent = 'reloading'; }")
+    page.click("#key-button")
+    page.fill("#key-input", "any-key")
+    page.keyboard.press("Enter")
+    page.wait_for_function("() => document.getElementById('status').textContent.includes('ready')")
+    assert page.input_value("#language") == languages[-1]
+    assert page.input_value("#voice") == voice
+    page.context.close()
+
+
+def test_wav_and_pcm_downloads_are_the_samples_the_server_sent(browser: Any,
+                                                               open_server: Server) -> None:
+    """The page decodes s16 by /32768; its wav and pcm files are the server's samples again,
+    bit for bit, full scale included (the loud half lost a step when encoded by *32767)."""
+    page = _page(browser)
+    samples = array("h", [-32768, 32767, 0, 1, -1, 16384, -16385, 32766, -32767])
+    samples.extend(range(-32768, 32768, 7))
+    _serve_recorded(page, [_sse(samples)])
+    _open(page, open_server)
+    page.fill("#seed", "9")
+    page.click("#go")
+    s = _synthesize_and_wait(page)
+    assert s["nSamples"] == len(samples)
+    page.keyboard.press("Escape")  # full-scale noise: no need to hear it
+    for fmt in ["wav", "pcm"]:
+        page.select_option("#format", fmt)
+        with page.expect_download() as dl:
+            page.click("#download")
+        assert dl.value.suggested_filename == f"qtts-9.{fmt}"
+        path = Path(dl.value.path())
+        if fmt == "wav":
+            with wave.open(str(path)) as w:
+                got = w.readframes(w.getnframes())
+        else:
+            got = path.read_bytes()
+        assert got == samples.tobytes(), fmt
+    page.context.close()
+
+
+def test_the_key_dialog_refuses_a_key_no_header_can_carry(browser: Any,
+                                                         keyed_server: Server) -> None:
+    """A header carries ISO-8859-1 only: a key with other characters is refused by the
+    dialog, in words, instead of every request failing with the browser's opaque error."""
+    page = _page(browser)
+    page.goto(keyed_server.url + "/playground")
+    page.locator("#key-dialog").wait_for(state="visible")
+    page.fill("#key-input", "clé-ключ")
+    page.keyboard.press("Enter")
+    page.wait_for_selector("#key-error", state="visible", timeout=5_000)
+    text = page.text_content("#key-error")
+    assert "API key" in text and '"к"' in text and "ISO-8859-1" in text, text
+    assert page.evaluate("() => document.getElementById('key-dialog').open")
+    assert page.get_attribute("#key-input", "aria-invalid") == "true"
+    assert page.evaluate("sessionStorage.getItem('qtts.apiKey')") is None
+    page.fill("#key-input", KEY)
+    page.keyboard.press("Enter")
+    page.wait_for_function("() => document.getElementById('status').textContent.includes('ready')")
+    assert page.is_hidden("#key-error") and page.is_hidden("#error")
+    assert page.evaluate("sessionStorage.getItem('qtts.apiKey')") == KEY
+    assert page.qtts_page_errors == []
+    page.context.close()

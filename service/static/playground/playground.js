@@ -13,7 +13,9 @@ const $ = (id) => document.getElementById(id);
 // What the page did, in numbers (read by the browser test through window.qttsPlayground).
 const state = {
   model: null,
-  running: null,          // {controller} while a synthesis runs
+  running: null,          // {controller} while a synthesis runs (one at a time)
+  downloading: false,     // while a download is being made (one at a time)
+  playing: 0,             // audio sources scheduled and not ended yet
   chunks: [],             // Float32Array pieces of the last result
   nSamples: 0,
   seed: null,
@@ -33,7 +35,8 @@ window.qttsPlayground = state;
 
 function authHeaders() {
   const key = sessionStorage.getItem(KEY_STORE);
-  return key ? { Authorization: "Bearer " + key } : {};
+  // a key no header can carry is not sent: the server's 401 asks for the key again
+  return key && !keyProblem(key) ? { Authorization: "Bearer " + key } : {};
 }
 
 function api(path, init = {}) {
@@ -77,11 +80,38 @@ function setStatus(text) {
 
 // ---- API key prompt ----------------------------------------------------------------------------
 
+// Why a key cannot be sent, or null: a request header carries ISO-8859-1 characters only (the
+// browser refuses any other with an opaque error on every request), and no control characters.
+function keyProblem(key) {
+  for (const ch of key) {
+    const code = ch.codePointAt(0);
+    if (code > 0xff) {
+      const hex = code.toString(16).toUpperCase().padStart(4, "0");
+      return `The API key contains "${ch}" (U+${hex}), which a request header cannot carry ` +
+        "(ISO-8859-1 characters only): check the key.";
+    }
+    if ((code < 0x20 && code !== 0x09) || code === 0x7f) {
+      return "The API key contains a control character, which a request header cannot carry: " +
+        "check the key.";
+    }
+  }
+  return null;
+}
+
+function showKeyError(text) {
+  const el = $("key-error");
+  el.textContent = text || "";
+  el.hidden = !text;
+  $("key-input").setAttribute("aria-invalid", text ? "true" : "false");
+}
+
 function askKey(why) {
   const dialog = $("key-dialog");
   $("key-why").textContent = why ||
     "This server asks for an API key (QTTS_API_KEY). It is kept in this tab's session only.";
-  $("key-input").value = sessionStorage.getItem(KEY_STORE) || "";
+  const stored = sessionStorage.getItem(KEY_STORE) || "";
+  $("key-input").value = stored;
+  showKeyError(stored ? keyProblem(stored) : null);
   return new Promise((resolve) => {
     const form = $("key-form");
     const finish = (ok) => {
@@ -95,6 +125,13 @@ function askKey(why) {
       ev.preventDefault();
       const key = $("key-input").value.trim();
       if (!key) return;
+      const problem = keyProblem(key);
+      if (problem) {
+        showKeyError(problem);
+        $("key-input").focus();
+        return;
+      }
+      showKeyError(null);
       sessionStorage.setItem(KEY_STORE, key);
       finish(true);
     };
@@ -161,7 +198,9 @@ async function loadModel(preferredVoice) {
     const cloned = voices.data.filter((v) => v.object === "audio.voice")
       .map((v) => [v.id, `${v.name} (cloned)`]);
     fillSelect($("voice"), [...voices.voices, ...cloned], preferredVoice);
-    fillSelect($("language"), [...new Set(["auto", ...voices.languages])], "auto");
+    // the language chosen before a reload (a new key, a new voice) stays chosen
+    fillSelect($("language"), [...new Set(["auto", ...voices.languages])],
+      $("language").value || "auto");
     $("clone").hidden = !clones(state.model);
     const note = state.model.synthetic ? " (synthetic test model: its audio is noise)" : "";
     setStatus(`Model ${state.model.id}${note}: ready.`);
@@ -258,8 +297,12 @@ function play(samples) {
   src.start(at);
   nextTime = at + samples.length / SAMPLE_RATE;
   sources.push(src);
+  state.playing = sources.length;
   src.onended = () => {
+    if (!sources.includes(src)) return; // stopped: stopAudio() let it go already
     sources = sources.filter((s) => s !== src);
+    state.playing = sources.length;
+    updateButtons(); // the last source ended: nothing left to stop
   };
   state.scheduled += samples.length;
 }
@@ -269,6 +312,7 @@ function stopAudio() {
     try { s.stop(); } catch (e) { /* not started yet */ }
   }
   sources = [];
+  state.playing = 0;
   nextTime = 0;
 }
 
@@ -311,6 +355,11 @@ function allSamples() {
   return out;
 }
 
+// The inverse of pcmToFloat's /32768: the server's s16 samples again, bit for bit.
+function toInt16(s) {
+  return Math.max(-32768, Math.min(32767, Math.round(s * 32768)));
+}
+
 function wavBlob(samples) {
   const n = samples.length;
   const buf = new ArrayBuffer(44 + 2 * n);
@@ -321,18 +370,13 @@ function wavBlob(samples) {
   v.setUint32(24, SAMPLE_RATE, true); v.setUint32(28, 2 * SAMPLE_RATE, true);
   v.setUint16(32, 2, true); v.setUint16(34, 16, true);
   str(36, "data"); v.setUint32(40, 2 * n, true);
-  for (let i = 0; i < n; i++) {
-    const s = Math.max(-1, Math.min(1, samples[i]));
-    v.setInt16(44 + 2 * i, Math.round(s * 32767), true);
-  }
+  for (let i = 0; i < n; i++) v.setInt16(44 + 2 * i, toInt16(samples[i]), true);
   return new Blob([buf], { type: "audio/wav" });
 }
 
 function pcmBlob(samples) {
   const out = new Int16Array(samples.length);
-  for (let i = 0; i < samples.length; i++) {
-    out[i] = Math.round(Math.max(-1, Math.min(1, samples[i])) * 32767);
-  }
+  for (let i = 0; i < samples.length; i++) out[i] = toInt16(samples[i]);
   return new Blob([out.buffer], { type: "audio/pcm" });
 }
 
@@ -493,32 +537,33 @@ async function synthesize() {
     showError("This Base model speaks cloned voices only: clone one first (Clone a voice).");
     return;
   }
-  await audioGraph();
-  stopAudio();
-  resetResult();
-  const body = requestBody();
-  state.seed = body.seed;
-  state.request = body;
-  const controller = new AbortController();
-  state.running = { controller };
-  $("go").disabled = true;
-  $("stop").disabled = false;
-  $("download").disabled = true;
-  setStatus(`Synthesizing (seed ${body.seed})…`);
-  state.t0 = performance.now();
+  // This run holds the page from here, before the first await (the first run loads the audio
+  // worklet): a second click or Ctrl+Enter meanwhile starts nothing.
+  const run = { controller: new AbortController() };
+  state.running = run;
+  updateButtons();
   try {
+    await audioGraph();
+    run.controller.signal.throwIfAborted(); // Stop (or Esc) while the audio graph was loading
+    stopAudio();
+    resetResult();
+    const body = requestBody();
+    state.seed = body.seed;
+    state.request = body;
+    setStatus(`Synthesizing (seed ${body.seed})…`);
+    state.t0 = performance.now();
     const resp = await api("/v1/audio/speech", {
       method: "POST",
       headers: { "Content-Type": "application/json" },
       body: JSON.stringify(body),
-      signal: controller.signal,
+      signal: run.controller.signal,
     });
     if (!resp.ok) {
       const text = await describeError(resp);
       showError(text);
       setStatus("The server refused the request.");
       if (resp.status === 401 && await askKey(text + ". Enter the server's API key:")) {
-        finishRun();
+        finishRun(run);
         return synthesize();
       }
       return;
@@ -551,24 +596,41 @@ async function synthesize() {
       setStatus("Failed.");
     }
   } finally {
-    finishRun();
+    finishRun(run);
   }
 }
 
-function finishRun() {
+// The end of one run: it clears that run's hold only (never a newer run's).
+function finishRun(run) {
+  if (state.running !== run) return;
   state.running = null;
-  $("go").disabled = false;
-  $("stop").disabled = true;
-  $("download").disabled = state.nSamples === 0;
+  updateButtons();
+}
+
+// Synthesize while nothing runs; Stop while a request runs or its audio still plays; Download
+// when there is a result and no synthesis or download is under way.
+function updateButtons() {
+  $("go").disabled = state.running !== null;
+  $("stop").disabled = state.running === null && sources.length === 0;
+  $("download").disabled = state.running !== null || state.downloading || state.nSamples === 0;
+}
+
+function canStop() {
+  return state.running !== null || sources.length > 0;
 }
 
 function stop() {
-  if (state.running) state.running.controller.abort();
+  if (state.running) {
+    state.running.controller.abort(); // its run says "Stopped." as it ends
+  } else if (sources.length) {
+    setStatus("Stopped (the result is kept).");
+  }
   stopAudio();
+  updateButtons();
 }
 
 async function download() {
-  if (!state.nSamples) return;
+  if (!state.nSamples || state.running || state.downloading) return;
   clearError();
   const fmt = $("format").value;
   let blob;
@@ -577,22 +639,34 @@ async function download() {
   } else if (fmt === "pcm") {
     blob = pcmBlob(allSamples());
   } else {
-    // Compressed formats come from the server: the same request (same seed) as one file.
+    // Compressed formats come from the server: the same request (same seed) as one file,
+    // one download at a time (each one is a whole synthesis on the server).
     setStatus(`Encoding as ${fmt} on the server (same request, seed ${state.seed})…`);
     const body = Object.assign({}, state.request, {
       response_format: fmt, stream_format: "audio", stream: false,
     });
-    const resp = await api("/v1/audio/speech", {
-      method: "POST",
-      headers: { "Content-Type": "application/json" },
-      body: JSON.stringify(body),
-    });
-    if (!resp.ok) {
-      showError(await describeError(resp));
+    state.downloading = true;
+    updateButtons();
+    try {
+      const resp = await api("/v1/audio/speech", {
+        method: "POST",
+        headers: { "Content-Type": "application/json" },
+        body: JSON.stringify(body),
+      });
+      if (!resp.ok) {
+        showError(await describeError(resp));
+        setStatus("Download failed.");
+        return;
+      }
+      blob = await resp.blob();
+    } catch (e) {
+      showError(`The download failed: ${e.message}`);
       setStatus("Download failed.");
       return;
+    } finally {
+      state.downloading = false;
+      updateButtons();
     }
-    blob = await resp.blob();
   }
   const a = document.createElement("a");
   a.href = URL.createObjectURL(blob);
@@ -618,7 +692,7 @@ document.addEventListener("DOMContentLoaded", () => {
     }
   });
   document.addEventListener("keydown", (ev) => {
-    if (ev.key === "Escape" && state.running && !$("key-dialog").open) stop();
+    if (ev.key === "Escape" && canStop() && !$("key-dialog").open) stop();
   });
   $("clone-form").addEventListener("submit", (ev) => {
     ev.preventDefault();
