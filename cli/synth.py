@@ -11,7 +11,6 @@ import numpy as np
 
 from cli.clone import add_synth_voice_arguments, voice_from_args
 from cli.paths import count, output_file, write_wav
-from engine.errors import InputError
 from engine.options import EngineOptions
 
 
@@ -100,8 +99,7 @@ def run_voices(model_path: str) -> int:
 
     model = open_model(model_path)
     if "talker" not in model.parts:
-        raise InputError("model", f"{model_path}: a decoder-only model has no voices "
-                         "(it decodes codes only)")
+        model.require("talker")  # (the one-line error of a file without a talker)
     pb = PromptBuilder(model)
     print(f"model: {model.tts_model_type or 'custom_voice'} {model.tts_model_size or ''}".rstrip())
     if model.tts_model_type == "base":

@@ -335,7 +335,7 @@ class GgufModel:
         """Raise a clear ``ModelFileError`` unless the file has ``part`` ("decoder"/"talker")."""
         if part in self.parts:
             return
-        if part == PART_TALKER:
+        if part == PART_TALKER and PART_DECODER in self.parts:
             raise ModelFileError(
                 str(self.path),
                 "is a decoder-only model: it has no text tokenizer or talker, so it can decode "

@@ -886,6 +886,8 @@ def read_checkpoint(model_dir: Path, parts: str | Sequence[str] | None = None) -
     src = _Source(parts=want or default)
     if PART_SPEAKER in src.parts and PART_TALKER not in src.parts:
         raise ConversionError("--parts", "speaker_encoder needs the talker part too")
+    if src.parts == (PART_CODEC_ENCODER,):  # (no command reads a file of it alone)
+        raise ConversionError("--parts", "codec_encoder needs the talker or the decoder part too")
     src.synthetic = root.get(SYNTHETIC_MARKER) is True
     src.tts_model_type = tts_type
     src.tts_model_size = str(root.get("tts_model_size") or "")

@@ -282,6 +282,10 @@ def test_cloning_parts_refused_where_missing(tiny_model_dir: Path, tmp_path: Pat
     )
     with pytest.raises(ConversionError, match="no encoder"):
         convert(ck, tmp_path / "y.gguf", parts="decoder,codec_encoder", progress=False)
+    # alone it was written, a file no command reads ("a decoder-only model", they said)
+    with pytest.raises(ConversionError, match="codec_encoder needs the talker or the decoder"):
+        convert(tiny_model_dir, tmp_path / "z.gguf", parts="codec_encoder", progress=False)
+    assert not (tmp_path / "z.gguf").exists()
 
 
 def test_loader_refuses_a_bad_speaker_encoder_tensor(tmp_path: Path) -> None:
