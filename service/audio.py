@@ -153,6 +153,14 @@ class AvEncoder(Encoder):
         self._rate = sample_rate
         self._pts = 0
         self._closed = False
+        # FLAC is lossless: it takes the s16 samples ``pcm`` and ``wav`` send (from floats,
+        # swresample scaled by 32768 where ``to_s16`` scales by 32767: +-1 in ~20 % of them)
+        self._s16 = fmt == "flac"
+        if self._s16:
+            # the header goes out now, with its MD5 and length left unset: written at the first
+            # packet of a stream shorter than one block (1920 samples) it came after the
+            # encoder's flush, which puts a wrong MD5 in it
+            self._out.start_encoding()
 
     def encode(self, chunk: np.ndarray[Any, Any]) -> bytes:
         import av
@@ -160,7 +168,11 @@ class AvEncoder(Encoder):
         x = np.ascontiguousarray(chunk, dtype=np.float32).reshape(1, -1)
         if x.shape[1] == 0:
             return self._sink.take()
-        frame = av.AudioFrame.from_ndarray(x, format="flt", layout="mono")
+        if self._s16:
+            frame = av.AudioFrame.from_ndarray(np.frombuffer(to_s16(x), "<i2").reshape(1, -1),
+                                               format="s16", layout="mono")
+        else:
+            frame = av.AudioFrame.from_ndarray(x, format="flt", layout="mono")
         frame.sample_rate = self._rate
         frame.pts = self._pts
         frame.time_base = Fraction(1, self._rate)
@@ -209,7 +221,8 @@ def encode_whole(fmt: str, audio: np.ndarray[Any, Any], sample_rate: int) -> byt
         import soundfile as sf
 
         buf = io.BytesIO()
-        sf.write(buf, np.clip(audio, -1, 1), sample_rate, format="FLAC", subtype="PCM_16")
+        sf.write(buf, np.frombuffer(to_s16(audio), "<i2"), sample_rate, format="FLAC",
+                 subtype="PCM_16")  # (the samples ``pcm`` sends: libsndfile scales by 32768)
         return buf.getvalue()
     enc = AvEncoder(fmt, sample_rate)
     return enc.encode(audio) + enc.finish()
