@@ -140,7 +140,9 @@ def compare(ref: np.ndarray[Any, Any], got: np.ndarray[Any, Any]) -> tuple[float
     return corr, snr, lag
 
 
-def check(fmt: str, got: np.ndarray[Any, Any]) -> None:
+def check(fmt: str, got: np.ndarray[Any, Any], exact: bool = True) -> None:
+    """``got`` decoded from ``fmt`` is the signal as sent: the very samples for the lossless
+    formats (``exact``: a decoder that maps s16 to float by /32768)."""
     ref = s16(signal())
     # whole length back (mp3/aac pad to their frame size; at most ~0.1 s)
     assert len(ref) - 100 <= len(got) <= len(ref) + 3000, (fmt, len(got))
@@ -149,8 +151,9 @@ def check(fmt: str, got: np.ndarray[Any, Any]) -> None:
     assert corr >= min_corr and snr >= min_snr, (fmt, f"corr {corr:.4f} SNR {snr:.1f} dB "
                                                       f"lag {lag}")
     if fmt in ("pcm", "wav", "flac"):
+        assert lag == 0 and len(got) == len(ref)
         # lossless: the very samples (FLAC's were scaled by 32768, not 32767: +-1 in ~20 %)
-        assert lag == 0 and np.array_equal(got, ref), (fmt, int(np.sum(got != ref)))
+        assert not exact or np.array_equal(got, ref), (fmt, int(np.sum(got != ref)))
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -272,7 +275,9 @@ def test_browser_reads_every_format(browser_decoded: dict[str, Any], fmt: str,
                                     mode: str) -> None:
     r = browser_decoded[f"{fmt}.{mode}"]
     assert r["ok"], r.get("error")
-    check(fmt, np.frombuffer(base64.b64decode(r["data"]), dtype=np.float32))
+    # (Chromium maps s16 to float by its own rule, not /32768: the samples are compared by
+    # the Python decoders above)
+    check(fmt, np.frombuffer(base64.b64decode(r["data"]), dtype=np.float32), exact=False)
 
 
 # ---- the service's choice ---------------------------------------------------------------
