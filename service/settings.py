@@ -147,7 +147,11 @@ class Settings(BaseSettings):
         default="fast",
         description="decoder precision `fast` (BF16 kernels) or `exact` (F32); without "
         "AVX512-BF16 (an AVX2 CPU), `fast` runs the 7-tap and transposed convs by Winograd in "
-        "F32 (~90-100 dB per conv against float64) and the rest as `exact`",
+        "F32 (~90-100 dB per conv against float64) and the rest as `exact`. Wherever `fast` "
+        "runs Winograd (every CPU without AMX tiles), a stream's audio depends on how its "
+        "frames are chunked, so batched with others (`QTTS_CHUNK_RAMP=auto`) it differs from "
+        "alone in its last bits (its codes do not); `exact`, or a fixed ramp, gives the same "
+        "samples",
     )
     precision_target_db: float = Field(
         default=35.0, ge=0, le=120,
