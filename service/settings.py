@@ -150,8 +150,8 @@ class Settings(BaseSettings):
         "F32 (~90-100 dB per conv against float64) and the rest as `exact`. Wherever `fast` "
         "runs Winograd (every CPU without AMX tiles), a stream's audio depends on how its "
         "frames are chunked, so batched with others (`QTTS_CHUNK_RAMP=auto`) it differs from "
-        "alone in its last bits (its codes do not); `exact`, or a fixed ramp, gives the same "
-        "samples",
+        "alone at fast mode's precision (its codes do not); `exact`, or a fixed ramp, gives "
+        "the same samples",
     )
     precision_target_db: float = Field(
         default=35.0, ge=0, le=120,
