@@ -158,8 +158,8 @@ class AvEncoder(Encoder):
         self._s16 = fmt == "flac"
         if self._s16:
             # the header goes out now, with its MD5 and length left unset: written at the first
-            # packet of a stream shorter than one block (1920 samples) it came after the
-            # encoder's flush, which puts a wrong MD5 in it
+            # packet, a stream shorter than one block (2304 samples; a frame is 1920) wrote it
+            # after the encoder's flush, which puts a wrong MD5 in it
             self._out.start_encoding()
 
     def encode(self, chunk: np.ndarray[Any, Any]) -> bytes:
