@@ -14,8 +14,11 @@ import glob
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -79,6 +82,22 @@ class Postgres:
     def stop(self) -> None:
         subprocess.run([*self._as, str(self.bin / "pg_ctl"), "-D", str(self.data), "-m",
                         "immediate", "-w", "stop"], capture_output=True, cwd="/")
+
+    @contextmanager
+    def frozen(self) -> Iterator[None]:
+        """The server stopped by SIGSTOP (its processes', so the kernel keeps the connections
+        open and nothing answers), resumed at the end."""
+        head = int((self.data / "postmaster.pid").read_text().split()[0])
+        kids = subprocess.run(["pgrep", "-P", str(head)], capture_output=True,
+                              text=True).stdout.split()
+        frozen = [head, *map(int, kids)]
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            for pid in frozen:
+                os.kill(pid, signal.SIGCONT)
 
     def close(self) -> None:
         """Stop the server for good and remove a data folder of its own."""

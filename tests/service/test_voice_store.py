@@ -199,9 +199,6 @@ def test_a_write_answered_after_its_caller_gave_up_is_rolled_back(tmp_path: Path
     then happened when it thawed: a voice the client was told was not made (and a 409 for its
     retry), a voice it was told still exists gone."""
     import asyncio
-    import os
-    import signal
-    import subprocess
 
     from service.voices.api import _in_store_thread
     from tests.postgres import Postgres
@@ -219,18 +216,8 @@ def test_a_write_answered_after_its_caller_gave_up_is_rolled_back(tmp_path: Path
             finally:
                 finished.set()
 
-        head = int((pg.data / "postmaster.pid").read_text().split()[0])
-        kids = subprocess.run(["pgrep", "-P", str(head)], capture_output=True,
-                              text=True).stdout.split()
-        frozen = [head, *map(int, kids)]
-        for pid in frozen:
-            os.kill(pid, signal.SIGSTOP)
-        try:
-            with pytest.raises(TimeoutError):
-                asyncio.run(_in_store_thread(store, run))
-        finally:
-            for pid in frozen:
-                os.kill(pid, signal.SIGCONT)
+        with pg.frozen(), pytest.raises(TimeoutError):
+            asyncio.run(_in_store_thread(store, run))
         assert finished.wait(30)  # the statement ran when the server thawed
 
     try:
