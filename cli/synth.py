@@ -98,8 +98,7 @@ def run_voices(model_path: str) -> int:
     from engine.talker.prompt import PromptBuilder
 
     model = open_model(model_path)
-    if "talker" not in model.parts:
-        model.require("talker")  # (the one-line error of a file without a talker)
+    model.require("talker")
     pb = PromptBuilder(model)
     print(f"model: {model.tts_model_type or 'custom_voice'} {model.tts_model_size or ''}".rstrip())
     if model.tts_model_type == "base":

@@ -15,13 +15,13 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from service import handlers
+from service.cors import CORS_EXPOSED, Cors
 from service.gate import GateMiddleware
 from service.guard import ErrorGuard
 from service.head import HeadAsGet
 from service.metrics import ROUTES, Metrics
 from service.model_info import ModelInfo
 from service.openapi import install as install_openapi
-from service.origins import CORS_EXPOSED, Cors
 from service.pool import WorkerPool
 from service.routes import ROUTERS
 from service.settings import Settings

@@ -16,10 +16,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from urllib.parse import urlsplit
 
-from starlette.datastructures import Headers
-from starlette.middleware.cors import CORSMiddleware
-from starlette.responses import Response
-
 from engine.errors import clipped
 from service.errors import ApiError
 
@@ -75,38 +71,12 @@ def foreign_origin(headers: Mapping[str, str], allowed: tuple[str, ...]) -> ApiE
     origin = headers.get("origin")
     if origin is None or origin_allowed(origin, headers, allowed):
         return None
-    return ApiError(403, f"origin: a page from {clipped(origin)} may not use this API "
+    return origin_refused(origin, 403)
+
+
+def origin_refused(origin: str, status: int) -> ApiError:
+    """The error for a page of ``origin`` that may not use the API: 403 for its request, 400
+    for its CORS preflight."""
+    return ApiError(status, f"origin: a page from {clipped(origin)} may not use this API "
                     "(QTTS_CORS_ORIGINS lists the origins that may)", field="origin",
                     code="origin_not_allowed")
-
-
-# what a listed origin's page may read (CORS); it may send any header it asks for: the
-# official openai JS client sends seven X-Stainless-* headers with every request, and the
-# origin is trusted already (the key, where there is one, is checked as for anyone)
-CORS_EXPOSED = ["X-Request-Id", "X-Sample-Rate", "X-Audio-Format", "Retry-After"]
-
-
-class Cors(CORSMiddleware):
-    """Starlette's CORS answers for ``QTTS_CORS_ORIGINS``, with a refused preflight in the
-    API's JSON error shape and a request id (Starlette's is a line of plain text)."""
-
-    def preflight_response(self, request_headers: Headers) -> Response:
-        answer = super().preflight_response(request_headers)
-        if answer.status_code != 400:
-            return answer
-        from service.gate import request_id
-
-        origin = request_headers.get("origin", "")
-        method = request_headers.get("access-control-request-method", "")
-        err = (ApiError(400, f"origin: a page from {clipped(origin)} may not use this API "
-                        "(QTTS_CORS_ORIGINS lists the origins that may)", field="origin",
-                        code="origin_not_allowed")
-               if not self.is_allowed_origin(origin) else
-               ApiError(400, f"access-control-request-method: {clipped(method)} is not one of "
-                        f"{', '.join(sorted(self.allow_methods))}",
-                        field="access-control-request-method", code="method_not_allowed"))
-        out = err.response(request_id(request_headers.get("x-request-id", "")))
-        for name, value in answer.headers.items():
-            if name.lower().startswith("access-control-") or name.lower() == "vary":
-                out.headers[name] = value
-        return out
