@@ -54,11 +54,12 @@ log = logging.getLogger("qtts.worker")
 def worker_main(conn: Any, cancel: Any, opts: WorkerOptions) -> None:
     """Entry point of a worker process (``multiprocessing`` spawn). ``conn``: its end of the
     pipe; ``cancel``: the shared id of the job to stop."""
-    # Ctrl-C reaches the whole process group: the front end decides when workers stop.
+    # Ctrl-C, or SIGTERM to the whole process group (systemd, `kill -- -PGID`), reaches every
+    # worker with the front end: the front end drains (the queued requests too: a worker that
+    # left at the signal would fail the jobs sent to it meanwhile) and then says StopWorker. A
+    # worker whose front end is gone finds its pipe closed.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # SIGTERM (e.g. systemd signalling the whole group while the front end drains): an idle
-    # worker exits at once, a busy one finishes its request first.
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     from engine.options import EngineOptions
     from service.logs import setup_logging
 
@@ -108,16 +109,13 @@ def worker_main(conn: Any, cancel: Any, opts: WorkerOptions) -> None:
             case TextIn() | CancelJob():
                 pass  # for a job that already ended (cancelled, failed)
             case RunJob(job=job):
-                _STATE["busy"] = True
                 try:
                     _run_job(conn, cancel, synth, job, fault)
                 except (BrokenPipeError, EOFError, ConnectionResetError):
                     return  # front end gone mid-request
-                finally:
-                    _STATE["busy"] = False
 
 
-_STATE = {"busy": False, "term": False}
+_STATE = {"term": False}  # StopWorker came: leave after the running jobs
 # A new job (or text that may start a waiting live one) waits this long for the next message,
 # and at most GATHER_MAX_S in all, before the next round: jobs sent at one moment then prefill
 # and step together
@@ -202,11 +200,7 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
                     # text that may start its job: others may be about to start too
                     gather = gather or sid in runner.starting
             case RunJob(job=job) if not batchable(job):
-                _STATE["busy"] = True
-                try:
-                    _run_job(conn, cancel, synth, job, fault)
-                finally:
-                    _STATE["busy"] = bool(running)
+                _run_job(conn, cancel, synth, job, fault)
             case RunJob(job=job) if _STATE["term"]:
                 conn.send(Failed(job.id, 503, None, "worker stopping"))
             case RunJob(job=job):
@@ -227,7 +221,6 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
                     conn.send(_failure(job.id, e))
                     return
                 running[sid] = _Running(job, info)
-                _STATE["busy"] = True
                 gather = gather or bool(runner.free)
 
     later: list[Any] = []  # what ``pump`` read in a step and left for the loop, in order
@@ -251,8 +244,8 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
         left, later[:] = later[:], []
         for msg in left:
             handle(msg)
-        # idle: wake now and then for SIGTERM; every live job waiting for text: for its text
-        wait = 0 if left else (0.02 if runner.idle else 0) if running else 0.25
+        # idle: until a message; every live job waiting for text: for its text
+        wait: float | None = 0 if left else (0.02 if runner.idle else 0) if running else None
         gather_until: float | None = None
         while True:
             if gather:
@@ -292,25 +285,17 @@ def _serve_batched(conn: Any, cancel: Any, synth: Synthesizer, fault: Any,
             runner.close()
             runner = BatchRunner(synth.pipeline, max_batch)
             runner.warm_up()
-            _STATE["busy"] = False
             continue
         last = runner.last
         if last.cp_rows:
             conn.send(StepDone(max(last.batch, last.cp_rows), last.talker_s,
                                last.code_predictor_s, runner.decoder_s))
-        _STATE["busy"] = bool(running)
         if not running:
             synth.pipeline.release()
 
 
 def _stop_after_job() -> None:
     _STATE["term"] = True
-
-
-def _on_sigterm(signum: int, frame: Any) -> None:
-    _STATE["term"] = True
-    if not _STATE["busy"]:
-        raise SystemExit(0)
 
 
 def _failure(job_id: int, e: Exception) -> Failed:

@@ -154,6 +154,33 @@ def test_kill_ends_every_job_of_that_worker_only(batch_server: Any) -> None:
     assert metric(ms, "qtts_worker_restarts_total") == 1
 
 
+@pytest.mark.parametrize("max_batch", [1, 2])
+def test_group_sigterm_drains_the_queued_requests_too(batch_server: Any, max_batch: int) -> None:
+    """systemd's stop signals the whole process group, workers too: the requests still queued
+    when it came are served by the drain, not failed by a worker that left at the signal."""
+    server = batch_server(workers=1, max_batch=max_batch, queue_size=4, drain_seconds=60,
+                          shutdown_delay_seconds=0, test_fault="sleep=0.05@chunk")
+    n = max_batch + 1
+    out: list[httpx.Response | None] = [None] * n
+
+    def one(i: int) -> None:
+        out[i] = httpx.post(server.url + "/tts", json=_body(i, 1.0), timeout=120)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    wait_metric(server, "qtts_requests_waiting", 1, timeout=30)
+    os.killpg(server.proc.pid, signal.SIGTERM)
+    for t in threads:
+        t.join()
+    assert [r.status_code if r else None for r in out] == [200] * n, [
+        r.text for r in out if r is not None and r.status_code != 200]
+    # a random-weight model speaks to its budget: every one of them whole
+    assert {len(r.content) for r in out if r is not None} == {2 * FRAME_SAMPLES * 12}
+    assert server.proc.wait(60) == 0
+    assert "exited" not in server.log()
+
+
 def test_cancel_one_stream_others_finish(batch_server: Any) -> None:
     server = batch_server(workers=1, max_batch=3, chunk_ramp="double")
     alone = httpx.post(server.url + "/tts", json=_body(1), timeout=120).content
