@@ -59,7 +59,8 @@ def finish_utterance(st: State, session_id: str, utt: Utterance, outcome: str, f
     request (its time to first audio runs from its first text delta; no RTF: the text's pace
     is the client's)."""
     st.metrics.requests.labels(route=REALTIME_ROUTE, outcome=outcome).inc()
-    if utt.end_at is not None and utt.last_audio_at is not None and not utt.cancelled:
+    if (utt.end_at is not None and utt.last_audio_at is not None and not utt.cancelled
+            and outcome in ("ok", "truncated_no_eos")):  # (spoken to its end)
         st.metrics.realtime_behind.observe(max(0.0, utt.last_audio_at - utt.end_at))
     ttfa = None if utt.first_audio_at is None else utt.first_audio_at - utt.first_text_at
     reqlog.info(

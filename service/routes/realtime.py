@@ -357,9 +357,10 @@ class Session:
             case WorkerDied() | TimedOut():
                 self.out.event({"type": "error", "code": "worker_died", "field": None,
                                 "message": "the worker synthesizing this utterance died"})
-                self._end("error")
+                # (counted and logged as the HTTP routes count it; its done says error)
+                self._end("worker_died", said="error")
 
-    def _end(self, outcome: str) -> None:
+    def _end(self, outcome: str, said: str | None = None) -> None:
         utt = self.utt
         assert utt is not None
         tail = self.encoder.finish()
@@ -367,7 +368,7 @@ class Session:
             self.out.audio(tail, utt.held)
         self._log(outcome)
         self.out.event({"type": "done", "id": utt.job_id,
-                        "usage": utt.usage(self.sample_rate, outcome)})
+                        "usage": utt.usage(self.sample_rate, said or outcome)})
         self.utt, self.ticket = None, None
         backlog, self.backlog = self.backlog, Backlog()
         for m in backlog:

@@ -268,6 +268,52 @@ def test_realtime_sessions_share_a_batching_worker(batch_server: Any) -> None:
     assert r.status_code == 200 and len(got) > 0 and got == r.content
 
 
+def test_a_realtime_utterance_of_a_killed_worker_counts_as_worker_died(batch_server: Any
+                                                                        ) -> None:
+    """kill -9 of the worker speaking a realtime utterance: the session gets the worker_died
+    error and the done (outcome error) and goes on; the counter and the log line say
+    worker_died, as the HTTP routes' do, and the utterance has no audio-behind-text time."""
+    from websockets.asyncio.client import connect
+
+    from tests.service.realtime_helpers import collect, first_audio, open_session, run, send, ws_url
+
+    server = batch_server(workers=1, max_batch=2, test_fault="sleep=0.1@chunk")
+
+    async def session() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        async with connect(ws_url(server)) as ws:
+            await open_session(ws, voice="ryan", seed=3)
+            await send(ws, type="text", text=TEXTS[0] * 4)
+            await send(ws, type="end")
+            await first_audio(ws)
+            os.kill(int(server.workers()[0]["pid"]), signal.SIGKILL)
+            died, _ = await collect(ws)
+            _wait_workers(server)
+            await send(ws, type="text", text=TEXTS[1])
+            await send(ws, type="end")
+            again, _ = await collect(ws)
+            return died, again
+
+    died, again = run(session())
+    assert [e["code"] for e in died if e["type"] == "error"] == ["worker_died"]
+    assert died[-1]["usage"]["outcome"] == "error"
+    assert again[-1]["usage"]["outcome"] in ("ok", "truncated_no_eos")
+    route = "/v1/tts/realtime"
+    ms = wait_metric(server, "qtts_requests_total", 1, route=route, outcome="worker_died")
+    assert metric(ms, "qtts_requests_total", route=route, outcome="error") == 0
+    assert metric(ms, "qtts_realtime_audio_behind_text_seconds_count") == 1  # the second only
+    assert len(server.wait_request_lines(
+        lambda rec: rec.get("route") == route and rec.get("outcome") == "worker_died")) == 1
+
+
+def _wait_workers(server: Server, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if metric(server.metrics(), "qtts_workers_alive") == 1:
+            return
+        time.sleep(0.05)
+    raise AssertionError("no replacement worker")
+
+
 @pytest.fixture
 def worker_pipe(q4_model: Path, tmp_path: Path) -> Iterator[Connection]:
     """A batching worker process (B = 3) started as the pool starts one; its pipe, once the
