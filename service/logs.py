@@ -6,6 +6,7 @@ fields (id, route, voice, chars, audio seconds, queue wait, time to first audio,
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import sys
@@ -97,17 +98,27 @@ class _DropIncompleteResponse(logging.Filter):
         return "returned without completing response" not in record.getMessage()
 
 
-class _ClientFrameErrors(logging.Filter):
-    """uvicorn logs a WebSocket text frame that is not UTF-8 as an error with its traceback;
-    it is the client's mistake, already answered with close code 1007: one warning line."""
+class _ExpectedErrors(logging.Filter):
+    """uvicorn logs with a traceback two errors that are no bug of ours: a WebSocket text frame
+    that is not UTF-8 (the client's mistake, answered with close code 1007) and a request
+    still running at the drain's deadline (cut on purpose; its request line says timeout).
+    Each becomes one warning line."""
 
-    MESSAGES = ("Invalid UTF-8 sequence received from client.",)
+    FRAME = "Invalid UTF-8 sequence received from client."
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and record.getMessage() in self.MESSAGES:
-            record.exc_info, record.exc_text = None, None
-            record.levelno, record.levelname = logging.WARNING, "WARNING"
-            record.msg, record.args = record.getMessage() + " (closed with 1007)", None
+        if not record.exc_info:
+            return True
+        exc = record.exc_info[1]
+        if record.getMessage() == self.FRAME:
+            said = self.FRAME + " (closed with 1007)"
+        elif isinstance(exc, asyncio.CancelledError) and "graceful shutdown" in str(exc):
+            said = "a request still running at the drain's deadline was cut"
+        else:
+            return True
+        record.exc_info, record.exc_text = None, None
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        record.msg, record.args = said, None
         return True
 
 
@@ -129,7 +140,7 @@ def setup_logging(fmt: str = "text", level: str = "info") -> None:
     # "qtts.debug", at info
     route(logging.getLogger("qtts.debug").info)
     logging.getLogger("uvicorn.error").addFilter(_DropIncompleteResponse())
-    logging.getLogger("uvicorn.error").addFilter(_ClientFrameErrors())
+    logging.getLogger("uvicorn.error").addFilter(_ExpectedErrors())
 
 
 def round_or_none(x: float | None, nd: int = 4) -> float | None:

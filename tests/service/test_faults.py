@@ -187,6 +187,10 @@ def test_drain_past_its_limit_cuts_the_stream(make_server: Any) -> None:
                 received += len(piece)
     assert received < 400 * FRAME_SAMPLES * 2
     assert server.proc.wait(HANG_BOUND) is not None
+    # cut on purpose: a warning line and the request line's timeout, not a traceback
+    assert "Traceback" not in server.log()
+    assert "was cut" in server.log()
+    assert [rec["outcome"] for rec in server.request_lines()] == ["timeout"]
 
 
 def test_a_stall_is_counted_with_how_long_the_listener_waited(make_server: Any) -> None:
