@@ -62,12 +62,18 @@ def test_alerts_cover_the_issue(alert_rules: list[dict[str, Any]]) -> None:
     assert 2.0 in TTFA_BUCKETS
     assert 'qtts_rtf_bucket{le="1.0"}' in exprs["QttsRealTimeFactorHigh"] and 1.0 in RTF_BUCKETS
     assert "qtts_stream_gaps_total" in exprs["QttsStreamGaps"]
+    # gaps over every request that could stream (truncated_no_eos, cancelled, ... too), not
+    # only the ok ones: else gaps with no ok request read +Inf
+    assert 'rate(qtts_requests_total{outcome!="rejected"}[10m])' in exprs["QttsStreamGaps"]
     assert exprs["QttsTargetsAbsent"].startswith("absent(up{")
     assert "qtts_worker_restarts_total" in exprs["QttsWorkerRestarts"]
     assert "qtts_workers_alive" in exprs["QttsNoWorkersAlive"]
-    # no alert on a single refusal: rates of refusals are shares of all requests
+    # no alert on a single refusal: rates of refusals are shares of all attempts -- requests
+    # not refused plus every refusal (some, e.g. realtime handshakes, are not requests), so the
+    # share never passes 1
     for name in ("QttsErrorRate", "QttsQueueSaturated"):
-        assert "/ sum by (job) (rate(qtts_requests_total[5m]))" in exprs[name], name
+        assert ('/ ( sum by (job) (rate(qtts_requests_total{outcome!="rejected"}[5m])) '
+                '+ sum by (job) (rate(qtts_rejections_total[5m])) )') in exprs[name], name
     for r in alert_rules:
         assert r["labels"]["severity"] in {"warning", "critical"}, r["alert"]
         ann = r["annotations"]
