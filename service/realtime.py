@@ -277,11 +277,11 @@ async def refuse_handshake(ws: WebSocket, err: ApiError, request_id: str) -> Non
 def cut_short(close: tuple[int, str], lost: bool) -> str:
     """The outcome of an utterance the session's end cut short (``close``: the session's close
     code and reason, 0 where the connection was already gone): ``client_gone`` where the client
-    left or did not read its audio (``lost``), ``timeout`` at the session's time limit, else
-    ``cancelled`` (the client broke the protocol)."""
+    left or did not read its audio (``lost``), ``timeout`` at the session's time limit or the
+    drain's, else ``cancelled`` (the client broke the protocol)."""
     if lost or close[0] == 0:
         return "client_gone"
-    return "timeout" if close[1] == "session_limit" else "cancelled"
+    return "timeout" if close[1] in ("session_limit", "drain_limit") else "cancelled"
 
 
 def bearer_token(headers: Mapping[str, str]) -> str:

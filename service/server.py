@@ -167,6 +167,8 @@ class QttsServer(uvicorn.Server):
         if not self.clean:
             log.warning("drain: requests still running after %gs; stopping anyway",
                         s.drain_seconds)
+            st.drain_over.set()
+            await asyncio.sleep(0)  # (the sessions it wakes send their close first)
         self.should_exit = True
 
 

@@ -31,6 +31,9 @@ class State:
     # set when a drain begins (on the loop: a signal handler only sets ``pool.draining``); a
     # realtime session between utterances closes then
     drain_begun: asyncio.Event = field(default_factory=asyncio.Event)
+    # set when the drain's time is up with work still running: a realtime session still
+    # speaking says so and closes before the server cuts its connection
+    drain_over: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 def get_state(request: Request) -> State:

@@ -113,6 +113,7 @@ class Session:
         # between utterances a drain closes the session at once (it would otherwise wait for
         # the client's next text, which a draining pool refuses)
         drain = asyncio.ensure_future(self.st.drain_begun.wait())
+        drain_over = asyncio.ensure_future(self.st.drain_over.wait())
         close: tuple[int, str] = (1000, "")
         lost: str | None = None  # why the connection ended under the session, for the log
         try:
@@ -128,7 +129,7 @@ class Session:
                 if self.ticket is None and self.st.pool.draining:
                     close = (CLOSE_RESTART, "server draining")
                     break
-                waits: set[asyncio.Future[Any]] = {recv, sender}
+                waits: set[asyncio.Future[Any]] = {recv, sender, drain_over}
                 if event is not None:
                     waits.add(event)
                 if self.ticket is None:
@@ -138,6 +139,13 @@ class Session:
                 timeout = min(x for x in (idle, left) if x is not None)
                 done, _ = await asyncio.wait(waits, timeout=max(0.0, timeout),
                                              return_when=asyncio.FIRST_COMPLETED)
+                if drain_over in done or self.st.drain_over.is_set():
+                    self.out.event({"type": "error", "code": "draining", "field": None,
+                                    "message": "the server is restarting and its drain limit "
+                                    "(QTTS_DRAIN_SECONDS) passed before this utterance was done"})
+                    self._cancel()
+                    close = (CLOSE_RESTART, "drain_limit")
+                    break
                 if not done:
                     code = "idle_timeout" if idle is not None and idle <= left else "session_limit"
                     self.out.event({"type": "error", "code": code, "field": None,
@@ -180,7 +188,7 @@ class Session:
             self._cancel()
             close = (0, "")
         finally:
-            for task in (recv, event, drain):
+            for task in (recv, event, drain, drain_over):
                 if task is not None:
                     task.cancel()
         if lost is not None:

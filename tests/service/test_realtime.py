@@ -1049,6 +1049,37 @@ def test_sigterm_lets_a_speaking_session_finish(make_server: Any) -> None:
     assert s.proc.wait(30) in (0, -signal.SIGTERM)
 
 
+def test_an_utterance_past_the_drain_limit_is_told_and_counted_timeout(make_server: Any
+                                                                         ) -> None:
+    """Drain past its limit with an utterance still speaking (its text never ends): the
+    session gets an error event (draining) before its 1012 close, and the utterance is the
+    server's timeout, not a client that went away."""
+    s: Server = make_server(shutdown_delay_seconds=0, drain_seconds=1.5,
+                            test_fault="sleep=0.2@chunk")
+
+    async def go() -> tuple[list[dict[str, Any]], int | None]:
+        async with connect(ws_url(s)) as ws:
+            await open_session(ws, voice="ryan", start="immediate", seed=3)
+            await send(ws, type="text", text="A sentence that goes on and on, ")
+            await first_audio(ws)
+            s.proc.send_signal(signal.SIGTERM)
+            events = []
+            with pytest.raises(ConnectionClosed):
+                while True:
+                    msg = await asyncio.wait_for(ws.recv(), 30)
+                    if isinstance(msg, str):
+                        events.append(json.loads(msg))
+            return events, ws.close_code
+
+    events, code = run(go())
+    assert [e["code"] for e in events if e["type"] == "error"] == ["draining"]
+    assert code == 1012
+    assert s.proc.wait(30) == 1  # (the drain was not clean)
+    outcomes = [r["outcome"] for r in s.request_lines() if r.get("route") == "/v1/tts/realtime"]
+    assert outcomes == ["timeout"]
+    assert "the client's connection closed" not in s.log()
+
+
 def test_sigterm_closes_a_session_between_utterances_at_once(make_server: Any) -> None:
     """Drain: a session with nothing speaking closes 1012 when the drain begins, while the
     server still drains (readiness 503), not when the client next writes or the server
