@@ -50,7 +50,9 @@ MAX_START_TOKENS = 2048  # a start later than a whole text's tokens would wait f
 
 
 class ProtocolError(Exception):
-    """A client message the session cannot take: the error event's code, field, message."""
+    """A client message the session cannot take: the error event's code, field, message, and
+    the close code the session ends with (0: only this message is refused, the session and
+    its utterance go on)."""
 
     def __init__(self, code: str, field: str | None, message: str,
                  close: int = CLOSE_POLICY) -> None:
@@ -298,9 +300,11 @@ def bearer_token(headers: Mapping[str, str]) -> str:
 
 
 def session_busy() -> ProtocolError:
-    """A ``session`` message while an utterance's text is still being written."""
+    """A ``session`` message while an utterance's text is still being written: refused, the
+    utterance goes on."""
     return ProtocolError("session_busy", "type", "session settings may change only between "
-                         "utterances (after an utterance's end)")
+                         "utterances (after an utterance's end); these were not taken",
+                         close=0)
 
 
 def min_tokens(start: Literal["immediate", "auto"] | int, default: int) -> int:

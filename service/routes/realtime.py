@@ -169,7 +169,10 @@ class Session:
                         close = (0, "")
                         lost = lost_connection(msg.get("code"), None, self.ticket is not None)
                         break
-                    await self._on_client(msg)
+                    try:
+                        await self._on_client(msg)
+                    except ProtocolError as e:
+                        self._refuse(e)
                 if self.out.too_slow:
                     self._cancel()
                     self.out.drop()  # what the client did not read
@@ -226,6 +229,12 @@ class Session:
             self.backlog.add(m)  # belongs to the next utterance
             return
         self._apply(m)
+
+    def _refuse(self, e: ProtocolError) -> None:
+        """One message refused, the session going on; an error that ends it goes up."""
+        if e.close:
+            raise e
+        self.out.event(e.event())
 
     def _apply(self, m: TextDelta | Control | NextSettings) -> None:
         if isinstance(m, TextDelta):
@@ -383,4 +392,7 @@ class Session:
             if self.utt is not None and (self.utt.ended or self.utt.cancelled):
                 self.backlog.append(m)
             else:
-                self._apply(m)
+                try:
+                    self._apply(m)
+                except ProtocolError as e:
+                    self._refuse(e)

@@ -21,7 +21,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from engine.pipeline import chunk_sizes
-from tests.service.helpers import Server, decoded_seconds, metric, serving
+from tests.service.helpers import FRAME_SAMPLES, Server, decoded_seconds, metric, serving
 from tests.service.realtime_helpers import (
     collect,
     error_event,
@@ -342,7 +342,7 @@ def test_settings_sent_after_an_end_are_the_next_utterances(rt_server: Server) -
     """A voice agent pipelines: an answer and its end, then the next answer's settings (another
     voice) and text, before the first is spoken. The settings wait for the first's done and the
     second speaks with them: the audio a fresh session makes with those settings. Settings while
-    an utterance's text is still being written are refused (and the session closes)."""
+    an utterance's text is still being written are refused, and the utterance goes on."""
     second_text = "And now another voice speaks."
 
     async def pipelined() -> bytes:
@@ -365,20 +365,25 @@ def test_settings_sent_after_an_end_are_the_next_utterances(rt_server: Server) -
     async def fresh() -> bytes:
         return (await speak(rt_server, second_text, voice="vivian", seed=4))[1]
 
-    async def mid_text() -> tuple[dict[str, Any], int | None]:
+    async def mid_text() -> tuple[dict[str, Any], list[dict[str, Any]], bytes]:
+        # refused, and nothing lost: the utterance goes on in its own voice to its done
         async with connect(ws_url(rt_server)) as ws:
-            await open_session(ws, voice="ryan")
+            await open_session(ws, voice="ryan", seed=4)
             await send(ws, type="text", text="Still writing ")
             await send(ws, type="session", voice="vivian")
             refused = await error_event(ws)
-            with pytest.raises(ConnectionClosed):
-                await asyncio.wait_for(ws.recv(), 10)
-            return refused, ws.close_code
+            await send(ws, type="text", text=second_text)
+            await send(ws, type="end")
+            events, audio = await collect(ws)
+            return refused, events, audio
 
     got = run(asyncio.wait_for(pipelined(), 120))
     assert got and got == run(asyncio.wait_for(fresh(), 120))
-    refused, code = run(asyncio.wait_for(mid_text(), 60))
-    assert refused["code"] == "session_busy" and code == 1008
+    refused, events, audio = run(asyncio.wait_for(mid_text(), 60))
+    assert refused["code"] == "session_busy" and refused["field"] == "type"
+    assert events[-1]["usage"]["outcome"] in ("ok", "truncated_no_eos"), events[-1]
+    assert events[-1]["usage"]["characters"] == len("Still writing " + second_text)
+    assert len(audio) == 2 * FRAME_SAMPLES * events[-1]["usage"]["frames"] > 0
 
 
 def test_an_answer_that_opens_with_whitespace_and_one_with_nothing_to_say(
