@@ -10,6 +10,7 @@ schema, and the request fields as this server (its settings, its model) accepts 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -40,26 +41,31 @@ def _err(description: str) -> dict[str, Any]:
 
 Responses = dict[int | str, dict[str, Any]]
 _AUTH: Responses = {401: _err("QTTS_API_KEY is set and the key is missing or wrong")}
-_BUG: Responses = {500: _err("an unexpected server error (a bug), with X-Request-Id")}
+BUG: Responses = {500: _err("an unexpected server error (a bug), with X-Request-Id")}
+# (a POST or DELETE sent by a browser page of an origin the server does not allow)
+ORIGIN: Responses = {403: _err("sent from a web page whose Origin is neither the server's nor "
+                               "listed in QTTS_CORS_ORIGINS (origin_not_allowed)")}
+BODY_TIMEOUT: Responses = {408: _err("the request body did not arrive within QTTS_BODY_TIMEOUT")}
 
 ERRORS_SYNTH: Responses = {
     400: _err("a bad field (named in `field`): empty or too long text (characters or tokens), "
               "unknown voice or language, value out of range, malformed codes, unknown field, "
               "invalid JSON"),
     **_AUTH,
-    408: _err("the request body did not arrive within QTTS_BODY_TIMEOUT"),
+    **ORIGIN,
+    **BODY_TIMEOUT,
     413: _err("the body is larger than QTTS_MAX_BODY_BYTES"),
-    415: _err("the content type is not application/json"),
+    415: _err("the content type is not application/json (nor, for /tts, a multipart form)"),
     404: _err("`voice` names a stored voice id that does not exist (or is another owner's)"),
     409: _err("`voice` is a stored voice made for another model"),
     422: _err("text sent to a model without a talker (a decoder-only GGUF)"),
-    **_BUG,
+    **BUG,
     503: _err("queue full, shutting down, no worker, the worker died, or the voice store is "
               "unavailable (Retry-After)"),
     504: _err("the request timed out before any audio was sent"),
 }
-ERRORS_GET_API: Responses = {**_AUTH, **_BUG}
-ERRORS_GET: Responses = dict(_BUG)
+ERRORS_GET_API: Responses = {**_AUTH, **BUG}
+ERRORS_GET: Responses = dict(BUG)
 
 
 def install(app: FastAPI, settings: Settings, model: Callable[[], Any]) -> None:
@@ -106,6 +112,29 @@ def _apply(doc: dict[str, Any], s: Settings, info: Any) -> None:
     ref = schemas.get("VoiceRef", {}).get("properties", {})
     if voices and "id" in ref:
         _enum_strings(ref["id"], voices)
+    if "TTSRequest" in schemas:
+        _tts_form(doc, schemas)
+
+
+def _tts_form(doc: dict[str, Any], schemas: dict[str, Any]) -> None:
+    # POST /tts also takes a multipart form (service/voices/form.py turns it into the JSON
+    # body): the same fields as text, the reference as a file; no codes (frames are JSON)
+    props: dict[str, Any] = {}
+    for name, prop in copy.deepcopy(schemas["TTSRequest"]["properties"]).items():
+        if name == "codes":
+            continue
+        kept = [alt for alt in _alternatives(prop)
+                if alt.get("type") not in ("null", "object", "array") and "$ref" not in alt]
+        if kept:
+            props[name] = {**{k: v for k, v in prop.items() if k != "anyOf"}, **kept[0]}
+    props["ref_audio"] = {"type": "string", "format": "binary", "title": "Ref Audio",
+                          "description": "reference audio file (one-shot cloning, Base models)"}
+    schemas["TTSForm"] = {"type": "object", "title": "TTSForm", "properties": props,
+                          "additionalProperties": False}
+    body = doc.get("paths", {}).get("/tts", {}).get("post", {}).get("requestBody")
+    if body is not None:
+        body["content"]["multipart/form-data"] = {
+            "schema": {"$ref": "#/components/schemas/TTSForm"}}
 
 
 def _codes_shape(prop: dict[str, Any], rows: int, size: int, max_frames: int) -> None:

@@ -62,8 +62,8 @@ async def model(request: Request, st: StateDep) -> dict[str, Any]:
 async def speech(body: SpeechRequest, request: Request, st: StateDep) -> Response:
     rid, arrival = request_context(request)
     if body.voice is None and body.ref_audio is None:
-        raise ApiError(400, "voice: Field required (a voice name or id; or ref_audio, to clone "
-                       "a voice for this request)", field="voice", code="invalid_value")
+        raise ApiError(400, "voice: is required (a voice name or id; or ref_audio, to clone "
+                       "a voice for this request)", field="voice", code="voice_required")
     clone = await clone_use(st, request_owner(request), body.voice_name, body.ref_audio,
                             body.ref_text, body.x_vector_only)
     inp = SynthesisInput(

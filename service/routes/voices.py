@@ -18,7 +18,7 @@ from starlette.datastructures import UploadFile
 
 from engine.errors import quoted
 from service.errors import ApiError
-from service.openapi import ERRORS_GET_API, Responses, _err
+from service.openapi import BODY_TIMEOUT, BUG, ERRORS_GET_API, ORIGIN, Responses, _err
 from service.routes.context import request_context
 from service.state import State, get_state
 from service.voices.api import (
@@ -46,10 +46,13 @@ ERRORS_CREATE: Responses = {
     400: _err("a bad form field (named in `field`): no file, empty or too long name, "
               "undecodable, silent, too short or too long reference, empty transcript"),
     401: _err("a key is required and was missing or wrong"),
+    **ORIGIN,
+    **BODY_TIMEOUT,
     409: _err("the caller already has a voice of that name"),
     413: _err("the reference is larger than QTTS_MAX_REFERENCE_BYTES"),
     415: _err("not a multipart form, or the file part is not audio"),
     422: _err("the served model does not clone voices (not a Base model)"),
+    **BUG,
     503: _err("the voice store is unreachable, or no worker is free (Retry-After)"),
 }
 ERRORS_ONE: Responses = {**ERRORS_GET_API, 404: _err("no such voice (or another owner's)"),
@@ -172,7 +175,7 @@ async def get_voice(request: Request, st: StateDep) -> dict[str, Any]:
 
 
 @router.delete("/v1/audio/voices/{voice_id}", summary="Delete one of the caller's cloned voices",
-               responses=ERRORS_ONE, openapi_extra=_ID_PARAM)
+               responses={**ERRORS_ONE, **ORIGIN}, openapi_extra=_ID_PARAM)
 async def delete(request: Request, st: StateDep) -> dict[str, Any]:
     rid, _ = request_context(request)
     gone = await delete_voice(st, request_owner(request), _voice_id(request, st), rid)

@@ -85,9 +85,19 @@ def test_openapi_documents_every_status_with_the_error_schema(fuzz_server: Serve
     err = {"$ref": "#/components/schemas/ErrorResponse"}
     for route in ("/tts", "/v1/audio/speech"):
         responses = doc["paths"][route]["post"]["responses"]
-        for status in ("400", "401", "408", "413", "415", "422", "500", "503", "504"):
+        for status in ("400", "401", "403", "408", "413", "415", "422", "500", "503", "504"):
             assert responses[status]["content"]["application/json"]["schema"] == err, status
+    voices_path = doc["paths"]["/v1/audio/voices"]
+    assert {"401", "403", "408", "413", "415", "500", "503"} <= set(
+        voices_path["post"]["responses"])
+    assert "403" in doc["paths"]["/v1/audio/voices/{voice_id}"]["delete"]["responses"]
     assert "401" in doc["paths"]["/v1/models"]["get"]["responses"]
+    # the multipart form of /tts: its fields as text, the reference a file, no codes
+    form = doc["paths"]["/tts"]["post"]["requestBody"]["content"]["multipart/form-data"]
+    fields = doc["components"]["schemas"][form["schema"]["$ref"].rsplit("/", 1)[1]]["properties"]
+    assert fields["ref_audio"]["format"] == "binary" and "codes" not in fields
+    assert fields["voice"]["enum"] == httpx.get(fuzz_server.url + "/v1/audio/voices",
+                                                timeout=10).json()["voices"]
     assert "HTTPValidationError" not in doc["components"]["schemas"]  # (validation errors are 400s)
     voices = httpx.get(fuzz_server.url + "/v1/audio/voices", timeout=10).json()["voices"]
     voice = doc["components"]["schemas"]["TTSRequest"]["properties"]["voice"]["anyOf"][0]

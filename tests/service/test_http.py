@@ -380,6 +380,13 @@ def test_bad_input_is_a_4xx_naming_the_field(server: Server, route: str, body: d
     assert err["type"] == "invalid_request_error"
 
 
+def test_a_missing_voice_has_one_code_on_both_routes(server: Server) -> None:
+    for route, body in (("/tts", {"text": "hi"}),
+                        ("/v1/audio/speech", {"model": "qtts", "input": "hi"})):
+        err = httpx.post(server.url + route, json=body, timeout=10).json()["error"]
+        assert (err["field"], err["code"]) == ("voice", "voice_required"), (route, err)
+
+
 def test_malformed_transport_is_a_4xx(server: Server) -> None:
     url = server.url + "/tts"
     r = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
