@@ -56,9 +56,14 @@ def run_serve(args: argparse.Namespace) -> int:
             print(f"qtts serve: {name}: {err['msg']}", file=sys.stderr)
         return 2
     setup_logging(settings.log_format, settings.log_level)
-    try:
-        from engine.errors import QttsError
+    from engine.errors import QttsError
 
+    try:
+        _check_engine_settings(settings)
+    except QttsError as e:
+        print(f"qtts serve: {e}", file=sys.stderr)
+        return 2
+    try:
         info = ModelInfo.load(str(settings.model))  # fail fast, with the loader's one-line message
     except QttsError as e:
         print(f"qtts serve: {e}", file=sys.stderr)
@@ -79,3 +84,15 @@ def run_serve(args: argparse.Namespace) -> int:
     if not server.started:
         return 1
     return 0 if server.clean else 1
+
+
+def _check_engine_settings(settings: Any) -> None:
+    """The engine's ``QTTS_*`` variables, as set and as a worker will get them: a worker that
+    cannot start on them would be restarted again and again while the server answered 503."""
+    import os
+
+    from engine.backend import check_backend_settings
+    from engine.options import EngineOptions
+
+    for env in (os.environ, {**os.environ, **settings.worker_env()}):
+        check_backend_settings(EngineOptions.from_env(env))

@@ -152,14 +152,82 @@ def built_backends() -> list[str]:
     return list(native_info()["backends"])
 
 
-def _parse_int(var: str, raw: str, minimum: int) -> int:
+# More threads than a machine has CPUs only slow ggml down (its threads spin-wait), and
+# thousands fail to start or crash the process; ggml's own cap is 512.
+MAX_THREADS = 256
+
+
+def _parse_int(var: str, raw: str, minimum: int, maximum: int | None = None) -> int:
     try:
         value = int(raw)
     except ValueError:
         raise BackendError(f"{var}={raw!r} is not an integer") from None
     if value < minimum:
         raise BackendError(f"{var}={value} must be >= {minimum}")
+    if maximum is not None and value > maximum:
+        raise BackendError(f"{var}={value} must be <= {maximum}")
     return value
+
+
+def _named_backend(backend: str, where: str) -> str:
+    """``QTTS_BACKEND`` lower-cased, refused when unknown (``where``: what is available)."""
+    name = backend.strip().lower()
+    if name != "auto" and name not in REGISTRY_NAMES:
+        raise BackendError(
+            f"QTTS_BACKEND={backend!r} is unknown; choose auto or one of: "
+            f"{', '.join(REGISTRY_NAMES)} ({where})"
+        )
+    return name
+
+
+def _fallback_order(fallback: str, where: str) -> list[str]:
+    """``QTTS_BACKEND_FALLBACK`` as backend names, CPU last; refused when empty or unknown."""
+    if fallback == "":
+        raise BackendError(
+            f"QTTS_BACKEND_FALLBACK is empty; give a comma list such as cuda,cpu ({where})")
+    order = [b.strip().lower() for b in fallback.split(",") if b.strip()]
+    if not order:
+        raise BackendError(f"QTTS_BACKEND_FALLBACK={fallback!r} names no backend ({where})")
+    unknown = [b for b in order if b not in REGISTRY_NAMES]
+    if unknown:
+        raise BackendError(
+            f"QTTS_BACKEND_FALLBACK names unknown backend(s) {', '.join(unknown)}; "
+            f"known: {', '.join(REGISTRY_NAMES)} ({where})"
+        )
+    if "cpu" not in order:
+        order.append("cpu")  # the CPU is always the last resort of auto
+    return order
+
+
+def _threads(threads: str | None) -> int:
+    if threads in (None, ""):
+        return default_threads()
+    return _parse_int("QTTS_THREADS", threads, 1, MAX_THREADS)
+
+
+def _device_index(device: str | None) -> int:
+    return _parse_int("QTTS_DEVICE", device, 0) if device not in (None, "") else 0
+
+
+def check_backend_settings(o: EngineOptions) -> None:
+    """What ``choose_backend`` refuses without asking the machine for its devices: an unknown
+    backend, one this build lacks, thread and device numbers that are not numbers or out of
+    range. ``qtts serve`` checks these before it starts a worker, which would otherwise fail
+    to start again and again."""
+    built = built_backends()
+    where = f"built: {', '.join(built)}"
+    name = _named_backend(o.backend, where)
+    if name != "auto" and name not in built:
+        raise BackendError(_not_built(name, built))
+    if name == "auto" and o.backend_fallback is not None:
+        _fallback_order(o.backend_fallback, where)
+    _threads(o.threads)
+    _device_index(o.device)
+
+
+def _not_built(name: str, built: list[str]) -> str:
+    return (f"QTTS_BACKEND={name}: this ggml build has no {name} backend "
+            f"(built: {', '.join(built)}); rebuild with QTTS_GGML_BACKENDS={name} make native")
 
 
 def default_threads() -> int:
@@ -193,41 +261,16 @@ def choose_backend(
     devices = list_devices()
     built = built_backends()
     available = sorted({d.backend for d in devices}, key=lambda b: (b != "cpu", b))
-    avail_txt = ", ".join(available)
-    name = backend.strip().lower()
-    if name != "auto" and name not in REGISTRY_NAMES:
-        raise BackendError(
-            f"QTTS_BACKEND={backend!r} is unknown; choose auto or one of: "
-            f"{', '.join(REGISTRY_NAMES)} (available here: {avail_txt})"
-        )
-    n_threads = (
-        _parse_int("QTTS_THREADS", threads, 1) if threads not in (None, "") else default_threads()
-    )
-    dev_index = _parse_int("QTTS_DEVICE", device, 0) if device not in (None, "") else 0
+    where = "available here: " + ", ".join(available)
+    name = _named_backend(backend, where)
+    n_threads = _threads(threads)
+    dev_index = _device_index(device)
 
     if name == "auto":
-        if fallback is None or fallback == "":
-            if fallback == "":
-                raise BackendError(
-                    "QTTS_BACKEND_FALLBACK is empty; give a comma list such as "
-                    f"cuda,cpu (available here: {avail_txt})"
-                )
+        if fallback is None:
             order = [b for b in ACCELERATORS if b in built] + ["cpu"]
         else:
-            order = [b.strip().lower() for b in fallback.split(",") if b.strip()]
-            if not order:
-                raise BackendError(
-                    f"QTTS_BACKEND_FALLBACK={fallback!r} names no backend "
-                    f"(available here: {avail_txt})"
-                )
-            unknown = [b for b in order if b not in REGISTRY_NAMES]
-            if unknown:
-                raise BackendError(
-                    f"QTTS_BACKEND_FALLBACK names unknown backend(s) {', '.join(unknown)}; "
-                    f"known: {', '.join(REGISTRY_NAMES)} (available here: {avail_txt})"
-                )
-            if "cpu" not in order:
-                order.append("cpu")  # the CPU is always the last resort of auto
+            order = _fallback_order(fallback, where)
         for cand in order:
             matches = [d for d in devices if d.backend == cand]
             if matches:
@@ -241,13 +284,10 @@ def choose_backend(
     matches = [d for d in devices if d.backend == name]
     if not matches:
         if name not in built:
-            raise BackendError(
-                f"QTTS_BACKEND={name}: this ggml build has no {name} backend "
-                f"(built: {', '.join(built)}); rebuild with QTTS_GGML_BACKENDS={name} make native"
-            )
+            raise BackendError(_not_built(name, built))
         raise BackendError(
             f"QTTS_BACKEND={name}: the build has it but this machine has no {name} device "
-            f"(available here: {avail_txt})"
+            f"({where})"
         )
     if dev_index >= len(matches):
         raise BackendError(

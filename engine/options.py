@@ -14,7 +14,7 @@ Variables (all optional):
   QTTS_DEVICE            device index within the chosen backend (default 0)
   QTTS_RPC_SERVERS       comma list of host:port of ggml RPC servers (``python -m
                          cli.rpc_server``); each adds one ``rpc`` device
-  QTTS_THREADS           CPU threads (default: the CPUs this process may run on)
+  QTTS_THREADS           CPU threads, 1..256 (default: the CPUs this process may run on)
   QTTS_DEBUG_BACKEND=1   print per-graph placement: nodes per backend, op types on the CPU
   QTTS_MAX_MATMUL_ROWS   split matmuls whose src1 has more rows (default: per backend, e.g.
                          1024 for hexagon; none elsewhere) so they stay on the accelerator
@@ -28,9 +28,11 @@ Variables (all optional):
   QTTS_PROFILE=1         print the per-stage times of every decoder push (engine/debug_out.py)
   QTTS_PIN_PREFIXES=0    at warm-up, do not precompute every voice x language prompt prefix
 
+The on/off variables take 1 or 0 (empty: the default); any other value is refused.
 The backend choice (backend, fallback, device, threads, rpc servers) stays as the variables
 spell it: it can only be checked against the build and the machine, which ``choose_backend``
-does with an error that names what is available.
+does with an error that names what is available (``check_backend_settings``: the part that
+needs no device, which ``qtts serve`` runs before it starts a worker).
 """
 
 from __future__ import annotations
@@ -73,11 +75,14 @@ class DiagnosticSettings:
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
-    """On/off variables: ``0`` turns a default-on option off, ``1`` a default-off one on."""
+    """On/off variables: ``1`` on, ``0`` off, unset or empty the default; anything else is
+    refused (a typo would otherwise quietly keep the default)."""
     raw = env.get(name)
-    if raw is None:
+    if raw in (None, ""):
         return default
-    return raw != "0" if default else raw == "1"
+    if raw.strip() not in ("0", "1"):
+        raise BackendError(f"{name}={raw!r}: use 1 (on) or 0 (off)")
+    return raw.strip() == "1"
 
 
 def _positive_int(env: Mapping[str, str], name: str) -> int | None:

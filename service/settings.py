@@ -21,7 +21,9 @@ from service.protocol import WorkerOptions
 class Settings(BaseSettings):
     """Service configuration (environment variables ``QTTS_<NAME>``)."""
 
-    model_config = SettingsConfigDict(env_prefix="QTTS_", extra="ignore", frozen=True)
+    # (allow_inf_nan: "inf" would pass every lower bound, then overflow where it is used)
+    model_config = SettingsConfigDict(env_prefix="QTTS_", extra="ignore", frozen=True,
+                                      allow_inf_nan=False)
 
     model: Path = Field(default=Path("model.gguf"), description="the qtts GGUF to serve")
     host: str = Field(default="127.0.0.1", description="address to listen on")
@@ -284,6 +286,15 @@ class Settings(BaseSettings):
         from service.origins import parse_origins
 
         return parse_origins(self.cors_origins)
+
+    @field_validator("api_key")
+    @classmethod
+    def _key(cls, v: str | None) -> str | None:
+        # a key no client can send (it travels in an HTTP header) would refuse every request
+        if v and not all("!" <= c <= "~" for c in v):
+            raise ValueError("a key is sent in an HTTP header: visible ASCII characters only, "
+                             "no spaces")
+        return v
 
     @field_validator("api_keys")
     @classmethod

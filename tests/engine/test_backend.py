@@ -57,6 +57,8 @@ def _unavailable(name: str) -> str:
         (_env(device="-1"), "QTTS_DEVICE=-1 must be >= 0"),
         (_env(threads="two"), "QTTS_THREADS='two' is not an integer"),
         (_env(threads="0"), "QTTS_THREADS=0 must be >= 1"),
+        # (thousands of threads failed to start, or crashed the process)
+        (_env(threads="100000"), "QTTS_THREADS=100000 must be <= 256"),
     ],
 )
 def test_backend_choice_errors(env: dict[str, str], message: str) -> None:

@@ -42,10 +42,14 @@ def test_every_variable_reaches_its_field() -> None:
     assert not o.amx and EngineOptions.from_env({}).amx
 
 
-def test_on_off_variables_keep_their_old_spelling() -> None:
-    # default-on options are off only for "0"; default-off ones are on only for "1"
-    assert EngineOptions.from_env({"QTTS_WINOGRAD": "no"}).winograd
-    assert not EngineOptions.from_env({"QTTS_PROFILE": "yes"}).profile
+def test_on_off_variables_are_1_or_0_and_anything_else_is_refused() -> None:
+    assert not EngineOptions.from_env({"QTTS_WINOGRAD": "0"}).winograd
+    assert EngineOptions.from_env({"QTTS_PROFILE": "1"}).profile
+    assert EngineOptions.from_env({"QTTS_PROFILE": ""}) == EngineOptions.from_env({})
+    # "no" once kept a default-on option on without a word
+    for name, raw in (("QTTS_WINOGRAD", "no"), ("QTTS_PROFILE", "yes")):
+        with pytest.raises(BackendError, match=f"{name}='{raw}': use 1 \\(on\\) or 0"):
+            EngineOptions.from_env({name: raw})
 
 
 def test_overrides_win_over_the_environment() -> None:

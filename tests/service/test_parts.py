@@ -8,6 +8,7 @@ import os
 import struct
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pydantic
@@ -164,12 +165,27 @@ def test_metrics_names_and_bounded_labels() -> None:
     assert 'qtts_time_to_first_audio_seconds_bucket{le="2.0"}' in text
 
 
-def test_serve_refuses_bad_settings_in_one_line() -> None:
-    for args, env, needle in [
-        (["--model", "/nonexistent/model.gguf"], {}, "file not found"),
-        (["--model", "x.gguf"], {"QTTS_WORKERS": "0"}, "QTTS_WORKERS"),
-    ]:
-        p = subprocess.run([sys.executable, "-m", "cli", "serve", *args], env={
-            **os.environ, **env}, capture_output=True, text=True, timeout=60)
-        assert p.returncode == 2
-        assert needle in p.stderr and "Traceback" not in p.stderr
+@pytest.mark.parametrize(("args", "env", "needle"), [
+    (["--model", "/nonexistent/model.gguf"], {}, "file not found"),
+    (["--model", "x.gguf"], {"QTTS_WORKERS": "0"}, "QTTS_WORKERS"),
+    # settings that passed every lower bound, then overflowed at start
+    ([], {"QTTS_MAX_AUDIO_SECONDS": "inf"}, "QTTS_MAX_AUDIO_SECONDS: Input should be a finite"),
+    ([], {"QTTS_DRAIN_SECONDS": "inf"}, "QTTS_DRAIN_SECONDS"),
+    ([], {"QTTS_API_KEY": " "}, "QTTS_API_KEY"),
+    # the engine's own: a worker could never start on them, and was restarted for ever
+    ([], {"QTTS_BACKEND": "bogus"}, "QTTS_BACKEND='bogus' is unknown"),
+    ([], {"QTTS_BACKEND_FALLBACK": "cpu,nope"}, "unknown backend(s) nope"),
+    ([], {"QTTS_THREADS": "100000"}, "QTTS_THREADS=100000 must be <= 256"),
+    ([], {"QTTS_THREADS": "abc"}, "QTTS_THREADS='abc' is not an integer"),
+    ([], {"QTTS_DEVICE": "-1"}, "QTTS_DEVICE=-1"),
+    ([], {"QTTS_CUSTOM_OPS": "maybe"}, "QTTS_CUSTOM_OPS='maybe'"),
+    ([], {"QTTS_MAX_MATMUL_ROWS": "0"}, "QTTS_MAX_MATMUL_ROWS=0"),
+])
+def test_serve_refuses_bad_settings_in_one_line(args: list[str], env: dict[str, str],
+                                                 needle: str, service_model: Path) -> None:
+    p = subprocess.run([sys.executable, "-m", "cli", "serve", *args], env={
+        **os.environ, "QTTS_MODEL": str(service_model), **env}, capture_output=True,
+        text=True, timeout=60)
+    assert p.returncode == 2, p.stderr
+    assert needle in p.stderr and "Traceback" not in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
