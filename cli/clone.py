@@ -94,6 +94,13 @@ def voice_from_args(args: argparse.Namespace, pipe: Any) -> Any:
 
     if args.voice_file and args.ref_audio:
         raise InputError("voice_file", "give --voice-file or --ref-audio, not both")
+    # (flags that would change nothing are refused, not quietly dropped: a .qvoice file holds
+    # its transcript and mode whole)
+    for flag, given in (("--ref-text", args.ref_text), ("--x-vector-only", args.x_vector_only)):
+        if given and not args.ref_audio:
+            raise InputError(flag.lstrip("-").replace("-", "_"), f"{flag} needs --ref-audio")
+    if args.x_vector_only and args.ref_text:
+        raise InputError("ref_text", "--x-vector-only uses no transcript; drop one of them")
     if args.voice_file:
         voice = voice_file.load(args.voice_file, pipe.voice_fingerprint)
         with about("voice_file", args.voice_file, ("voice",)):
@@ -102,6 +109,4 @@ def voice_from_args(args: argparse.Namespace, pipe: Any) -> Any:
     if args.ref_audio:
         with about("--ref-audio", args.ref_audio, ("ref_audio",)):
             return pipe.clone_voice(args.ref_audio, args.ref_text, args.x_vector_only)
-    if args.ref_text:
-        raise InputError("ref_text", "--ref-text needs --ref-audio")
     return None

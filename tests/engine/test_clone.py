@@ -705,6 +705,11 @@ def test_cli_clone_voice_then_synth(base_dir: Path, speech: Path, tmp_path: Path
          "not a regular file"),  # (once read until memory ran out)
         (["synth", "Hi.", "--model", model, "--ref-text", "x", "-o", str(out)],
          "--ref-text needs --ref-audio"),
+        # flags that would change nothing are refused (they were dropped without a word)
+        (["synth", "Hi.", "--model", model, "--voice-file", str(bad), "--x-vector-only", "-o",
+          str(out)], "--x-vector-only needs --ref-audio"),
+        (["synth", "Hi.", "--model", model, "--ref-audio", str(speech), "--x-vector-only",
+          "--ref-text", "x", "-o", str(out)], "--x-vector-only uses no transcript"),
         # audio that decodes but cannot clone: the option and the file are named (it was
         # "ref_audio: is 0.5 s long", a field the command line does not have)
         (["clone-voice", "--model", model, "--audio", str(short), "--x-vector-only", "-o",
