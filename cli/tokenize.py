@@ -15,6 +15,9 @@ from engine.errors import InputError
 from engine.tokenizer_gguf import bytes_to_unicode
 
 _BYTE_OF = {c: b for b, c in bytes_to_unicode().items()}
+# stdin is read whole: an endless pipe (/dev/zero) must end in this one-line refusal, not in
+# a MemoryError (the service takes 4096 characters; this is a tool for whole documents too)
+MAX_STDIN_CHARS = 1_000_000
 
 
 def piece(tokenizer: Any, token_id: int) -> str:
@@ -48,7 +51,9 @@ def run_tokenize(model_path: str, text: str | None, as_json: bool, show_tokens: 
     if text is None:
         if sys.stdin.isatty():
             raise InputError("text", "give the text as an argument, or pipe it on stdin")
-        text = sys.stdin.read()
+        text = sys.stdin.read(MAX_STDIN_CHARS + 1)
+        if len(text) > MAX_STDIN_CHARS:
+            raise InputError("text", f"stdin holds more than {MAX_STDIN_CHARS} characters")
     ids, pieces = tokenize(model_path, text)
     if as_json:
         out: dict[str, Any] = {"count": len(ids), "ids": ids}

@@ -60,6 +60,18 @@ def test_stdin_through_the_console_script(tiny_gguf: Path) -> None:
     assert [int(x) for x in done.stdout.split()] == _expected(tiny_gguf, "speak")
 
 
+def test_an_endless_stdin_is_refused_in_one_line(tiny_gguf: Path) -> None:
+    from cli.tokenize import MAX_STDIN_CHARS
+
+    with open("/dev/zero", "rb") as endless:  # (it once ran until memory ran out)
+        done = subprocess.run([sys.executable, "-m", "cli", "tokenize", "--model",
+                               str(tiny_gguf)], stdin=endless, capture_output=True, text=True,
+                              check=False, timeout=120)
+    assert done.returncode == 2
+    assert f"text: stdin holds more than {MAX_STDIN_CHARS} characters" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
 def test_errors_are_one_line(tiny_model_dir: Path, tmp_path: Path,
                              capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["tokenize", "--model", str(tmp_path / "missing.gguf"), "x"]) == 2
