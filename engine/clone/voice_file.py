@@ -95,6 +95,9 @@ def _read_file(p: Path, name: str) -> bytes:
 def _ints(a: npt.NDArray[Any]) -> npt.NDArray[np.int32]:
     if a.dtype.kind not in "iu":
         raise ValueError("not integers")
+    # (a cast would wrap 2**32 + 5 to 5, an id that passes every later check)
+    if a.size and (a.min() < np.iinfo(np.int32).min or a.max() > np.iinfo(np.int32).max):
+        raise ValueError("integers past int32")
     return np.asarray(a, dtype=np.int32)
 
 

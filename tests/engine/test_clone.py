@@ -583,11 +583,13 @@ def _crafted_voice_files(pipe: Pipeline, speech: Path, folder: Path) -> dict[str
     # fractional codes (were cut to integers), a mode and a fingerprint that are not there
     for name, changes, arrays in (
             ("float_codes", {}, {"ref_codes": codes.astype(np.float32) + 0.5}),
+            # int64 ids past int32: a cast wrapped 2**32 + 5 to 5, an id in range
+            ("wide_ids", {}, {"ref_ids": np.append(ids, 2**32 + 5).astype(np.int64)}),
             ("bogus_mode", {"mode": "bogus"}, {}),
             ("no_fingerprint", {"fingerprint": None}, {})):
         buf = io.BytesIO()
         np.savez(buf, meta=np.array(json.dumps({**meta, **changes})), x_vector=good.x_vector,
-                 ref_ids=ids, **{"ref_codes": codes, **arrays})
+                 **{"ref_ids": ids, "ref_codes": codes, **arrays})
         out[name] = folder / f"{name}.qvoice"
         out[name].write_bytes(buf.getvalue())
     return out
@@ -603,6 +605,7 @@ RUN_CLI = "import sys; from cli.main import main; sys.exit(main(sys.argv[1:]))"
     ("long", "the talker holds"),
     ("bomb", "not a qtts voice file"),
     ("float_codes", "not a qtts voice file"),
+    ("wide_ids", "not a qtts voice file"),
     ("bogus_mode", "is damaged (no mode or model fingerprint)"),
     ("no_fingerprint", "is damaged (no mode or model fingerprint)"),
 ])  # fmt: skip
