@@ -16,7 +16,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from cli.paths import count
+from cli.paths import count, output_file
 from engine.errors import QttsError
 from engine.options import EngineOptions
 
@@ -47,7 +47,8 @@ def _add_convert(sub: SubParsers) -> None:
                    help="decoder weight type (f32; others cost waveform SNR, the report says how "
                    "much)")
     p.add_argument(
-        "--parts", default=None, help="comma list of parts: decoder,talker (default: all present)"
+        "--parts", default=None, help="comma list of parts: decoder, talker, speaker_encoder, "
+        "codec_encoder (the last two: Base checkpoints' cloning; default: all present)"
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=_cmd_convert)
@@ -56,8 +57,11 @@ def _add_convert(sub: SubParsers) -> None:
 def _cmd_convert(args: argparse.Namespace) -> int:
     from engine.tools.convert import convert
 
+    # a .gguf name, as every command that reads a model takes (convert() itself writes any
+    # name: scripts convert to a temporary name and rename it)
+    out = output_file(args.out, "out", (".gguf",))
     report = convert(
-        args.model_dir, args.out, dtype=args.dtype, parts=args.parts, progress=not args.no_progress,
+        args.model_dir, out, dtype=args.dtype, parts=args.parts, progress=not args.no_progress,
         decoder_dtype=args.decoder_dtype,
     )
     for line in report.summary_lines():
@@ -195,8 +199,18 @@ def _cmd_decode(args: argparse.Namespace) -> int:
 def _add_doctor(sub: SubParsers) -> None:
     p = sub.add_parser("doctor", help="decode on every backend the build sees; compare with CPU")
     p.add_argument("--model", required=True, help="a qtts GGUF with the decoder part")
-    p.add_argument("--frames", type=int, default=4, help="codec frames to decode (default 4)")
+    p.add_argument("--frames", type=_doctor_frames, default=4,
+                   help="codec frames to decode, at most a request's frame cap (default 4)")
     p.set_defaults(func=_cmd_doctor)
+
+
+def _doctor_frames(text: str) -> int:
+    """``--frames``: 1 up to the frames one request may have. More adds nothing to the
+    comparison of backends and runs for minutes; 0 or fewer made an empty or a failed decode.
+    (The cap is imported here, when the option is given: not on every ``qtts`` start.)"""
+    from engine.talker.generate import DEFAULT_MAX_FRAMES_CAP
+
+    return count(1, DEFAULT_MAX_FRAMES_CAP)(text)
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:

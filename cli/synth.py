@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from cli.clone import add_synth_voice_arguments, voice_from_args
-from cli.paths import count, output_file, write_wav
+from cli.paths import count, output_file, write_npy, write_wav
 from engine.options import EngineOptions
 
 
@@ -45,8 +45,7 @@ def run_synth(args: argparse.Namespace, options: EngineOptions) -> int:
     from engine.pipeline import Pipeline, StreamInfo, SynthesisRequest
 
     out = output_file(args.out, "--out", (".wav",))
-    if args.save_codes:
-        output_file(args.save_codes, "--save-codes", (".npy",))
+    codes_out = output_file(args.save_codes, "--save-codes", (".npy",)) if args.save_codes else None
     model = open_model(args.model)
     model.require("talker")
     backends = BackendSet.from_options(options)
@@ -72,10 +71,10 @@ def run_synth(args: argparse.Namespace, options: EngineOptions) -> int:
     elapsed = time.perf_counter() - t0
     audio = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.float32)
     write_wav(out, audio, pipe.sample_rate, "--out")
-    if args.save_codes:
+    if codes_out is not None:
         codes = (np.concatenate(info.codes, axis=1) if info.codes
                  else np.zeros((16, 0), dtype=np.int32))
-        np.save(args.save_codes, codes)
+        write_npy(codes_out, codes, "--save-codes")
     seconds = audio.size / pipe.sample_rate
     rtf = f"{elapsed / seconds:.3f}" if seconds else "n/a"
     print(f"qtts: wrote {out}: {info.frames} frames, {seconds:.2f} s of audio in {elapsed:.2f} s "

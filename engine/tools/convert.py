@@ -37,6 +37,7 @@ Documented error of a stored type against the F32 source (``max_abs_error``):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -46,6 +47,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import TracebackType
 from typing import IO, Any
 
 import numpy as np
@@ -392,6 +394,30 @@ class SafetensorsWriter:
         self._skip_empty()
         if self._i < len(self._order):
             raise ValueError(f"tensor {self._order[self._i][0]} was not fully written")
+
+    def __enter__(self) -> SafetensorsWriter:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        """Finish the file, or remove it when the writing failed. With an error in flight (a
+        full disk, Ctrl-C) the file is incomplete: checking it would raise a ValueError in
+        place of that error, which is the one to report."""
+        if exc_type is not None:
+            self._discard()
+            return
+        try:
+            self.close()
+        except BaseException:  # (the last bytes did not reach the disk: no file either)
+            self._discard()
+            raise
+
+    def _discard(self) -> None:
+        """Close and remove the unfinished file; raises nothing over the error that ends it."""
+        with contextlib.suppress(OSError):
+            self._f.close()  # (flushing to a full disk fails again)
+        with contextlib.suppress(OSError):
+            self.path.unlink(missing_ok=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1059,6 +1085,7 @@ def convert(
     mdir, out = Path(model_dir), Path(out_path)
     if not out.parent.is_dir():
         raise ConversionError(str(out), "output folder does not exist")
+    _refuse_an_input(out, mdir)
     src = read_checkpoint(mdir, parts)
     report = ConversionReport(out, src.parts, dtype, synthetic=src.synthetic, notes=src.notes)
     if decoder_dtype != "f32" and PART_DECODER in src.parts:
@@ -1092,6 +1119,23 @@ def convert(
     report.file_size = out.stat().st_size
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _refuse_an_input(out: Path, model_dir: Path) -> None:
+    """Refuse an ``out`` that is (or leads to) a file of the checkpoint being converted: the
+    GGUF would replace it (``qtts convert CK CK/model.safetensors`` destroyed its own input and
+    said it had written a model). A GGUF there is no input: ``make-model --keep-checkpoint``
+    writes ``model.gguf`` beside the checkpoint, and converting again replaces it."""
+    if not out.exists():  # (only an existing file can be an input)
+        return
+    for folder in (model_dir, model_dir / "speech_tokenizer"):
+        if not folder.is_dir():
+            continue
+        for f in folder.iterdir():
+            if f.suffix.lower() != ".gguf" and f.is_file() and os.path.samefile(f, out):
+                raise ConversionError(str(out), f"would replace {f.relative_to(model_dir)}, a "
+                                      "file of the checkpoint being converted; write the GGUF "
+                                      "to another file")
 
 
 def _write_gguf(

@@ -33,6 +33,7 @@ the GGUF ``qtts.synthetic = true``: the audio such a model makes is noise, not s
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -605,15 +606,23 @@ def _write_safetensors(
     recipe: str = "default", n_upsample: int = 4,
 ) -> None:
     ordered = sorted(tensors)
-    w = SafetensorsWriter(path, [(n, dtype, s) for n, s in ordered])
-    try:
+    # (a failed or interrupted write removes the file: a truncated checkpoint is not kept)
+    with SafetensorsWriter(path, [(n, dtype, s) for n, s in ordered]) as w:
         for name, shape in ordered:
             for chunk in generate_tensor(seed, name, shape, recipe, n_upsample):
                 data = f32_to_bf16(chunk) if dtype == "BF16" else chunk
                 w.write(data)
                 bar.update(data.nbytes)
-    finally:
-        w.close()
+
+
+@contextlib.contextmanager
+def _writing(out: Path, problem: str = "cannot write") -> Iterator[None]:
+    """An ``OSError`` while writing into ``out`` (a full disk, a read-only folder) as the
+    one-line ``ConversionError`` that ``qtts`` prints, with the system's reason."""
+    try:
+        yield
+    except OSError as exc:
+        raise ConversionError(str(out), f"{problem} ({exc.strerror or exc})") from None
 
 
 def _mimi_hf_tensors(st_cfg: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
@@ -647,12 +656,10 @@ def make_checkpoint(
 
     out = Path(out_dir)
     root, st_cfg, gen = build_configs(size, variant, overrides)
-    try:
+    with _writing(out, "cannot create"):
         (out / "speech_tokenizer").mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise ConversionError(str(out), f"cannot create ({exc.strerror or exc})") from None
-    special = write_tokenizer_files(out, int(root["talker_config"]["text_vocab_size"]))
-    root.update(special)
+    with _writing(out):
+        root.update(write_tokenizer_files(out, int(root["talker_config"]["text_vocab_size"])))
     try:
         dec_cfg = parse_decoder_config(st_cfg)
         talker, cp, _, _ = parse_talker_config(root, has_mtp_tensor=False)
@@ -680,7 +687,7 @@ def make_checkpoint(
         },
         "speech_tokenizer/configuration.json": {"framework": "pytorch", "task": "text-to-speech"},
     }  # fmt: skip
-    try:
+    with _writing(out):
         for rel, obj in files.items():
             (out / rel).write_text(json.dumps(obj, indent=2, ensure_ascii=False), encoding="utf-8")
         with tqdm(
@@ -694,8 +701,6 @@ def make_checkpoint(
             )
             _write_safetensors(out / "model.safetensors", talk_tensors, "BF16", seed, bar,
                                recipe, n_up)
-    except OSError as exc:
-        raise ConversionError(str(out), f"cannot write ({exc.strerror or exc})") from None
     return out
 
 
@@ -725,11 +730,9 @@ def make_model(
         folder = make_checkpoint(out, size, seed, variant, overrides, progress, recipe)
         return convert(folder, folder / "model.gguf", dtype=dtype, progress=progress,
                        decoder_dtype=decoder_dtype)
-    try:
+    with _writing(out, "cannot create"):
         out.mkdir(parents=True, exist_ok=True)
         scratch = Path(tempfile.mkdtemp(prefix=".checkpoint-", dir=out))
-    except OSError as exc:
-        raise ConversionError(str(out), f"cannot create ({exc.strerror or exc})") from None
     try:
         make_checkpoint(scratch, size, seed, variant, overrides, progress, recipe)
         return convert(scratch, out / "model.gguf", dtype=dtype, progress=progress,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -562,6 +563,33 @@ def test_cli_refusal_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[s
     err = capsys.readouterr().err
     assert code == 2
     assert err == f"qtts: {tmp_path / 'nope'}: is not a folder\n"
+
+
+def test_the_output_is_never_an_input(tiny_model_dir: Path, tmp_path: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """The output is a .gguf name and no file of the checkpoint (``qtts convert CK
+    CK/model.safetensors``, or CK/config.json, replaced its own input with the GGUF, exit 0,
+    and any name was taken). Converting again into the GGUF beside the checkpoint, where
+    ``make-model --keep-checkpoint`` writes it, still works."""
+    ck = copy_ckpt(tiny_model_dir, tmp_path / "ck")
+    before = {p: p.read_bytes() for p in ck.rglob("*") if p.is_file()}
+    for out in (ck / "model.safetensors", ck / "config.json", tmp_path / "o.bin"):
+        assert main(["convert", str(ck), str(out), "--no-progress"]) == 2
+        assert capsys.readouterr().err == f"qtts: out: {out}: the name must end in .gguf\n"
+    # a .gguf name that leads to an input: refused by convert() itself
+    (tmp_path / "link.gguf").symlink_to(ck / "model.safetensors")
+    os.link(ck / "speech_tokenizer" / "model.safetensors", tmp_path / "hard.gguf")
+    for name, rel in (("link.gguf", "model.safetensors"),
+                      ("hard.gguf", "speech_tokenizer/model.safetensors")):
+        with pytest.raises(ConversionError) as info:
+            convert(ck, tmp_path / name, progress=False)
+        assert str(info.value) == (f"{tmp_path / name}: would replace {rel}, a file of the "
+                                   "checkpoint being converted; write the GGUF to another file")
+    assert {p: p.read_bytes() for p in ck.rglob("*") if p.is_file()} == before
+    for _ in range(2):
+        assert main(["convert", str(ck), str(ck / "model.gguf"), "--no-progress"]) == 0
+    with open_model(ck / "model.gguf") as m:
+        assert m.synthetic
 
 
 def _official_code() -> Any:

@@ -371,6 +371,9 @@ def test_cli_output_paths_are_checked_before_any_work(stress_gguf: Path, tmp_pat
       "{tmp}/v.qvoice"], "--max-seconds: nan must be a number of seconds above 0"),
     (["clone-voice", "--model", "m.gguf", "--audio", "a.wav", "--max-seconds", "0", "-o",
       "{tmp}/v.qvoice"], "--max-seconds: 0 must be a number of seconds above 0"),
+    (["doctor", "--model", "m.gguf", "--frames", "-3"], "--frames: -3 must be >= 1"),
+    (["doctor", "--model", "m.gguf", "--frames", "0"], "--frames: 0 must be >= 1"),
+    (["doctor", "--model", "m.gguf", "--frames", "100000"], "--frames: 100000 must be <= 4096"),
 ])  # fmt: skip
 def test_cli_numbers_out_of_range_are_refused_by_name(argv: list[str], words: str,
                                                       tmp_path: Path,
@@ -378,7 +381,8 @@ def test_cli_numbers_out_of_range_are_refused_by_name(argv: list[str], words: st
                                                       ) -> None:  # fmt: skip
     """A number outside its range is argparse's usage error naming the option: it used to be
     taken (a seed of -1 left a half-written model folder and a traceback; 0 frames meant the
-    default; 0 seconds blamed the audio for being over 0 s long)."""
+    default; 0 seconds blamed the audio for being over 0 s long; doctor's negative frames
+    were a traceback, 0 an empty table, 100000 a run of minutes)."""
     with pytest.raises(SystemExit) as exit_:
         main([a.replace("{tmp}", str(tmp_path)) for a in argv])
     assert exit_.value.code == 2
