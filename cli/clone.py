@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from cli.paths import output_file, positive_seconds
+from cli.paths import output_file, positive_seconds, write_file
 from engine.clone.audio import DEFAULT_MAX_SECONDS
 from engine.errors import InputError
 from engine.options import EngineOptions
@@ -80,7 +80,7 @@ def run_clone_voice(args: argparse.Namespace, options: EngineOptions) -> int:
         cloner = VoiceCloner(model, BackendSet.from_options(options), builder)
         voice = cloner.make(wav, args.text, args.x_vector_only)
     cloner.close()
-    voice_file.save(out, voice)
+    write_file(out, voice_file.dumps(voice), "--out")
     mode = "in-context" if voice.icl else "x-vector only"
     frames = 0 if voice.ref_codes is None else voice.ref_codes.shape[0]
     print(f"qtts: wrote {out}: {mode} voice from {wav.size / 24000:.2f} s of audio "

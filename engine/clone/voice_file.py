@@ -68,19 +68,6 @@ def dumps(voice: VoicePrompt) -> bytes:
     return buf.getvalue()
 
 
-def save(path: str | os.PathLike[str], voice: VoicePrompt) -> Path:
-    """Write ``voice`` to ``path`` (atomically: a temporary sibling, then a rename)."""
-    p = Path(path)
-    tmp = p.with_name(p.name + ".part")
-    try:
-        tmp.write_bytes(dumps(voice))
-        os.replace(tmp, p)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise InputError("output", f"{p}: cannot write ({exc.strerror or exc})") from None
-    return p
-
-
 def _read_file(p: Path, name: str) -> bytes:
     """The file's bytes, once it is known to be a regular file of a voice file's size (a
     device such as /dev/zero would be read until memory runs out)."""
