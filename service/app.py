@@ -78,7 +78,10 @@ def create_app(settings: Settings | None = None, model: ModelInfo | None = None)
     if settings.allowed_origins:  # outermost: preflights are answered before the gate
         app.add_middleware(Cors, allow_origins=list(settings.allowed_origins),
                            allow_methods=["GET", "POST", "DELETE"], allow_headers=["*"],
-                           expose_headers=CORS_EXPOSED, max_age=600)
+                           expose_headers=CORS_EXPOSED, max_age=600,
+                           # a listed page on the internet calling a server on localhost or the
+                           # LAN: Chrome's Private Network Access asks for this in the preflight
+                           allow_private_network=True)
     handlers.install(app)
     for router in ROUTERS:
         app.include_router(router)

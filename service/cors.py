@@ -29,10 +29,18 @@ class Cors(CORSMiddleware):
             return answer
         origin = request_headers.get("origin", "")
         method = request_headers.get("access-control-request-method", "")
-        err = (origin_refused(origin, 400) if not self.is_allowed_origin(origin) else
-               ApiError(400, f"access-control-request-method: {clipped(method)} is not one of "
-                        f"{', '.join(sorted(self.allow_methods))}",
-                        field="access-control-request-method", code="method_not_allowed"))
+        # Starlette's text names what failed: "Disallowed CORS origin, method, ..."
+        failed = bytes(answer.body).decode().removeprefix("Disallowed CORS ").split(", ")
+        if "origin" in failed:
+            err = origin_refused(origin, 400)
+        elif "method" in failed:
+            err = ApiError(400, f"access-control-request-method: {clipped(method)} is not one "
+                           f"of {', '.join(sorted(self.allow_methods))}",
+                           field="access-control-request-method", code="method_not_allowed")
+        else:  # (headers and private network are allowed: a Starlette that checks more)
+            field = f"access-control-request-{failed[0]}"
+            err = ApiError(400, f"{field}: refused by the CORS policy", field=field,
+                           code="cors_refused")
         out = err.response(request_id(request_headers.get("x-request-id", "")))
         for name, value in answer.headers.items():
             if name.lower().startswith("access-control-") or name.lower() == "vary":

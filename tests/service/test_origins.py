@@ -62,6 +62,13 @@ def test_listed_origins_get_cors_answers(base_server: Any) -> None:
     assert "X-Request-Id" in r.headers["access-control-expose-headers"]
     r = httpx.get(base_server.url + "/v1/models", headers={"Origin": EVIL})
     assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    # a listed page on the internet calling a server on localhost or the LAN: Chrome's Private
+    # Network Access preflight (it was a 400 that blamed the method)
+    pre = httpx.options(base_server.url + "/v1/audio/speech", headers={
+        "Origin": APP, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Private-Network": "true"})
+    assert pre.status_code == 200, pre.text
+    assert pre.headers["access-control-allow-private-network"] == "true"
 
 
 def test_the_openai_js_clients_preflight_passes_and_refusals_are_json(base_server: Any
