@@ -234,8 +234,10 @@ def handshake_refusal(key_ok: bool, headers: Mapping[str, str], settings: Settin
     """Why a handshake is refused, as the HTTP routes would refuse it (the rejection reason and
     the HTTP error), or None. ``headers``: the handshake's, read by lower-case name (Starlette's
     are case-insensitive). A missing or wrong key (not ``key_ok``), a page of an origin that
-    may not use the API (service/origins.py), a server draining (its session would only be
-    closed 1012 before its first utterance)."""
+    may not use the API (service/origins.py), subprotocols offered without ``qtts.v1`` (a
+    client that offers any closes a connection answered with none: browsers and Node's ws do,
+    as 1006, with no reason), a server draining (its session would only be closed 1012 before
+    its first utterance)."""
     if not key_ok:
         return "unauthorized", ApiError(
             401, "missing or invalid API key (Authorization: Bearer KEY, or a bearer.KEY entry "
@@ -244,6 +246,12 @@ def handshake_refusal(key_ok: bool, headers: Mapping[str, str], settings: Settin
     foreign = foreign_origin(headers, settings.allowed_origins)
     if foreign is not None:
         return "unauthorized", foreign
+    if _offered(headers) and subprotocol(headers) is None:
+        return "invalid", ApiError(
+            400, f"sec-websocket-protocol: offer {SUBPROTOCOL} too (e.g. new WebSocket(url, "
+            f'["{SUBPROTOCOL}", "bearer." + key])): the server answers {SUBPROTOCOL}, and a '
+            "client that offered subprotocols closes a connection answered with none",
+            field="sec-websocket-protocol", code="unsupported_subprotocol")
     if draining:
         return "draining", ApiError(503, "server is shutting down", code="draining",
                                     headers={"Retry-After": str(settings.retry_after_seconds)})
@@ -260,10 +268,13 @@ def max_message_bytes(settings: Settings) -> int:
     return 12 * (settings.realtime_max_chars + 2 * settings.max_text_chars) + 64 * 1024
 
 
+def _offered(headers: Mapping[str, str]) -> list[str]:
+    return [p.strip() for p in headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
+
+
 def subprotocol(headers: Mapping[str, str]) -> str | None:
     """The subprotocol the server answers: ``qtts.v1`` where the client offered it."""
-    offered = [p.strip() for p in headers.get("sec-websocket-protocol", "").split(",")]
-    return SUBPROTOCOL if SUBPROTOCOL in offered else None
+    return SUBPROTOCOL if SUBPROTOCOL in _offered(headers) else None
 
 
 async def refuse_handshake(ws: WebSocket, err: ApiError, request_id: str) -> None:

@@ -960,6 +960,15 @@ def test_auth_header_or_subprotocol_never_url(make_server: Any) -> None:
         async with connect(url, subprotocols=["qtts.v1", f"bearer.{KEY}"]) as ws:  # type: ignore[list-item]
             assert ws.subprotocol == "qtts.v1"
             assert json.loads(await ws.recv())["type"] == "session.started"
+        # the key alone as a subprotocol: answered with none, the client closed at once (1006,
+        # no reason); now a 400 that says what to offer
+        with pytest.raises(InvalidStatus) as refused:
+            async with connect(url, subprotocols=[f"bearer.{KEY}"]):  # type: ignore[list-item]
+                pass
+        err = json.loads(refused.value.response.body)["error"]
+        assert refused.value.response.status_code == 400
+        assert (err["field"], err["code"]) == ("sec-websocket-protocol", "unsupported_subprotocol")
+        assert "qtts.v1" in err["message"] and KEY not in err["message"]
 
     run(go())
 
