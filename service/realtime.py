@@ -21,7 +21,6 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
@@ -32,16 +31,12 @@ from starlette.websockets import WebSocketState
 from engine.errors import quoted
 from service.errors import ApiError
 from service.fields import field_path, long_number
-from service.origins import foreign_origin
 from service.playback import PlaybackClock
-from service.schemas import Body, Sampling, Text, Voice, VoiceRef
-from service.settings import Settings
-from service.voices.owners import header_key
+from service.schemas import Body, Sampling, Text, Voice, VoiceRef, check_unicode
 
 CLOSE_UNSUPPORTED = 1003  # a binary message: the protocol is JSON text
 CLOSE_POLICY = 1008  # a malformed or unknown message, a bad key, a limit
 CLOSE_TRY_AGAIN = 1013  # every worker busy and the queue full
-SUBPROTOCOL = "qtts.v1"
 ENCODING = {"encoding": "pcm_s16le", "sample_rate": 24000, "channels": 1}
 # the audio of format "opus": one Ogg Opus stream per utterance (the model's 24 kHz, mono)
 OPUS_ENCODING = {"encoding": "ogg_opus", "sample_rate": 24000, "channels": 1}
@@ -108,7 +103,7 @@ class SessionSettings(Sampling):
 class TextDelta(Body):
     model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
-    text: Text
+    text: str  # (its Unicode is checked by the session's ``PairJoiner``: halves may come apart)
 
 
 class Control(Body):
@@ -121,6 +116,56 @@ _KINDS: dict[str, type[BaseModel]] = {
     "session": SessionSettings, "text": TextDelta, "flush": Control, "end": Control,
     "cancel": Control,
 }
+
+
+# the messages of the error events the server sends of its own accord (no field: nothing the
+# client sent is wrong)
+_SERVER_ERRORS = {
+    "draining": "the server is restarting and its drain limit (QTTS_DRAIN_SECONDS) passed "
+                "before this utterance was done",
+    "idle_timeout": "session idle too long",
+    "session_limit": "session reached its time limit",
+    "worker_died": "the worker synthesizing this utterance died",
+}
+
+
+def server_error(code: str, message: str | None = None) -> dict[str, Any]:
+    """An ``error`` event of the server's own (``message``: where it is not a fixed one)."""
+    return {"type": "error", "code": code, "field": None,
+            "message": message or _SERVER_ERRORS[code]}
+
+
+class PairJoiner:
+    """Text deltas as JavaScript cuts strings: ``s.slice()`` and ``s[i]`` count UTF-16 units, so
+    a delta may end inside a surrogate pair (an emoji) and the next begin with its second half.
+    A delta's trailing high surrogate waits for the next one and the halves are joined; any
+    other lone surrogate is refused, as the HTTP routes refuse it."""
+
+    def __init__(self) -> None:
+        self.high = ""
+
+    def take(self, text: str) -> str:
+        text = self.high + text
+        self.high = text[-1] if text and "\ud800" <= text[-1] <= "\udbff" else ""
+        text = text[:len(text) - len(self.high)]
+        with contextlib.suppress(UnicodeDecodeError):  # (a lone one stays, and is named below)
+            text = text.encode("utf-16-le", "surrogatepass").decode("utf-16-le")
+        return self._checked(text)
+
+    def finish(self, check: bool = True) -> None:
+        """At a flush or an end (``check``: a first half still waiting has no second), or a
+        cancel (the half goes with its text)."""
+        high, self.high = self.high, ""
+        if check:
+            self._checked(high)
+
+    @staticmethod
+    def _checked(text: str) -> str:
+        try:
+            check_unicode(text)
+            return text
+        except ValueError as e:
+            raise ProtocolError("invalid_value", "text", f"text: {e}") from None
 
 
 def parse(raw: str) -> Message:
@@ -194,9 +239,6 @@ class Backlog(list[TextDelta | Control | NextSettings]):
         return any(isinstance(m, TextDelta) for m in self)
 
 
-_BEARER = "bearer."
-
-
 def lost_connection(code: int | None, sender: asyncio.Task[None] | None, speaking: bool
                     ) -> str | None:
     """What the log says of a session whose connection ended under it: a close frame with an
@@ -229,64 +271,6 @@ async def close_session(ws: WebSocket, sender: asyncio.Task[None], close: tuple[
             await asyncio.wait_for(ws.close(code=close[0], reason=close[1]), FLUSH_SECONDS)
 
 
-def handshake_refusal(key_ok: bool, headers: Mapping[str, str], settings: Settings,
-                      draining: bool) -> tuple[str, ApiError] | None:
-    """Why a handshake is refused, as the HTTP routes would refuse it (the rejection reason and
-    the HTTP error), or None. ``headers``: the handshake's, read by lower-case name (Starlette's
-    are case-insensitive). A missing or wrong key (not ``key_ok``), a page of an origin that
-    may not use the API (service/origins.py), subprotocols offered without ``qtts.v1`` (a
-    client that offers any closes a connection answered with none: browsers and Node's ws do,
-    as 1006, with no reason), a server draining (its session would only be closed 1012 before
-    its first utterance)."""
-    if not key_ok:
-        return "unauthorized", ApiError(
-            401, "missing or invalid API key (Authorization: Bearer KEY, or a bearer.KEY entry "
-            "of Sec-WebSocket-Protocol)", field="authorization", code="invalid_api_key",
-            headers={"WWW-Authenticate": "Bearer"})
-    foreign = foreign_origin(headers, settings.allowed_origins)
-    if foreign is not None:
-        return "unauthorized", foreign
-    if _offered(headers) and subprotocol(headers) is None:
-        return "invalid", ApiError(
-            400, f"sec-websocket-protocol: offer {SUBPROTOCOL} too (e.g. new WebSocket(url, "
-            f'["{SUBPROTOCOL}", "bearer." + key])): the server answers {SUBPROTOCOL}, and a '
-            "client that offered subprotocols closes a connection answered with none",
-            field="sec-websocket-protocol", code="unsupported_subprotocol")
-    if draining:
-        return "draining", ApiError(503, "server is shutting down", code="draining",
-                                    headers={"Retry-After": str(settings.retry_after_seconds)})
-    return None
-
-
-def max_message_bytes(settings: Settings) -> int:
-    """The largest client message a session reads (the WebSocket layer closes 1009 on a larger
-    one, before it is read whole or parsed): a text delta of the whole session's characters and
-    a ``session`` message with texts at the HTTP routes' length, every character escaped the
-    longest way JSON allows (a surrogate pair, 12 bytes), and room for the rest. A message past
-    that cannot be valid; without the bound each one could make the front end read and parse
-    16 MB (uvicorn's default)."""
-    return 12 * (settings.realtime_max_chars + 2 * settings.max_text_chars) + 64 * 1024
-
-
-def _offered(headers: Mapping[str, str]) -> list[str]:
-    return [p.strip() for p in headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
-
-
-def subprotocol(headers: Mapping[str, str]) -> str | None:
-    """The subprotocol the server answers: ``qtts.v1`` where the client offered it."""
-    return SUBPROTOCOL if SUBPROTOCOL in _offered(headers) else None
-
-
-async def refuse_handshake(ws: WebSocket, err: ApiError, request_id: str) -> None:
-    """Refuse a handshake with ``err``'s status and JSON body where the server can send an HTTP
-    answer to a WebSocket request (uvicorn's ``websocket.http.response``), else with close
-    ``CLOSE_POLICY`` before the accept (a bare 403)."""
-    if "websocket.http.response" in ws.scope.get("extensions", {}):
-        await ws.send_denial_response(err.response(request_id))
-    else:
-        await ws.close(code=CLOSE_POLICY, reason=err.message[:120])
-
-
 def cut_short(close: tuple[int, str], lost: bool) -> str:
     """The outcome of an utterance the session's end cut short (``close``: the session's close
     code and reason, 0 where the connection was already gone): ``client_gone`` where the client
@@ -295,19 +279,6 @@ def cut_short(close: tuple[int, str], lost: bool) -> str:
     if lost or close[0] == 0:
         return "client_gone"
     return "timeout" if close[1] in ("session_limit", "drain_limit") else "cancelled"
-
-
-def bearer_token(headers: Mapping[str, str]) -> str:
-    """The API key a WebSocket handshake carries: a bearer ``Authorization`` header, an
-    ``X-API-Key`` header, or a ``bearer.KEY`` entry of ``Sec-WebSocket-Protocol`` (what a
-    browser can set); "" if none."""
-    key = header_key(headers)  # as the HTTP routes take it
-    if key:
-        return key
-    for entry in headers.get("sec-websocket-protocol", "").split(","):
-        if entry.strip().startswith(_BEARER):
-            return entry.strip()[len(_BEARER):]
-    return ""
 
 
 def session_busy() -> ProtocolError:

@@ -28,8 +28,9 @@ _FIRST = Field(fail_fast=True)
 Codes = Annotated[list[Annotated[list[StrictInt], _FIRST]], _FIRST] | None
 
 
-def _unicode(v: str | None) -> str | None:
-    # JSON may carry a lone surrogate ("\ud800"): no tokenizer, encoder or log takes it
+def check_unicode(v: str | None) -> str | None:
+    """``v``, or a ValueError where it holds a lone surrogate: JSON may carry one ("\ud800"),
+    and no tokenizer, encoder or log takes it."""
     if v is not None:
         try:
             v.encode("utf-8")
@@ -39,7 +40,7 @@ def _unicode(v: str | None) -> str | None:
     return v
 
 
-Text = Annotated[str, AfterValidator(_unicode)]
+Text = Annotated[str, AfterValidator(check_unicode)]
 MIN_TEMPERATURE = 0.01  # the engine's floor (engine.talker.sampling): colder is argmax anyway
 
 
@@ -84,7 +85,7 @@ def _voice_form(v: object) -> object:
     # one error that names both forms (a union reports only its first member's complaint), and
     # the id's own Unicode check here for the same reason
     if isinstance(v, dict) and set(v) == {"id"} and isinstance(v["id"], str):
-        _unicode(v["id"])
+        check_unicode(v["id"])
         return v
     if v is None or isinstance(v, str | VoiceRef):
         return v

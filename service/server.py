@@ -32,7 +32,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from service.errors import error_body
-from service.realtime import max_message_bytes
+from service.realtime_handshake import max_message_bytes
 from service.settings import Settings
 
 log = logging.getLogger("qtts.app")

@@ -24,6 +24,7 @@ from fastapi import APIRouter, WebSocket
 from starlette.websockets import WebSocketDisconnect
 
 from engine.talker.prompt import has_speech
+from service import realtime_handshake as handshake
 from service.audio import Encoder, make_encoder
 from service.errors import ApiError
 from service.gate import request_id
@@ -38,20 +39,18 @@ from service.realtime import (
     Backlog,
     Control,
     NextSettings,
+    PairJoiner,
     ProtocolError,
     SessionSettings,
     TextDelta,
     Utterance,
-    bearer_token,
     close_session,
     cut_short,
-    handshake_refusal,
     lost_connection,
     min_tokens,
     parse,
-    refuse_handshake,
+    server_error,
     session_busy,
-    subprotocol,
 )
 from service.refusals import PoolRefused
 from service.request_log import finish_utterance, refuse_utterance
@@ -69,14 +68,14 @@ CLOSE_RESTART = 1012  # the server is restarting: reconnect
 async def realtime(ws: WebSocket) -> None:
     st: State = ws.app.state.qtts
     rid = request_id(ws.headers.get("x-request-id", ""))
-    owner = owner_of(st.owners, bearer_token(ws.headers) if st.owners else "")
-    refusal = handshake_refusal(owner is not None, ws.headers, st.settings, st.pool.draining)
+    owner = owner_of(st.owners, handshake.bearer_token(ws.headers) if st.owners else "")
+    refusal = handshake.refusal(owner is not None, ws.headers, st.settings, st.pool.draining)
     if refusal is not None:  # no key or a wrong one, a page of a foreign origin, a drain
         st.metrics.rejections.labels(reason=refusal[0]).inc()
-        await refuse_handshake(ws, refusal[1], rid)
+        await handshake.refuse(ws, refusal[1], rid)
         return
     assert owner is not None  # (refused above)
-    await ws.accept(subprotocol=subprotocol(ws.headers))
+    await ws.accept(subprotocol=handshake.subprotocol(ws.headers))
     st.metrics.realtime_sessions.inc()
     session = Session(st, ws, owner, rid)
     try:
@@ -94,6 +93,7 @@ class Session:
         self.clone: CloneUse | None = None  # the cloned voice the settings name (by id)
         self.opened = time.monotonic()
         self.chars = 0
+        self.pairs = PairJoiner()  # text deltas cut inside a surrogate pair (JavaScript)
         self.utt: Utterance | None = None
         self.ticket: Ticket | None = None
         self.backlog = Backlog()  # the next utterance's messages
@@ -140,17 +140,13 @@ class Session:
                 done, _ = await asyncio.wait(waits, timeout=max(0.0, timeout),
                                              return_when=asyncio.FIRST_COMPLETED)
                 if drain_over in done or self.st.drain_over.is_set():
-                    self.out.event({"type": "error", "code": "draining", "field": None,
-                                    "message": "the server is restarting and its drain limit "
-                                    "(QTTS_DRAIN_SECONDS) passed before this utterance was done"})
+                    self.out.event(server_error("draining"))
                     self._cancel()
                     close = (CLOSE_RESTART, "drain_limit")
                     break
                 if not done:
                     code = "idle_timeout" if idle is not None and idle <= left else "session_limit"
-                    self.out.event({"type": "error", "code": code, "field": None,
-                                    "message": "session idle too long" if code == "idle_timeout"
-                                    else "session reached its time limit"})
+                    self.out.event(server_error(code))
                     self._cancel()
                     close = (1000, code)
                     break
@@ -176,9 +172,9 @@ class Session:
                 if self.out.too_slow:
                     self._cancel()
                     self.out.drop()  # what the client did not read
-                    self.out.event({"type": "error", "code": "client_too_slow", "field": None,
-                                    "message": "the client did not read its audio: more than "
-                                    f"{s.realtime_max_buffered_seconds:g} s were waiting"})
+                    self.out.event(server_error("client_too_slow", "the client did not read its "
+                                   f"audio: more than {s.realtime_max_buffered_seconds:g} s were "
+                                   "waiting"))
                     close = (CLOSE_POLICY, "client reads too slowly")
                     log.warning("realtime session closed: the client reads too slowly (more "
                                 "than %g s of audio waiting)", s.realtime_max_buffered_seconds)
@@ -221,7 +217,10 @@ class Session:
                 self._apply(NextSettings(m, clone))
             return
         if isinstance(m, TextDelta):
+            m = TextDelta(type="text", text=self.pairs.take(m.text))
             self._count(m.text)
+        else:
+            self.pairs.finish(check=m.type != "cancel")
         if self.utt is not None and (self.utt.ended or self.utt.cancelled):
             if isinstance(m, Control) and m.type == "cancel" and not self.backlog.has_text():
                 self._apply(m)  # no next utterance yet: it stops the one still speaking
@@ -372,8 +371,7 @@ class Session:
                                 "message": message})
                 self._end("error")
             case WorkerDied() | TimedOut():
-                self.out.event({"type": "error", "code": "worker_died", "field": None,
-                                "message": "the worker synthesizing this utterance died"})
+                self.out.event(server_error("worker_died"))
                 # (counted and logged as the HTTP routes count it; its done says error)
                 self._end("worker_died", said="error")
 

@@ -625,6 +625,45 @@ def test_a_text_frame_not_in_utf8_closes_1007_with_one_log_line(rt_server: Serve
     assert "Traceback" not in log and "UnicodeDecodeError" not in log
 
 
+def test_text_cut_inside_a_surrogate_pair_is_joined(rt_server: Server) -> None:
+    """JavaScript cuts strings in UTF-16 units: "Ok \U0001f600 yes.".slice(0, 4) ends with the
+    emoji's first half, and JSON.stringify sends it as a lone surrogate; the next delta starts
+    with the second half. The halves are joined (the session was closed 1008); a half that
+    never finds its other is still refused."""
+    async def go() -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        async with connect(ws_url(rt_server)) as ws:
+            await open_session(ws, voice="ryan", seed=5)
+            await ws.send('{"type": "text", "text": "Ok \\ud83d"}')
+            await ws.send('{"type": "text", "text": "\\ude00 yes."}')
+            await send(ws, type="end")
+            joined, _ = await collect(ws)
+            await ws.send('{"type": "text", "text": "half \\ud83d"}')
+            await send(ws, type="end")
+            return joined, await error_event(ws)
+
+    joined, refused = run(go())
+    assert joined[-1]["usage"]["characters"] == len("Ok \U0001f600 yes.")
+    assert joined[-1]["usage"]["outcome"] in ("ok", "truncated_no_eos"), joined[-1]
+    assert refused["field"] == "text" and "lone surrogate U+D83D" in refused["message"]
+
+
+def test_the_pair_joiner() -> None:
+    from service.realtime import PairJoiner, ProtocolError
+
+    j = PairJoiner()
+    assert j.take("a\ud83d") == "a" and j.take("\ude00b") == "\U0001f600b"
+    assert j.take("\ud83d") == "" and j.take("\ude00") == "\U0001f600"
+    j.take("x\ud83d")
+    j.finish(check=False)  # (a cancel: the half goes with its text)
+    assert j.take("y") == "y"
+    for bad in ("\ude00", "a\ud800b"):
+        with pytest.raises(ProtocolError):
+            PairJoiner().take(bad)
+    j.take("\ud83d")
+    with pytest.raises(ProtocolError):
+        j.finish()
+
+
 def test_the_next_utterances_messages_stay_compact() -> None:
     """What waits for the next utterance: adjacent text merged, a repeated control dropped,
     text-flush-text-flush as one text and its flush (the worker takes them as one update
@@ -678,11 +717,12 @@ def test_text_for_a_waiting_job_stays_compact() -> None:
 
 
 def test_a_message_too_big_to_be_valid_is_not_read(rt_server: Server) -> None:
-    """A client message past what any valid one can be (service.realtime.max_message_bytes:
-    the session's whole text in one delta, every character escaped the longest way) is refused
-    by the WebSocket layer, close 1009, without being read whole or parsed; one within the
-    bound is read, and refused for what it says (the session's character cap, 1008)."""
-    from service.realtime import max_message_bytes
+    """A client message past what any valid one can be (max_message_bytes in
+    service/realtime_handshake.py: the session's whole text in one delta, every character
+    escaped the longest way) is refused by the WebSocket layer, close 1009, without being read
+    whole or parsed; one within the bound is read, and refused for what it says (the
+    session's character cap, 1008)."""
+    from service.realtime_handshake import max_message_bytes
     from service.settings import Settings
 
     limit = max_message_bytes(Settings())
