@@ -109,6 +109,9 @@ def _apply(doc: dict[str, Any], s: Settings, info: Any) -> None:
         if "codes" in props and info is not None:
             _codes_shape(props["codes"], info.n_codebooks, info.codebook_size,
                          info.frames(s.max_audio_seconds))
+        for key, prop in props.items():  # (service.schemas.Body: null is "not sent")
+            if key not in schemas.get(name, {}).get("required", []):
+                _nullable(prop)
     ref = schemas.get("VoiceRef", {}).get("properties", {})
     if voices and "id" in ref:
         _enum_strings(ref["id"], voices)
@@ -145,6 +148,15 @@ def _codes_shape(prop: dict[str, Any], rows: int, size: int, max_frames: int) ->
             alt.update(minItems=rows, maxItems=rows)
             alt["items"] = {"type": "array", "minItems": 1, "maxItems": max(1, max_frames),
                             "items": {"type": "integer", "minimum": 0, "maximum": size - 1}}
+
+
+def _nullable(prop: dict[str, Any]) -> None:
+    alts = prop.get("anyOf")
+    if alts is None:
+        alt = {k: prop.pop(k) for k in list(prop) if k not in ("title", "description", "default")}
+        prop["anyOf"] = alts = [alt]
+    if {"type": "null"} not in alts:
+        alts.append({"type": "null"})
 
 
 def _alternatives(prop: dict[str, Any]) -> list[dict[str, Any]]:

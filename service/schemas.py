@@ -45,11 +45,16 @@ MIN_TEMPERATURE = 0.01  # the engine's floor (engine.talker.sampling): colder is
 
 
 class Body(BaseModel):
-    """A client's JSON object whose unknown fields are refused by the first one's name."""
+    """A client's JSON object: ``null`` is a field not sent, and unknown fields are refused by
+    the first one's name."""
 
     @model_validator(mode="before")
     @classmethod
-    def _first_unknown_only(cls, data: Any) -> Any:
+    def _as_sent(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            # null takes the field's default, for every field alike: the SDKs send an option
+            # given as None/null, and some fields took it while others were a 400
+            data = {k: v for k, v in data.items() if v is not None}
         # as with the codes: a body of 300k unknown keys was 300k reports (seconds of the
         # event loop); only the first is kept for ``extra="forbid"`` to name
         if isinstance(data, dict) and cls.model_config.get("extra") == "forbid":

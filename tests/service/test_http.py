@@ -380,6 +380,24 @@ def test_bad_input_is_a_4xx_naming_the_field(server: Server, route: str, body: d
     assert err["type"] == "invalid_request_error"
 
 
+def test_null_is_a_field_not_sent_on_both_routes(server: Server) -> None:
+    """The SDKs send an option given as None as null: every optional field takes its default
+    (speed, format, stream and stream_format were a 400 while seed or language took it)."""
+    for route, body, nulls in (
+        ("/tts", {"text": "Hi.", "voice": "ryan"}, ("speed", "format", "stream", "language")),
+        ("/v1/audio/speech", {"model": "qtts", "input": "Hi.", "voice": "ryan"},
+         ("speed", "response_format", "stream_format", "stream", "instructions")),
+    ):  # fmt: skip
+        base = {**body, "seed": 1, "max_seconds": 0.24}
+        plain = httpx.post(server.url + route, json=base, timeout=60)
+        nulled = httpx.post(server.url + route, json={**base, **dict.fromkeys(nulls)}, timeout=60)
+        assert plain.status_code == nulled.status_code == 200, nulled.text
+        assert nulled.headers["content-type"] == plain.headers["content-type"]
+        assert nulled.content == plain.content
+    doc = httpx.get(server.url + "/openapi.json", timeout=10).json()["components"]["schemas"]
+    assert {"type": "null"} in doc["TTSRequest"]["properties"]["speed"]["anyOf"]
+
+
 def test_a_missing_voice_has_one_code_on_both_routes(server: Server) -> None:
     for route, body in (("/tts", {"text": "hi"}),
                         ("/v1/audio/speech", {"model": "qtts", "input": "hi"})):
