@@ -143,7 +143,8 @@ def main() -> int:
             lambda: cloner.make(load_reference(ref_path), transcript), args.repeats)
         voice = cloner.make(wav, transcript)
         cloner.close()
-        qv = voice_file.save(Path(tmp) / "voice.qvoice", voice)
+        qv = Path(tmp) / "voice.qvoice"
+        qv.write_bytes(voice_file.dumps(voice))
 
         # 2. first audio of the stored voice at --dtype (before the reference is loaded: torch's
         # idle OpenMP threads in this process would slow ours)

@@ -88,10 +88,8 @@ def run_clone_voice(args: argparse.Namespace, options: EngineOptions) -> int:
     return 0
 
 
-def voice_from_args(args: argparse.Namespace, pipe: Any) -> Any:
-    """The ``VoicePrompt`` ``synth`` was asked for (None for a named voice)."""
-    from engine.clone import voice_file
-
+def check_voice_args(args: argparse.Namespace) -> None:
+    """``synth``'s voice options that cannot go together, refused before any work."""
     if args.voice_file and args.ref_audio:
         raise InputError("voice_file", "give --voice-file or --ref-audio, not both")
     # (flags that would change nothing are refused, not quietly dropped: a .qvoice file holds
@@ -101,6 +99,13 @@ def voice_from_args(args: argparse.Namespace, pipe: Any) -> Any:
             raise InputError(flag.lstrip("-").replace("-", "_"), f"{flag} needs --ref-audio")
     if args.x_vector_only and args.ref_text:
         raise InputError("ref_text", "--x-vector-only uses no transcript; drop one of them")
+
+
+def voice_from_args(args: argparse.Namespace, pipe: Any) -> Any:
+    """The ``VoicePrompt`` ``synth`` was asked for (None for a named voice); the options were
+    checked by :func:`check_voice_args`."""
+    from engine.clone import voice_file
+
     if args.voice_file:
         voice = voice_file.load(args.voice_file, pipe.voice_fingerprint)
         with about("voice_file", args.voice_file, ("voice",)):

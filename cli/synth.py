@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from cli.clone import add_synth_voice_arguments, voice_from_args
+from cli.clone import add_synth_voice_arguments, check_voice_args, voice_from_args
 from cli.paths import count, output_file, write_npy, write_wav
 from engine.options import EngineOptions
 
@@ -46,6 +46,7 @@ def run_synth(args: argparse.Namespace, options: EngineOptions) -> int:
 
     out = output_file(args.out, "--out", (".wav",))
     codes_out = output_file(args.save_codes, "--save-codes", (".npy",)) if args.save_codes else None
+    check_voice_args(args)
     model = open_model(args.model)
     model.require("talker")
     backends = BackendSet.from_options(options)

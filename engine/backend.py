@@ -41,7 +41,7 @@ from engine.ggml.graph import (
     numpy_dtype_of,
     set_name,
 )
-from engine.options import EngineOptions
+from engine.options import MAX_THREADS, EngineOptions
 
 # Our names for backends and the name their ggml registry reports.
 REGISTRY_NAMES: dict[str, str] = {
@@ -152,11 +152,6 @@ def built_backends() -> list[str]:
     return list(native_info()["backends"])
 
 
-# More threads than a machine has CPUs only slow ggml down (its threads spin-wait), and
-# thousands fail to start or crash the process; ggml's own cap is 512.
-MAX_THREADS = 256
-
-
 def _parse_int(var: str, raw: str, minimum: int, maximum: int | None = None) -> int:
     try:
         value = int(raw)
@@ -231,11 +226,12 @@ def _not_built(name: str, built: list[str]) -> str:
 
 
 def default_threads() -> int:
-    """CPUs this process may run on."""
+    """CPUs this process may run on (at most ``MAX_THREADS``)."""
     try:
-        return len(os.sched_getaffinity(0))
+        cpus = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
-        return os.cpu_count() or 1
+        cpus = os.cpu_count() or 1
+    return min(MAX_THREADS, cpus)
 
 
 @dataclass(frozen=True)

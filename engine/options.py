@@ -28,7 +28,8 @@ Variables (all optional):
   QTTS_PROFILE=1         print the per-stage times of every decoder push (engine/debug_out.py)
   QTTS_PIN_PREFIXES=0    at warm-up, do not precompute every voice x language prompt prefix
 
-The on/off variables take 1 or 0 (empty: the default); any other value is refused.
+The on/off variables take 1 or 0 (also true/false, yes/no, on/off; empty: the default); any
+other value is refused.
 The backend choice (backend, fallback, device, threads, rpc servers) stays as the variables
 spell it: it can only be checked against the build and the machine, which ``choose_backend``
 does with an error that names what is available (``check_backend_settings``: the part that
@@ -74,15 +75,23 @@ class DiagnosticSettings:
         return self.op_log or self.check_determinism
 
 
+# QTTS_THREADS's cap: thousands of threads fail to start or crash the process (ggml's own cap
+# is 512), and more than a machine's CPUs only slow ggml down (its threads spin-wait)
+MAX_THREADS = 256
+_ON, _OFF = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
-    """On/off variables: ``1`` on, ``0`` off, unset or empty the default; anything else is
-    refused (a typo would otherwise quietly keep the default)."""
+    """On/off variables: ``1`` on, ``0`` off (or the words the service's settings take for a
+    boolean: true/false, yes/no, on/off), unset or empty the default; anything else is refused
+    (a typo would otherwise quietly keep the default)."""
     raw = env.get(name)
     if raw in (None, ""):
         return default
-    if raw.strip() not in ("0", "1"):
+    word = raw.strip().lower()
+    if word not in _ON + _OFF:
         raise BackendError(f"{name}={raw!r}: use 1 (on) or 0 (off)")
-    return raw.strip() == "1"
+    return word in _ON
 
 
 def _positive_int(env: Mapping[str, str], name: str) -> int | None:

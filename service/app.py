@@ -48,10 +48,13 @@ def create_app(settings: Settings | None = None, model: ModelInfo | None = None)
         st = State(settings=settings, metrics=metrics, pool=pool, model=info, store=store,
                    owners=settings.key_owners())
         app.state.qtts = st
-        await pool.start()
-        # (a model that cannot clone never touches the store: no file, no connection)
-        counter = asyncio.create_task(count_voices(st)) if info.clones else None
+        counter = None
         try:
+            # (in the try: workers started before a failing spawn are stopped, since they
+            # ignore SIGTERM and would hold the exit)
+            await pool.start()
+            # (a model that cannot clone never touches the store: no file, no connection)
+            counter = asyncio.create_task(count_voices(st)) if info.clones else None
             yield
         finally:
             if counter is not None:

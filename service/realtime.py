@@ -12,7 +12,8 @@ Client -> server, one JSON object per text message (docs/service.md, Realtime)::
     {"type": "cancel"}                   stop this utterance now
 
 A message that is not one of these is a ``ProtocolError``: the route answers an ``error`` event
-naming the field and closes with 1008 (or 1003 for a binary message).
+naming the field and closes with 1008 (or 1003 for a binary message); a ``session`` message
+while text is being written is only refused (``session_busy``: the session goes on).
 """
 
 from __future__ import annotations

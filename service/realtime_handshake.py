@@ -20,7 +20,7 @@ _BEARER = "bearer."
 
 
 def refusal(key_ok: bool, headers: Mapping[str, str], settings: Settings,
-                      draining: bool) -> tuple[str, ApiError] | None:
+            draining: bool) -> tuple[str, ApiError] | None:
     """Why a handshake is refused, as the HTTP routes would refuse it (the rejection reason and
     the HTTP error), or None. ``headers``: the handshake's, read by lower-case name (Starlette's
     are case-insensitive). A missing or wrong key (not ``key_ok``), a page of an origin that

@@ -54,7 +54,8 @@ class Body(BaseModel):
         if isinstance(data, dict):
             # null takes the field's default, for every field alike: the SDKs send an option
             # given as None/null, and some fields took it while others were a 400
-            data = {k: v for k, v in data.items() if v is not None}
+            # (an unknown field is refused whatever its value)
+            data = {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
         # as with the codes: a body of 300k unknown keys was 300k reports (seconds of the
         # event loop); only the first is kept for ``extra="forbid"`` to name
         if isinstance(data, dict) and cls.model_config.get("extra") == "forbid":

@@ -168,7 +168,10 @@ class QttsServer(uvicorn.Server):
             log.warning("drain: requests still running after %gs; stopping anyway",
                         s.drain_seconds)
             st.drain_over.set()
-            await asyncio.sleep(0)  # (the sessions it wakes send their close first)
+            # the sessions it wakes say why and close before uvicorn cuts their connections
+            until = time.monotonic() + CUT_GRACE_SECONDS
+            while st.sessions and time.monotonic() < until:
+                await asyncio.sleep(0.02)
         self.should_exit = True
 
 

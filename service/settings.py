@@ -356,7 +356,9 @@ class Settings(BaseSettings):
             cpus = len(os.sched_getaffinity(0))
         except AttributeError:  # not Linux
             cpus = os.cpu_count() or 1
+        from engine.options import MAX_THREADS
+
         # every CPU computes: the front end's HTTP and encoding are light next to synthesis
         # (measured in docs/performance.md, "Threads per worker"); more threads than CPUs
         # would make ggml's spin-waiting threads preempt each other
-        return max(1, cpus // self.workers)
+        return max(1, min(MAX_THREADS, cpus // self.workers))

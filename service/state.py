@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import Request
 
@@ -34,6 +35,7 @@ class State:
     # set when the drain's time is up with work still running: a realtime session still
     # speaking says so and closes before the server cuts its connection
     drain_over: asyncio.Event = field(default_factory=asyncio.Event)
+    sessions: set[Any] = field(default_factory=set)  # the realtime sessions open
 
 
 def get_state(request: Request) -> State:

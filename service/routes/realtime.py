@@ -6,9 +6,9 @@ and pauses when the text runs dry (engine/talker/live.py). Audio goes back as bi
 s16le 24 kHz mono PCM, each announced by an ``audio`` event with its timings. Messages and
 events: service/realtime.py and docs/service.md (Realtime).
 
-The gate middleware lets WebSocket connections through, so the key is checked here: a bearer
-``Authorization`` header, or a ``bearer.KEY`` entry of ``Sec-WebSocket-Protocol`` (what a
-browser can set); never the URL.
+The gate middleware lets WebSocket connections through, so the handshake is checked here
+(service/realtime_handshake.py): the key as a bearer ``Authorization`` header, or a
+``bearer.KEY`` entry of ``Sec-WebSocket-Protocol`` (what a browser can set), never the URL.
 """
 
 from __future__ import annotations
@@ -78,9 +78,11 @@ async def realtime(ws: WebSocket) -> None:
     await ws.accept(subprotocol=handshake.subprotocol(ws.headers))
     st.metrics.realtime_sessions.inc()
     session = Session(st, ws, owner, rid)
+    st.sessions.add(session)
     try:
         await session.run()
     finally:
+        st.sessions.discard(session)
         st.metrics.realtime_sessions.dec()
 
 

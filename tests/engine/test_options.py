@@ -46,8 +46,12 @@ def test_on_off_variables_are_1_or_0_and_anything_else_is_refused() -> None:
     assert not EngineOptions.from_env({"QTTS_WINOGRAD": "0"}).winograd
     assert EngineOptions.from_env({"QTTS_PROFILE": "1"}).profile
     assert EngineOptions.from_env({"QTTS_PROFILE": ""}) == EngineOptions.from_env({})
-    # "no" once kept a default-on option on without a word
-    for name, raw in (("QTTS_WINOGRAD", "no"), ("QTTS_PROFILE", "yes")):
+    # the words the service's settings take for a boolean (QTTS_PIN_PREFIXES is both): "no"
+    # once kept a default-on option on without a word
+    assert not EngineOptions.from_env({"QTTS_WINOGRAD": "no"}).winograd
+    assert not EngineOptions.from_env({"QTTS_PIN_PREFIXES": "False"}).pin_prefixes
+    assert EngineOptions.from_env({"QTTS_PROFILE": "on"}).profile
+    for name, raw in (("QTTS_WINOGRAD", "maybe"), ("QTTS_PROFILE", "2")):
         with pytest.raises(BackendError, match=f"{name}='{raw}': use 1 \\(on\\) or 0"):
             EngineOptions.from_env({name: raw})
 

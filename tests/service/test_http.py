@@ -396,6 +396,10 @@ def test_null_is_a_field_not_sent_on_both_routes(server: Server) -> None:
         assert nulled.content == plain.content
     doc = httpx.get(server.url + "/openapi.json", timeout=10).json()["components"]["schemas"]
     assert {"type": "null"} in doc["TTSRequest"]["properties"]["speed"]["anyOf"]
+    # an unknown field is refused whatever its value
+    r = httpx.post(server.url + "/tts", json={"text": "Hi.", "voice": "ryan", "instructions": None},
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["field"] == "instructions", r.text
 
 
 def test_a_missing_voice_has_one_code_on_both_routes(server: Server) -> None:

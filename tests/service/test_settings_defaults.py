@@ -17,6 +17,21 @@ def test_one_worker_computes_on_every_cpu(monkeypatch: pytest.MonkeyPatch) -> No
     assert Settings(workers=cpus + 1).threads_for_workers() == 1  # never below one
 
 
+def test_a_machine_of_many_cpus_gives_a_worker_at_most_256(monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    """QTTS_THREADS's cap (engine.options.MAX_THREADS): a share of 384 CPUs was handed to the
+    worker as a QTTS_THREADS that the start check refuses, naming a variable never set."""
+    from engine.backend import check_backend_settings, default_threads
+    from engine.options import MAX_THREADS, EngineOptions
+
+    monkeypatch.delenv("QTTS_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(384)))
+    env = Settings(workers=1).worker_env()
+    assert env["QTTS_THREADS"] == str(MAX_THREADS) and default_threads() == MAX_THREADS
+    check_backend_settings(EngineOptions.from_env({**os.environ, **env}))
+    assert Settings(workers=2).threads_for_workers() == 192
+
+
 def test_explicit_threads_win(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("QTTS_THREADS", "3")
     assert Settings(workers=1).threads_for_workers() == 3
