@@ -31,6 +31,21 @@ async def collect(ws: ClientConnection) -> tuple[list[dict[str, Any]], bytes]:
     return events, audio
 
 
+async def events_until_closed(ws: ClientConnection) -> list[dict[str, Any]]:
+    """Every event up to the close the server sends (``ConnectionClosed`` is expected: an
+    error if the server never closes within 30 s of its last message)."""
+    from websockets.exceptions import ConnectionClosed
+
+    events: list[dict[str, Any]] = []
+    try:
+        while True:
+            msg = await asyncio.wait_for(ws.recv(), 30)
+            if isinstance(msg, str):
+                events.append(json.loads(msg))
+    except ConnectionClosed:
+        return events
+
+
 async def first_audio(ws: ClientConnection) -> None:
     """Read up to the first audio message."""
     async for msg in ws:

@@ -25,6 +25,7 @@ from tests.service.helpers import FRAME_SAMPLES, Server, decoded_seconds, metric
 from tests.service.realtime_helpers import (
     collect,
     error_event,
+    events_until_closed,
     first_audio,
     open_session,
     run,
@@ -733,12 +734,7 @@ def test_a_message_too_big_to_be_valid_is_not_read(rt_server: Server) -> None:
         async with connect(ws_url(rt_server)) as ws:
             await open_session(ws, voice="ryan")
             await ws.send(message)
-            events = []
-            with pytest.raises(ConnectionClosed):
-                while True:
-                    msg = await asyncio.wait_for(ws.recv(), 30)
-                    if isinstance(msg, str):
-                        events.append(json.loads(msg))
+            events = await events_until_closed(ws)
             return ws.close_code, events
 
     before = len(rt_server.log())
@@ -1117,13 +1113,7 @@ def test_an_utterance_past_the_drain_limit_is_told_and_counted_timeout(make_serv
             await send(ws, type="text", text="A sentence that goes on and on, ")
             await first_audio(ws)
             s.proc.send_signal(signal.SIGTERM)
-            events = []
-            with pytest.raises(ConnectionClosed):
-                while True:
-                    msg = await asyncio.wait_for(ws.recv(), 30)
-                    if isinstance(msg, str):
-                        events.append(json.loads(msg))
-            return events, ws.close_code
+            return await events_until_closed(ws), ws.close_code
 
     events, code = run(go())
     assert [e["code"] for e in events if e["type"] == "error"] == ["draining"]
