@@ -59,6 +59,7 @@ def max_message_bytes(settings: Settings) -> int:
 
 
 def _offered(headers: Mapping[str, str]) -> list[str]:
+    """The subprotocols the handshake offers (``Sec-WebSocket-Protocol``, a comma list)."""
     return [p.strip() for p in headers.get("sec-websocket-protocol", "").split(",") if p.strip()]
 
 
@@ -84,7 +85,7 @@ def bearer_token(headers: Mapping[str, str]) -> str:
     key = header_key(headers)  # as the HTTP routes take it
     if key:
         return key
-    for entry in headers.get("sec-websocket-protocol", "").split(","):
-        if entry.strip().startswith(_BEARER):
-            return entry.strip()[len(_BEARER):]
+    for entry in _offered(headers):
+        if entry.startswith(_BEARER):
+            return entry[len(_BEARER):]
     return ""

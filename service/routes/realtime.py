@@ -141,7 +141,7 @@ class Session:
                 timeout = min(x for x in (idle, left) if x is not None)
                 done, _ = await asyncio.wait(waits, timeout=max(0.0, timeout),
                                              return_when=asyncio.FIRST_COMPLETED)
-                if drain_over in done or self.st.drain_over.is_set():
+                if self.st.drain_over.is_set():  # (its waiter above wakes the wait)
                     self.out.event(server_error("draining"))
                     self._cancel()
                     close = (CLOSE_RESTART, "drain_limit")
